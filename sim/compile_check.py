@@ -1,0 +1,457 @@
+"""Compile every registered kernel for sm_90 / sm_120 without a GPU and check its resources.
+
+The simulator types nothing (stack §2, gotcha 2), so this is where kernels meet the real
+compiler. Each registered signature is compiled the way numba-cuda 0.30.4 builds a kernel at
+launch when nvJitLink is present (its default ``lto=True``): NVVM emits LTO-IR
+(``cuda.compile(..., output="ltoir")``, no GPU needed), and nvJitLink links it to a cubin with
+link-time optimisation and ptxas ``-v`` (stack §3). Going through PTX instead
+(``compile_ptx``, then nvJitLink without LTO) gave 134 / 224 registers where the H200 launch
+used 122 / 216, so the LTO route is the one whose numbers match the GPU. The ptxas log gives
+registers, named barriers, stack frame, spills and static shared memory; each result is
+checked against the architecture's profile.
+
+Run in a process *without* the simulator (``NUMBA_ENABLE_CUDASIM`` unset or 0)::
+
+    ddtree-numba compile-check [--arch sm_90] [--kernel NAME] [--json PATH]
+    python -m sim.compile_check ...
+
+Not modelled: kernels built with ``lto=False``, extra ``link=`` files (FFI) and cooperative
+launches (cudadevrt), which numba links at launch.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .profiles import PROFILES, DeviceProfile
+
+if TYPE_CHECKING:
+    from ddtree_numba.kernels.registry import KernelSpec
+
+__all__ = [
+    "CompileCheckError",
+    "CompileResult",
+    "LinkResources",
+    "parse_link_log",
+    "compile_kernel",
+    "max_threads_per_block",
+    "check_result",
+    "run",
+    "format_report",
+    "main",
+]
+
+ARCHS: dict[str, DeviceProfile] = {p.arch: p for p in PROFILES.values()}
+DEFAULT_ARCHS = ("sm_90", "sm_120")
+# Registers are allocated per warp in units of 256 (CUDA occupancy calculator, cc 7.0-12.x),
+# from one of the SM's 4 sub-partitions, each holding a quarter of the register file.
+REG_ALLOC_UNIT = 256
+REG_FILE_PARTITIONS = 4
+
+# ptxas -v, as nvJitLink relays it, for each kernel:
+#   ptxas info    : Compiling entry function '<name>' for 'sm_90'
+#   ptxas info    : Function properties for <name>
+#   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+#   ptxas info    : Used 10 registers, used 1 barriers, 512 bytes smem
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_PROPERTIES = r"Function properties for {name}[ \t]*\n(?P<block>(?:ptxas[^\n]*(?:\n|$)){{2}})"
+_REQUIRED_FIELDS = {
+    "registers": r"Used (\d+) registers",
+    # Named barriers (bar.sync, i.e. syncthreads), at most 16 per block.
+    "barriers": r"used (\d+) barriers",
+    "stack_bytes": r"(\d+) bytes stack frame",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+}
+# ptxas prints static shared memory only when there is some (checked: a kernel with only a
+# dynamic shared array prints none); the figure excludes the 1 KiB the system reserves.
+_SMEM = r"(\d+) bytes smem"
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # numba highlights its error messages
+
+
+class CompileCheckError(RuntimeError):
+    """Compiling or linking failed, or the linker log lacked a field."""
+
+
+@dataclass(frozen=True)
+class LinkResources:
+    """Resources of the one entry function in a link log."""
+
+    entry: str  # mangled kernel name
+    registers: int  # per thread
+    barriers: int
+    stack_bytes: int  # per thread: local arrays and spills
+    smem_bytes: int  # static shared memory per block
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """One kernel x signature x architecture. Resource fields are None when ``error`` is set."""
+
+    name: str
+    signature: str
+    arch: str
+    registers: int | None = None
+    barriers: int | None = None
+    stack_bytes: int | None = None
+    smem_bytes: int | None = None
+    spill_store_bytes: int | None = None
+    spill_load_bytes: int | None = None
+    ltoir_bytes: int | None = None
+    cubin_bytes: int | None = None
+    smem_opt_in: bool = False
+    block_threads: int | None = None
+    error: str | None = None
+
+
+def _field(pattern: str, text: str, field: str, log: str) -> int:
+    match = re.search(pattern, text)
+    if match is None:
+        raise CompileCheckError(f"link log: no {field} ({pattern!r}) in the log:\n{log}")
+    return int(match.group(1))
+
+
+def parse_link_log(log: str, arch: str) -> LinkResources:
+    """Resources of the single entry function in an nvJitLink ``-v`` log for ``arch``.
+
+    NUL bytes (nvJitLink terminates its log with one) are ignored.
+
+    Raises:
+        CompileCheckError: not exactly one entry function, another arch, or a missing
+            section or field; the message includes the log.
+    """
+    log = log.replace("\x00", "")
+    entries = _ENTRY.findall(log)
+    if len(entries) != 1:
+        raise CompileCheckError(f"link log: expected one entry function, found {len(entries)}:\n{log}")
+    entry, log_arch = entries[0]
+    if log_arch != arch:
+        raise CompileCheckError(f"link log: compiled for {log_arch}, expected {arch}:\n{log}")
+    props = re.search(_PROPERTIES.format(name=re.escape(entry)), log)
+    if props is None:
+        raise CompileCheckError(f"link log: no function properties for {entry}:\n{log}")
+    block = props.group("block")
+    values = {f: _field(p, block, f, log) for f, p in _REQUIRED_FIELDS.items()}
+    smem = re.search(_SMEM, block)
+    return LinkResources(entry=entry, smem_bytes=int(smem.group(1)) if smem else 0, **values)
+
+
+def _cc_and_arch(cc: tuple[int, int] | str) -> tuple[tuple[int, int], str]:
+    """``(9, 0)`` or ``"sm_90"`` -> ``((9, 0), "sm_90")``, for the architectures we have profiles of."""
+    for arch, profile in ARCHS.items():
+        if cc == arch or cc == profile.compute_capability:
+            return profile.compute_capability, arch
+    raise ValueError(f"cc: {cc!r} is not one of {', '.join(ARCHS)} (or their (major, minor) tuples)")
+
+
+def _signature_str(sig: tuple) -> str:
+    return "(" + ", ".join(str(t) for t in sig) + ")"
+
+
+def _require_compiler() -> None:
+    from numba import cuda
+
+    if cuda.config.ENABLE_CUDASIM:
+        raise CompileCheckError(
+            "the compile check needs numba-cuda's real compiler, but the CUDA simulator is on "
+            "(NUMBA_ENABLE_CUDASIM=1); run it in a process without the simulator, e.g. "
+            "NUMBA_ENABLE_CUDASIM=0 ddtree-numba compile-check"
+        )
+
+
+@contextlib.contextmanager
+def _device_functions_target(cc: tuple[int, int]) -> Iterator[None]:
+    """Compile called ``@cuda.jit`` device functions for ``cc`` instead of the current device.
+
+    numba-cuda 0.30.4 types a called device function with ``get_current_device()``'s compute
+    capability (``dispatcher.py``, ``compile_device``), which raises without a GPU. Its
+    compiled IR is cached per argument types, so it is typed once (for the first arch) and
+    NVVM then generates code for each kernel's own arch; both targets are >= 8.0, so no
+    capability-gated typing differs between them.
+    """
+    from numba.cuda import dispatcher
+
+    original = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = original
+
+
+def compile_kernel(spec: KernelSpec, sig: tuple, cc: tuple[int, int] | str) -> CompileResult:
+    """Compile ``spec.kernel.py_func`` for ``sig`` to LTO-IR and link it to a cubin for ``cc``.
+
+    The kernel's ``fastmath``, ``opt``, ``launch_bounds`` and ``max_registers`` options are
+    applied as numba applies them at launch.
+
+    Args:
+        spec: a :class:`ddtree_numba.kernels.registry.KernelSpec`.
+        sig: a tuple of numba argument types.
+        cc: ``(9, 0)`` / ``"sm_90"`` or ``(12, 0)`` / ``"sm_120"``.
+
+    Raises:
+        CompileCheckError: the simulator is on, compilation or linking failed, or the link log
+            lacks a field.
+        ValueError: ``cc`` is not an architecture with a profile.
+    """
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from numba import cuda
+
+    _require_compiler()
+    cc, arch = _cc_and_arch(cc)
+    options = getattr(spec.kernel, "targetoptions", {})
+    try:
+        with _device_functions_target(cc):
+            ltoir, _ = cuda.compile(
+                spec.kernel.py_func,
+                tuple(sig),
+                device=False,
+                abi="numba",
+                output="ltoir",
+                cc=cc,
+                fastmath=options.get("fastmath", False),
+                opt=options.get("opt", True),
+                launch_bounds=options.get("launch_bounds"),
+            )
+    except Exception as exc:  # any typing/lowering/NVVM error is a finding, reported per kernel
+        message = _ANSI_ESCAPE.sub("", str(exc))
+        raise CompileCheckError(f"compile failed: {type(exc).__name__}: {message}") from exc
+    ptxas_options = ["-v"]
+    if options.get("max_registers"):
+        ptxas_options.append(f"-maxrregcount={options['max_registers']}")
+    linker = Linker(
+        ObjectCode.from_ltoir(ltoir),
+        options=LinkerOptions(arch=arch, link_time_optimization=True, verbose=True, ptxas_options=ptxas_options),
+    )
+    try:
+        cubin = linker.link("cubin")
+    except Exception as exc:
+        raise CompileCheckError(f"nvJitLink failed for {arch}: {exc}\n{linker.get_error_log()}") from exc
+    resources = dataclasses.asdict(parse_link_log(linker.get_info_log(), arch))
+    del resources["entry"]
+    return CompileResult(
+        name=spec.name,
+        signature=_signature_str(sig),
+        arch=arch,
+        **resources,
+        ltoir_bytes=len(ltoir),
+        cubin_bytes=len(cubin.code),
+        smem_opt_in=spec.smem_opt_in,
+        block_threads=spec.block_threads,
+    )
+
+
+def max_threads_per_block(registers: int, profile: DeviceProfile) -> int:
+    """Largest block (a whole number of warps) whose registers fit in one block's register file.
+
+    Registers go to warps in units of 256, and a block's warps are spread over the SM's 4
+    sub-partitions, each with a quarter of the register file; so the block may hold 4 x
+    floor((regs_per_block / 4) / regs_per_warp) warps. Checked on the H200: 122 registers ->
+    512 launches and 544 fails; 216 registers -> 288 fails (a whole-file count would allow it).
+    A launch above this fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, which the simulator
+    cannot detect. 70 registers -> 896 threads; 255 -> 256.
+    """
+    per_warp = -(-registers * profile.warp_size // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    if per_warp == 0:
+        return profile.max_threads_per_block
+    warps = REG_FILE_PARTITIONS * (profile.regs_per_block // REG_FILE_PARTITIONS // per_warp)
+    return min(profile.max_threads_per_block, warps * profile.warp_size)
+
+
+def check_result(result: CompileResult) -> list[str]:
+    """Problems with ``result`` against its architecture's profile (empty list = passes).
+
+    Checked: compiled at all; registers per thread <= the profile's limit; registers allow
+    the kernel's registered ``block_threads`` (if given) in one block; no spills; static
+    shared memory <= the default 48 KiB per block (the opt-in limit when the kernel is marked
+    ``smem_opt_in``). Dynamic shared memory is checked at launch (:mod:`sim.launch`).
+    """
+    if result.error is not None:
+        first_line = (result.error.splitlines() or [""])[0]
+        return [f"failed to compile: {first_line}"]
+    profile = ARCHS[result.arch]
+    problems = []
+    if result.registers > profile.max_regs_per_thread:
+        problems.append(f"{result.registers} registers > {profile.max_regs_per_thread} per thread")
+    allowed = max_threads_per_block(result.registers, profile)
+    if result.block_threads is not None and result.block_threads > allowed:
+        problems.append(
+            f"{result.registers} registers allow {allowed} threads per block, launched with {result.block_threads}"
+        )
+    if result.spill_store_bytes or result.spill_load_bytes:
+        problems.append(f"spills {result.spill_store_bytes} B stores / {result.spill_load_bytes} B loads")
+    limit = profile.smem_per_block_optin if result.smem_opt_in else profile.smem_per_block_default
+    if result.smem_bytes > limit:
+        kind = "opt-in" if result.smem_opt_in else "default"
+        problems.append(f"static smem {result.smem_bytes} B > {kind} limit {limit} B")
+    return problems
+
+
+def run(
+    archs: Sequence[str] = DEFAULT_ARCHS,
+    names: Iterable[str] | None = None,
+    *,
+    progress: bool = True,
+) -> list[CompileResult]:
+    """Compile every registered kernel (or those in ``names``) for each signature and arch.
+
+    A failed compilation becomes a result with ``error`` set, so one bad kernel does not hide
+    the others. Prints one progress line per kernel x signature x arch to stderr.
+
+    Raises:
+        CompileCheckError: the simulator is on.
+        ValueError: an unknown arch or kernel name.
+    """
+    from ddtree_numba.kernels import registry
+
+    _require_compiler()
+    for arch in archs:
+        _cc_and_arch(arch)
+    specs = registry.all_kernels() if names is None else [registry.get(n) for n in names]
+    results = []
+    for spec in specs:
+        for sig in spec.signatures:
+            for arch in archs:
+                start = time.perf_counter()
+                try:
+                    result = compile_kernel(spec, sig, arch)
+                except CompileCheckError as exc:
+                    result = CompileResult(
+                        spec.name, _signature_str(sig), arch,
+                        smem_opt_in=spec.smem_opt_in, block_threads=spec.block_threads, error=str(exc),
+                    )
+                if progress:
+                    status = "FAILED" if result.error else f"{result.registers} regs"
+                    print(
+                        f"compile-check: {spec.name} {result.signature} {arch}: {status} "
+                        f"({time.perf_counter() - start:.1f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                results.append(result)
+    return results
+
+
+_COLUMNS = ("kernel", "signature", "arch", "regs", "max tpb", "smem", "stack", "spills", "check")
+
+
+_ARRAY_TYPE = re.compile(r"array\((\w+), (\d)d, (\w)\)")
+
+
+def _short_signature(signature: str) -> str:
+    """``(array(int32, 2d, C), int32)`` -> ``(int32[2d,C], int32)``, to keep the table narrow."""
+    return _ARRAY_TYPE.sub(r"\1[\2d,\3]", signature)
+
+
+def _row(result: CompileResult) -> tuple[str, ...]:
+    problems = check_result(result)
+    verdict = "ok" if not problems else "FAIL: " + "; ".join(problems)
+    if result.error is not None:
+        return (result.name, _short_signature(result.signature), result.arch, "-", "-", "-", "-", "-", verdict)
+    return (
+        result.name,
+        _short_signature(result.signature),
+        result.arch,
+        str(result.registers),
+        str(max_threads_per_block(result.registers, ARCHS[result.arch])),
+        f"{result.smem_bytes}{' (opt-in)' if result.smem_opt_in else ''}",
+        str(result.stack_bytes),
+        f"{result.spill_store_bytes}/{result.spill_load_bytes}",
+        verdict,
+    )
+
+
+def format_report(results: Sequence[CompileResult]) -> str:
+    """A fixed-width table (kernel, signature, arch, regs, max threads per block the registers
+    allow, smem, stack, spills, check) and a summary line."""
+    rows = [_COLUMNS] + [_row(r) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    failed = sum(1 for r in results if check_result(r))
+    lines.append(f"{len(results)} compiled, {failed} failed")
+    return "\n".join(lines)
+
+
+def _write_json_atomic(path: str, results: Sequence[CompileResult]) -> None:
+    """Write the results (with their check problems) as JSON: temp file, then os.replace."""
+    payload = [
+        dataclasses.asdict(r)
+        | {
+            "max_threads_per_block": None if r.error else max_threads_per_block(r.registers, ARCHS[r.arch]),
+            "problems": check_result(r),
+        }
+        for r in results
+    ]
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".compile-check-", suffix=".json.tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+_DESCRIPTION = """\
+Compile every registered Numba CUDA kernel (ddtree_numba.kernels) with its registered
+signatures for sm_90 (H200) and sm_120 (RTX PRO 6000 Blackwell), without a GPU, the way
+numba builds a kernel at launch: NVVM to LTO-IR, then nvJitLink with LTO and ptxas -v to a
+cubin. For each kernel x signature x arch it reports registers (and the largest block they
+allow: "max tpb"), static shared memory, stack and spills, and checks them against the
+arch's device profile: registers per thread <= 255, registers that allow the block size
+the kernel was registered with (block_threads), no spill stores or loads, static shared
+memory <= 48 KiB per block (the opt-in limit, 227 KiB / 99 KiB, for kernels registered
+with smem_opt_in=True). Exits 1 if any kernel fails to compile or fails a check, 2 on a
+usage error or when the CUDA simulator is on (run it without NUMBA_ENABLE_CUDASIM)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddtree-numba compile-check",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--arch", action="append", choices=sorted(ARCHS), help="architecture (repeatable; default: sm_90 and sm_120)"
+    )
+    parser.add_argument("--kernel", action="append", metavar="NAME", help="only this registered kernel (repeatable)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (atomically)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point; returns the exit status (0 ok, 1 failures, 2 usage / simulator)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: directory of {args.json!r} does not exist")
+    archs = tuple(dict.fromkeys(args.arch)) if args.arch else DEFAULT_ARCHS
+    try:
+        results = run(archs, args.kernel)
+    except (CompileCheckError, ValueError) as exc:
+        print(f"compile-check: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(results))
+    if args.json:
+        _write_json_atomic(args.json, results)
+    return 1 if any(check_result(r) for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
