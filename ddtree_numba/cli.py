@@ -1,0 +1,104 @@
+"""``ddtree-numba``: the command line.
+
+Subcommands import their modules lazily, so ``--help`` is instant and ``compile-check`` can
+refuse to run under the simulator before numba.cuda is imported by anything else.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_GOLDEN_DIR = Path(__file__).resolve().parent.parent / "data" / "golden"
+
+DESCRIPTION = """\
+DDTree speculative decoding with the whole round on the GPU, in Numba CUDA.
+
+Without a GPU, set NUMBA_ENABLE_CUDASIM=1 to run the kernels on numba-cuda's CPU simulator
+(the test suite does this by itself)."""
+
+
+def _cmd_golden(args: argparse.Namespace) -> int:
+    from ddtree_numba.golden import GoldenFileError
+    from reference import golden_cases
+
+    try:
+        return _golden_action(args, golden_cases)
+    except GoldenFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _golden_action(args: argparse.Namespace, golden_cases) -> int:
+    if args.golden_cmd == "regen":
+        paths = golden_cases.regenerate(args.out, names=args.only or None, progress=not args.quiet)
+        for path in paths:
+            print(f"wrote {path} ({path.stat().st_size / 1024:.1f} KiB)")
+        return 0
+    mismatches = golden_cases.check(args.dir, names=args.only or None)
+    for line in mismatches:
+        print(line)
+    if mismatches:
+        print(f"{len(mismatches)} difference(s) between the golden files and the reference; "
+              "if the reference changed on purpose: ddtree-numba golden regen", file=sys.stderr)
+        return 1
+    print(f"golden files in {args.dir} match the reference")
+    return 0
+
+
+def _cmd_profiles(args: argparse.Namespace) -> int:
+    from sim.profiles import format_profiles_table
+
+    print(format_profiles_table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddtree-numba", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    golden = sub.add_parser(
+        "golden", help="regenerate or check the golden HDF5 files (data/golden/*.h5)",
+        description="Golden cases: inputs and expected outputs of every reference function, "
+                    "built with fixed seeds and stored as xarray Datasets in HDF5 (one group per case). "
+                    "Kernel tests compare against them.")
+    gsub = golden.add_subparsers(dest="golden_cmd", required=True, metavar="ACTION")
+    regen = gsub.add_parser("regen", help="rebuild the golden files from reference/ (atomic writes)")
+    regen.add_argument("--out", type=Path, default=DEFAULT_GOLDEN_DIR,
+                       help="output directory (default: %(default)s)")
+    regen.add_argument("--only", action="append", metavar="FILE",
+                       help="regenerate only this file family (e.g. tree); repeatable")
+    regen.add_argument("--quiet", action="store_true", help="no progress bar")
+    check = gsub.add_parser("check", help="rebuild every case and compare it with the stored files")
+    check.add_argument("--dir", type=Path, default=DEFAULT_GOLDEN_DIR,
+                       help="directory of the golden files (default: %(default)s)")
+    check.add_argument("--only", action="append", metavar="FILE",
+                       help="check only this file family; repeatable")
+    golden.set_defaults(func=_cmd_golden)
+
+    cc = sub.add_parser(
+        "compile-check", add_help=False,
+        help="compile every kernel for sm_90 and sm_120 without a GPU; report registers, "
+             "shared memory and spills (options: ddtree-numba compile-check --help)")
+
+    prof = sub.add_parser("profiles", help="print the device profiles (H200, RTX PRO 6000 Blackwell)")
+    prof.set_defaults(func=_cmd_profiles)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compile-check"]:
+        # Its options belong to sim.compile_check's own parser (argparse.REMAINDER cannot pass
+        # "--arch ..." through a subparser).
+        from sim import compile_check
+
+        return int(compile_check.main(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
