@@ -213,13 +213,16 @@ def warp_scan_kernel(x, out_scan, out_min):
 
 register("warp_reduce_f32", warp_reduce_kernel,
          ((float32[:, ::1], float32[::1], float32[::1], float32[::1], int32[::1]),),
-         "row sum, max and argmax (ties -> lower index) of float32 rows, one warp per row")
+         "row sum, max and argmax (ties -> lower index) of float32 rows, one warp per row",
+         block_threads=THREADS_PER_BLOCK)
 register("warp_argmax_f64", warp_argmax_f64_kernel,
          ((float64[:, ::1], float64[::1], int32[::1]),),
-         "row argmax (ties -> lower index) of float64 rows, one warp per row")
+         "row argmax (ties -> lower index) of float64 rows, one warp per row",
+         block_threads=THREADS_PER_BLOCK)
 register("warp_scan_i32", warp_scan_kernel,
          ((int32[:, ::1], int32[:, ::1], int32[::1]),),
-         "row inclusive prefix sum and minimum of int32 rows, one warp per row")
+         "row inclusive prefix sum and minimum of int32 rows, one warp per row",
+         block_threads=THREADS_PER_BLOCK)
 
 
 # --- host wrappers ---------------------------------------------------------------------------
