@@ -2,6 +2,7 @@
 from reference.accept import AcceptResult, accept, accept_batch
 from reference.attention import verify_attention, verify_attention_batch
 from reference.compact import compact, compact_batch
+from reference.model import ForwardOutput, forward
 from reference.sampling import gumbel_noise, philox4x32, sample_posterior
 from reference.topk import bf16_to_float32, float32_to_bf16, topk_log_probs
 from reference.tree import (
@@ -12,10 +13,12 @@ from reference.tree import (
     pack_visibility,
     unpack_visibility,
 )
+from reference.weights import init_weights, load_weights, save_weights
 
 __all__ = [
     "AcceptResult",
     "DraftTree",
+    "ForwardOutput",
     "TreeBatch",
     "accept",
     "accept_batch",
@@ -25,10 +28,14 @@ __all__ = [
     "compact",
     "compact_batch",
     "float32_to_bf16",
+    "forward",
     "gumbel_noise",
+    "init_weights",
+    "load_weights",
     "pack_visibility",
     "philox4x32",
     "sample_posterior",
+    "save_weights",
     "topk_log_probs",
     "unpack_visibility",
     "verify_attention",
