@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,8 @@ import h5netcdf
 import h5py
 import numpy as np
 import xarray as xr
+
+from ddtree_numba.atomic import atomic_path
 
 SCHEMA_VERSION = 1
 REGEN_HINT = "regenerate with: ddtree-numba golden regen"
@@ -52,7 +53,6 @@ PROVENANCE_ATTRS = frozenset(
 _COMPRESSION = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
 # Smaller arrays are stored contiguous: a chunk index costs more bytes than gzip saves on them.
 _COMPRESS_MIN_BYTES = 1024
-_FILE_MODE = 0o644  # mkstemp creates 0600; golden files are committed and shared
 _NUMERIC_KINDS = "biuf"  # bool, int, uint, float: compressible, compared bit for bit
 _SUPPORTED_KINDS = _NUMERIC_KINDS + "U"
 _CASE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -198,15 +198,6 @@ def _write_group(tmp: Path, name: str, ds: xr.Dataset, encoding: dict[str, dict]
     ds.to_netcdf(tmp, engine="h5netcdf", group=name, mode="a", encoding=encoding)
 
 
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    """Flush a file (or a directory entry) to disk."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_cases(
     path: PathLike, cases: Mapping[str, xr.Dataset], *, attrs: Mapping[str, Any] | None = None
 ) -> Path:
@@ -240,20 +231,10 @@ def write_cases(
     root_attrs = encode_attrs({**provenance_attrs(), **(attrs or {})}, where="file: ")
     prepared = {name: _prepare_case(name, ds) for name, ds in cases.items()}
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_path(path) as tmp:
         _write_root(tmp, root_attrs)
         for name, (ds, encoding) in prepared.items():
             _write_group(tmp, name, ds, encoding)
-        os.chmod(tmp, _FILE_MODE)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_path(path.parent, directory=True)
     return path
 
 

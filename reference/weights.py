@@ -11,7 +11,6 @@ else is needed, so a checkpoint written by hand with h5py loads too.
 from __future__ import annotations
 
 import os
-import tempfile
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ddtree_numba.atomic import atomic_path
 from ddtree_numba.config import ModelConfig
 
 CONFIG_ATTR = "config"
@@ -26,7 +26,6 @@ CONFIG_ATTR = "config"
 MAX_INIT_PARAMS = 2_000_000_000
 NORM_JITTER = 0.1  # norm weights are 1 + N(0, 0.1²), so a dropped norm weight changes the output
 BIAS_STD = 0.1  # e_score_correction_bias ~ N(0, 0.1²): comparable to the spread of sigmoid scores
-_FILE_MODE = 0o644  # mkstemp creates 0600
 _RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")  # projections that write into the residual stream
 
 PathLike = str | os.PathLike
@@ -165,15 +164,6 @@ def init_weights(config: ModelConfig, seed: int, dtype: type = np.float32) -> di
             for name, shape in parameter_shapes(config).items()}
 
 
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    """Flush a file (or a directory entry) to disk."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_weights(path: PathLike, weights: Mapping[str, np.ndarray], config: ModelConfig) -> Path:
     """Write ``weights`` and ``config`` to an HDF5 checkpoint atomically (temp file, fsync, rename).
 
@@ -195,21 +185,10 @@ def save_weights(path: PathLike, weights: Mapping[str, np.ndarray], config: Mode
         if not np.all(np.isfinite(arr)):
             raise ValueError(f"weights[{name!r}] must be finite (found NaN or infinity)")
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs[CONFIG_ATTR] = config.to_json()
-            for name in parameter_shapes(config):
-                f.create_dataset(name, data=weights[name])
-        os.chmod(tmp, _FILE_MODE)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_path(path.parent, directory=True)
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs[CONFIG_ATTR] = config.to_json()
+        for name in parameter_shapes(config):
+            f.create_dataset(name, data=weights[name])
     return path
 
 
