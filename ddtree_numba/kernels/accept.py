@@ -1,0 +1,533 @@
+"""Posterior tokens and the acceptance walk for a whole batch, on the GPU (spec §1.4).
+
+Two launches per round, results left on the device:
+
+1. Posterior token of every tree node, one block per (request, node) row of the target logits
+   float32 [bs, N, V]: greedy argmax (:func:`posterior_argmax`), or per request greedy below
+   ``GREEDY_TEMPERATURE`` and Gumbel-max on Philox4x32-10 noise above it
+   (:func:`posterior_sample`), exactly as ``reference.sampling.sample_posterior``. Engines
+   that fuse the argmax into the lm_head skip this launch and hand their int32 [bs, N]
+   posterior to the walk.
+2. The walk (:func:`accept_walk`), one block per request: the request's child CSR, tokens and
+   posterior are staged in shared memory with coalesced loads, then warp 0 follows the
+   posterior from the root (spec §1.4), scanning each node's children 32 at a time. Staging
+   replaces ~4 dependent global-memory round trips per step (up to L + 1 steps) by one
+   coalesced pass. Bit-exact against ``reference.accept_batch``.
+
+Sampling exactness: the Philox words and u are exact integer / float64 arithmetic; the two
+float64 logs come from libdevice on the GPU (<= 1 ulp, like NumPy's), so only two scores within
+an ulp of each other could ever be ordered differently from the reference.
+
+Tie rule everywhere: the largest score wins, equal scores go to the lower token id
+(docs/ARCHITECTURE.md). Logits must be finite (the reference rejects NaN/inf; on the device
+it is not checked: a NaN never wins against a number).
+
+The host-side argument checks at the bottom are shared with :mod:`.compact`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, float64, int32, int64, uint64
+
+from sim.launch import launch
+
+from .registry import register
+from .warp import warp_argmax_f32, warp_argmax_f64, warp_min_i32
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "ARGMAX_THREADS",
+    "WALK_THREADS",
+    "MAX_ARGMAX_THREADS",
+    "MAX_SAMPLE_THREADS",
+    "posterior_argmax_kernel",
+    "posterior_sample_kernel",
+    "accept_walk_kernel",
+    "posterior_argmax",
+    "posterior_sample",
+    "accept_walk",
+    "walk_shared_bytes",
+]
+
+GREEDY_TEMPERATURE = 1e-5  # below this, argmax (official threshold, spec §1.4)
+WARP_SIZE = 32
+MAX_WARPS = 32  # 1024 threads per block at most (limits §4)
+ARGMAX_THREADS = 256  # default block size of the posterior kernels: 8 warps stream one row
+MAX_ARGMAX_THREADS = MAX_WARPS * WARP_SIZE  # 32-40 registers: a 1024-thread block fits
+MAX_SAMPLE_THREADS = 512  # 66 registers on sm_120 allow 896 threads: cap at a power of two
+WALK_THREADS = 128  # threads that stage a request's tree; warp 0 then walks it
+NO_INDEX = np.int32(2**31 - 1)  # "no candidate": loses every tie against a real index
+NEG_INF_F32 = np.float32(-np.inf)
+UNROLL = 8  # argmax: loads in flight per thread before the compares
+
+# Philox4x32-10 (Salmon et al. 2011, Random123), on uint64 words holding 32-bit values so the
+# 32x32 -> 64-bit product is one exact uint64 multiply (the high word is the product >> 32).
+PHILOX_M0 = np.uint64(0xD2511F53)
+PHILOX_M1 = np.uint64(0xCD9E8D57)
+PHILOX_W0 = np.uint64(0x9E3779B9)  # Weyl key increments
+PHILOX_W1 = np.uint64(0xBB67AE85)
+PHILOX_ROUNDS = 10
+PHILOX_WORDS = 4  # tokens 4g..4g+3 share the Philox call with counter word 0 = g
+MASK32 = np.uint64(0xFFFFFFFF)
+SHIFT32 = np.uint64(32)
+ZERO64 = np.uint64(0)
+UNIT_SCALE = 2.0**-32  # (x + 0.5) * 2^-32 maps a uint32 into the open interval (0, 1)
+
+
+# --- device functions ------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of counter (c0..c3) under key (k0, k1); uint64 in/out holding 32-bit words."""
+    for _ in range(PHILOX_ROUNDS):
+        p0 = PHILOX_M0 * c0  # < 2^64: exact
+        p1 = PHILOX_M1 * c2
+        n0 = (p1 >> SHIFT32) ^ c1 ^ k0
+        n2 = (p0 >> SHIFT32) ^ c3 ^ k1
+        c0, c1, c2, c3 = n0, p1 & MASK32, n2, p0 & MASK32
+        k0 = (k0 + PHILOX_W0) & MASK32  # the bump after the last round is never used
+        k1 = (k1 + PHILOX_W1) & MASK32
+    return c0, c1, c2, c3
+
+
+@cuda.jit(device=True)
+def _gumbel(word):
+    """Standard Gumbel noise from one uint32 Philox word (held in a uint64), in float64."""
+    u = (float64(word) + 0.5) * UNIT_SCALE  # exact: (0, 1)
+    return -math.log(-math.log(u))
+
+
+@cuda.jit(device=True)
+def _beats(value, index, best, best_index):
+    """(value, index) outranks (best, best_index): larger value, equal values -> lower index."""
+    return value > best or (value == best and index < best_index)
+
+
+@cuda.jit(device=True)
+def _block_argmax_f32(value, index, sh_value, sh_index):
+    """Block argmax of per-thread float32 candidates; the result is valid on warp 0.
+
+    sh_value float32 [MAX_WARPS], sh_index int32 [MAX_WARPS]: the kernel's shared scratch.
+    Every thread of the block must call this (it has a block barrier).
+    """
+    lane = cuda.threadIdx.x % WARP_SIZE
+    warp = cuda.threadIdx.x // WARP_SIZE
+    value, index = warp_argmax_f32(value, index)
+    if lane == 0:
+        sh_value[warp] = value
+        sh_index[warp] = index
+    cuda.syncthreads()  # every warp's winner is in shared memory before warp 0 reads them
+    if warp == 0:
+        value = NEG_INF_F32
+        index = NO_INDEX
+        if lane < cuda.blockDim.x // WARP_SIZE:
+            value = sh_value[lane]
+            index = sh_index[lane]
+        value, index = warp_argmax_f32(value, index)
+    return value, index
+
+
+@cuda.jit(device=True)
+def _block_argmax_f64(value, index, sh_value, sh_index):
+    """As :func:`_block_argmax_f32` for float64 scores (sh_value float64 [MAX_WARPS])."""
+    lane = cuda.threadIdx.x % WARP_SIZE
+    warp = cuda.threadIdx.x // WARP_SIZE
+    value, index = warp_argmax_f64(value, index)
+    if lane == 0:
+        sh_value[warp] = value
+        sh_index[warp] = index
+    cuda.syncthreads()  # every warp's winner is in shared memory before warp 0 reads them
+    if warp == 0:
+        value = -math.inf
+        index = NO_INDEX
+        if lane < cuda.blockDim.x // WARP_SIZE:
+            value = sh_value[lane]
+            index = sh_index[lane]
+        value, index = warp_argmax_f64(value, index)
+    return value, index
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+@cuda.jit
+def posterior_argmax_kernel(logits, sizes, out):
+    """out[b, i] = argmax_v logits[b, i, v] (ties -> lowest v) for i < sizes[b], else -1.
+
+    logits float32 [bs, N, V], sizes int32 [bs], out int32 [bs, N]. Grid (N, bs), one block per
+    row; each thread scans v = tid, tid + blockDim, ... (coalesced), UNROLL loads in flight.
+    """
+    sh_value = cuda.shared.array(MAX_WARPS, float32)
+    sh_index = cuda.shared.array(MAX_WARPS, int32)
+    staged = cuda.local.array(UNROLL, float32)  # registers once the loops are unrolled
+    node = cuda.blockIdx.x
+    b = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    if node >= sizes[b]:  # padding row: the whole block leaves before any barrier
+        if tid == 0:
+            out[b, node] = -1
+        return
+    vocab = logits.shape[2]
+    stride = cuda.blockDim.x
+    best = NEG_INF_F32
+    best_index = NO_INDEX
+    v = tid
+    while v + (UNROLL - 1) * stride < vocab:
+        for k in range(UNROLL):  # all loads first: UNROLL requests in flight per thread
+            staged[k] = logits[b, node, v + k * stride]
+        for k in range(UNROLL):
+            if _beats(staged[k], int32(v + k * stride), best, best_index):
+                best, best_index = staged[k], int32(v + k * stride)
+        v += UNROLL * stride
+    while v < vocab:
+        x = logits[b, node, v]
+        if _beats(x, int32(v), best, best_index):
+            best, best_index = x, int32(v)
+        v += stride
+    best, best_index = _block_argmax_f32(best, best_index, sh_value, sh_index)
+    if tid == 0:
+        out[b, node] = best_index
+
+
+@cuda.jit
+def posterior_sample_kernel(logits, sizes, temperatures, seeds, positions, out):
+    """Greedy or Gumbel-max posterior token per row, as reference.sampling.sample_posterior.
+
+    logits float32 [bs, N, V], sizes int32 [bs], temperatures float64 [bs], seeds uint64 [bs],
+    positions int32 or int64 [bs, N] (node position = past_len + depth), out int32 [bs, N]
+    (-1 on padding rows). Request b is greedy when temperatures[b] < GREEDY_TEMPERATURE, else
+    out = argmax_v float64(logit) / T + g(seed, position, v) with Philox noise g.
+    Grid (N, bs); each thread takes groups of PHILOX_WORDS consecutive tokens (one Philox call).
+    """
+    sh_value = cuda.shared.array(MAX_WARPS, float64)
+    sh_index = cuda.shared.array(MAX_WARPS, int32)
+    node = cuda.blockIdx.x
+    b = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    if node >= sizes[b]:  # padding row: the whole block leaves before any barrier
+        if tid == 0:
+            out[b, node] = -1
+        return
+    vocab = logits.shape[2]
+    temperature = temperatures[b]
+    greedy = temperature < GREEDY_TEMPERATURE
+    seed = seeds[b]
+    k0 = seed & MASK32
+    k1 = seed >> SHIFT32
+    position = uint64(positions[b, node])
+    c1 = position & MASK32
+    c2 = position >> SHIFT32
+    best = -math.inf
+    best_index = NO_INDEX
+    n_groups = (vocab + PHILOX_WORDS - 1) // PHILOX_WORDS
+    group = tid
+    while group < n_groups:
+        first = group * PHILOX_WORDS
+        if greedy:
+            for w in range(PHILOX_WORDS):
+                v = first + w
+                if v < vocab:
+                    score = float64(logits[b, node, v])
+                    if _beats(score, int32(v), best, best_index):
+                        best, best_index = score, int32(v)
+        else:
+            words = _philox4x32_10(uint64(group), c1, c2, ZERO64, k0, k1)
+            for w in range(PHILOX_WORDS):
+                v = first + w
+                if v < vocab:
+                    # same operations, same order as the reference: x / T + g, in float64
+                    score = float64(logits[b, node, v]) / temperature + _gumbel(words[w])
+                    if _beats(score, int32(v), best, best_index):
+                        best, best_index = score, int32(v)
+        group += cuda.blockDim.x
+    best, best_index = _block_argmax_f64(best, best_index, sh_value, sh_index)
+    if tid == 0:
+        out[b, node] = best_index
+
+
+@cuda.jit
+def accept_walk_kernel(posterior, child_ptr, child_index, tokens, accepted, lengths, bonus):
+    """The acceptance walk of every request (spec §1.4), one block per request.
+
+    posterior int32 [bs, N], child_ptr int32 [bs, N + 1], child_index int32 [bs, N],
+    tokens int32 [bs, N] -> accepted int32 [bs, W] (node indices, root first, -1 padded),
+    lengths int32 [bs], bonus int32 [bs]. At most W nodes are accepted (W >= 1 + max depth
+    gives the reference's walk; a narrower buffer truncates it, and the bonus is then the
+    posterior of the last accepted node, still the target's own next token).
+    Dynamic shared memory: walk_shared_bytes(N).
+    """
+    smem = cuda.shared.array(0, int32)
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    n_cap = posterior.shape[1]
+    s_ptr = smem[0:n_cap + 1]  # [N + 1]
+    s_child = smem[n_cap + 1:2 * n_cap + 1]  # [N]
+    s_token = smem[2 * n_cap + 1:3 * n_cap + 1]  # [N]
+    s_post = smem[3 * n_cap + 1:4 * n_cap + 1]  # [N]
+    for i in range(tid, n_cap, cuda.blockDim.x):
+        s_ptr[i] = child_ptr[b, i]
+        s_child[i] = child_index[b, i]
+        s_token[i] = tokens[b, i]
+        s_post[i] = posterior[b, i]
+    if tid == 0:
+        s_ptr[n_cap] = child_ptr[b, n_cap]
+    cuda.syncthreads()  # the whole tree is staged before warp 0 walks it
+    if tid >= WARP_SIZE:
+        return
+    lane = tid
+    width = accepted.shape[1]
+    node = 0
+    token = s_post[0]
+    length = 1
+    if lane == 0:
+        accepted[b, 0] = 0
+    while length < width:
+        # children of `node` whose token is `token`: tokens are unique among siblings, the
+        # lowest index wins if they are not (= a scan in ascending child order)
+        # malformed device pointers must not index outside the staged [N] child slots
+        end = min(s_ptr[node + 1], n_cap)
+        found = NO_INDEX
+        base = max(s_ptr[node], 0)
+        while base < end and found == NO_INDEX:  # uniform over the warp
+            candidate = NO_INDEX
+            j = base + lane
+            if j < end:
+                child = s_child[j]
+                if child > 0 and child < n_cap and s_token[child] == token:
+                    candidate = child
+            found = warp_min_i32(candidate)
+            base += WARP_SIZE
+        if found == NO_INDEX:
+            break
+        node = found
+        if lane == 0:
+            accepted[b, length] = node
+        length += 1
+        token = s_post[node]
+    for j in range(length + lane, width, WARP_SIZE):
+        accepted[b, j] = -1
+    if lane == 0:
+        lengths[b] = length
+        bonus[b] = token
+
+
+_ROWS_F32 = float32[:, :, ::1]
+register("posterior_argmax", posterior_argmax_kernel,
+         ((_ROWS_F32, int32[::1], int32[:, ::1]),),
+         "greedy posterior token per tree node: argmax over the vocabulary, one block per row",
+         block_threads=MAX_ARGMAX_THREADS)
+register("posterior_sample", posterior_sample_kernel,
+         ((_ROWS_F32, int32[::1], float64[::1], uint64[::1], int32[:, ::1], int32[:, ::1]),
+          (_ROWS_F32, int32[::1], float64[::1], uint64[::1], int64[:, ::1], int32[:, ::1])),
+         "posterior token per tree node: greedy or Gumbel-max on Philox4x32-10, one block per row",
+         block_threads=MAX_SAMPLE_THREADS)
+register("accept_walk", accept_walk_kernel,
+         ((int32[:, ::1],) * 5 + (int32[::1], int32[::1]),),
+         "acceptance walk over the child CSR, one block per request (tree staged in shared memory)",
+         block_threads=WALK_THREADS)
+
+
+# --- host-side argument checks (shared with .compact) ----------------------------------------
+
+def is_device_array(x: Any) -> bool:
+    """A numba device array (a simulator FakeCUDAArray under the simulator)."""
+    return cuda.devicearray.is_cuda_ndarray(x)
+
+
+def as_kernel_array(x: Any, name: str) -> Any:
+    """``x`` as something a kernel takes: a NumPy array, a numba device array, or any object
+    with ``__cuda_array_interface__`` (wrapped without copying)."""
+    if isinstance(x, np.ndarray) or is_device_array(x):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(x)
+    raise TypeError(f"{name} must be a NumPy array or a CUDA device array, got {type(x).__name__}")
+
+
+def is_c_contiguous(x: Any) -> bool:
+    """C-contiguity of a NumPy or numba device array."""
+    return x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_c_contiguous()
+
+
+def check_array(x: Any, name: str, dtypes: tuple[type, ...], ndim: int) -> Any:
+    """``x`` (see :func:`as_kernel_array`) with a dtype in ``dtypes``, rank ``ndim``, C-contiguous.
+
+    Raises:
+        TypeError: not an array, or a wrong dtype.
+        ValueError: a wrong rank, or not C-contiguous.
+    """
+    x = as_kernel_array(x, name)
+    if np.dtype(x.dtype) not in tuple(np.dtype(d) for d in dtypes):
+        wanted = " or ".join(np.dtype(d).name for d in dtypes)
+        raise TypeError(f"{name} must have dtype {wanted}, got {np.dtype(x.dtype).name}")
+    if len(x.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    if not is_c_contiguous(x):
+        raise ValueError(f"{name} must be C-contiguous")
+    return x
+
+
+def check_shape(x: Any, name: str, shape: tuple[int, ...]) -> None:
+    """``x.shape == shape``, else ValueError naming ``name``."""
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def host_values(x: Any) -> np.ndarray | None:
+    """The values of a host (NumPy) array, None for a device array (not read: no sync)."""
+    return x if isinstance(x, np.ndarray) else None
+
+
+def check_threads(threads: Any, name: str = "threads", maximum: int = MAX_WARPS * WARP_SIZE) -> int:
+    """A block size: an int multiple of 32 in [32, maximum] (the kernel's registered
+    block_threads, which the compile check holds its registers to)."""
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(threads).__name__}")
+    if not (WARP_SIZE <= threads <= maximum and threads % WARP_SIZE == 0):
+        raise ValueError(f"{name} must be a multiple of {WARP_SIZE} in [32, {maximum}], got {threads}")
+    return int(threads)
+
+
+# --- host wrappers ---------------------------------------------------------------------------
+
+def _check_sizes(sizes: Any, bs: int, n_cap: int) -> Any:
+    """sizes int32 [bs]; host values in [1, N]."""
+    sizes = check_array(sizes, "sizes", (np.int32,), 1)
+    check_shape(sizes, "sizes", (bs,))
+    values = host_values(sizes)
+    if values is not None and values.size and (values.min() < 1 or values.max() > n_cap):
+        raise ValueError(f"sizes must be in [1, {n_cap}] (1 + drafted nodes, at most the capacity)")
+    return sizes
+
+
+def _check_logits_and_out(logits: Any, out: Any) -> tuple[Any, Any]:
+    """logits float32 [bs, N, V] with V >= 1; out int32 [bs, N]."""
+    logits = check_array(logits, "logits", (np.float32,), 3)
+    bs, n_cap, vocab = logits.shape
+    if vocab < 1 or vocab > np.iinfo(np.int32).max:
+        raise ValueError(f"logits: vocabulary size must be in [1, 2**31 - 1], got {vocab}")
+    out = check_array(out, "out", (np.int32,), 2)
+    check_shape(out, "out", (bs, n_cap))
+    return logits, out
+
+
+def posterior_argmax(logits: Any, sizes: Any, out: Any, *, stream: Any = 0,
+                     threads: int = ARGMAX_THREADS) -> Any:
+    """Greedy posterior token of every tree node: ``out[b, i] = argmax_v logits[b, i, v]``.
+
+    Args:
+        logits: float32 [bs, N, V], C-contiguous; finite (not checked on the device).
+        sizes: int32 [bs], tree sizes (1 + drafted nodes); rows i >= sizes[b] are not read.
+        out: int32 [bs, N], caller-owned; padding rows get -1.
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+        threads: block size, a multiple of 32 up to MAX_ARGMAX_THREADS (1024).
+
+    Returns:
+        ``out``. Ties go to the lowest token id (= ``np.argmax``).
+    """
+    logits, out = _check_logits_and_out(logits, out)
+    bs, n_cap, _ = logits.shape
+    sizes = _check_sizes(sizes, bs, n_cap)
+    threads = check_threads(threads, maximum=MAX_ARGMAX_THREADS)
+    if bs and n_cap:
+        launch(posterior_argmax_kernel, (n_cap, bs), threads, stream, 0, logits, sizes, out)
+    return out
+
+
+def posterior_sample(logits: Any, sizes: Any, temperatures: Any, seeds: Any, positions: Any,
+                     out: Any, *, stream: Any = 0, threads: int = ARGMAX_THREADS) -> Any:
+    """Posterior token of every tree node, greedy or sampled per request.
+
+    Request b is greedy when ``temperatures[b] < GREEDY_TEMPERATURE``; otherwise each row is
+    Gumbel-max sampled exactly as ``reference.sampling.sample_posterior(logits[b], T, seed,
+    positions[b])``: noise keyed by (seed, position, token), never by node index, so sampled
+    DDTree reproduces sampled autoregressive decoding token for token.
+
+    Args:
+        logits: float32 [bs, N, V], C-contiguous; finite (not checked on the device).
+        sizes: int32 [bs]; rows i >= sizes[b] are not read.
+        temperatures: float64 [bs], >= 0.
+        seeds: uint64 [bs] (int64 is taken as the same 64 bits).
+        positions: int32 or int64 [bs, N], >= 0: node positions past_len + depth (spec §1.3).
+        out: int32 [bs, N], caller-owned; padding rows get -1.
+        stream: as :func:`posterior_argmax`.
+        threads: block size, a multiple of 32 up to MAX_SAMPLE_THREADS (512: the kernel's
+            registers do not allow 1024 threads on sm_120).
+
+    Returns:
+        ``out``.
+    """
+    logits, out = _check_logits_and_out(logits, out)
+    bs, n_cap, _ = logits.shape
+    sizes = _check_sizes(sizes, bs, n_cap)
+    temperatures = check_array(temperatures, "temperatures", (np.float64,), 1)
+    check_shape(temperatures, "temperatures", (bs,))
+    values = host_values(temperatures)
+    if values is not None and not (np.all(np.isfinite(values)) and np.all(values >= 0.0)):
+        raise ValueError("temperatures must be finite and >= 0")
+    seeds = check_array(seeds, "seeds", (np.uint64, np.int64), 1)
+    check_shape(seeds, "seeds", (bs,))
+    if np.dtype(seeds.dtype) == np.int64:
+        seeds = seeds.view(np.uint64)  # same bits; the kernel keys Philox with (lo, hi) words
+    positions = check_array(positions, "positions", (np.int32, np.int64), 2)
+    check_shape(positions, "positions", (bs, n_cap))
+    values = host_values(positions)
+    if values is not None and values.size and values.min() < 0:
+        raise ValueError("positions must be >= 0")
+    threads = check_threads(threads, maximum=MAX_SAMPLE_THREADS)
+    if bs and n_cap:
+        launch(posterior_sample_kernel, (n_cap, bs), threads, stream, 0,
+               logits, sizes, temperatures, seeds, positions, out)
+    return out
+
+
+def walk_shared_bytes(n_cap: int) -> int:
+    """Dynamic shared memory of :func:`accept_walk` for capacity N: child_ptr [N + 1],
+    child_index, tokens and posterior [N], int32."""
+    return 4 * (4 * n_cap + 1)
+
+
+def accept_walk(posterior: Any, child_ptr: Any, child_index: Any, tokens: Any,
+                accepted: Any, lengths: Any, bonus: Any, *, stream: Any = 0) -> None:
+    """The acceptance walk of every request, bit-exact against ``reference.accept_batch``.
+
+    Args:
+        posterior: int32 [bs, N], the target's token at every node (padding rows ignored).
+        child_ptr: int32 [bs, N + 1], child_index: int32 [bs, N], tokens: int32 [bs, N]:
+            the padded TreeBatch layout (children of p: child_index[b, child_ptr[b, p] :
+            child_ptr[b, p + 1]], ascending node index). Assumed well-formed (the tree kernel
+            builds it) and not checked; malformed device values never index out of bounds:
+            a node's child range is clamped to [0, N) and children outside [1, N) are skipped.
+        accepted: int32 [bs, W], caller-owned, W >= 1 (use L + 1): accepted node indices,
+            root first, padded with -1; at most W nodes are accepted.
+        lengths: int32 [bs], caller-owned: number of accepted nodes (>= 1, root included).
+        bonus: int32 [bs], caller-owned: the next round's root token.
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+
+    Raises:
+        TypeError / ValueError naming the argument (dtype, rank, shape, contiguity), or
+        LaunchConfigError when N is too large for the walk's shared memory (N <= 3071).
+    """
+    posterior = check_array(posterior, "posterior", (np.int32,), 2)
+    bs, n_cap = posterior.shape
+    child_ptr = check_array(child_ptr, "child_ptr", (np.int32,), 2)
+    check_shape(child_ptr, "child_ptr", (bs, n_cap + 1))
+    child_index = check_array(child_index, "child_index", (np.int32,), 2)
+    check_shape(child_index, "child_index", (bs, n_cap))
+    tokens = check_array(tokens, "tokens", (np.int32,), 2)
+    check_shape(tokens, "tokens", (bs, n_cap))
+    accepted = check_array(accepted, "accepted", (np.int32,), 2)
+    if accepted.shape[0] != bs or accepted.shape[1] < 1:
+        raise ValueError(f"accepted must have shape ({bs}, W) with W >= 1, got {tuple(accepted.shape)}")
+    lengths = check_array(lengths, "lengths", (np.int32,), 1)
+    check_shape(lengths, "lengths", (bs,))
+    bonus = check_array(bonus, "bonus", (np.int32,), 1)
+    check_shape(bonus, "bonus", (bs,))
+    if n_cap < 1:
+        raise ValueError("posterior must have at least one node per request (the root)")
+    if bs:
+        launch(accept_walk_kernel, bs, WALK_THREADS, stream, walk_shared_bytes(n_cap),
+               posterior, child_ptr, child_index, tokens, accepted, lengths, bonus)
