@@ -1,0 +1,774 @@
+"""Best-first DDTree build on the GPU: one thread block per request, no host round trip.
+
+Same nodes, in the same order, as ``reference.build_tree`` (spec §1.2): the official heap keyed
+``(-w, rank_path)`` is emulated exactly, float64 scores with the official order of operations,
+score ties broken by the lexicographic rank path (prefix first).
+
+Frontier (spec §7, "GPU build"). Every heap entry is "the next unpopped child of node q": the
+seed is node 0's first child, popping child ``r`` of ``q`` replaces it by sibling ``r + 1`` and
+opens slot ``i`` (the new node's first child). So the frontier is one slot per node, never more
+than ``1 + budget`` entries. Warp 0 selects; lane ``l`` owns the slots ``q = l (mod 32)``, stored
+lane-major in shared memory (``slot_score[l * S + q // 32]``, ``S`` slots per lane).
+
+The loop is built for latency: one warp is all its SM runs, so a pop costs its chain of
+dependent instructions (measured first version: ~2000-3000 cycles a pop, from 64-bit index
+arithmetic, a per-pop rescan, dependent loads after the selection). Now, per pop:
+
+- Each lane holds its best candidate in registers (score, slot, rank | depth; its shared slot
+  reads -inf) and the best of its shared slots (``rest``). Both stay exact with O(1) updates;
+  only when a lane's best is popped and the sibling replacing it is worse than ``rest`` does
+  the lane rescan its slice (an unrolled pass, four max chains), at the top of the next pop.
+- Before the warp's choice, each lane computes its best's successors (sibling
+  ``(w - lp[d-1, r]) + lp[d-1, r+1]``, first child ``w + lp[d, 0]``; shared-memory reads that
+  overlap the shuffles below).
+- A float64 warp max (5 xor shuffles), a ballot for the holder, index shuffles of its slot,
+  rank | depth and child score. The winner's new best is max(``rest``, sibling); the owner of
+  slot ``i`` compares the child with its best. No barrier, no global load (ranks past the lp
+  cache excepted), all integers int32 with unsigned indices.
+- Exact ties (equal float64 scores) are never decided on the fast path: a pop is taken only when
+  the top score is held once in the whole frontier (one ballot bit, and the holder's ``rest``
+  differs). Otherwise a slow path compares rank paths by walking parent chains (lane-local,
+  then a butterfly across lanes), moves the winning candidate into its lane's registers and
+  pops it.
+
+After the loop the whole block writes the outputs: per-node arrays, the packed visibility (one
+thread per (node, word) walks the node's ancestors down to the word), and the CSR child table
+(warp 0 scans the child counts; children are popped in rank order, so child ``r`` of ``p`` is
+``child_index[child_ptr[p] + r]``). Padding follows ``reference.TreeBatch``.
+
+Kernel variants: ``S`` (slots per lane) is a compile-time constant so the rescan is straight-line
+code; :func:`plan` picks the smallest variant with ``32 * S >= budget`` (node i needs a slot only
+while pops follow it), and the shared memory left over caches the first ``kc`` ranks of every
+depth's log-probs (global memory, mostly L1 hits, beyond).
+
+Host side (FlashInfer style, stack §8): :func:`plan` fixes the shapes and the launch once per
+batch shape, :func:`allocate_outputs` makes caller-owned device buffers, :func:`run` validates
+and launches on ``stream`` (graph-capturable: no allocation, no copy, no sync).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, float64, int16, int32, int64, uint32
+
+from sim.launch import launch
+
+from .registry import register
+from .warp import warp_inclusive_scan_i32
+
+__all__ = [
+    "MAX_BUDGET", "MAX_NODES", "MAX_HORIZON", "SLOT_CLASSES", "DEFAULT_THREADS",
+    "TreeBuildPlan", "TreeBuildOutputs", "tree_build_kernels",
+    "plan", "allocate_outputs", "run",
+]
+
+WARP_SIZE = 32
+LANE_MASK = WARP_SIZE - 1
+LANE_BITS = 5  # slot q belongs to lane q & LANE_MASK, at position q >> LANE_BITS of its slice
+FULL_MASK = 0xFFFFFFFF
+FIRST_BUTTERFLY_OFFSET = WARP_SIZE // 2
+NEG_INF = -math.inf  # an empty frontier slot; real scores are finite sums of finite log-probs
+WORD_BITS = 32  # packed visibility: bit j % 32 of word j // 32
+
+MAX_BUDGET = 1024  # issue 3: budgets up to 1024 drafted nodes
+MAX_NODES = MAX_BUDGET + 1  # root + drafted nodes; the capacity limit of one block
+MAX_HORIZON = MAX_BUDGET  # depth <= budget; also keeps >= 1 cached rank per depth
+# A candidate's info word: its rank (child r of its slot's node) and its depth.
+RANK_MASK = 0xFFFF  # rank <= budget
+DEPTH_SHIFT = 16  # depth <= budget + 1 < 2**15
+SEED_INFO = 1 << DEPTH_SHIFT  # rank 0, depth 1: node 0's first child (idle lanes use it as a stand-in)
+SLOT_MASK = 0xFFFF  # the shuffled slot word: slot <= MAX_NODES in the low bits...
+TIE_FLAG = 1 << 16  # ...and this bit when the lane's slice holds its best score twice
+CAND_RANK_SHIFT = 16  # slow path: a candidate as one word, slot | rank << 16
+
+# Slots per lane of the kernel variants: 32 * S slots serve budgets up to 32 * S (node i's slot
+# is only needed while more pops follow, so nodes 0..budget-1). A smaller variant has shorter
+# rescans and more lp cache.
+SLOT_CLASSES = (2, 4, 8, 16, 32)
+SHARED_BYTES = 48 * 1024 - 256  # static shared memory per block, under the 48 KiB default (limits §4)
+FILL_UNROLL = 8  # global loads per thread in flight while filling the lp cache
+DEFAULT_THREADS = 512  # warp 0 selects; all warps fill the lp cache and write the outputs
+MAX_THREADS = 512  # registers (< 128) allow 512; the other warps idle during selection
+
+
+# --- device functions ------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _warp_max_f64(v):
+    """Maximum of float64 ``v`` over the warp, on every lane (xor butterfly)."""
+    offset = FIRST_BUTTERFLY_OFFSET
+    while offset > 0:
+        other = cuda.shfl_xor_sync(FULL_MASK, v, offset)
+        if other > v:
+            v = other
+        offset //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def _path_less(pa, ra, pb, rb, node_parent, node_rank, node_depth):
+    """Is candidate a's rank path (child ``ra`` of node ``pa``) before candidate b's?
+
+    Python tuple order: lexicographic, a proper prefix first (spec §1.2, heap ties). Both
+    candidates are lifted to a common depth, then to their lowest common ancestor; depth <= L.
+    """
+    da = int32(node_depth[pa])
+    db = int32(node_depth[pb])
+    b_deeper = db > da
+    while da > db:  # a's ancestor at b's depth: node pa is child rank[pa] of parent[pa]
+        ra = int32(node_rank[pa])
+        pa = int32(node_parent[pa])
+        da -= 1
+    while db > da:
+        rb = int32(node_rank[pb])
+        pb = int32(node_parent[pb])
+        db -= 1
+    while pa != pb:
+        ra = int32(node_rank[pa])
+        pa = int32(node_parent[pa])
+        rb = int32(node_rank[pb])
+        pb = int32(node_parent[pb])
+    if ra == rb:  # one path is a prefix of the other: the shorter comes first
+        return b_deeper
+    return ra < rb
+
+
+@cuda.jit(device=True)
+def _first_in_heap_order(cand, node_parent, node_rank, node_depth):
+    """The warp's candidate that pops first; ``cand`` = slot | rank << 16 (child ``rank`` of node
+    ``slot``), -1 for none. Every lane gets it.
+
+    An xor butterfly: path order is a total order on distinct candidates, so both lanes of a pair
+    keep the same one and every lane ends with the first.
+    """
+    offset = FIRST_BUTTERFLY_OFFSET
+    while offset > 0:
+        other = cuda.shfl_xor_sync(FULL_MASK, cand, offset)
+        if other >= 0 and (cand < 0 or _path_less(other & SLOT_MASK, other >> CAND_RANK_SHIFT,
+                                                  cand & SLOT_MASK, cand >> CAND_RANK_SHIFT,
+                                                  node_parent, node_rank, node_depth)):
+            cand = other
+        offset //= 2
+    return cand
+
+
+@cuda.jit(device=True)
+def _rescan(slot_score, base, n_slots):
+    """Best (score, position j) of ``slot_score[base + j]``, j < n_slots; (-inf, 0) if all empty.
+
+    Called with a compile-time ``n_slots``, so it is straight-line code; four independent max
+    chains (j mod 4) keep the dependency chain short. Equal scores: any one of them (ties are
+    detected and resolved by the caller, never decided here).
+    """
+    m0 = NEG_INF
+    m1 = NEG_INF
+    m2 = NEG_INF
+    m3 = NEG_INF
+    j0 = int32(0)
+    j1 = int32(0)
+    j2 = int32(0)
+    j3 = int32(0)
+    for j in range(0, n_slots, 4):
+        v0 = slot_score[uint32(base + j)]
+        v1 = slot_score[uint32(base + j + 1)]
+        if v0 > m0:
+            m0 = v0
+            j0 = int32(j)
+        if v1 > m1:
+            m1 = v1
+            j1 = int32(j + 1)
+        if j + 2 < n_slots:
+            v2 = slot_score[uint32(base + j + 2)]
+            v3 = slot_score[uint32(base + j + 3)]
+            if v2 > m2:
+                m2 = v2
+                j2 = int32(j + 2)
+            if v3 > m3:
+                m3 = v3
+                j3 = int32(j + 3)
+    if m1 > m0:
+        m0 = m1
+        j0 = j1
+    if m3 > m2:
+        m2 = m3
+        j2 = j3
+    if m2 > m0:
+        m0 = m2
+        j0 = j2
+    return m0, j0
+
+
+@cuda.jit(device=True)
+def _successors(lp, lp_cache, kc, b, n_depth, k, score, info):
+    """(sibling, first child) scores of candidate ``info`` (rank | depth << 16) scoring ``score``.
+
+    Heap order of operations: sibling ``(w - lp[d-1, r]) + lp[d-1, r+1]`` (-inf past rank K-1),
+    child ``w + lp[d, 0]`` (-inf at depth L). Ranks below ``kc`` come from the shared cache.
+    """
+    rank = int32(info & RANK_MASK)
+    depth = int32(info >> DEPTH_SHIFT)
+    row = int32(min(depth, n_depth) - 1)
+    last = int32(k - 1)
+    here = min(rank, last)  # clamped: read in range, result unused past the end
+    after = min(int32(rank + 1), last)
+    # Shared-memory reads first and unconditionally, so they issue at the top of the pop.
+    lp_first = float64(lp_cache[uint32(min(depth, int32(n_depth - 1)) * kc)])
+    lp_here = float64(lp_cache[uint32(row * kc + min(here, int32(kc - 1)))])
+    lp_after = float64(lp_cache[uint32(row * kc + min(after, int32(kc - 1)))])
+    if after >= kc:  # rare: a rank past the cache (L1 hits mostly, the row is read in order)
+        lp_here = float64(lp[uint32(b), uint32(row), uint32(here)])
+        lp_after = float64(lp[uint32(b), uint32(row), uint32(after)])
+    sibling = NEG_INF
+    if rank < last:
+        sibling = (score - lp_here) + lp_after
+    child = NEG_INF
+    if depth < n_depth:
+        child = score + lp_first
+    return sibling, child
+
+
+@cuda.jit(device=True)
+def _resolve_tie(top, lane, base, n_slots, best, best_slot, best_info,
+                 slot_score, slot_info, node_parent, node_rank, node_depth):
+    """Slow path: the candidate that pops first among those scoring ``top``; it becomes its lane's best.
+
+    Each lane picks its path-first candidate among its best and its shared slots scoring ``top``,
+    then the lanes compare theirs (:func:`_first_in_heap_order`). The winning lane swaps its held
+    best for the winner if they differ (same score). Returns (winner slot, best_slot, best_info).
+    """
+    cand = int32(-1)
+    if best == top:
+        cand = int32(best_slot | ((best_info & RANK_MASK) << CAND_RANK_SHIFT))
+    for j in range(n_slots):
+        if slot_score[uint32(base + j)] == top:
+            q = int32(lane + (j << LANE_BITS))
+            rank = int32(slot_info[uint32(base + j)] & RANK_MASK)
+            if cand < 0 or _path_less(q, rank, cand & SLOT_MASK, cand >> CAND_RANK_SHIFT,
+                                      node_parent, node_rank, node_depth):
+                cand = int32(q | (rank << CAND_RANK_SHIFT))
+    winner = int32(_first_in_heap_order(cand, node_parent, node_rank, node_depth) & SLOT_MASK)
+    if lane == (winner & LANE_MASK) and winner != best_slot:
+        slot_score[uint32(base + (best_slot >> LANE_BITS))] = best  # held best back to its slot
+        slot_score[uint32(base + (winner >> LANE_BITS))] = NEG_INF
+        best_slot = winner
+        best_info = int32(slot_info[uint32(base + (winner >> LANE_BITS))])
+    return winner, best_slot, best_info
+
+
+@cuda.jit(device=True)
+def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
+                  slot_score, slot_info, node_parent, node_rank, node_depth):
+    """Warp 0: pop up to ``budget`` nodes in heap order; returns the number drafted.
+
+    Fills node_parent/node_rank/node_depth [1..n] and scores[b, 1..n]; slot_info's rank field
+    ends as each node's child count. Expects slot_score = -inf, slot_info = 0, the root record.
+
+    Lane state, in registers: its best candidate (score, slot, rank | depth << 16; its shared
+    slot reads -inf) and the best of its shared slots (``rest``, position ``rest_j``), kept
+    exact by every update in O(1) except one: when the lane's best is popped and the sibling
+    replacing it is worse than ``rest``, ``rest`` becomes the best and the new ``rest`` needs a
+    rescan of the slice (``stale``), done at the top of the next pop by that lane alone.
+    Integers are kept int32 and indices unsigned: numba's default int64 arithmetic and negative-
+    index checks would lengthen the per-pop instruction chain.
+    """
+    n_depth = int32(lp.shape[1])
+    k = int32(lp.shape[2])
+    lane = int32(cuda.laneid)
+    base = int32(lane * n_slots)  # this lane's slice of slot_score / slot_info
+    best = NEG_INF
+    best_slot = lane  # an idle lane's stand-in: its slots are all -inf, storing -inf is harmless
+    best_info = int32(SEED_INFO)
+    rest = NEG_INF
+    rest_j = int32(0)
+    stale = False
+    if lane == 0 and budget > 0:  # seed: rank path (0,), node 0's first child, slot 0
+        best = float64(lp_cache[0])
+        slot_info[0] = SEED_INFO
+    n = int32(0)
+    while n < budget:
+        if stale:
+            rest, rest_j = _rescan(slot_score, base, n_slots)
+            stale = False
+        cuda.syncwarp()  # converged: no divergence checks split the shuffles below
+        sibling, child = _successors(lp, lp_cache, kc, b, n_depth, k, best, best_info)
+        slot_word = best_slot
+        if rest == best and best != NEG_INF:  # the lane's slice holds its best score twice
+            slot_word |= TIE_FLAG
+        top = _warp_max_f64(best)
+        holders = cuda.ballot_sync(FULL_MASK, best == top)
+        win = int32(cuda.ffs(holders) - 1)
+        slot_word = int32(cuda.shfl_sync(FULL_MASK, slot_word, win))
+        info = int32(cuda.shfl_sync(FULL_MASK, best_info, win))  # popped: child `rank` of node p, depth d
+        child = cuda.shfl_sync(FULL_MASK, child, win)
+        if top == NEG_INF:  # frontier exhausted (V < budget, spec §1.2)
+            break
+        p = int32(slot_word & SLOT_MASK)
+        if cuda.popc(holders) > 1 or slot_word & TIE_FLAG != 0:  # an exact tie: slow path
+            p, best_slot, best_info = _resolve_tie(top, lane, base, n_slots, best, best_slot, best_info,
+                                                   slot_score, slot_info, node_parent, node_rank,
+                                                   node_depth)
+            win = int32(p & LANE_MASK)
+            if lane == win:  # its best may have changed: redo the fast path's lane-local work
+                sibling, child = _successors(lp, lp_cache, kc, b, n_depth, k, best, best_info)
+                rest, rest_j = _rescan(slot_score, base, n_slots)
+            info = int32(cuda.shfl_sync(FULL_MASK, best_info, win))
+            child = cuda.shfl_sync(FULL_MASK, child, win)
+        i = int32(n + 1)
+        node_parent[uint32(i)] = p  # same values from every lane: each lane reads its own write
+        node_rank[uint32(i)] = info & RANK_MASK
+        node_depth[uint32(i)] = info >> DEPTH_SHIFT
+        if lane == 0:
+            scores[uint32(b), uint32(i)] = top
+        if lane == win:  # slot p moves on to sibling rank + 1; best = max(rest, sibling)
+            slot_info[uint32(base + (p >> LANE_BITS))] = info + 1
+            if sibling >= rest:  # the sibling stays in registers, slot p reads -inf
+                best = sibling
+                best_info = int32(info + 1)
+            else:  # the sibling goes to slot p, `rest` comes out of shared memory
+                slot_score[uint32(base + (p >> LANE_BITS))] = sibling
+                slot_score[uint32(base + rest_j)] = NEG_INF
+                best = rest
+                best_slot = int32(lane + (rest_j << LANE_BITS))
+                best_info = int32(slot_info[uint32(base + rest_j)])
+                stale = True
+        if lane == int32(i & LANE_MASK) and i < budget:  # slot i opens: node i's first child
+            child_info = int32(((info >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT)
+            slot_info[uint32(base + (i >> LANE_BITS))] = child_info
+            if child > best:  # the held best goes to its shared slot and is the new `rest`
+                slot_score[uint32(base + (best_slot >> LANE_BITS))] = best
+                rest = best
+                rest_j = int32(best_slot >> LANE_BITS)
+                best = child
+                best_slot = i
+                best_info = child_info
+            else:
+                slot_score[uint32(base + (i >> LANE_BITS))] = child
+                if child > rest:
+                    rest = child
+                    rest_j = int32(i >> LANE_BITS)
+        n = i
+    return n
+
+
+@cuda.jit(device=True)
+def _child_count(q, size, n_slots, slot_info):
+    """Children of node q: the rank field of its slot (the next child it would pop).
+
+    The last node has none (nothing was popped after it, and it may have no slot).
+    """
+    if q >= size - 1:
+        return int32(0)
+    return int32(slot_info[uint32((q & LANE_MASK) * n_slots + (q >> LANE_BITS))] & RANK_MASK)
+
+
+@cuda.jit(device=True)
+def _child_offsets(size, n_slots, slot_info, child_start):
+    """Warp 0: child_start[q] = sum of child counts of nodes < q, for q in 0..size.
+
+    Lane l scans a contiguous chunk; the lane offsets come from a warp scan.
+    """
+    lane = int32(cuda.laneid)
+    chunk = (size + WARP_SIZE - 1) // WARP_SIZE
+    first = lane * chunk
+    last = min(first + chunk, size)
+    local = int32(0)
+    for q in range(first, last):
+        local += _child_count(q, size, n_slots, slot_info)
+    running = int32(warp_inclusive_scan_i32(local) - local)
+    for q in range(first, last):
+        child_start[q] = running
+        running += _child_count(q, size, n_slots, slot_info)
+    if lane == 0:
+        child_start[size] = size - 1  # every node but the root is somebody's child
+
+
+@cuda.jit(device=True)
+def _lp_flat(lp, b, kc, idx, n_cached):
+    """lp[b, idx // kc, idx % kc] for idx < n_cached, else 0 (a lane past the cache's end)."""
+    if idx >= n_cached:
+        return float32(0.0)
+    row = uint32(idx) // uint32(kc)  # unsigned: a 32-bit division, not a 64-bit call
+    return lp[uint32(b), row, uint32(idx) - row * uint32(kc)]
+
+
+@cuda.jit(device=True)
+def _fill_lp_cache(lp, b, kc, n_cached, tid, n_threads, lp_cache):
+    """lp_cache[d * kc + r] = lp[b, d, r] for r < kc; FILL_UNROLL global loads in flight per thread."""
+    staged = cuda.local.array(FILL_UNROLL, float32)  # registers once the loops are unrolled
+    for i0 in range(tid, n_cached, FILL_UNROLL * n_threads):
+        for u in range(FILL_UNROLL):
+            staged[u] = _lp_flat(lp, b, kc, i0 + u * n_threads, n_cached)
+        for u in range(FILL_UNROLL):
+            if i0 + u * n_threads < n_cached:
+                lp_cache[i0 + u * n_threads] = staged[u]
+
+
+@cuda.jit(device=True)
+def _write_outputs(b, size, n_depth, ids, past_lens, root_tokens, tokens, parents, depths, ranks,
+                   scores, positions, visibility, node_parent, node_rank, node_depth, tid, n_threads):
+    """All threads: per-node rows and the packed visibility of request b (padding past ``size``)."""
+    cap = tokens.shape[1]
+    n_words = visibility.shape[2]
+    past = past_lens[b]
+    for i in range(tid, cap, n_threads):
+        if i < size:
+            d = int32(node_depth[i])
+            rank = int32(node_rank[i])
+            if i == 0:
+                tokens[b, i] = root_tokens[b]
+                scores[b, i] = 0.0
+            else:
+                tokens[b, i] = ids[b, d - 1, rank]
+            parents[b, i] = node_parent[i]
+            depths[b, i] = d
+            ranks[b, i] = rank
+            positions[b, i] = past + d
+        else:  # padding node (reference TreeBatch)
+            tokens[b, i] = -1
+            parents[b, i] = -1
+            depths[b, i] = 0
+            ranks[b, i] = 0
+            scores[b, i] = 0.0
+            positions[b, i] = past
+    for idx in range(tid, cap * n_words, n_threads):
+        i = idx // n_words
+        word = idx - i * n_words
+        low = word * WORD_BITS
+        bits = int64(0)
+        if i < size:  # ancestors have decreasing indices: stop below the word
+            j = int32(i)
+            while j >= low:
+                if j < low + WORD_BITS:
+                    bits |= int64(1) << (j - low)
+                j = int32(node_parent[j])
+        elif i >= low and i < low + WORD_BITS:  # a padding node sees itself only
+            bits = int64(1) << (i - low)
+        visibility[b, i, word] = uint32(bits)
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+def _lp_cache_words(n_slots: int) -> int:
+    """float32 words of lp cache left in SHARED_BYTES by the other arrays of variant ``n_slots``."""
+    nodes = WARP_SIZE * n_slots + 1
+    other = (WARP_SIZE * n_slots * (8 + 4)  # slot_score float64, slot_info int32
+             + 3 * 2 * nodes + 2 * (nodes + 1)  # node_parent/rank/depth, child_start (int16)
+             + 4 + 4 * 8)  # tree_size; alignment padding between arrays
+    return (SHARED_BYTES - other) // 4 // WARP_SIZE * WARP_SIZE
+
+
+def _make_kernel(n_slots: int, lp_words: int | None = None):
+    """The tree-build kernel for ``n_slots`` frontier slots per lane (capacity <= 32 * n_slots + 1).
+
+    ``lp_words``: lp cache size (default: all the shared memory left; tests shrink it to reach
+    the global-memory path).
+    """
+    slot_words = WARP_SIZE * n_slots
+    max_nodes = slot_words + 1
+    node_slots = max_nodes + 1  # child_start needs one entry past the last node
+    lp_words = _lp_cache_words(n_slots) if lp_words is None else lp_words
+
+    @cuda.jit
+    def tree_build_kernel(lp, ids, budgets, past_lens, root_tokens,
+                          sizes, tokens, parents, depths, ranks, scores, positions,
+                          visibility, child_ptr, child_index):
+        """One block per request b: build its draft tree and write every output row b.
+
+        Inputs: lp float32 [bs, L, K], ids int32 [bs, L, K], budgets / past_lens / root_tokens
+        int32 [bs]. Outputs (capacity N <= 32 * n_slots + 1): sizes int32 [bs]; tokens, parents,
+        depths, ranks, positions int32 [bs, N]; scores float64 [bs, N]; visibility uint32
+        [bs, N, ceil(N / 32)]; child_ptr int32 [bs, N + 1]; child_index int32 [bs, N].
+        Budgets are clamped to [0, N - 1].
+        """
+        slot_score = cuda.shared.array(slot_words, float64)  # [32, S] lane-major frontier scores
+        slot_info = cuda.shared.array(slot_words, int32)  # [32, S] rank | depth << 16 per slot
+        node_parent = cuda.shared.array(max_nodes, int16)  # [N]
+        node_rank = cuda.shared.array(max_nodes, int16)  # [N]
+        node_depth = cuda.shared.array(max_nodes, int16)  # [N]
+        child_start = cuda.shared.array(node_slots, int16)  # [N + 1] CSR offsets
+        lp_cache = cuda.shared.array(lp_words, float32)  # [L, kc] first kc ranks per depth
+        tree_size = cuda.shared.array(1, int32)  # n_nodes, from warp 0 to the block
+
+        b = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        n_threads = cuda.blockDim.x
+        n_depth = lp.shape[1]
+        k = lp.shape[2]
+        cap = tokens.shape[1]
+        budget = int32(min(max(budgets[b], 0), cap - 1))
+        kc = int32(0)
+        if n_depth == 0 or k == 0:
+            budget = int32(0)
+        else:
+            kc = int32(min(k, lp_words // n_depth))
+
+        for q in range(tid, slot_words, n_threads):
+            slot_score[q] = NEG_INF
+            slot_info[q] = 0
+        _fill_lp_cache(lp, b, kc, n_depth * kc, tid, n_threads, lp_cache)
+        if tid == 0:
+            node_parent[0] = -1
+            node_rank[0] = 0
+            node_depth[0] = 0
+        cuda.syncthreads()  # empty frontier, root record and lp cache ready for warp 0
+
+        if tid < WARP_SIZE:
+            n = _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
+                              slot_score, slot_info, node_parent, node_rank, node_depth)
+            if tid == 0:
+                tree_size[0] = n + 1
+        cuda.syncthreads()  # the tree's topology is final
+
+        size = tree_size[0]
+        if tid < WARP_SIZE:
+            _child_offsets(size, n_slots, slot_info, child_start)
+        if tid == 0:
+            sizes[b] = size
+        _write_outputs(b, size, n_depth, ids, past_lens, root_tokens, tokens, parents, depths, ranks,
+                       scores, positions, visibility, node_parent, node_rank, node_depth, tid, n_threads)
+        cuda.syncthreads()  # child_start ready
+
+        for q in range(tid, cap + 1, n_threads):
+            child_ptr[b, q] = child_start[min(q, size)]
+        for i in range(tid, cap, n_threads):
+            if i >= 1 and i < size:
+                child_index[b, child_start[node_parent[i]] + node_rank[i]] = i
+            if i >= size - 1:  # past the size - 1 real children
+                child_index[b, i] = -1
+
+    return tree_build_kernel
+
+
+_SIGNATURE = (
+    float32[:, :, ::1], int32[:, :, ::1], int32[::1], int32[::1], int32[::1],
+    int32[::1], int32[:, ::1], int32[:, ::1], int32[:, ::1], int32[:, ::1], float64[:, ::1],
+    int32[:, ::1], uint32[:, :, ::1], int32[:, ::1], int32[:, ::1],
+)
+
+
+def _kernel_name(n_slots: int) -> str:
+    """Registry name: ``tree_build`` for the full-capacity variant, ``tree_build_s{S}`` otherwise."""
+    return "tree_build" if n_slots == SLOT_CLASSES[-1] else f"tree_build_s{n_slots}"
+
+
+tree_build_kernels = {  # slots per lane -> kernel
+    n_slots: register(_kernel_name(n_slots), _make_kernel(n_slots), (_SIGNATURE,),
+                      f"best-first DDTree build, one block per request, capacity <= "
+                      f"{WARP_SIZE * n_slots + 1}: nodes, positions, visibility, CSR",
+                      block_threads=MAX_THREADS)
+    for n_slots in SLOT_CLASSES
+}
+
+
+# --- host side -------------------------------------------------------------------------------
+
+def _device_array_types() -> tuple[type, ...]:
+    """numba's device-array class (the simulator's FakeCUDAArray under the simulator)."""
+    module = cuda.devicearray
+    return tuple(getattr(module, name) for name in ("DeviceNDArray", "FakeCUDAArray") if hasattr(module, name))
+
+
+_DEVICE_ARRAYS = _device_array_types()
+
+
+def _require_positive_int(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class TreeBuildPlan:
+    """Shapes and launch configuration of one batch shape (from :func:`plan`).
+
+    Attributes:
+        batch_size: requests bs (one block each).
+        horizon: draft positions L (top-k rows per request).
+        top_k: candidates K per row.
+        capacity: padded node count N = 1 + the largest budget the batch may use (<= 1025).
+        threads: threads per block (a multiple of 32; warp 0 selects, all write the outputs).
+    """
+
+    batch_size: int
+    horizon: int
+    top_k: int
+    capacity: int
+    threads: int
+
+    @property
+    def n_words(self) -> int:
+        """uint32 words per visibility row, ceil(N / 32)."""
+        return -(-self.capacity // WORD_BITS)
+
+    @property
+    def slots_per_lane(self) -> int:
+        """Frontier slots per lane of the kernel variant used: the smallest with 32 * S >= N - 1."""
+        return next(s for s in SLOT_CLASSES if WARP_SIZE * s >= self.capacity - 1)
+
+    @property
+    def cached_ranks(self) -> int:
+        """Ranks per depth held in shared memory (the rest are read from global memory)."""
+        return min(self.top_k, _lp_cache_words(self.slots_per_lane) // self.horizon) if self.horizon else 0
+
+    def output_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Name -> (shape, dtype) of every output buffer."""
+        bs, n = self.batch_size, self.capacity
+        i32 = np.dtype(np.int32)
+        return {
+            "sizes": ((bs,), i32),
+            "tokens": ((bs, n), i32),
+            "parents": ((bs, n), i32),
+            "depths": ((bs, n), i32),
+            "ranks": ((bs, n), i32),
+            "scores": ((bs, n), np.dtype(np.float64)),
+            "positions": ((bs, n), i32),
+            "visibility": ((bs, n, self.n_words), np.dtype(np.uint32)),
+            "child_ptr": ((bs, n + 1), i32),
+            "child_index": ((bs, n), i32),
+        }
+
+
+def plan(batch_size: int, horizon: int, top_k: int, capacity: int, *,
+         threads: int = DEFAULT_THREADS) -> TreeBuildPlan:
+    """Fix the shapes and the launch for a batch shape (once per batch shape, not per round).
+
+    Args:
+        batch_size: bs >= 1.
+        horizon: L in [0, MAX_HORIZON] (L = 0 builds root-only trees).
+        top_k: K >= 0 (K = 0 builds root-only trees).
+        capacity: N in [1, MAX_NODES]; pass 1 + max budget so every round fits one CUDA graph.
+        threads: threads per block, a multiple of 32 in [32, MAX_THREADS].
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    batch_size = _require_positive_int(batch_size, "batch_size", 1)
+    horizon = _require_positive_int(horizon, "horizon", 0, MAX_HORIZON)
+    top_k = _require_positive_int(top_k, "top_k", 0)
+    capacity = _require_positive_int(capacity, "capacity", 1, MAX_NODES)
+    threads = _require_positive_int(threads, "threads", WARP_SIZE, MAX_THREADS)
+    if threads % WARP_SIZE:
+        raise ValueError(f"threads must be a multiple of {WARP_SIZE}, got {threads}")
+    return TreeBuildPlan(batch_size, horizon, top_k, capacity, threads)
+
+
+@dataclass(frozen=True)
+class TreeBuildOutputs:
+    """Caller-owned output buffers (device arrays; NumPy arrays also work, with copies).
+
+    Shapes and dtypes: see :meth:`TreeBuildPlan.output_shapes`; padding as ``reference.TreeBatch``
+    (tokens here are int32), positions = past_len + depth (padding: past_len).
+    """
+
+    sizes: Any
+    tokens: Any
+    parents: Any
+    depths: Any
+    ranks: Any
+    scores: Any
+    positions: Any
+    visibility: Any
+    child_ptr: Any
+    child_index: Any
+
+    def to_host(self) -> dict[str, np.ndarray]:
+        """Every buffer copied to a NumPy array (synchronises; for tests and tools)."""
+        return {f.name: _to_host(getattr(self, f.name)) for f in fields(self)}
+
+
+def _to_host(array: Any) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else array.copy_to_host()
+
+
+def allocate_outputs(tree_plan: TreeBuildPlan, stream: Any = 0) -> TreeBuildOutputs:
+    """Fresh device buffers for ``tree_plan`` (allocate once, reuse every round)."""
+    if not isinstance(tree_plan, TreeBuildPlan):
+        raise TypeError(f"tree_plan must be a TreeBuildPlan, got {type(tree_plan).__name__}")
+    return TreeBuildOutputs(**{
+        name: cuda.device_array(shape, dtype, stream=stream)
+        for name, (shape, dtype) in tree_plan.output_shapes().items()
+    })
+
+
+def _as_kernel_array(value: Any, name: str) -> Any:
+    """A NumPy or numba device array as is; another CUDA-array-interface object as a numba view."""
+    if isinstance(value, (np.ndarray,) + _DEVICE_ARRAYS):
+        return value
+    if hasattr(value, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(value)
+    raise TypeError(f"{name} must be a NumPy array or a CUDA device array, got {type(value).__name__}")
+
+
+def _check_array(value: Any, name: str, dtype: type, shape: tuple[int, ...]) -> Any:
+    """``value`` as a kernel argument with exactly ``dtype`` and ``shape``, C-contiguous."""
+    array = _as_kernel_array(value, name)
+    if np.dtype(array.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(array.dtype)}")
+    if tuple(array.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(array.shape)}")
+    itemsize = np.dtype(dtype).itemsize
+    for axis, extent in enumerate(shape):  # axes of extent 1 may have any stride, as in NumPy
+        if extent > 1 and math.prod(shape) > 0 and array.strides[axis] != itemsize * math.prod(shape[axis + 1:]):
+            raise ValueError(f"{name} must be C-contiguous")
+    return array
+
+
+def _check_host_values(lp: Any, ids: Any, budgets: Any, past_lens: Any, roots: Any, capacity: int) -> None:
+    """Value checks, done only on NumPy inputs (device inputs would need a copy and a sync)."""
+    if isinstance(lp, np.ndarray) and not np.isfinite(lp).all():
+        raise ValueError("top_log_probs must be finite (-inf makes the sibling recurrence NaN, spec §1.2)")
+    if isinstance(ids, np.ndarray) and ids.size:
+        if (ids < 0).any():
+            raise ValueError("top_ids must be >= 0")
+        if (np.diff(np.sort(ids, axis=-1), axis=-1) == 0).any():
+            raise ValueError("top_ids must be unique within each (request, position) row")
+    if isinstance(budgets, np.ndarray) and ((budgets < 0) | (budgets > capacity - 1)).any():
+        raise ValueError(f"budgets must be in [0, capacity - 1 = {capacity - 1}]")
+    if isinstance(past_lens, np.ndarray) and (past_lens < 0).any():
+        raise ValueError("past_lens must be >= 0")
+    if isinstance(roots, np.ndarray) and (roots < -1).any():
+        raise ValueError("root_tokens must be >= -1")
+
+
+def run(tree_plan: TreeBuildPlan, top_log_probs: Any, top_ids: Any, budgets: Any, past_lens: Any,
+        root_tokens: Any, out: TreeBuildOutputs, stream: Any = 0) -> TreeBuildOutputs:
+    """Build every request's draft tree into ``out`` with one launch.
+
+    Args:
+        tree_plan: from :func:`plan`.
+        top_log_probs: float32 [bs, L, K], finite, each row sorted as ``reference.topk_log_probs``.
+        top_ids: int32 [bs, L, K], >= 0, unique within each row.
+        budgets: int32 [bs], in [0, N - 1] (the kernel also clamps to this range).
+        past_lens: int32 [bs], >= 0 (positions = past_len + depth).
+        root_tokens: int32 [bs], the previous bonus tokens (-1 if unknown).
+        out: buffers from :func:`allocate_outputs` (or matching arrays).
+        stream: 0 / None, a numba stream, or a cuda.core Stream / GraphBuilder.
+
+    Values are checked only for NumPy inputs; device inputs are trusted (no host sync).
+
+    Returns:
+        ``out``, filled: node i of request b has parent, depth, rank, token, score, position,
+        a visibility row, and children ``child_index[b, child_ptr[b, i]:child_ptr[b, i + 1]]``.
+    """
+    if not isinstance(tree_plan, TreeBuildPlan):
+        raise TypeError(f"tree_plan must be a TreeBuildPlan, got {type(tree_plan).__name__}")
+    if not isinstance(out, TreeBuildOutputs):
+        raise TypeError(f"out must be a TreeBuildOutputs, got {type(out).__name__}")
+    bs, n_depth, k = tree_plan.batch_size, tree_plan.horizon, tree_plan.top_k
+    lp = _check_array(top_log_probs, "top_log_probs", np.float32, (bs, n_depth, k))
+    ids = _check_array(top_ids, "top_ids", np.int32, (bs, n_depth, k))
+    budgets = _check_array(budgets, "budgets", np.int32, (bs,))
+    past_lens = _check_array(past_lens, "past_lens", np.int32, (bs,))
+    roots = _check_array(root_tokens, "root_tokens", np.int32, (bs,))
+    buffers = [_check_array(getattr(out, name), f"out.{name}", dtype, shape)
+               for name, (shape, dtype) in tree_plan.output_shapes().items()]
+    _check_host_values(lp, ids, budgets, past_lens, roots, tree_plan.capacity)
+    launch(tree_build_kernels[tree_plan.slots_per_lane], bs, tree_plan.threads, stream, 0,
+           lp, ids, budgets, past_lens, roots, *buffers)
+    return out
