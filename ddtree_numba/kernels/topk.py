@@ -1,0 +1,896 @@
+"""Fused log-softmax top-k over the vocabulary (spec §1.2; limits §6, "fused per-chunk top-K + merge").
+
+For each of R rows of drafter logits ``[R, V]`` (float32, or bf16 passed as uint16 bit patterns,
+limits §4) this computes ``reference.topk_log_probs``: the k' = min(k, V) largest logits ordered by
+logit descending, equal logits by lower token id, and their log-probabilities
+``logit - logsumexp(row)``. The logits are read from HBM once.
+
+Algorithm. A row is split into ``n_chunks`` chunks; one block per (chunk, row):
+
+1. *Stream.* Each thread reads four 64-bit words per iteration (16 bf16 or 8 fp32 elements;
+   8 scalar words when V is not a multiple of the packing), keeps an online ``(max, sum of
+   exp)`` pair (float32 terms, float64 running sum) and the minimum (for the NaN/inf check).
+   Software pipeline: the next iteration's words are loaded before the current ones are
+   processed, so every thread always has 32 bytes in flight, across the iteration's barrier.
+2. *Filter.* Every element is a 64-bit **composite** ``(order_key(logit) << 32) | (2^32-1 - id)``:
+   composites are unique and their unsigned order is exactly the reference order (value
+   descending, then id ascending), so ties never need special handling, across chunk boundaries
+   included. The block keeps a candidate buffer in shared memory and a threshold T that is a lower
+   bound on the chunk's k'-th largest composite; elements below T cannot be in the top k' and are
+   dropped with one float compare (on the thread's batch maximum first). Survivors are appended
+   with a shared atomic (their word re-read from L1 by a loop over the set bits of a candidate
+   mask); when the buffer overflows it is *compacted*: bitonic-sorted, cut to its k' largest,
+   and T raised to the k'-th. Overflowing threads keep their candidates (mask bits) and retry,
+   so the buffer size is independent of the block size; one block barrier per iteration when
+   nothing overflows. Iteration 0 seeds T with the k'-th largest of the threads' first maxima
+   (then empties the buffer), so on typical logits only ~k' ln(V / k') elements per row ever
+   reach the buffer.
+3. *Finish.* With one chunk per row (the plan's choice for large batches) the block sorts its
+   buffer and writes values and ids directly. Otherwise it writes its top-k' composites and
+   ``(max, sum)`` to the workspace and a merge kernel (one block per row) combines the log-sum-exps
+   and runs the same filter over the ``n_chunks * k'`` candidates.
+
+Cost: one read of the logits plus ~7 instructions per element (unpack, subtract, scale, ex2,
+add, max, min); the compactions are amortised over the chunk. Launch bounds cap the chunk kernel
+at 64 registers (no spills, checked for sm_90 and sm_120): 4 blocks of 256 threads per SM. Worst case (logits ascending along the row, every element a new top-k') each
+element reaches the buffer and the kernel is compaction-bound: still exact, just slower.
+
+Precision (the stated tolerance): each exp is ``ex2.approx`` of a float32 argument, summed in
+float32 over 16 elements and in float64 beyond; the log-sum-exp is formed in float64. The error of
+the log-sum-exp is below ~1e-6 and the final float32 rounding adds one ulp, so
+``|value - reference| <= VALUE_ATOL + VALUE_RTOL * |reference|``. Ids are bit-exact. (A NumPy
+emulation of this arithmetic at V = 163840, Gaussian and peaked rows, gave log-sum-exp errors
+<= 1.2e-7; VALUE_ATOL leaves room for ex2.approx's 2^-22 relative error bound.) -0.0 ranks as
++0.0, as in the reference's float comparison.
+
+Non-finite logits. The reference rejects NaN/inf; here each block detects them in the same pass
+(a NaN makes the float64 sum NaN, +inf makes it NaN through inf - inf, -inf shows in the minimum)
+and the finishing block writes a per-row error flag to the workspace. ``run_topk(check=True)``
+reads the flags back (one device-to-host copy, i.e. a stream sync) and raises ``ValueError``
+naming 'logits'; pass ``check=False`` inside CUDA-graph capture and call :func:`check_topk_errors`
+after the replay. Outputs of a flagged row are unspecified.
+
+Public API (FlashInfer-style plan/run split, stack §8): :class:`TopKPlan`, :func:`plan_topk`,
+:func:`run_topk`, :func:`check_topk_errors`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, float64, int32, int64, uint16, uint32, uint64
+
+from sim.install import simulator_active
+from sim.launch import launch
+
+from .registry import register
+
+__all__ = [
+    "TopKPlan", "plan_topk", "run_topk", "check_topk_errors", "VALUE_ATOL", "VALUE_RTOL", "MAX_K", "WORDS_PER_THREAD",
+]
+
+# --- tolerances and limits --------------------------------------------------------------------
+VALUE_ATOL = 2e-6  # log-sum-exp error budget (approximate exp, float32 terms)
+VALUE_RTOL = 2.5e-7  # ~2 ulp of float32: the reference rounds float64 -> float32 once too
+MAX_K = 1024  # largest k' = min(k, V) (issue: "K up to 1024")
+MAX_THREADS = 256  # launch bound and static reduction scratch; block sizes are powers of two up to this
+MIN_THREADS = 32
+MAX_REGISTERS = 64  # per thread in the chunk kernel (launch bounds)
+REGISTER_FILE = 65536  # 32-bit registers per SM (sm_90, sm_120)
+DEFAULT_THREADS = 256
+MAX_CAPACITY = 4096  # candidate buffer entries: 32 KiB of uint64 (+ 4 KiB static) < 48 KiB (limits §4)
+CAPACITY_PER_K = 4  # buffer of ~4 k' entries: each compaction absorbs >= 3 k' new candidates
+WORDS_PER_THREAD = 4  # uint64 words each thread loads per iteration (32 B; 8 would spill at 64 registers)
+SCALAR_ELEMS_PER_THREAD = 8  # elements per thread per iteration on the one-element-per-load path
+DEFAULT_SM_COUNT = 132  # H200; used when no GPU can be asked
+BLOCKS_PER_SM = 4  # resident 256-thread blocks per SM at <= 64 registers: one wave = SMs x 4
+MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
+
+# --- composite keys and sentinels ----------------------------------------------------------------
+SIGN_BIT = uint32(0x80000000)
+ALL_32 = uint32(0xFFFFFFFF)
+EXP_BITS_32 = 0x7F800000  # all-ones exponent: inf or NaN
+EXP_BITS_64 = 0x7FF0000000000000
+ID_MASK = uint64(0xFFFFFFFF)
+SHIFT_32 = uint64(32)
+EMPTY = uint64(0)  # no candidate: a real composite has a nonzero key or id field
+REJECT_ALL = uint64(0xFFFFFFFFFFFFFFFF)  # threshold for k' = 0: nothing is a candidate
+# The kernels use fastmath (ftz, approximate exp), under which the compiler may assume no
+# infinities or NaNs; so the sentinels are finite and the NaN/inf check reads bit patterns.
+LOWEST = float32(np.finfo(np.float32).min)
+HIGHEST = float32(np.finfo(np.float32).max)
+
+_WORD_BYTES = 8  # the packed path reads uint64 words
+_ELEM_BITS = {"float32": 32, "bfloat16": 16}
+_ELEM_DTYPE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
+_NARROW_WORD = {"float32": np.dtype(np.uint32), "bfloat16": np.dtype(np.uint16)}
+_EXP_OVERFLOW = 88.0  # exp(x) > float32 max beyond this
+
+# --- bit casts and exp: libdevice on the GPU, NumPy in the simulator (which has no libdevice) -----
+if simulator_active():
+
+    def _f32_from_bits(bits):
+        """float32 whose bit pattern is ``bits`` (uint32)."""
+        return np.uint32(bits).view(np.float32)
+
+    def _f32_bits(x):
+        """Bit pattern of float32 ``x``."""
+        return np.float32(x).view(np.uint32)
+
+    def _f64_bits(x):
+        """Bit pattern of float64 ``x``."""
+        return np.float64(x).view(np.uint64)
+
+    def _fast_exp(x):
+        """exp of a float32 as float32 (inf on overflow, like the GPU's ex2.approx)."""
+        return np.float32(math.exp(x)) if x < _EXP_OVERFLOW else np.float32(np.inf)
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def _f32_from_bits(bits):
+        """float32 whose bit pattern is ``bits`` (uint32): a register move."""
+        return libdevice.int_as_float(int32(bits))
+
+    _f32_bits = libdevice.float_as_int
+    _f64_bits = libdevice.double_as_longlong
+    _fast_exp = math.exp  # under fastmath: ex2.approx.ftz(x * log2 e), 3 instructions with the subtract
+
+
+# --- device functions -------------------------------------------------------------------------
+
+@cuda.jit(device=True, inline=True)
+def _order_key(bits):
+    """uint32 key whose unsigned order is the float order of the float32 with bit pattern ``bits``.
+
+    -0.0 maps to the key of +0.0: they compare equal in the reference, so the lower id wins.
+    """
+    if bits == SIGN_BIT:
+        return SIGN_BIT
+    if bits & SIGN_BIT:
+        return ~bits & ALL_32
+    return bits | SIGN_BIT
+
+
+@cuda.jit(device=True, inline=True)
+def _composite(bits, col):
+    """uint64 candidate: order key high, ``2^32-1 - col`` low (larger = earlier in top-k order)."""
+    return (uint64(_order_key(bits)) << SHIFT_32) | (ID_MASK - uint64(col))
+
+
+@cuda.jit(device=True, inline=True)
+def _composite_value(c):
+    """The float32 logit of composite ``c``."""
+    key = uint32(c >> SHIFT_32)
+    if key & SIGN_BIT:
+        return _f32_from_bits(key ^ SIGN_BIT)
+    return _f32_from_bits(~key & ALL_32)
+
+
+@cuda.jit(device=True, inline=True)
+def _composite_id(c):
+    """The token id of composite ``c``."""
+    return int32(ID_MASK - (c & ID_MASK))
+
+
+@cuda.jit(device=True, inline=True)
+def _non_finite_f32(x):
+    """True if float32 ``x`` is inf or NaN (from its bits: valid under fastmath)."""
+    return (_f32_bits(x) & EXP_BITS_32) == EXP_BITS_32
+
+
+@cuda.jit(device=True, inline=True)
+def _non_finite_f64(x):
+    """True if float64 ``x`` is inf or NaN (from its bits: valid under fastmath)."""
+    return (_f64_bits(x) & EXP_BITS_64) == EXP_BITS_64
+
+
+@cuda.jit(device=True)
+def _bitonic_sort_desc(buf, n2, tid, nt):
+    """Sort ``buf[:n2]`` (uint64, n2 a power of two) descending; every thread of the block calls."""
+    size = 2
+    while size <= n2:
+        stride = size // 2
+        while stride > 0:
+            i = tid  # strided while loops: a range() with a runtime step costs a 64-bit division
+            while i < n2 // 2:
+                lo = 2 * i - (i & (stride - 1))  # first index of pair i at this stride
+                hi = lo + stride
+                a = buf[lo]
+                b = buf[hi]
+                if (a < b) == ((lo & size) == 0):  # descending in even blocks, ascending in odd
+                    buf[lo] = b
+                    buf[hi] = a
+                i += nt
+            cuda.syncthreads()  # this compare-exchange layer is complete before the next reads it
+            stride //= 2
+        size *= 2
+
+
+@cuda.jit(device=True)
+def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt):
+    """Sort the candidate buffer, keep its k largest and raise the threshold to the k-th.
+
+    ``count[0]`` may exceed ``cap`` (pushes that found the buffer full); those candidates are
+    still held by their threads. Afterwards ``buf[:count[0]]`` is sorted descending,
+    ``count[0] = min(n, k)``, and ``thresh`` is the k-th largest composite if there were >= k
+    (unchanged, i.e. accept everything, otherwise; REJECT_ALL when k = 0).
+    """
+    n = min(count[0], cap)
+    n2 = 1
+    while n2 < n:
+        n2 *= 2
+    cuda.syncthreads()  # every thread has read count before it is rewritten below
+    i = n + tid
+    while i < n2:
+        buf[i] = EMPTY  # padding sorts last
+        i += nt
+    cuda.syncthreads()  # padding is written before the sort reads it
+    _bitonic_sort_desc(buf, n2, tid, nt)
+    if tid == 0:
+        count[0] = min(n, k)
+        if k == 0:
+            thresh[0] = REJECT_ALL
+            thresh_val[0] = HIGHEST
+        elif n >= k:
+            thresh[0] = buf[k - 1]
+            thresh_val[0] = _composite_value(buf[k - 1])
+    cuda.syncthreads()  # new count and threshold are visible to every thread
+
+
+@cuda.jit(device=True)
+def _push(buf, count, cap, c):
+    """Append composite ``c`` to the buffer; False when it is full (the caller retries later)."""
+    slot = cuda.atomic.add(count, 0, 1)
+    if slot < cap:
+        buf[slot] = c
+        return True
+    return False
+
+
+@cuda.jit(device=True)
+def _init_state(count, thresh, thresh_val, tid):
+    """Empty buffer, accept-everything threshold."""
+    if tid == 0:
+        count[0] = 0
+        thresh[0] = EMPTY
+        thresh_val[0] = LOWEST
+    cuda.syncthreads()  # state is initialised before any thread pushes
+
+
+@cuda.jit(device=True)
+def _block_max(v, scratch, tid, nt):
+    """Maximum of float64 ``v`` over the block (nt a power of two), on every thread."""
+    scratch[tid] = v
+    cuda.syncthreads()  # all values stored before the tree reads them
+    step = nt // 2
+    while step > 0:
+        if tid < step:
+            scratch[tid] = max(scratch[tid], scratch[tid + step])
+        cuda.syncthreads()  # this tree level is complete before the next reads it
+        step //= 2
+    out = scratch[0]
+    cuda.syncthreads()  # everyone has read the result before scratch is reused
+    return out
+
+
+@cuda.jit(device=True)
+def _block_sum(v, scratch, tid, nt):
+    """Sum of float64 ``v`` over the block (nt a power of two), on every thread."""
+    scratch[tid] = v
+    cuda.syncthreads()  # all values stored before the tree reads them
+    step = nt // 2
+    while step > 0:
+        if tid < step:
+            scratch[tid] += scratch[tid + step]
+        cuda.syncthreads()  # this tree level is complete before the next reads it
+        step //= 2
+    out = scratch[0]
+    cuda.syncthreads()  # everyone has read the result before scratch is reused
+    return out
+
+
+@cuda.jit(device=True)
+def _rescaled(s, m, big_m):
+    """``s * exp(m - big_m)`` in float64 (0 for an empty partial: s = 0, m = LOWEST)."""
+    return s * math.exp(float64(m) - float64(big_m))
+
+
+@cuda.jit(device=True)
+def _write_row(buf, lse, row, out_values, out_ids, tid, nt):
+    """Emit the sorted buffer head as (logit - lse, id) for the first ``out_values.shape[1]`` ranks."""
+    r = tid
+    while r < out_values.shape[1]:
+        c = buf[r]
+        out_values[row, r] = float32(float64(_composite_value(c)) - lse)
+        out_ids[row, r] = _composite_id(c)
+        r += nt
+
+
+# --- kernels ----------------------------------------------------------------------------------
+
+# Registers: at most 64 per thread, so 4 blocks of 256 threads fit an SM. Uncapped,
+# ptxas spends a register per in-flight exp of the unrolled loop (92-184) and halves occupancy.
+# The simulator rejects launch_bounds.
+_BOUNDS = {} if simulator_active() else {"launch_bounds": (MAX_THREADS, REGISTER_FILE // (MAX_THREADS * MAX_REGISTERS))}
+
+def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
+    """Chunk kernel for words of ``per_word`` packed elements of ``elem_bits`` bits, ``unroll`` words per thread.
+
+    Launch: grid (n_chunks, rows), block nt (power of two <= MAX_THREADS), dynamic shared memory
+    ``cap * 8`` bytes. Arguments::
+
+        words       [R, W] word_type   the logits, W = V / per_word (V % per_word == 0)
+        k           int32              k' = min(k, V)
+        cap         int32              candidate buffer entries (power of two, >= nt, >= 2 k')
+        chunk_words int32              words per chunk (the last chunk may be shorter)
+        cand        [R, C, kc] uint64  per-chunk top-k' composites (kc = max(k', 1)), C > 1 only
+        cmax        [R, C] float32     per-chunk max logit
+        csum        [R, C] float64     per-chunk sum of exp(logit - max)
+        cflag       [R, C] int32       per-chunk non-finite flag
+        out_values [R, k'] float32, out_ids [R, k'] int32, row_flags [R] int32   (C == 1 only)
+    """
+    assert unroll * per_word <= 32, "candidate masks have 32 bits"
+    elem_mask = (1 << elem_bits) - 1
+    widen = uint32(32 - elem_bits)  # a bf16 is the high half of its float32 (limits §4)
+    half_bits = uint64(32)
+
+    @cuda.jit(device=True, inline=True)
+    def element_bits(word, e):
+        """float32 bit pattern of element ``e`` (a compile-time constant) of ``word``.
+
+        64-bit words are split into 32-bit halves first: one shift or mask per element.
+        """
+        if per_word == 1:
+            return uint32(word) << widen
+        half = uint32(word) if e * elem_bits < 32 else uint32(uint64(word) >> half_bits)
+        shift = (e * elem_bits) % 32
+        return uint32((half >> uint32(shift)) & uint32(elem_mask)) << widen
+
+    @cuda.jit(device=True, inline=True)
+    def load_words(row_words, ws, base, nt, w_end):
+        """Issue this thread's loads of one iteration (words base + u nt) into ``ws``.
+
+        Out-of-range words are not read; their slots keep stale bits that the partial-iteration
+        code never looks at (it tests every word's position).
+        """
+        for u in range(unroll):
+            j = base + u * nt
+            if j < w_end:
+                ws[u] = row_words[uint64(j)]  # unsigned index: no negative-index wraparound code
+
+    @cuda.jit(device=True, inline=True)
+    def reduce_words(ws, base, nt, w_end, m, lo, check):
+        """(batch max, float32 sum of exp(x - m), min) over this iteration's elements.
+
+        ``check`` is False for full iterations (every word in bounds; the compiler drops the
+        tests) and True for the chunk's last, partial iteration.
+        """
+        bmax = LOWEST
+        bsum = float32(0.0)
+        for u in range(unroll):
+            if not check or base + u * nt < w_end:
+                for e in range(per_word):
+                    x = _f32_from_bits(element_bits(ws[u], e))
+                    bmax = max(bmax, x)
+                    lo = min(lo, x)
+                    bsum += _fast_exp(x - m)
+        return bmax, bsum, lo
+
+    @cuda.jit(device=True, inline=True)
+    def sum_words(ws, base, nt, w_end, m, check):
+        """float32 sum of exp(x - m) (the rare second pass after the running max rose)."""
+        bsum = float32(0.0)
+        for u in range(unroll):
+            if not check or base + u * nt < w_end:
+                for e in range(per_word):
+                    bsum += _fast_exp(_f32_from_bits(element_bits(ws[u], e)) - m)
+        return bsum
+
+    @cuda.jit(device=True, inline=True)
+    def first_max(ws, base, nt, w_end, bmax, check):
+        """Composite of this thread's first element equal to ``bmax`` (EMPTY if it has none)."""
+        c = EMPTY
+        for u in range(unroll):
+            j = base + u * nt
+            if not check or j < w_end:
+                for e in range(per_word):
+                    bits = element_bits(ws[u], e)
+                    if c == EMPTY and _f32_from_bits(bits) == bmax:
+                        c = _composite(bits, j * per_word + e)
+        return c
+
+    @cuda.jit(device=True, inline=True)
+    def above(ws, base, nt, w_end, t_val, check):
+        """Mask of this iteration's elements with logit >= ``t_val`` (bit u per_word + e)."""
+        mask = int64(0)
+        for u in range(unroll):
+            if not check or base + u * nt < w_end:
+                for e in range(per_word):
+                    if _f32_from_bits(element_bits(ws[u], e)) >= t_val:
+                        mask |= int64(1) << (u * per_word + e)
+        return mask
+
+    @cuda.jit(device=True)
+    def offer(row_words, base, nt, t_comp, buf, count, cap, todo):
+        """Push the elements of mask ``todo`` whose composite is >= ``t_comp``;
+        return the mask of those that found the buffer full (retried after a compaction).
+
+        A data-dependent loop over the set bits that re-reads each candidate's word (an L1 hit:
+        the thread loaded it just before). Taking it from the registers instead would need a
+        dynamic index (local memory) or an unrolled push per element (registers on the hot path).
+        """
+        left = int64(0)
+        while todo:
+            b = cuda.ffs(uint32(todo)) - 1  # lowest set bit (masks have <= 32 bits)
+            bit = int64(1) << b
+            todo ^= bit
+            u = b // per_word
+            e = b - u * per_word
+            j = base + u * nt
+            word = row_words[uint64(j)]
+            bits = uint32((uint64(word) >> uint64(e * elem_bits)) & uint64(elem_mask)) << widen
+            c = _composite(bits, j * per_word + e)
+            if c >= t_comp and not _push(buf, count, cap, c):
+                left |= bit
+        return left
+
+    @cuda.jit(device=True, inline=True)
+    def step(row_words, ws, base, nt, w_end, check, m, s, lo, first_iter, buf, count, thresh, thresh_val,
+             k, cap, tid):
+        """One iteration on the words in ``ws``: online log-sum-exp, then the threshold filter.
+
+        Returns the updated (m, s, lo). The threshold is read from shared memory (it changes only
+        in a compaction, which ends with a barrier) rather than kept in registers. One block
+        barrier in the common case (no buffer overflow); every thread of the block calls this.
+        """
+        # One pass against the running max m; the rare batch that raises m is summed again.
+        bmax, bsum, lo = reduce_words(ws, base, nt, w_end, m, lo, check)
+        if bmax > m:
+            s = _rescaled(s, m, bmax)
+            m = bmax
+            bsum = sum_words(ws, base, nt, w_end, m, check)
+        s += float64(bsum)
+
+        if first_iter:
+            # Seed: each thread offers its largest element; T becomes their k'-th largest. The
+            # buffer is then emptied: the filter below pushes the seeds again with the rest.
+            seed = first_max(ws, base, nt, w_end, bmax, check)
+            if seed != EMPTY:
+                _push(buf, count, cap, seed)  # nt <= cap: always fits
+            cuda.syncthreads()  # seeds are in the buffer before the compaction reads them
+            _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+            if tid == 0:
+                count[0] = 0
+            cuda.syncthreads()  # the emptied buffer is visible before anyone pushes
+            load_words(row_words, ws, base, nt, w_end)  # once per block: ws need not live across the sort
+
+        pending = int64(0)
+        t_val = thresh_val[0]
+        if bmax >= t_val:  # rare after the first iterations
+            pending = offer(row_words, base, nt, thresh[0], buf, count, cap,
+                            above(ws, base, nt, w_end, t_val, check))
+        while cuda.syncthreads_or(int32(pending != 0)):  # barrier: did any push find the buffer full?
+            _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)  # the buffer is full: cut it
+            pending = offer(row_words, base, nt, thresh[0], buf, count, cap, pending)
+        return m, s, lo
+
+    @cuda.jit(fastmath=True, **_BOUNDS)
+    def chunk_kernel(words, k, cap, chunk_words, cand, cmax, csum, cflag, out_values, out_ids, row_flags):
+        buf = cuda.shared.array(0, uint64)  # [cap] candidate composites (dynamic)
+        scratch = cuda.shared.array(MAX_THREADS, float64)  # block reductions
+        count = cuda.shared.array(1, int32)  # candidates pushed (may overshoot cap)
+        thresh = cuda.shared.array(1, uint64)  # composite threshold T
+        thresh_val = cuda.shared.array(1, float32)  # logit of T: the cheap first test
+        ws = cuda.local.array(unroll, word_type)  # words being processed (registers: static indices)
+        nxt = cuda.local.array(unroll, word_type)  # the next iteration's words, in flight meanwhile
+
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        chunk = cuda.blockIdx.x
+        row = cuda.blockIdx.y
+        w_begin = chunk * chunk_words
+        w_end = min(w_begin + chunk_words, words.shape[1])
+        span = unroll * nt
+        full_end = w_end - (w_end - w_begin) % span  # iterations before it have every word in bounds
+        row_words = words[row]  # [W] this row: keeps the row offset out of the loads
+        _init_state(count, thresh, thresh_val, tid)
+
+        m = LOWEST  # running max (finite sentinel, see LOWEST)
+        s = 0.0  # running sum of exp(x - m), float64
+        lo = HIGHEST  # running min: -inf shows here
+        # Software pipeline: the loads of iteration i + 1 are issued before iteration i is
+        # processed, so each thread always has one iteration of words in flight (limits §6).
+        load_words(row_words, nxt, w_begin + tid, nt, w_end)
+        block_base = w_begin
+        while block_base < full_end:  # uniform across the block: every thread runs every iteration
+            for u in range(unroll):
+                ws[u] = nxt[u]
+            base = block_base + tid
+            first_iter = block_base == w_begin
+            block_base += span
+            load_words(row_words, nxt, block_base + tid, nt, w_end)
+            m, s, lo = step(row_words, ws, base, nt, w_end, False, m, s, lo, first_iter,
+                            buf, count, thresh, thresh_val, k, cap, tid)
+        if block_base < w_end:  # the partial last iteration, already loaded (uniform)
+            m, s, lo = step(row_words, nxt, block_base + tid, nt, w_end, True, m, s, lo, block_base == w_begin,
+                            buf, count, thresh, thresh_val, k, cap, tid)
+
+        _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+        # NaN and +inf make the sum NaN (exp(NaN), inf - inf); -inf shows in the minimum.
+        bad = _non_finite_f32(lo) or _non_finite_f32(m) or _non_finite_f64(s)
+        any_bad = cuda.syncthreads_or(int32(bad))  # barrier: OR of the threads' flags
+        big_m = _block_max(float64(m), scratch, tid, nt)
+        total = _block_sum(_rescaled(s, m, big_m), scratch, tid, nt)
+        if cuda.gridDim.x == 1:
+            _write_row(buf, big_m + math.log(total), row, out_values, out_ids, tid, nt)
+            if tid == 0:
+                row_flags[row] = 1 if any_bad else 0
+        else:
+            r = tid
+            while r < cand.shape[2]:
+                cand[row, chunk, r] = buf[r] if r < count[0] else EMPTY
+                r += nt
+            if tid == 0:
+                cmax[row, chunk] = float32(big_m)
+                csum[row, chunk] = total
+                cflag[row, chunk] = 1 if any_bad else 0
+
+    return chunk_kernel
+
+
+@cuda.jit
+def merge_kernel(cand, cmax, csum, cflag, k, cap, out_values, out_ids, row_flags):
+    """Merge the chunks of each row: one block per row, grid (rows,), dynamic smem ``cap * 8``.
+
+    Combines the chunk log-sum-exps (float64) and selects the k' largest of the
+    ``C * kc`` candidate composites with the same threshold filter as the chunk kernel.
+    Arguments as in the chunk kernel.
+    """
+    buf = cuda.shared.array(0, uint64)  # [cap] candidate composites (dynamic)
+    scratch = cuda.shared.array(MAX_THREADS, float64)  # block reductions
+    count = cuda.shared.array(1, int32)  # candidates pushed (may overshoot cap)
+    thresh = cuda.shared.array(1, uint64)  # composite threshold T
+    thresh_val = cuda.shared.array(1, float32)  # kept by _compact; the merge needs no value test
+
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    row = cuda.blockIdx.x
+    n_chunks = cand.shape[1]
+    kc = cand.shape[2]
+    _init_state(count, thresh, thresh_val, tid)
+
+    m = LOWEST
+    bad = 0
+    ch = tid
+    while ch < n_chunks:
+        m = max(m, cmax[row, ch])
+        bad |= cflag[row, ch]
+        ch += nt
+    any_bad = cuda.syncthreads_or(int32(bad))  # barrier: OR of the chunk flags
+    big_m = _block_max(float64(m), scratch, tid, nt)
+    s = 0.0
+    ch = tid
+    while ch < n_chunks:
+        s += _rescaled(csum[row, ch], cmax[row, ch], big_m)
+        ch += nt
+    total = _block_sum(s, scratch, tid, nt)
+
+    n_cand = n_chunks * kc
+    t_comp = EMPTY
+    first_iter = True
+    block_base = 0
+    while block_base < n_cand:  # uniform across the block
+        f = block_base + tid
+        block_base += nt
+        c = EMPTY
+        if f < n_cand:
+            c = cand[row, f // kc, f % kc]
+        skip = EMPTY
+        if first_iter:
+            first_iter = False
+            if c != EMPTY:
+                _push(buf, count, cap, c)  # nt <= cap: always fits
+            cuda.syncthreads()  # seeds are in the buffer before the compaction reads them
+            _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+            t_comp = thresh[0]
+            skip = c
+        pending = int32(1) if c != EMPTY and c >= t_comp and c != skip else int32(0)
+        while cuda.syncthreads_or(pending):  # barrier: does any thread still hold a candidate?
+            if pending and _push(buf, count, cap, c):
+                pending = int32(0)
+            cuda.syncthreads()  # pushes are done before count is read
+            if count[0] > cap:
+                _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+                t_comp = thresh[0]
+                if c < t_comp:
+                    pending = int32(0)  # beaten by the raised threshold
+
+    _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+    _write_row(buf, big_m + math.log(total), row, out_values, out_ids, tid, nt)
+    if tid == 0:
+        row_flags[row] = 1 if any_bad else 0
+
+
+# --- registration: the real launch signatures ------------------------------------------------
+
+def _chunk_signature(word_type) -> tuple:
+    return (
+        word_type[:, ::1], int32, int32, int32, uint64[:, :, ::1], float32[:, ::1], float64[:, ::1],
+        int32[:, ::1], float32[:, ::1], int32[:, ::1], int32[::1],
+    )
+
+
+_CHUNK_KERNELS: dict[tuple[str, bool], Any] = {}
+for _dtype, _elem_bits in _ELEM_BITS.items():
+    for _packed in (True, False):
+        _per_word = _WORD_BYTES * 8 // _elem_bits if _packed else 1
+        _unroll = WORDS_PER_THREAD if _packed else SCALAR_ELEMS_PER_THREAD
+        _word_type = uint64 if _packed else {16: uint16, 32: uint32}[_elem_bits]
+        _name = f"topk_chunk_{'bf16' if _elem_bits == 16 else 'f32'}_{'packed' if _packed else 'scalar'}"
+        _CHUNK_KERNELS[_dtype, _packed] = register(
+            _name,
+            _make_chunk_kernel(_per_word, _elem_bits, _word_type, _unroll),
+            (_chunk_signature(_word_type),),
+            f"fused log-softmax top-k, one (chunk, row) per block, {_dtype} logits read as "
+            f"{'uint64 words of ' + str(_per_word) if _packed else 'one element per'} load",
+        )
+
+register(
+    "topk_merge",
+    merge_kernel,
+    ((uint64[:, :, ::1], float32[:, ::1], float64[:, ::1], int32[:, ::1], int32, int32,
+      float32[:, ::1], int32[:, ::1], int32[::1]),),
+    "fused log-softmax top-k: merge per-chunk candidates and log-sum-exps, one row per block",
+)
+
+
+# --- host side --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TopKPlan:
+    """Launch layout and caller-owned workspace for one (rows, vocab, k, dtype); see :func:`plan_topk`.
+
+    Attributes:
+        rows, vocab, k: the problem (k as requested).
+        k_out: k' = min(k, vocab), the width of the outputs.
+        dtype: "float32" or "bfloat16" (bf16 logits are passed as uint16 bit patterns).
+        threads: block size (power of two).
+        capacity: candidate-buffer entries per block (power of two).
+        n_chunks: blocks per row; 1 means no merge kernel.
+        chunk_elems: vocabulary entries per chunk (a multiple of 4; the last chunk may be shorter).
+        cand: uint64 [rows, n_chunks, max(k_out, 1)] per-chunk candidates (device).
+        cmax: float32 [rows, n_chunks]; csum: float64 [rows, n_chunks]; cflag: int32 [rows, n_chunks].
+        row_flags: int32 [rows], 1 where the row had a NaN or infinite logit (device).
+    """
+
+    rows: int
+    vocab: int
+    k: int
+    k_out: int
+    dtype: str
+    threads: int
+    capacity: int
+    n_chunks: int
+    chunk_elems: int
+    cand: Any
+    cmax: Any
+    csum: Any
+    cflag: Any
+    row_flags: Any
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory per block (the candidate buffer)."""
+        return self.capacity * 8
+
+
+def _require_int(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _require_pow2(value: Any, name: str, minimum: int, maximum: int) -> int:
+    value = _require_int(value, name, minimum, maximum)
+    if value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    return value
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'float32' or 'bfloat16' from float32 / uint16 (bf16 bits) / their names."""
+    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
+        return "bfloat16"
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or uint16 (bf16 bit patterns), got {dtype!r}") from None
+    if dt == np.float32:
+        return "float32"
+    if dt == np.uint16:
+        return "bfloat16"
+    raise TypeError(f"dtype must be float32 or uint16 (bf16 bit patterns), got {dt}")
+
+
+def _sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (DEFAULT_SM_COUNT in the simulator)."""
+    if simulator_active():
+        return DEFAULT_SM_COUNT
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def plan_topk(
+    rows: int,
+    vocab: int,
+    k: int,
+    dtype: Any,
+    *,
+    threads: int = DEFAULT_THREADS,
+    n_chunks: int | None = None,
+    capacity: int | None = None,
+) -> TopKPlan:
+    """Choose the chunking and allocate the workspace for :func:`run_topk` (once per shape).
+
+    Args:
+        rows: R >= 1 rows (batch x positions), at most 65535.
+        vocab: V >= 1.
+        k: >= 0; k' = min(k, V) must be <= MAX_K (1024).
+        dtype: float32, or uint16 / "bfloat16" for bf16 bit patterns.
+        threads: block size, a power of two in [32, 256] (the launch bound).
+        n_chunks: blocks per row (default: as many as one wave of resident blocks holds, each
+            chunk at least MIN_CHUNK_ITERS block-iterations long; 1 when rows alone fill a wave).
+        capacity: candidate-buffer entries, a power of two >= max(threads, 2 k') with
+            8 * capacity <= 32 KiB (default max(threads, 4 k') capped at 4096).
+
+    Returns:
+        A :class:`TopKPlan` owning device workspace; reuse it for every call of this shape
+        (graph-capturable: :func:`run_topk` allocates nothing).
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    rows = _require_int(rows, "rows", 1, 65535)
+    vocab = _require_int(vocab, "vocab", 1, 2**31 - 1)
+    k = _require_int(k, "k", 0)
+    dtype = _dtype_name(dtype)
+    threads = _require_pow2(threads, "threads", MIN_THREADS, MAX_THREADS)
+    k_out = min(k, vocab)
+    if k_out > MAX_K:
+        raise ValueError(f"k: min(k, vocab) must be <= {MAX_K}, got {k_out}")
+    if capacity is None:
+        capacity = min(MAX_CAPACITY, max(threads, _next_pow2(CAPACITY_PER_K * max(k_out, 1))))
+    else:
+        capacity = _require_pow2(capacity, "capacity", max(threads, 2 * k_out, 1), MAX_CAPACITY)
+    per_block = WORDS_PER_THREAD * (_WORD_BYTES * 8 // _ELEM_BITS[dtype]) * threads  # elements per block iteration
+    max_chunks = -(-vocab // (MIN_CHUNK_ITERS * per_block))
+    if n_chunks is None:
+        wave = BLOCKS_PER_SM * _sm_count()  # split rows only as far as one wave of blocks holds
+        n_chunks = max(1, min(wave // rows, max_chunks))
+    else:
+        n_chunks = _require_int(n_chunks, "n_chunks", 1, vocab)
+    chunk_elems = -(-vocab // n_chunks)
+    chunk_elems = -(-chunk_elems // 4) * 4  # whole uint64 words for both dtypes
+    n_chunks = -(-vocab // chunk_elems)  # rounding may leave fewer, all non-empty
+    kc = max(k_out, 1)
+    return TopKPlan(
+        rows=rows, vocab=vocab, k=k, k_out=k_out, dtype=dtype, threads=threads, capacity=capacity,
+        n_chunks=n_chunks, chunk_elems=chunk_elems,
+        cand=cuda.device_array((rows, n_chunks, kc), dtype=np.uint64),
+        cmax=cuda.device_array((rows, n_chunks), dtype=np.float32),
+        csum=cuda.device_array((rows, n_chunks), dtype=np.float64),
+        cflag=cuda.device_array((rows, n_chunks), dtype=np.int32),
+        row_flags=cuda.device_array(rows, dtype=np.int32),
+    )
+
+
+def _as_array(x: Any, name: str) -> Any:
+    """A NumPy array, a numba device array, or a CUDA-array-interface object (converted)."""
+    if isinstance(x, np.ndarray) or hasattr(x, "copy_to_host"):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(x)
+    raise TypeError(f"{name} must be a NumPy array or a CUDA device array, got {type(x).__name__}")
+
+
+def _check_array(x: Any, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    if np.dtype(x.dtype) != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {np.dtype(x.dtype)}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    contiguous = x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_c_contiguous()
+    if not contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def _address(x: Any) -> int:
+    """Address of the first element (device or host)."""
+    iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
+    return int(iface["data"][0])
+
+
+def run_topk(
+    plan: TopKPlan,
+    logits: Any,
+    out_values: Any,
+    out_ids: Any,
+    stream: Any = 0,
+    *,
+    check: bool = True,
+) -> None:
+    """Fill ``out_values`` / ``out_ids`` with the top-k' log-probabilities of each row of ``logits``.
+
+    Semantics of ``reference.topk_log_probs`` (ids bit-exact; values within
+    ``VALUE_ATOL + VALUE_RTOL * |value|``).
+
+    Args:
+        plan: from :func:`plan_topk` for this shape and dtype.
+        logits: [R, V] float32, or uint16 bf16 bit patterns, C-contiguous: a numba device array
+            (graph capture), any CUDA-array-interface object (converted with
+            ``cuda.as_cuda_array``, which may sync its stream), or a NumPy array (copied by numba).
+        out_values: float32 [R, k'] (written).
+        out_ids: int32 [R, k'] (written).
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+        check: read the per-row error flags back (a stream sync) and raise ValueError naming
+            'logits' if any row had a NaN or infinite logit. Use False under graph capture.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
+    """
+    if not isinstance(plan, TopKPlan):
+        raise TypeError(f"plan must be a TopKPlan (from plan_topk), got {type(plan).__name__}")
+    logits = _as_array(logits, "logits")
+    out_values = _as_array(out_values, "out_values")
+    out_ids = _as_array(out_ids, "out_ids")
+    _check_array(logits, "logits", _ELEM_DTYPE[plan.dtype], (plan.rows, plan.vocab))
+    _check_array(out_values, "out_values", np.dtype(np.float32), (plan.rows, plan.k_out))
+    _check_array(out_ids, "out_ids", np.dtype(np.int32), (plan.rows, plan.k_out))
+
+    per_word = _WORD_BYTES * 8 // _ELEM_BITS[plan.dtype]
+    packed = plan.vocab % per_word == 0 and _address(logits) % _WORD_BYTES == 0
+    if packed:
+        words, chunk_words = logits.view(np.uint64), plan.chunk_elems // per_word
+    else:
+        words, chunk_words = logits.view(_NARROW_WORD[plan.dtype]), plan.chunk_elems
+    k, cap = np.int32(plan.k_out), np.int32(plan.capacity)
+    launch(
+        _CHUNK_KERNELS[plan.dtype, packed], (plan.n_chunks, plan.rows), plan.threads, stream, plan.shared_bytes,
+        words, k, cap, np.int32(chunk_words), plan.cand, plan.cmax, plan.csum, plan.cflag,
+        out_values, out_ids, plan.row_flags,
+    )
+    if plan.n_chunks > 1:
+        launch(
+            merge_kernel, plan.rows, plan.threads, stream, plan.shared_bytes,
+            plan.cand, plan.cmax, plan.csum, plan.cflag, k, cap, out_values, out_ids, plan.row_flags,
+        )
+    if check:
+        check_topk_errors(plan, stream)
+
+
+def _synchronize(stream: Any) -> None:
+    """Wait for ``stream`` (numba: synchronize, cuda.core: sync; 0 / None: copies were synchronous)."""
+    if stream is None or (isinstance(stream, int) and stream == 0):
+        return
+    wait = getattr(stream, "synchronize", None) or getattr(stream, "sync")
+    wait()
+
+
+def check_topk_errors(plan: TopKPlan, stream: Any = 0) -> None:
+    """Raise ValueError naming 'logits' if the last run saw a NaN or infinite logit (syncs ``stream``)."""
+    flags = plan.row_flags.copy_to_host(stream=stream)
+    _synchronize(stream)
+    bad = np.flatnonzero(flags)
+    if bad.size:
+        raise ValueError(f"logits must be finite (found NaN or infinity in rows {bad[:8].tolist()}"
+                         f"{' ...' if bad.size > 8 else ''})")

@@ -1,0 +1,820 @@
+"""Tree-verify MLA attention (weight-absorbed, FP32, ragged batch) with batch-invariant numerics.
+
+Every tree query (node ``i`` of request ``b``, head ``h``) attends the request's ``N`` cached rows
+(no mask) and the tree rows its visibility row selects (ancestors-or-self), weight-absorbed as in
+DeepSeek-V3 ``attn_impl="absorb"`` (limits §2): the score of key ``j`` is
+``scale * (q_latent · kv_latent[j] + q_rope · k_rope[j])`` and the values are the latent rows
+``kv_latent[j]``. Returns ``out [bs, Tc, H, Dl]`` and the natural-log ``lse [bs, Tc, H]``.
+
+Numerics: one key sequence, one result.
+    A query's visible keys form the sequence ``prefix[0:N]`` followed by its visible tree nodes in
+    node order, at positions ``N, N+1, ...``. For a tree, node order along a root path is depth
+    order (parents precede children, ARCHITECTURE.md), so position ``N + k`` holds the ancestor at
+    depth ``k`` (spec §1.3). Each thread block handles ONE tree node (all heads of a head group)
+    and stages exactly that node's key sequence, so the kernel never distinguishes prefix from tree
+    keys: keys are processed in chunks of ``CHUNK`` positions at multiples of ``CHUNK``, grouped in
+    segments of ``split_size`` positions at multiples of ``split_size``; every chunk is reduced in a
+    fixed order (online softmax, limits §7), every segment's partial ``(m, l, acc[Dl])`` goes to the
+    workspace, and the merge kernel folds the segments in segment order. Nothing depends on ``T``,
+    the batch or the other queries, so a tree node's output equals, bit for bit, a ``T = 1`` call
+    (root only, visibility ``[[1]]``) on the compacted cache of its path: DDTree stays exactly
+    lossless (spec §1.4). The invariance holds between calls with the same :class:`TileConfig`
+    numerics (``chunk``, ``k_groups``) and the same ``split_size``; :func:`plan` picks the config
+    from ``(Dl, Dr, H)`` only, never from ``T``, ``N`` or the batch size.
+
+Work layout (limits §3, §7; stack §2-3).
+    Grid of the attention kernel: ``(Tc * H / heads, num_splits, bs)``; node index fastest, so the
+    blocks that stream one KV segment run together and share it through L2. A block stages a
+    ``[heads, k_slice]`` query slice and a ``[chunk, k_slice]`` key slice in shared memory and
+    register-tiles ``S = Q Kᵀ`` (``qk_rows x qk_keys`` per thread, the 576 dims split over
+    ``k_groups`` lanes in groups of 4 consecutive dims and summed by an xor butterfly; staged rows
+    are padded to ``k_slice + 4 * k_groups`` floats so each group is one conflict-free LDS.128:
+    8 shared loads per 64 FFMA, where scalar loads made the score GEMM shared-memory bound at
+    half the FFMA rate), then ``acc += P V`` with ``V`` staged in
+    ``[v_slice, Dl]`` slices (``pv_rows x pv_dims`` accumulators per thread). The KV tile is read
+    once per chunk for all heads of the tile; scores never leave shared memory (``[heads, chunk]``),
+    and the workspace is ``[num_splits, bs, Tc, H, Dl + 2]`` (acc, then m and l). Array indices
+    are cast to ``uint64`` (Numba emits no negative-index wraparound for unsigned indices: 4-6
+    integer instructions per shared load otherwise) and device helpers are ``inline="always"``
+    (``compile_ptx`` without a GPU cannot compile called device functions otherwise).
+
+Inputs that a device-side engine produces (``past_lens``, ``tree_sizes``, ``visibility`` on the
+device) cannot be checked on the host without a copy; the kernels guard them instead: a request
+whose rows do not fit (``past + size > S``, ``size > Tc``), whose path is longer than
+``max_path`` or whose keys reach past the planned segments gets NaN outputs, never a silent
+truncation. NumPy inputs are checked on the host before any launch.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, int32, uint32, uint64
+
+from ddtree_numba.kernels.registry import register
+from sim.launch import launch
+
+__all__ = [
+    "DEFAULT_SPLIT_SIZE",
+    "TileConfig",
+    "VerifyPlan",
+    "default_config",
+    "get_kernels",
+    "plan",
+    "run",
+    "verify_attention",
+]
+
+FULL_MASK = 0xFFFFFFFF
+WARP = 32
+NEG_INF = -math.inf
+
+# Keys per split segment (a multiple of every config's chunk). Part of the numerics: keep it fixed
+# for a model (tree verify and plain decode must use the same value for bit-identical outputs).
+DEFAULT_SPLIT_SIZE = 2048
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One compile-time specialisation of the kernels.
+
+    ``chunk`` and ``k_groups`` fix the order of the floating-point operations (with the plan's
+    ``split_size``); the other fields only move work between threads.
+
+    Attributes:
+        latent_dim: Dl, the latent (value) width; 512 for DeepSeek-V3 / Kimi K2.
+        rope_dim: Dr, the decoupled RoPE width; 64.
+        heads: query heads per tile (the tile's rows; one tree node per tile).
+        chunk: keys per online-softmax step (positions at multiples of ``chunk``).
+        k_slice: q/k dims staged in shared memory per step of the score GEMM.
+        k_groups: lanes that split each 576-dim dot product (a power of two <= 32).
+        qk_rows, qk_keys: the per-thread register tile of the score GEMM.
+        pv_rows, pv_dims: the per-thread accumulator tile of ``P V`` (dims strided).
+        v_slice: value rows staged per step of ``P V``.
+        max_path: longest visible tree path per query (shared-memory table size).
+        merge_threads: threads per block of the segment-merge kernel.
+    """
+
+    latent_dim: int
+    rope_dim: int
+    heads: int
+    chunk: int
+    k_slice: int
+    k_groups: int
+    qk_rows: int
+    qk_keys: int
+    pv_rows: int
+    pv_dims: int
+    v_slice: int
+    max_path: int = 64
+    merge_threads: int = 128
+
+    @property
+    def threads(self) -> int:
+        """Threads per attention block (both GEMM layouts use all of them)."""
+        return (self.heads // self.qk_rows) * (self.chunk // self.qk_keys) * self.k_groups
+
+    @property
+    def static_shared_bytes(self) -> int:
+        """Static shared memory of the attention kernel, in bytes."""
+        return 4 * (
+            self.heads * self.k_row
+            + self.kv_buffer_floats
+            + self.heads * self.chunk
+            + self.heads
+            + self.max_path
+            + self.chunk
+        )
+
+    @property
+    def kv_buffer_floats(self) -> int:
+        """Floats of the buffer shared by key slices ``[chunk, k_slice + k_groups]`` and value
+        slices ``[v_slice, latent_dim]``."""
+        return max(self.chunk * self.k_row, self.v_slice * self.latent_dim)
+
+    @property
+    def k_row(self) -> int:
+        """Padded row of a staged q/k slice: ``k_slice + 4 * k_groups`` floats (16-byte rows;
+        consecutive key rows start ``k_groups`` float4s apart, so the float4 loads of the 8 lanes
+        of a quarter-warp fall in 8 distinct bank groups)."""
+        return self.k_slice + 4 * self.k_groups
+
+    def validate(self) -> None:
+        """Raise ValueError naming 'config' unless the tiling is consistent."""
+        fields = (self.latent_dim, self.rope_dim, self.heads, self.chunk, self.k_slice,
+                  self.k_groups, self.qk_rows, self.qk_keys, self.pv_rows, self.pv_dims,
+                  self.v_slice, self.max_path, self.merge_threads)
+        checks = [
+            (all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields),
+             "every field must be a positive int"),
+            (self.latent_dim % self.k_slice == 0 and self.rope_dim % self.k_slice == 0,
+             "k_slice must divide latent_dim and rope_dim"),
+            (self.k_slice % self.k_groups == 0, "k_groups must divide k_slice"),
+            (self.k_groups & (self.k_groups - 1) == 0 and self.k_groups <= WARP,
+             "k_groups must be a power of two <= 32"),
+            (self.heads % self.qk_rows == 0 and self.heads % self.pv_rows == 0,
+             "qk_rows and pv_rows must divide heads"),
+            (self.chunk % self.qk_keys == 0 and self.chunk % self.v_slice == 0,
+             "qk_keys and v_slice must divide chunk"),
+            (self.latent_dim % self.pv_dims == 0, "pv_dims must divide latent_dim"),
+            ((self.heads // self.pv_rows) * (self.latent_dim // self.pv_dims) == self.threads,
+             "the score and P·V layouts must use the same thread count"),
+            (self.threads % WARP == 0 and self.threads <= 1024,
+             "threads must be a multiple of 32 and <= 1024"),
+            (self.heads <= self.threads and self.chunk <= self.threads,
+             "heads and chunk must be <= threads"),
+            (self.threads % self.k_slice == 0 or self.k_slice % self.threads == 0,
+             "threads and k_slice must divide one another"),
+            (self.threads % self.latent_dim == 0 or self.latent_dim % self.threads == 0,
+             "threads and latent_dim must divide one another"),
+            (self.merge_threads % WARP == 0 and self.merge_threads <= 1024,
+             "merge_threads must be a multiple of 32 and <= 1024"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(f"config: {why} ({self})")
+
+
+def default_config(latent_dim: int, rope_dim: int, num_heads: int) -> TileConfig:
+    """The specialisation :func:`plan` uses for ``(Dl, Dr, H)``; a function of these only.
+
+    Dl = 512, Dr = 64 (DeepSeek-V3, Kimi K2 and their tensor-parallel shards; H a multiple of
+    16): tiles of ``gcd(H, 64)`` heads, 256 threads, chunks of 32 keys, 2 k-groups; for 64 heads
+    each thread holds 8 x 16 accumulators and a 4 x 4 score tile (239 registers on sm_90, no
+    spills; a 512-thread tiling with 8 x 8 accumulators spills under its 128-register cap).
+    Other dims have no preset: pass a :class:`TileConfig`.
+    """
+    if (latent_dim, rope_dim) == (512, 64) and num_heads % 16 == 0:
+        heads = math.gcd(num_heads, 64)
+        return TileConfig(latent_dim=512, rope_dim=64, heads=heads, chunk=32, k_slice=64,
+                          k_groups=2, qk_rows=heads // 16, qk_keys=4, pv_rows=heads // 8,
+                          pv_dims=16, v_slice=8)
+    raise ValueError(
+        f"config: no preset for latent_dim={latent_dim}, rope_dim={rope_dim}, "
+        f"num_heads={num_heads}; pass a TileConfig")
+
+
+# ----------------------------------------------------------------------------------------------
+# Device helpers shared by both kernels (arrays are flat C-order views, see run())
+# ----------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True, inline="always")
+def _visible_word(visibility, row_base, w, size):
+    """Word ``w`` of a visibility row (flat offset row_base) with columns >= size cleared."""
+    word = int(visibility[row_base + w])
+    lo = w * 32
+    if lo + 32 <= size:
+        return word
+    if lo >= size:
+        return 0
+    return word & ((1 << (size - lo)) - 1)
+
+
+@cuda.jit(device=True, inline="always")
+def _path_length(visibility, row_base, words, size):
+    """Number of tree rows a node sees (its root path length for a tree)."""
+    count = 0
+    for w in range(words):
+        count += cuda.popc(_visible_word(visibility, row_base, w, size))
+    return count
+
+
+@cuda.jit(device=True, inline="always")
+def _request_ok(past, size, kv_rows, tree_capacity):
+    """Whether a request's tree rows fit the cache and the tree capacity."""
+    return past >= 0 and size >= 0 and size <= tree_capacity and past + size <= kv_rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel factory
+# ----------------------------------------------------------------------------------------------
+
+def _jit_options(threads: int) -> dict[str, Any]:
+    """``launch_bounds`` on a GPU (caps registers for the block size); the simulator rejects it."""
+    return {} if cuda.config.ENABLE_CUDASIM else {"launch_bounds": threads}
+
+
+@functools.cache
+def get_kernels(config: TileConfig) -> tuple[Any, Any]:
+    """The (attention, merge) kernels specialised for ``config`` (compiled lazily, cached).
+
+    Both take flat (1-D, C-order) views of the run() arrays plus their dims as scalars, so the
+    index arithmetic is one base offset per block plus compile-time strides.
+    """
+    config.validate()
+    DL = config.latent_dim
+    DR = config.rope_dim
+    HEADS = config.heads
+    CHUNK = config.chunk
+    KS = config.k_slice
+    KG = config.k_groups
+    KSP = config.k_row                  # padded slice row: spreads key rows over the banks
+    VEC = math.gcd(KS // KG, 4)         # consecutive dims per lane step (one float4 load)
+    RM = config.qk_rows
+    RC = config.qk_keys
+    PM = config.pv_rows
+    PD = config.pv_dims
+    CS = config.v_slice
+    MAX_PATH = config.max_path
+    THREADS = config.threads
+    KEY_TILES = CHUNK // RC             # thread tiles along the keys of a chunk
+    DIM_THREADS = DL // PD              # threads along the latent dims in P·V
+    N_KSLICES = (DL + DR) // KS
+    N_VSLICES = CHUNK // CS
+    BUTTERFLY = KG.bit_length() - 1     # xor-butterfly levels over the k-groups
+    KV_BUF = config.kv_buffer_floats
+    Q_TILE = HEADS * KSP
+    PROBS = HEADS * CHUNK
+    MERGE_THREADS = config.merge_threads
+    # Staging geometry: a row of KS (or DL) floats is loaded by S_TPR (V_TPR) consecutive lanes.
+    S_TPR = min(THREADS, KS)
+    S_ROW_STEP = THREADS // S_TPR
+    S_COL_PASSES = KS // S_TPR
+    Q_ROW_PASSES = -(-HEADS // S_ROW_STEP)
+    K_ROW_PASSES = -(-CHUNK // S_ROW_STEP)
+    V_TPR = min(THREADS, DL)
+    V_ROW_STEP = THREADS // V_TPR
+    V_COL_PASSES = DL // V_TPR
+    V_ROW_PASSES = -(-CS // V_ROW_STEP)
+    Q_ROWS_EXACT = HEADS % S_ROW_STEP == 0      # no row guard needed (compile-time)
+    K_ROWS_EXACT = CHUNK % S_ROW_STEP == 0
+    V_ROWS_EXACT = CS % V_ROW_STEP == 0
+    Q_REGS = Q_ROW_PASSES * S_COL_PASSES
+    K_REGS = K_ROW_PASSES * S_COL_PASSES
+
+    @cuda.jit(device=True, inline="always")
+    def kv_row(pos, past, path):
+        """Cache row holding key position ``pos`` of this node's sequence."""
+        if pos < past:
+            return pos
+        return past + path[uint64(pos - past)]
+
+    @cuda.jit(device=True, inline="always")
+    def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, s_row, s_col,
+                      q_reg, k_reg):
+        """Global -> registers: ``[HEADS, KS]`` query and ``[CHUNK, KS]`` key slices at dim k0.
+
+        q_base: flat row of the tile's first head; rows: the chunk's flat cache rows (-1: no
+        key, staged as zeros). A slice never straddles latent and rope (KS divides DL and DR).
+        """
+        in_latent = k0 < DL
+        for rp in range(Q_ROW_PASSES):
+            r = s_row + rp * S_ROW_STEP
+            for cp in range(S_COL_PASSES):
+                col = k0 + s_col + cp * S_TPR
+                value = float32(0.0)
+                if Q_ROWS_EXACT or r < HEADS:
+                    if in_latent:
+                        value = q_latent[uint64((q_base + r) * DL + col)]
+                    else:
+                        value = q_rope[uint64((q_base + r) * DR + col - DL)]
+                q_reg[rp * S_COL_PASSES + cp] = value
+        for rp in range(K_ROW_PASSES):
+            c = s_row + rp * S_ROW_STEP
+            row = -1
+            if K_ROWS_EXACT or c < CHUNK:
+                row = rows[uint64(c)]
+            for cp in range(S_COL_PASSES):
+                col = k0 + s_col + cp * S_TPR
+                value = float32(0.0)
+                if row >= 0:
+                    if in_latent:
+                        value = kv_latent[uint64(row * DL + col)]
+                    else:
+                        value = k_rope[uint64(row * DR + col - DL)]
+                k_reg[rp * S_COL_PASSES + cp] = value
+
+    @cuda.jit(device=True, inline="always")
+    def store_qk_slice(q_tile, kv_tile, s_row, s_col, q_reg, k_reg):
+        """Registers -> shared memory (rows padded to KSP floats)."""
+        for rp in range(Q_ROW_PASSES):
+            r = s_row + rp * S_ROW_STEP
+            if r < HEADS:
+                for cp in range(S_COL_PASSES):
+                    q_tile[uint64(r * KSP + s_col + cp * S_TPR)] = q_reg[rp * S_COL_PASSES + cp]
+        for rp in range(K_ROW_PASSES):
+            c = s_row + rp * S_ROW_STEP
+            if c < CHUNK:
+                for cp in range(S_COL_PASSES):
+                    kv_tile[uint64(c * KSP + s_col + cp * S_TPR)] = k_reg[rp * S_COL_PASSES + cp]
+
+    @cuda.jit(device=True, inline="always")
+    def load_v_slice(kv_latent, rows, first, v_row, v_col, kv_tile):
+        """Global -> shared memory: latent rows of chunk keys ``first .. first + CS - 1``."""
+        for rp in range(V_ROW_PASSES):
+            c = v_row + rp * V_ROW_STEP
+            if V_ROWS_EXACT or c < CS:
+                row = rows[uint64(first + c)]
+                for cp in range(V_COL_PASSES):
+                    col = v_col + cp * V_TPR
+                    value = float32(0.0)
+                    if row >= 0:  # zeros, never stale rows: 0 * NaN would poison acc
+                        value = kv_latent[uint64(row * DL + col)]
+                    kv_tile[uint64(c * DL + col)] = value
+
+    @cuda.jit(**_jit_options(THREADS))
+    def attention(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility,
+                  tree_capacity, num_heads, kv_rows, vis_words, scale, split, workspace):
+        """One (node, head group, segment): the segment's partial (acc, m, l) -> workspace.
+
+        Flat float32 views of q_latent [bs, Tc, H, Dl], q_rope [bs, Tc, H, Dr],
+        kv_latent [bs, S, Dl], k_rope [bs, S, Dr]; past_lens, tree_sizes int32 [bs];
+        flat uint32 visibility [bs, Tc, W]; int32 Tc, H, S, W; float32 scale; int32 split;
+        flat float32 workspace [n_splits, bs, Tc, H, Dl + 2].
+        """
+        q_tile = cuda.shared.array(Q_TILE, float32)          # [HEADS, KSP] query slice
+        kv_tile = cuda.shared.array(KV_BUF, float32)         # [CHUNK, KSP] keys / [CS, DL] values
+        probs = cuda.shared.array(PROBS, float32)            # [HEADS, CHUNK] scores, then probs
+        alpha = cuda.shared.array(HEADS, float32)            # [HEADS] acc rescale of this chunk
+        path = cuda.shared.array(MAX_PATH, int32)            # tree node at position past + k
+        rows = cuda.shared.array(CHUNK, int32)               # flat cache row of each chunk key
+
+        tid = cuda.threadIdx.x
+        head_groups = num_heads // HEADS
+        node = cuda.blockIdx.x // head_groups
+        h0 = (cuda.blockIdx.x % head_groups) * HEADS
+        seg = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        past = past_lens[b]
+        size = tree_sizes[b]
+        # Block-uniform exits (before any barrier): padding node, bad request, empty segment.
+        if node >= size or not _request_ok(past, size, kv_rows, tree_capacity):
+            return
+        vis_base = (b * tree_capacity + node) * vis_words
+        path_len = _path_length(visibility, vis_base, vis_words, size)
+        if path_len > MAX_PATH:
+            return
+        seg_start = seg * split
+        seg_end = min(seg_start + split, past + path_len)
+        if seg_start >= seg_end:
+            return
+
+        # The visible tree nodes in node order: rank of j = visible nodes before j.
+        for j in range(tid, size, THREADS):
+            w = j // 32
+            word = _visible_word(visibility, vis_base, w, size)
+            if (word >> (j % 32)) & 1:
+                rank = cuda.popc(word & ((1 << (j % 32)) - 1))
+                for v in range(w):
+                    rank += cuda.popc(_visible_word(visibility, vis_base, v, size))
+                path[uint64(rank)] = j
+        cuda.syncthreads()  # path[] complete before the first key load
+
+        q_base = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
+        kv_base = b * kv_rows                                   # flat row of (b, cache row 0)
+        s_row = tid // S_TPR
+        s_col = tid % S_TPR
+        v_row = tid // V_TPR
+        v_col = tid % V_TPR
+        # Score GEMM: k-group fastest, so the butterfly stays inside a warp; offsets include
+        # the lane's first dim kg.
+        kg = tid % KG
+        key_tile = (tid // KG) % KEY_TILES
+        row_tile = tid // (KG * KEY_TILES)
+        q_off = row_tile * RM * KSP + kg * VEC
+        k_off = key_tile * KSP + kg * VEC
+        # P·V: dims fastest, so value loads are consecutive across lanes.
+        dim_lane = tid % DIM_THREADS
+        pv_row0 = (tid // DIM_THREADS) * PM
+
+        q_reg = cuda.local.array(Q_REGS, float32)
+        k_reg = cuda.local.array(K_REGS, float32)
+        s = cuda.local.array((RM, RC), float32)
+        q_vec = cuda.local.array((RM, VEC), float32)
+        k_vec = cuda.local.array((RC, VEC), float32)
+        acc = cuda.local.array((PM, PD), float32)
+        p_val = cuda.local.array(PM, float32)
+        v_val = cuda.local.array(PD, float32)
+        for i in range(PM):
+            for j in range(PD):
+                acc[i, j] = float32(0.0)
+        m_run = float32(NEG_INF)    # running row max and sum, held by thread `row` < HEADS
+        l_run = float32(0.0)
+
+        for chunk_start in range(seg_start, seg_end, CHUNK):
+            # ---- S = Q Kᵀ over the Dl + Dr dims, KS at a time, next slice prefetched ----
+            for i in range(RM):
+                for j in range(RC):
+                    s[i, j] = float32(0.0)
+            cuda.syncthreads()  # the previous chunk's readers of kv_tile, probs, rows are done
+            if tid < CHUNK:
+                pos = chunk_start + tid
+                row = -1
+                if pos < seg_end:
+                    row = kv_base + kv_row(pos, past, path)
+                rows[tid] = row
+            cuda.syncthreads()  # the chunk's key rows are known
+            load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, 0, rows, s_row, s_col,
+                          q_reg, k_reg)
+            for ks in range(N_KSLICES):
+                if ks > 0:
+                    cuda.syncthreads()  # every reader of slice ks - 1 is done
+                store_qk_slice(q_tile, kv_tile, s_row, s_col, q_reg, k_reg)
+                cuda.syncthreads()  # slice ks staged
+                if ks + 1 < N_KSLICES:
+                    load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, (ks + 1) * KS,
+                                  rows, s_row, s_col, q_reg, k_reg)
+                # Lane kg takes dims in groups of VEC at (g * KG + kg) * VEC: the VEC loads of
+                # a row are adjacent and 16-byte aligned, so they merge into one vector load
+                # (LDS.128: 8 shared loads per 64 FFMA instead of 32), and the constant-trip
+                # inner loops unroll to immediate offsets.
+                for g in range(0, KS, KG * VEC):
+                    for i in range(RM):
+                        for e in range(VEC):
+                            q_vec[i, e] = q_tile[uint64(q_off + i * KSP + g + e)]
+                    for j in range(RC):
+                        for e in range(VEC):
+                            k_vec[j, e] = kv_tile[uint64(k_off + j * (KEY_TILES * KSP) + g + e)]
+                    for e in range(VEC):
+                        for i in range(RM):
+                            for j in range(RC):
+                                s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
+            # Sum the k-groups; a+b == b+a, so every lane of a group ends with the same bits.
+            for level in range(BUTTERFLY):
+                for i in range(RM):
+                    for j in range(RC):
+                        s[i, j] += cuda.shfl_xor_sync(FULL_MASK, s[i, j], KG >> (level + 1))
+            if kg == 0:
+                for i in range(RM):
+                    for j in range(RC):
+                        probs[uint64((row_tile * RM + i) * CHUNK + key_tile + j * KEY_TILES)] = (
+                            s[i, j] * scale)
+            cuda.syncthreads()  # the chunk's scores are in probs
+
+            # ---- online softmax, one thread per row, keys in position order ----
+            if tid < HEADS:
+                n_keys = min(CHUNK, seg_end - chunk_start)
+                m_new = m_run
+                for c in range(n_keys):
+                    m_new = max(m_new, probs[uint64(tid * CHUNK + c)])
+                rescale = math.exp(m_run - m_new)   # exp(-inf) = 0 on the first chunk
+                l_run = l_run * rescale
+                for c in range(n_keys):
+                    p = math.exp(probs[uint64(tid * CHUNK + c)] - m_new)
+                    l_run += p
+                    probs[uint64(tid * CHUNK + c)] = p
+                for c in range(n_keys, CHUNK):
+                    probs[uint64(tid * CHUNK + c)] = float32(0.0)
+                alpha[tid] = rescale
+                m_run = m_new
+            cuda.syncthreads()  # probabilities and rescale factors ready
+
+            # ---- acc = acc * alpha + P V, values staged CS rows at a time ----
+            for i in range(PM):
+                p_val[i] = alpha[uint64(pv_row0 + i)]
+                for j in range(PD):
+                    acc[i, j] = acc[i, j] * p_val[i]
+            for vs in range(N_VSLICES):
+                if vs > 0:
+                    cuda.syncthreads()  # readers of the previous value slice are done
+                load_v_slice(kv_latent, rows, vs * CS, v_row, v_col, kv_tile)
+                cuda.syncthreads()  # value slice staged
+                for c in range(CS):
+                    for i in range(PM):
+                        p_val[i] = probs[uint64((pv_row0 + i) * CHUNK + vs * CS + c)]
+                    for j in range(PD):
+                        v_val[j] = kv_tile[uint64(c * DL + dim_lane + j * DIM_THREADS)]
+                    for i in range(PM):
+                        for j in range(PD):
+                            acc[i, j] = cuda.fma(p_val[i], v_val[j], acc[i, j])
+
+        # ---- segment partial -> workspace [seg, b, node, h, :] ----
+        batch = past_lens.shape[0]
+        ws_row = ((seg * batch + b) * tree_capacity + node) * num_heads + h0
+        for i in range(PM):
+            for j in range(PD):
+                workspace[uint64((ws_row + pv_row0 + i) * (DL + 2) + dim_lane + j * DIM_THREADS)] = (
+                    acc[i, j])
+        if tid < HEADS:
+            workspace[uint64((ws_row + tid) * (DL + 2) + DL)] = m_run
+            workspace[uint64((ws_row + tid) * (DL + 2) + DL + 1)] = l_run
+
+    @cuda.jit(**_jit_options(MERGE_THREADS))
+    def merge(past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words,
+              split, num_splits, workspace, out, lse):
+        """One node: fold its segments, in segment order, into out and lse.
+
+        past_lens, tree_sizes int32 [bs]; flat uint32 visibility [bs, Tc, W]; int32 Tc, H, S, W,
+        split, n_splits; flat float32 workspace [n_splits, bs, Tc, H, Dl + 2], out [bs, Tc, H,
+        Dl], lse [bs, Tc, H]. Padding rows get zeros, unguarded requests NaN.
+        """
+        tid = cuda.threadIdx.x
+        node = cuda.blockIdx.x
+        b = cuda.blockIdx.y
+        batch = past_lens.shape[0]
+        past = past_lens[b]
+        size = tree_sizes[b]
+        fill = float32(math.nan)
+        n_seg = 0
+        if node >= size:
+            fill = float32(0.0)
+        elif _request_ok(past, size, kv_rows, tree_capacity):
+            vis_base = (b * tree_capacity + node) * vis_words
+            path_len = _path_length(visibility, vis_base, vis_words, size)
+            n_seg = (past + path_len + split - 1) // split
+            if path_len > MAX_PATH or n_seg > num_splits:
+                n_seg = 0
+        out_row = (b * tree_capacity + node) * num_heads
+        seg_stride = batch * tree_capacity * num_heads    # workspace rows per segment
+        for e in range(tid, num_heads * DL, MERGE_THREADS):
+            h = e // DL
+            d = e % DL
+            if n_seg == 0:
+                out[(out_row + h) * DL + d] = fill
+                if d == 0:
+                    lse[out_row + h] = fill
+                continue
+            ws = (out_row + h) * (DL + 2)      # segment 0's row; segment sg adds sg * stride
+            m_max = workspace[ws + DL]
+            for sg in range(1, n_seg):
+                m_max = max(m_max, workspace[ws + sg * seg_stride * (DL + 2) + DL])
+            total = float32(0.0)
+            weighted = float32(0.0)
+            for sg in range(n_seg):
+                row = ws + sg * seg_stride * (DL + 2)
+                w = math.exp(workspace[row + DL] - m_max)
+                total = cuda.fma(workspace[row + DL + 1], w, total)
+                weighted = cuda.fma(workspace[row + d], w, weighted)
+            out[(out_row + h) * DL + d] = weighted / total
+            if d == 0:
+                lse[out_row + h] = m_max + math.log(total)
+
+    return attention, merge
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: plan once per batch shape, run per step
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """Work layout for one batch shape (FlashInfer-style ``plan``; no tree data in it).
+
+    Attributes:
+        config: the kernel specialisation.
+        batch_size, tree_capacity, num_heads, kv_capacity: bs, Tc, H, S of the arrays.
+        split_size: keys per segment (part of the numerics, see module docstring).
+        num_splits: segments covered, ``ceil(max_kv_len / split_size)``.
+    """
+
+    config: TileConfig
+    batch_size: int
+    tree_capacity: int
+    num_heads: int
+    kv_capacity: int
+    split_size: int
+    num_splits: int
+
+    @property
+    def workspace_shape(self) -> tuple[int, int, int, int, int]:
+        """``[num_splits, bs, Tc, H, Dl + 2]`` float32: segment acc, then m and l."""
+        return (self.num_splits, self.batch_size, self.tree_capacity, self.num_heads,
+                self.config.latent_dim + 2)
+
+    @property
+    def attention_grid(self) -> tuple[int, int, int]:
+        return (self.tree_capacity * (self.num_heads // self.config.heads), self.num_splits,
+                self.batch_size)
+
+    @property
+    def merge_grid(self) -> tuple[int, int]:
+        return (self.tree_capacity, self.batch_size)
+
+    def allocate_workspace(self) -> Any:
+        """A device workspace of :attr:`workspace_shape` (allocate once, reuse every step)."""
+        return cuda.device_array(self.workspace_shape, dtype=np.float32)
+
+
+def _positive_int(value: Any, name: str, minimum: int = 1) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if int(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {int(value)}")
+    return int(value)
+
+
+def plan(batch_size: int, tree_capacity: int, num_heads: int, kv_capacity: int, *,
+         latent_dim: int = 512, rope_dim: int = 64, max_kv_len: int | None = None,
+         split_size: int = DEFAULT_SPLIT_SIZE, config: TileConfig | None = None) -> VerifyPlan:
+    """Compute the work layout for a batch shape (host only, once per shape).
+
+    Args:
+        batch_size, tree_capacity, num_heads, kv_capacity: bs, Tc, H and S of the run arrays.
+        latent_dim, rope_dim: Dl and Dr (select the default config).
+        max_kv_len: bound on ``past_len + path length`` of any query (default ``kv_capacity``);
+            keys past ``ceil(max_kv_len / split_size) * split_size`` are not covered (NaN out).
+        split_size: keys per segment, a multiple of ``config.chunk``; fixed per model.
+        config: the specialisation; default :func:`default_config` of ``(Dl, Dr, H)``.
+    """
+    batch_size = _positive_int(batch_size, "batch_size")
+    tree_capacity = _positive_int(tree_capacity, "tree_capacity")
+    num_heads = _positive_int(num_heads, "num_heads")
+    kv_capacity = _positive_int(kv_capacity, "kv_capacity")
+    latent_dim = _positive_int(latent_dim, "latent_dim")
+    rope_dim = _positive_int(rope_dim, "rope_dim")
+    split_size = _positive_int(split_size, "split_size")
+    max_kv_len = kv_capacity if max_kv_len is None else _positive_int(max_kv_len, "max_kv_len")
+    if config is None:
+        config = default_config(latent_dim, rope_dim, num_heads)
+    elif not isinstance(config, TileConfig):
+        raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
+    config.validate()
+    if (config.latent_dim, config.rope_dim) != (latent_dim, rope_dim):
+        raise ValueError(f"config: dims ({config.latent_dim}, {config.rope_dim}) differ from "
+                         f"latent_dim, rope_dim = ({latent_dim}, {rope_dim})")
+    if num_heads % config.heads:
+        raise ValueError(f"num_heads must be a multiple of config.heads={config.heads}, "
+                         f"got {num_heads}")
+    if split_size % config.chunk:
+        raise ValueError(f"split_size must be a multiple of config.chunk={config.chunk}, "
+                         f"got {split_size}")
+    if max_kv_len > kv_capacity:
+        raise ValueError(f"max_kv_len must be <= kv_capacity={kv_capacity}, got {max_kv_len}")
+    grid_y_limit = 65535
+    num_splits = -(-max_kv_len // split_size)
+    if num_splits > grid_y_limit or batch_size > grid_y_limit:
+        raise ValueError(f"split_size too small: {num_splits} segments (batch_size "
+                         f"{batch_size}) exceed the grid limit {grid_y_limit}")
+    return VerifyPlan(config, batch_size, tree_capacity, num_heads, kv_capacity, split_size,
+                      num_splits)
+
+
+def _check_array(arr: Any, name: str, dtype: type, shape: tuple[int, ...]) -> None:
+    """dtype (TypeError), shape and C-contiguity (ValueError) of a host or device array."""
+    if not hasattr(arr, "dtype") or not hasattr(arr, "shape"):
+        raise TypeError(f"{name} must be a NumPy or numba device array, got {type(arr).__name__}")
+    if np.dtype(arr.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {arr.dtype}")
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
+    contiguous = (arr.flags["C_CONTIGUOUS"] if isinstance(arr, np.ndarray)
+                  else arr.is_c_contiguous())
+    if not contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def _check_host_values(p: VerifyPlan, past_lens: np.ndarray, tree_sizes: np.ndarray,
+                       visibility: np.ndarray) -> None:
+    """Value checks possible on host arrays (device arrays are guarded in the kernels)."""
+    bs, tc = p.batch_size, p.tree_capacity
+    if isinstance(tree_sizes, np.ndarray) and np.any((tree_sizes < 0) | (tree_sizes > tc)):
+        raise ValueError(f"tree_sizes must lie in [0, {tc}] (0: an idle slot)")
+    if isinstance(past_lens, np.ndarray) and np.any(past_lens < 0):
+        raise ValueError("past_lens must be >= 0")
+    if not (isinstance(past_lens, np.ndarray) and isinstance(tree_sizes, np.ndarray)):
+        return
+    if np.any(past_lens.astype(np.int64) + tree_sizes > p.kv_capacity):
+        raise ValueError(f"past_lens + tree_sizes must be <= kv rows {p.kv_capacity}")
+    if not isinstance(visibility, np.ndarray):
+        return
+    cols = np.arange(tc)
+    bits = (visibility[:, :, cols // 32] >> (cols % 32).astype(np.uint32)) & 1  # [bs, Tc, Tc]
+    live = cols[None, :] < tree_sizes[:, None]                                 # [bs, Tc]
+    bits = bits.astype(bool) & live[:, None, :]
+    if np.any(~np.diagonal(bits, axis1=1, axis2=2) & live):
+        raise ValueError("visibility: every live row must see itself (diagonal bit)")
+    path = np.where(live, bits.sum(axis=2), 0)                                 # [bs, Tc]
+    if np.any(path > p.config.max_path):
+        raise ValueError(f"visibility: a row sees more than max_path={p.config.max_path} nodes")
+    if np.any(past_lens[:, None] + path > p.num_splits * p.split_size):
+        raise ValueError(f"past_lens: keys beyond the planned {p.num_splits} segments of "
+                         f"{p.split_size}; plan with a larger max_kv_len")
+
+
+def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
+        past_lens: Any, tree_sizes: Any, visibility: Any, scale: float, out: Any, lse: Any,
+        workspace: Any, stream: Any = 0) -> None:
+    """Launch tree-verify attention into caller-owned ``out``, ``lse`` and ``workspace``.
+
+    Args:
+        p: the :func:`plan` for these shapes.
+        q_latent: float32 [bs, Tc, H, Dl]; q_rope: float32 [bs, Tc, H, Dr].
+        kv_latent: float32 [bs, S, Dl]; k_rope: float32 [bs, S, Dr]; rows ``past_lens[b] ..
+            past_lens[b] + tree_sizes[b] - 1`` hold request b's tree nodes in node order.
+        past_lens, tree_sizes: int32 [bs]; visibility: uint32 [bs, Tc, ceil(Tc/32)] (packed
+            ancestor-or-self rows, ARCHITECTURE.md).
+        scale: softmax scale (> 0, finite).
+        out: float32 [bs, Tc, H, Dl]; lse: float32 [bs, Tc, H]; zeros in padding rows.
+        workspace: float32 ``p.workspace_shape``.
+        stream: 0, a numba stream or a cuda.core Stream.
+    """
+    if not isinstance(p, VerifyPlan):
+        raise TypeError(f"p must be a VerifyPlan, got {type(p).__name__}")
+    cfg = p.config
+    bs, tc, h, s = p.batch_size, p.tree_capacity, p.num_heads, p.kv_capacity
+    _check_array(q_latent, "q_latent", np.float32, (bs, tc, h, cfg.latent_dim))
+    _check_array(q_rope, "q_rope", np.float32, (bs, tc, h, cfg.rope_dim))
+    _check_array(kv_latent, "kv_latent", np.float32, (bs, s, cfg.latent_dim))
+    _check_array(k_rope, "k_rope", np.float32, (bs, s, cfg.rope_dim))
+    _check_array(past_lens, "past_lens", np.int32, (bs,))
+    _check_array(tree_sizes, "tree_sizes", np.int32, (bs,))
+    _check_array(visibility, "visibility", np.uint32, (bs, tc, -(-tc // 32)))
+    _check_array(out, "out", np.float32, (bs, tc, h, cfg.latent_dim))
+    _check_array(lse, "lse", np.float32, (bs, tc, h))
+    _check_array(workspace, "workspace", np.float32, p.workspace_shape)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not (math.isfinite(float(scale)) and float(scale) > 0.0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    _check_host_values(p, past_lens, tree_sizes, visibility)
+
+    attention, merge = get_kernels(cfg)
+    flat = [_flat(a) for a in (q_latent, q_rope, kv_latent, k_rope, visibility, workspace, out,
+                               lse)]
+    q_lat, q_rp, kv_lat, k_rp, vis, ws, out_flat, lse_flat = flat
+    dims = (np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)))
+    launch(attention, p.attention_grid, cfg.threads, stream, 0, q_lat, q_rp, kv_lat, k_rp,
+           past_lens, tree_sizes, vis, *dims, np.float32(scale), np.int32(p.split_size), ws)
+    launch(merge, p.merge_grid, cfg.merge_threads, stream, 0, past_lens, tree_sizes, vis, *dims,
+           np.int32(p.split_size), np.int32(p.num_splits), ws, out_flat, lse_flat)
+
+
+def _flat(arr: Any) -> Any:
+    """A 1-D view of a C-contiguous host or device array (no copy)."""
+    return arr.reshape(-1) if isinstance(arr, np.ndarray) else arr.reshape(arr.size)
+
+
+def verify_attention(q_latent: np.ndarray, q_rope: np.ndarray, kv_latent: np.ndarray,
+                     k_rope: np.ndarray, past_lens: np.ndarray, tree_sizes: np.ndarray,
+                     visibility: np.ndarray, scale: float, *,
+                     split_size: int = DEFAULT_SPLIT_SIZE, config: TileConfig | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Convenience: plan, allocate and run on host arrays; returns ``(out, lse)`` (NumPy).
+
+    Same arguments as :func:`run` (NumPy arrays); ``max_kv_len`` is the cache capacity S.
+    """
+    for name, arr in (("q_latent", q_latent), ("kv_latent", kv_latent)):
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array, got {type(arr).__name__}")
+        if arr.ndim != (4 if name == "q_latent" else 3):
+            raise ValueError(f"{name} must be {4 if name == 'q_latent' else 3}-D, "
+                             f"got shape {arr.shape}")
+    if not isinstance(q_rope, np.ndarray) or q_rope.ndim != 4:
+        raise ValueError("q_rope must be a 4-D NumPy array")
+    bs, tc, h, dl = q_latent.shape
+    p = plan(bs, tc, h, kv_latent.shape[1], latent_dim=dl, rope_dim=q_rope.shape[3],
+             split_size=split_size, config=config)
+    out = np.zeros((bs, tc, h, dl), dtype=np.float32)
+    lse = np.zeros((bs, tc, h), dtype=np.float32)
+    workspace = np.zeros(p.workspace_shape, dtype=np.float32)
+    run(p, q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility, scale, out,
+        lse, workspace)
+    return out, lse
+
+
+# The Kimi K2 specialisation (H = 64, Dl = 512, Dr = 64), for the sm_90 / sm_120 compile check.
+KIMI_K2_CONFIG = default_config(512, 64, 64)
+_DIMS = (int32, int32, int32, int32)     # Tc, H, S, W
+_ATTENTION_SIG = (float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], int32[::1],
+                  uint32[::1], *_DIMS, float32, int32, float32[::1])
+_MERGE_SIG = (int32[::1], int32[::1], uint32[::1], *_DIMS, int32, int32, float32[::1],
+              float32[::1], float32[::1])
+register("verify_attention_mla", get_kernels(KIMI_K2_CONFIG)[0], [_ATTENTION_SIG],
+         "tree-verify MLA attention, segment partials (Kimi K2: H=64, Dl=512, Dr=64)",
+         block_threads=KIMI_K2_CONFIG.threads)
+register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
+         "tree-verify MLA attention, ordered merge of segment partials (Kimi K2)",
+         block_threads=KIMI_K2_CONFIG.merge_threads)

@@ -1,0 +1,366 @@
+"""Fused log-softmax top-k kernel (ddtree_numba.kernels.topk) against reference.topk_log_probs.
+
+Simulator tests use tiny shapes (V <= 512, k <= 16, 2-4 rows, 32 threads per block); the
+``gpu``-marked tests run the real Kimi-K2 shapes (V = 163840) on a GPU. Ids must be bit-exact;
+values within VALUE_ATOL + VALUE_RTOL * |reference|.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.golden import read_all
+from ddtree_numba.kernels import registry
+from ddtree_numba.kernels.topk import (
+    MAX_K,
+    VALUE_ATOL,
+    VALUE_RTOL,
+    WORDS_PER_THREAD,
+    TopKPlan,
+    check_topk_errors,
+    plan_topk,
+    run_topk,
+)
+from reference.topk import bf16_to_float32, float32_to_bf16, topk_log_probs
+
+GOLDEN = "data/golden/topk.h5"
+SIM_THREADS = 32  # one warp per block keeps simulated launches fast
+KIMI_VOCAB = 163840
+
+
+def _run(logits: np.ndarray, k: int, **plan_kw) -> tuple[np.ndarray, np.ndarray, TopKPlan]:
+    """Plan and run on host arrays; returns (values, ids, plan)."""
+    plan_kw.setdefault("threads", SIM_THREADS)
+    plan = plan_topk(logits.shape[0], logits.shape[1], k, logits.dtype, **plan_kw)
+    values = np.full((plan.rows, plan.k_out), np.nan, np.float32)
+    ids = np.full((plan.rows, plan.k_out), -7, np.int32)
+    run_topk(plan, logits, values, ids)
+    return values, ids, plan
+
+
+def _expected(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    as_float = bf16_to_float32(logits) if logits.dtype == np.uint16 else logits
+    return topk_log_probs(as_float, k)
+
+
+def _assert_matches(values: np.ndarray, ids: np.ndarray, ref_values: np.ndarray, ref_ids: np.ndarray) -> None:
+    np.testing.assert_array_equal(ids, ref_ids.astype(np.int32))
+    tol = VALUE_ATOL + VALUE_RTOL * np.abs(ref_values)
+    worst = np.max(np.abs(values - ref_values) - tol) if values.size else -1.0
+    assert worst <= 0.0, f"values off by {worst} beyond tolerance"
+
+
+def _check(logits: np.ndarray, k: int, **plan_kw) -> TopKPlan:
+    values, ids, plan = _run(logits, k, **plan_kw)
+    _assert_matches(values, ids, *_expected(logits, k))
+    return plan
+
+
+def _gaussian(rng: np.random.Generator, rows: int, vocab: int, std: float = 3.0) -> np.ndarray:
+    return (rng.standard_normal((rows, vocab)) * std).astype(np.float32)
+
+
+# --- golden cases --------------------------------------------------------------------------------
+
+def _golden_topk_cases() -> list:
+    return [(name, ds) for name, ds in read_all(GOLDEN).items() if ds.attrs["function"].endswith("topk_log_probs")]
+
+
+@pytest.mark.parametrize("name, ds", _golden_topk_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_golden(name, ds):
+    k = int(ds["in_k"].values)
+    inputs = [ds["in_logits"].values]
+    if "in_logits_bf16" in ds:
+        inputs.append(ds["in_logits_bf16"].values)  # the same logits as raw bf16 bits
+    for logits in inputs:
+        values, ids, _ = _run(np.ascontiguousarray(logits), k)
+        _assert_matches(values, ids, ds["out_values"].values, ds["out_ids"].values)
+
+
+# --- random and edge shapes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "rows, vocab, k, dtype, n_chunks",
+    [
+        (2, 96, 8, "f32", 1),  # packed float32 (2 per word)
+        (3, 101, 16, "f32", 2),  # odd V: scalar path, two chunks
+        (2, 512, 16, "bf16", 3),  # packed bf16 (4 per word), chunks merged
+        (4, 66, 5, "bf16", None),  # V % 4 != 0: scalar bf16
+        (2, 1, 4, "f32", None),  # V = 1
+        (2, 9, 9, "bf16", None),  # k = V
+        (3, 7, 16, "f32", 2),  # k > V: clamped
+        (2, 40, 0, "bf16", 2),  # k = 0
+    ],
+)
+def test_random_shapes(rows, vocab, k, dtype, n_chunks):
+    logits = _gaussian(np.random.default_rng(rows * 1000 + vocab), rows, vocab)
+    if dtype == "bf16":
+        logits = float32_to_bf16(logits)
+    plan = _check(logits, k, n_chunks=n_chunks)
+    assert plan.k_out == min(k, vocab)
+
+
+def test_tie_heavy_bf16_across_chunks():
+    """Few distinct values, equal values in every chunk: ids resolve ties by lower id everywhere."""
+    rng = np.random.default_rng(7)
+    levels = float32_to_bf16(np.array([1.5, 1.0, -0.25], np.float32))
+    logits = levels[rng.integers(0, 3, size=(3, 256))]  # [3, 256] uint16
+    logits[1] = levels[0]  # a row of one value: the top k are ids 0..k-1
+    values, ids, plan = _run(logits, 16, n_chunks=4)
+    assert plan.n_chunks == 4
+    _assert_matches(values, ids, *_expected(logits, 16))
+    np.testing.assert_array_equal(ids[1], np.arange(16))
+
+
+def test_bf16_gaussian_ties_match_reference():
+    """bf16-rounded N(0, 2.5^2) logits (spec §1.2: most adjacent top ranks tie)."""
+    logits = float32_to_bf16(_gaussian(np.random.default_rng(11), 2, 512, std=2.5))
+    ref_values, _ = _expected(logits, 16)
+    assert np.sum(np.diff(ref_values, axis=1) == 0) > 0  # the case really has ties
+    _check(logits, 16, n_chunks=2)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_monotone_rows_force_compactions(order):
+    """Ascending rows make every element a new top-k (worst case: many compactions and retries)."""
+    ramp = np.linspace(-4.0, 4.0, 192, dtype=np.float32)
+    logits = np.stack([ramp if order == "ascending" else ramp[::-1], np.sin(ramp * 7.0)]).astype(np.float32)
+    _check(logits, 8, capacity=SIM_THREADS)  # smallest buffer: 32 entries, 4 k
+
+
+@pytest.mark.parametrize("dtype, vocab", [("f32", 600), ("bf16", 1100)])
+def test_several_full_iterations_then_a_partial_one(dtype, vocab):
+    """Rows longer than two block iterations (32 threads x 4 words), so the prefetched words of
+    each iteration, the partial last one and buffer overflows in later iterations are all used."""
+    rng = np.random.default_rng(vocab)
+    ramp = np.linspace(-6.0, 6.0, vocab, dtype=np.float32)  # ascending: overflows every iteration
+    logits = np.stack([ramp, _gaussian(rng, 1, vocab)[0]])
+    if dtype == "bf16":
+        logits = float32_to_bf16(logits)
+    plan = _check(logits, 8, capacity=SIM_THREADS, n_chunks=1)
+    per_word = 4 if dtype == "bf16" else 2
+    assert vocab > 2 * SIM_THREADS * WORDS_PER_THREAD * per_word  # >= 2 full iterations
+    assert plan.n_chunks == 1
+
+
+def test_signed_zeros_subnormals_and_large_values():
+    """-0.0 ties with +0.0 (lower id first), subnormals keep their order, large logits are exact."""
+    row = np.array([-0.0, 0.0, 1e-40, -1e-40, 1e30, -1e30, -0.0, 0.0, 2.5, -2.5], np.float32)
+    _check(np.stack([row, row[::-1], -row]), 10)
+
+
+def test_workspace_reuse_and_device_arrays():
+    """One plan, several runs (as a graph replay would), device-array inputs and outputs."""
+    rng = np.random.default_rng(3)
+    plan = plan_topk(2, 200, 6, np.uint16, threads=SIM_THREADS, n_chunks=2)
+    d_values = cuda.device_array((2, 6), np.float32)
+    d_ids = cuda.device_array((2, 6), np.int32)
+    for _ in range(2):
+        logits = float32_to_bf16(_gaussian(rng, 2, 200))
+        run_topk(plan, cuda.to_device(logits), d_values, d_ids)
+        _assert_matches(d_values.copy_to_host(), d_ids.copy_to_host(), *_expected(logits, 6))
+
+
+def test_misaligned_logits_use_the_scalar_path():
+    """A row base that is not 8-byte aligned cannot be read as uint64 words; results are unchanged."""
+    logits = float32_to_bf16(_gaussian(np.random.default_rng(5), 2, 64))
+    storage = np.zeros(logits.size + 1, np.uint16)
+    shifted = storage[1:].reshape(logits.shape)  # 2-byte offset
+    shifted[...] = logits
+    assert shifted.__array_interface__["data"][0] % 8 != 0
+    values, ids, _ = _run(shifted, 5)
+    _assert_matches(values, ids, *_expected(logits, 5))
+
+
+# --- non-finite logits -----------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # simulator NumPy: inf - inf
+@pytest.mark.parametrize("bad, n_chunks", [(np.nan, 2), (np.inf, 1), (-np.inf, 1)])
+def test_non_finite_logits_flag_their_row(bad, n_chunks):
+    logits = _gaussian(np.random.default_rng(9), 3, 48)
+    logits[1, 17] = bad
+    plan = plan_topk(3, 48, 4, np.float32, threads=SIM_THREADS, n_chunks=n_chunks)
+    values = np.zeros((3, 4), np.float32)
+    ids = np.zeros((3, 4), np.int32)
+    with pytest.raises(ValueError, match=r"^logits\b"):
+        run_topk(plan, logits, values, ids)
+    run_topk(plan, logits, values, ids, check=False)  # graph-capture mode: no sync, no raise
+    with pytest.raises(ValueError, match=r"logits.*\[1\]"):
+        check_topk_errors(plan)
+    good = [0, 2]  # the other rows are still exact
+    ref_values, ref_ids = topk_log_probs(logits[good], 4)
+    _assert_matches(values[good], ids[good], ref_values, ref_ids)
+    logits[1, 17] = 0.0
+    run_topk(plan, logits, values, ids)  # flags are rewritten on every run
+
+
+# --- validation: errors name the argument and nothing is written ---------------------------------
+
+@pytest.mark.parametrize(
+    "kwargs, exc, name",
+    [
+        (dict(rows=0), ValueError, "rows"),
+        (dict(rows=2.0), TypeError, "rows"),
+        (dict(vocab=0), ValueError, "vocab"),
+        (dict(k=-1), ValueError, "k"),
+        (dict(k=True), TypeError, "k"),
+        (dict(k=MAX_K + 1, vocab=4096), ValueError, "k"),
+        (dict(dtype=np.float64), TypeError, "dtype"),
+        (dict(threads=48), ValueError, "threads"),
+        (dict(threads=1024), ValueError, "threads"),
+        (dict(capacity=16), ValueError, "capacity"),
+        (dict(capacity=96), ValueError, "capacity"),
+        (dict(n_chunks=0), ValueError, "n_chunks"),
+    ],
+)
+def test_plan_rejects_bad_arguments(kwargs, exc, name):
+    args = dict(rows=2, vocab=64, k=4, dtype=np.float32, threads=SIM_THREADS)
+    args.update(kwargs)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        plan_topk(args.pop("rows"), args.pop("vocab"), args.pop("k"), args.pop("dtype"), **args)
+
+
+def test_k_above_vocab_is_not_limited_by_max_k():
+    assert plan_topk(1, 10, 5000, np.float32, threads=SIM_THREADS).k_out == 10
+
+
+@pytest.mark.parametrize(
+    "which, bad, exc",
+    [
+        ("logits", np.zeros((2, 64), np.float64), TypeError),
+        ("logits", np.zeros((2, 64), np.uint16), TypeError),  # plan is float32
+        ("logits", np.zeros((2, 65), np.float32), ValueError),
+        ("logits", np.zeros((64, 2), np.float32).T, ValueError),  # not C-contiguous
+        ("logits", [[0.0] * 64] * 2, TypeError),
+        ("out_values", np.zeros((2, 4), np.float64), TypeError),
+        ("out_values", np.zeros((2, 5), np.float32), ValueError),
+        ("out_ids", np.zeros((2, 4), np.int64), TypeError),
+        ("out_ids", np.zeros((3, 4), np.int32), ValueError),
+    ],
+)
+def test_run_rejects_bad_arguments_before_writing(which, bad, exc):
+    plan = plan_topk(2, 64, 4, np.float32, threads=SIM_THREADS)
+    args = dict(
+        logits=_gaussian(np.random.default_rng(0), 2, 64),
+        out_values=np.full((2, 4), 5.0, np.float32),
+        out_ids=np.full((2, 4), 5, np.int32),
+    )
+    untouched = {key: np.array(value, copy=True) for key, value in args.items()}
+    args[which] = bad
+    with pytest.raises(exc, match=rf"^{which}\b"):
+        run_topk(plan, **args)
+    for key in ("out_values", "out_ids"):
+        if key != which:
+            np.testing.assert_array_equal(args[key], untouched[key])
+
+
+def test_run_rejects_a_non_plan():
+    with pytest.raises(TypeError, match=r"^plan\b"):
+        run_topk(object(), np.zeros((1, 4), np.float32), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int32))
+
+
+# --- plan layout (host only) ---------------------------------------------------------------------
+
+def test_plan_layout_for_kimi_shapes():
+    """Many rows: one chunk (no merge); few rows: chunks fill the GPU; chunks tile V exactly."""
+    big = plan_topk(1024, KIMI_VOCAB, 32, np.uint16)
+    assert big.n_chunks == 1 and big.capacity == 256
+    small = plan_topk(16, KIMI_VOCAB, 32, np.uint16)
+    assert small.n_chunks > 1
+    for plan in (big, small):
+        assert plan.chunk_elems % 4 == 0
+        assert (plan.n_chunks - 1) * plan.chunk_elems < KIMI_VOCAB <= plan.n_chunks * plan.chunk_elems
+        assert plan.cand.shape == (plan.rows, plan.n_chunks, plan.k_out)
+        assert plan.shared_bytes <= 32 * 1024
+    assert plan_topk(4, KIMI_VOCAB, MAX_K, np.float32).capacity == 4096
+
+
+def test_kernels_are_registered_with_signatures():
+    names = {spec.name for spec in registry.all_kernels()}
+    expected = {f"topk_chunk_{d}_{p}" for d in ("bf16", "f32") for p in ("packed", "scalar")} | {"topk_merge"}
+    assert expected <= names
+    for name in expected:
+        assert len(registry.get(name).signatures) == 1
+
+
+# --- GPU: real shapes ------------------------------------------------------------------------------
+
+def _fast_reference(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """reference.topk_log_probs semantics for big float32 arrays, without a full argsort per row."""
+    x64 = x.astype(np.float64)
+    m = x64.max(axis=1, keepdims=True)
+    log_z = m[:, 0] + np.log(np.exp(x64 - m).sum(axis=1))
+    kth = -np.partition(-x, k - 1, axis=1)[:, k - 1]
+    values = np.empty((x.shape[0], k), np.float32)
+    ids = np.empty((x.shape[0], k), np.int64)
+    for r in range(x.shape[0]):
+        cand = np.flatnonzero(x[r] >= kth[r])  # ascending ids
+        order = np.argsort(-x[r, cand], kind="stable")[:k]  # value desc, then lower id
+        ids[r] = cand[order]
+        values[r] = (x64[r, ids[r]] - log_z[r]).astype(np.float32)
+    return values, ids
+
+
+_GPU_LOGITS: dict = {}
+
+
+def _gpu_logits(rows: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel input, its float32 value) for the real vocabulary; bf16 N(0, 2.5^2) is tie-heavy."""
+    key = (rows, dtype)
+    if key not in _GPU_LOGITS:
+        x = _gaussian(np.random.default_rng(rows), rows, KIMI_VOCAB, std=2.5)
+        _GPU_LOGITS.clear()  # keep host memory bounded: one shape at a time
+        if dtype == "bf16":
+            bits = float32_to_bf16(x)
+            _GPU_LOGITS[key] = (bits, bf16_to_float32(bits))
+        else:
+            _GPU_LOGITS[key] = (x, x)
+    return _GPU_LOGITS[key]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize(
+    "rows, k", [(16, 8), (16, 1024), (128, 32), (128, 256), (1024, 32), (1024, 1024)]
+)
+def test_gpu_real_shapes(rows, k, dtype):
+    logits, as_float = _gpu_logits(rows, dtype)
+    plan = plan_topk(rows, KIMI_VOCAB, k, logits.dtype)
+    d_logits = cuda.to_device(logits)
+    d_values = cuda.device_array((rows, k), np.float32)
+    d_ids = cuda.device_array((rows, k), np.int32)
+    run_topk(plan, d_logits, d_values, d_ids)
+    values, ids = d_values.copy_to_host(), d_ids.copy_to_host()
+    ref_values, ref_ids = _fast_reference(as_float, k)
+    _assert_matches(values, ids, ref_values, ref_ids)
+    # The fast oracle agrees with the reference itself on a few rows.
+    sample = [0, rows - 1]
+    _assert_matches(values[sample], ids[sample], *topk_log_probs(as_float[sample], k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_chunks", [1, 7])
+def test_gpu_adversarial_rows(n_chunks):
+    """Ascending, constant and two-level rows at the real vocabulary, with and without a merge."""
+    ramp = np.linspace(-30.0, 30.0, KIMI_VOCAB, dtype=np.float32)
+    two_level = np.where(np.arange(KIMI_VOCAB) % 3 == 0, 2.0, 1.0).astype(np.float32)
+    logits = float32_to_bf16(np.stack([ramp, np.zeros_like(ramp), two_level, ramp[::-1]]))
+    plan = plan_topk(4, KIMI_VOCAB, 64, np.uint16, n_chunks=n_chunks)
+    values = np.zeros((4, 64), np.float32)
+    ids = np.zeros((4, 64), np.int32)
+    run_topk(plan, cuda.to_device(logits), values, ids)
+    _assert_matches(values, ids, *_fast_reference(bf16_to_float32(logits), 64))
+
+
+@pytest.mark.gpu
+def test_gpu_non_finite_detection_and_streams():
+    logits, _ = _gpu_logits(16, "bf16")
+    logits = logits.copy()
+    logits[5, 99999] = float32_to_bf16(np.array([np.nan], np.float32))[0]
+    plan = plan_topk(16, KIMI_VOCAB, 32, np.uint16)
+    stream = cuda.stream()
+    d_values = cuda.device_array((16, 32), np.float32)
+    d_ids = cuda.device_array((16, 32), np.int32)
+    with pytest.raises(ValueError, match=r"logits.*\[5\]"):
+        run_topk(plan, cuda.to_device(logits, stream=stream), d_values, d_ids, stream)

@@ -1,0 +1,474 @@
+"""Tree-verify MLA attention kernel against reference.verify_attention(_batch), and its losslessness.
+
+Stated tolerance vs the float64 reference (tested here at tiny dims and, on the H200, at Kimi K2
+shapes): ``||out - ref|| / ||ref|| <= 1e-5`` (Frobenius, per call) and, per (query, head),
+``|lse - ref| <= 1e-5 * max(1, |ref|)`` (natural log: absolute for |lse| <= 1, relative above;
+float32 spacing at |lse| ~ 16 is 1.9e-6, so a fixed absolute 1e-5 would be ~5 ulps there).
+:func:`test_lse_error_model_at_128k` checks, with a NumPy float32 model of the kernel's order of
+operations, that this bound holds with margin at N = 128k. Padding rows are exactly zero.
+
+Lossless property (bit for bit): a tree node's (out, lse) equals a T = 1 call (root only,
+visibility [[1]]) on the compacted cache of its root path, whatever the batch around it.
+
+Simulator tests use tiny dims (Dl 16/32, Dr 8, H 2/4, one warp per block, chunks of 8/16 keys and
+segments of 16/32 keys so chunk and segment boundaries fall inside the tree part); ``gpu`` tests
+run Kimi K2 shapes (H = 64, Dl = 512, Dr = 64) on the H200.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.golden import read_all
+from ddtree_numba.kernels import verify_attention as va
+from reference import pack_visibility, verify_attention, verify_attention_batch
+
+GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden"
+OUT_RTOL = 1e-5   # ||out - ref|| / ||ref||
+LSE_RTOL = 1e-5   # |lse - ref| / max(1, |ref|)
+
+# One warp per block; chunk 8, k_groups 2, scalar register tiles.
+TINY = va.TileConfig(latent_dim=16, rope_dim=8, heads=2, chunk=8, k_slice=8, k_groups=2,
+                     qk_rows=1, qk_keys=1, pv_rows=1, pv_dims=1, v_slice=8, max_path=16,
+                     merge_threads=32)
+# 2 x 2 score tiles over 4 k-groups (two butterfly levels), strided dims, 4 value slices.
+TILED = va.TileConfig(latent_dim=32, rope_dim=8, heads=2, chunk=16, k_slice=8, k_groups=4,
+                      qk_rows=2, qk_keys=2, pv_rows=1, pv_dims=2, v_slice=4, max_path=16,
+                      merge_threads=32)
+# Kimi latent/rope widths with 2 heads (the golden kimi_dims case), one warp.
+KIMI_DIMS_H2 = va.TileConfig(latent_dim=512, rope_dim=64, heads=2, chunk=32, k_slice=64,
+                             k_groups=2, qk_rows=1, qk_keys=4, pv_rows=1, pv_dims=32, v_slice=16,
+                             max_path=16, merge_threads=32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+def _random_parents(rng, size: int, chain: bool = False) -> np.ndarray:
+    """parents int [size] with parents[0] = -1 and parents[i] < i (a chain if chain)."""
+    parents = np.full(size, -1)
+    for i in range(1, size):
+        parents[i] = i - 1 if chain else rng.integers(0, i)
+    return parents
+
+
+def _visibility(parents_per_request, tc: int) -> np.ndarray:
+    """bool [bs, Tc, Tc] ancestor-or-self closure; padding rows see only themselves."""
+    vis = np.zeros((len(parents_per_request), tc, tc), bool)
+    for b, parents in enumerate(parents_per_request):
+        for i in range(tc):
+            j = i
+            while j >= 0:
+                vis[b, i, j] = True
+                j = parents[j] if i < len(parents) else -1
+    return vis
+
+
+def _path(parents: np.ndarray, node: int) -> list[int]:
+    """Root .. node, in node (= depth) order."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _batch(rng, cfg: va.TileConfig, heads: int, past_lens, sizes, tc: int, s: int, chain=False,
+           magnitude: float = 1.0):
+    """Random inputs for a ragged batch; stale rows past each request are NaN (never read)."""
+    bs = len(past_lens)
+    parents = [_random_parents(rng, n, chain) for n in sizes]
+    q_latent = (magnitude * rng.standard_normal((bs, tc, heads, cfg.latent_dim))).astype(np.float32)
+    q_rope = (magnitude * rng.standard_normal((bs, tc, heads, cfg.rope_dim))).astype(np.float32)
+    kv_latent = rng.standard_normal((bs, s, cfg.latent_dim)).astype(np.float32)
+    k_rope = rng.standard_normal((bs, s, cfg.rope_dim)).astype(np.float32)
+    for b in range(bs):
+        kv_latent[b, past_lens[b] + sizes[b]:] = np.nan
+        k_rope[b, past_lens[b] + sizes[b]:] = np.nan
+    return dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
+                past_lens=np.asarray(past_lens, np.int32), tree_sizes=np.asarray(sizes, np.int32),
+                visibility=_visibility(parents, tc)), parents
+
+
+def _run(inputs: dict, scale: float, cfg: va.TileConfig, split: int):
+    packed = dict(inputs, visibility=pack_visibility(inputs["visibility"]))
+    return va.verify_attention(**packed, scale=scale, split_size=split, config=cfg)
+
+
+def _reference(inputs: dict, scale: float):
+    clean = dict(inputs)
+    clean["kv_latent"] = np.nan_to_num(inputs["kv_latent"])  # the reference checks finiteness
+    clean["k_rope"] = np.nan_to_num(inputs["k_rope"])
+    return verify_attention_batch(**clean, scale=scale)
+
+
+def _assert_close(out, lse, ref_out, ref_lse) -> None:
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    rel = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
+    assert rel <= OUT_RTOL, rel
+    assert np.max(_lse_error(lse, ref_lse), initial=0.0) <= LSE_RTOL
+
+
+def _lse_error(lse: np.ndarray, ref_lse: np.ndarray) -> np.ndarray:
+    """|lse - ref| / max(1, |ref|), elementwise (the stated lse tolerance's measure)."""
+    return np.abs(lse.astype(np.float64) - ref_lse) / np.maximum(1.0, np.abs(ref_lse))
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the reference
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "cfg, heads, past_lens, sizes, tc, s, split, chain, seed",
+    [
+        # N = 0, N on a chunk boundary, N inside a chunk; an idle slot; a chain crossing chunks.
+        (TINY, 2, [0, 16, 13, 5], [6, 4, 1, 0], 6, 24, 16, False, 1),
+        (TINY, 2, [9, 2], [6, 6], 6, 16, 8, True, 2),
+        # Two head groups, 2 x 2 tiles, 4 k-groups, several value slices and segments.
+        (TILED, 4, [21, 0, 40], [5, 3, 2], 5, 48, 32, False, 3),
+    ],
+)
+def test_matches_reference(cfg, heads, past_lens, sizes, tc, s, split, chain, seed):
+    rng = np.random.default_rng(seed)
+    inputs, _ = _batch(rng, cfg, heads, past_lens, sizes, tc, s, chain)
+    out, lse = _run(inputs, 0.3, cfg, split)
+    ref_out, ref_lse = _reference(inputs, 0.3)
+    _assert_close(out, lse, ref_out, ref_lse)
+    for b, size in enumerate(sizes):  # padding rows: exact zeros
+        assert not np.any(out[b, size:]) and not np.any(lse[b, size:])
+
+
+def test_large_scores_and_ties():
+    """Scores of order 30 (no overflow: online max), and equal keys (exact ties)."""
+    rng = np.random.default_rng(4)
+    inputs, _ = _batch(rng, TINY, 2, [11, 3], [5, 5], 5, 16, magnitude=3.0)
+    inputs["kv_latent"][0, 2:8] = inputs["kv_latent"][0, 1]   # repeated cached rows
+    inputs["k_rope"][0, 2:8] = inputs["k_rope"][0, 1]
+    out, lse = _run(inputs, 1.0, TINY, 8)
+    ref_out, ref_lse = _reference(inputs, 1.0)
+    assert np.abs(ref_lse).max() > 10.0
+    assert np.max(_lse_error(lse, ref_lse)) <= LSE_RTOL
+    assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) <= OUT_RTOL
+
+
+def _float32_lse_model(q: np.ndarray, keys: np.ndarray, scale: float, chunk: int,
+                       split: int) -> np.ndarray:
+    """NumPy float32 model of the kernel's lse: float32 [H] for q float32 [H, D], keys [N, D].
+
+    Same structure as the kernel (module docstring of verify_attention): each score a float32
+    dot split over two k-groups, each sequential with unfused multiply-add (at least the kernel's
+    rounding error), times scale; online softmax over chunks of ``chunk`` keys inside segments of
+    ``split`` keys; then the ordered segment merge and ``m + log(l)``.
+    """
+    f32 = np.float32
+    n, d = keys.shape
+    half = d // 2
+    seg_m, seg_l = [], []
+    for start in range(0, n, split):
+        k = keys[start:start + split]                                  # [n_s, D]
+        parts = []
+        for lo in (0, half):                                           # the two k-groups
+            acc = np.zeros((q.shape[0], k.shape[0]), f32)              # [H, n_s]
+            for j in range(lo, lo + half):
+                acc = acc + q[:, j:j + 1] * k[None, :, j]
+            parts.append(acc)
+        scores = (parts[0] + parts[1]) * f32(scale)                    # [H, n_s]
+        m_run = np.full(q.shape[0], -np.inf, f32)
+        l_run = np.zeros(q.shape[0], f32)
+        for c in range(0, scores.shape[1], chunk):
+            block = scores[:, c:c + chunk]                             # [H, <= chunk]
+            m_new = np.maximum(m_run, block.max(axis=1))
+            rescale = np.exp(m_run - m_new).astype(f32)
+            p = np.exp(block - m_new[:, None]).astype(f32)
+            l_chunk = np.zeros_like(l_run)
+            for j in range(p.shape[1]):                                # keys in position order
+                l_chunk = l_chunk + p[:, j]
+            l_run = l_run * rescale + l_chunk
+            m_run = m_new
+        seg_m.append(m_run)
+        seg_l.append(l_run)
+    m_max = np.max(seg_m, axis=0)
+    total = np.zeros_like(m_max)
+    for m, l_ in zip(seg_m, seg_l):                                    # segment order
+        total = total + l_ * np.exp(m - m_max).astype(f32)
+    return (m_max + np.log(total)).astype(f32)
+
+
+def test_lse_error_model_at_128k():
+    """The lse tolerance holds with margin at N = 128k (Kimi K2 scale, 576-dim scores).
+
+    float32 lse error grows with |lse| (spacing of the result, rounding of each score ~
+    eps * |score|) and slowly with N (sums over 2048-key segments, 64 segments merged): the
+    model shows a relative error far below 1e-5 at N = 131072, where an absolute 1e-5 bound has
+    ~5 float32 ulps of room at |lse| ~ 18.
+    """
+    rng = np.random.default_rng(12)
+    n, heads, dims, scale = 131072, 2, 576, 0.14467962580268923
+    q = (2.0 * rng.standard_normal((heads, dims))).astype(np.float32)   # |lse| ~ 30-60
+    keys = rng.standard_normal((n, dims)).astype(np.float32)
+    lse = _float32_lse_model(q, keys, scale, chunk=32, split=va.DEFAULT_SPLIT_SIZE)
+    scores = scale * (keys.astype(np.float64) @ q.astype(np.float64).T)          # [N, H]
+    top = scores.max(axis=0)
+    ref = top + np.log(np.exp(scores - top).sum(axis=0))
+    assert np.all(np.abs(ref) > 15.0)
+    err = _lse_error(lse, ref)
+    assert np.max(err) <= LSE_RTOL / 4, err
+
+
+@pytest.mark.parametrize("name, cfg, max_nodes", [
+    ("n0", TINY, 7), ("small_n", TINY, 9), ("t1", TINY, 1), ("batch_ragged", TINY, 8),
+    ("kimi_dims", KIMI_DIMS_H2, 3),   # 512/64 dims: 3 of the 9 nodes keep the simulator fast
+])
+def test_golden(name, cfg, max_nodes):
+    case = read_all(GOLDEN / "attention.h5")[name]
+    get = lambda v: case[v].values  # noqa: E731
+    if "in_past_lens" in case:
+        inputs = dict(q_latent=get("in_q_latent"), q_rope=get("in_q_rope"),
+                      kv_latent=get("in_kv_latent"), k_rope=get("in_k_rope"),
+                      past_lens=get("in_past_lens"), tree_sizes=get("in_tree_sizes"),
+                      visibility=get("in_visibility").astype(bool))
+    else:  # single request: tree rows are the last T cache rows; keep the first `nodes`
+        t = get("in_q_latent").shape[0]   # (a node prefix is a tree: parents precede children)
+        n = get("in_kv_latent").shape[0] - t
+        nodes = min(t, max_nodes)
+        inputs = dict(q_latent=get("in_q_latent")[None, :nodes],
+                      q_rope=get("in_q_rope")[None, :nodes],
+                      kv_latent=get("in_kv_latent")[None, :n + nodes],
+                      k_rope=get("in_k_rope")[None, :n + nodes], past_lens=np.array([n]),
+                      tree_sizes=np.array([nodes]),
+                      visibility=get("in_visibility").astype(bool)[None, :nodes, :nodes])
+    inputs = {k: np.ascontiguousarray(v.astype(np.float32) if v.dtype.kind == "f" else
+                                      v.astype(np.int32) if v.dtype.kind in "iu" else v)
+              for k, v in inputs.items()}
+    out, lse = _run(inputs, float(get("in_scale")), cfg, 4 * cfg.chunk)
+    ref_out, ref_lse = get("out_out"), get("out_lse")
+    if "in_past_lens" not in case:   # [T, ...] -> the kept nodes as a batch of one
+        ref_out, ref_lse = ref_out[None, :out.shape[1]], ref_lse[None, :out.shape[1]]
+    _assert_close(out, lse, ref_out, ref_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losslessness: tree node == autoregressive decode of its path, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+def _decode_calls(inputs: dict, parents_per_request, scale: float, cfg, split):
+    """One T = 1 batch: for every live node, its query over the compacted cache of its path."""
+    rows, q_lat, q_rp, past = [], [], [], []
+    for b, parents in enumerate(parents_per_request):
+        n = int(inputs["past_lens"][b])
+        for node in range(len(parents)):
+            path = _path(parents, node)                                    # root .. node
+            keep = np.concatenate([np.arange(n), n + np.asarray(path)])    # compacted rows
+            rows.append((b, keep))
+            q_lat.append(inputs["q_latent"][b, node])
+            q_rp.append(inputs["q_rope"][b, node])
+            past.append(n + len(path) - 1)                                 # node is the root
+    s = max(len(keep) for _, keep in rows)
+    kv = np.full((len(rows), s, cfg.latent_dim), np.nan, np.float32)
+    kr = np.full((len(rows), s, cfg.rope_dim), np.nan, np.float32)
+    for r, (b, keep) in enumerate(rows):
+        kv[r, :len(keep)] = inputs["kv_latent"][b, keep]
+        kr[r, :len(keep)] = inputs["k_rope"][b, keep]
+    decode = dict(q_latent=np.stack(q_lat)[:, None], q_rope=np.stack(q_rp)[:, None],
+                  kv_latent=kv, k_rope=kr, past_lens=np.array(past, np.int32),
+                  tree_sizes=np.ones(len(rows), np.int32),
+                  visibility=np.ones((len(rows), 1, 1), bool))
+    return _run(decode, scale, cfg, split)
+
+
+@pytest.mark.parametrize("cfg, heads, past_lens, sizes, split, seed", [
+    (TINY, 2, [13, 0, 6], [6, 5, 3], 16, 5),      # paths cross chunk 16 and segment 16
+    (TILED, 2, [29, 12], [4, 3], 32, 6),
+])
+def test_tree_node_equals_decode_of_its_path(cfg, heads, past_lens, sizes, split, seed):
+    rng = np.random.default_rng(seed)
+    tc = max(sizes)
+    inputs, parents = _batch(rng, cfg, heads, past_lens, sizes, tc, max(past_lens) + tc)
+    out, lse = _run(inputs, 0.3, cfg, split)
+    dec_out, dec_lse = _decode_calls(inputs, parents, 0.3, cfg, split)
+    live = [(b, i) for b, n in enumerate(sizes) for i in range(n)]
+    tree_out = np.stack([out[b, i] for b, i in live])
+    tree_lse = np.stack([lse[b, i] for b, i in live])
+    assert _same_bits(tree_out, dec_out[:, 0]) and _same_bits(tree_lse, dec_lse[:, 0])
+
+
+def test_result_independent_of_batch_and_capacity():
+    """A request alone, padded to a larger tree capacity, or beside others: same bits."""
+    rng = np.random.default_rng(7)
+    inputs, _ = _batch(rng, TINY, 2, [10, 17, 3], [5, 3, 4], 5, 24)
+    out, lse = _run(inputs, 0.3, TINY, 16)
+    alone = {k: v[1:2] for k, v in inputs.items()}
+    tc = 9                                            # pad the tree capacity 5 -> 9
+    padded = dict(alone)
+    for key in ("q_latent", "q_rope"):
+        padded[key] = np.concatenate([alone[key], np.zeros((1, tc - 5) + alone[key].shape[2:],
+                                                           np.float32)], axis=1)
+    padded["visibility"] = np.zeros((1, tc, tc), bool)
+    padded["visibility"][0, :5, :5] = alone["visibility"][0]
+    padded["visibility"][0, 5:, 5:] = np.eye(tc - 5, dtype=bool)
+    for variant in (alone, padded):
+        o, l_ = _run(variant, 0.3, TINY, 16)
+        assert _same_bits(o[0, :3], out[1, :3]) and _same_bits(l_[0, :3], lse[1, :3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Device-side guards, plan, config and argument checks
+# ---------------------------------------------------------------------------------------------
+
+def test_device_guards_give_nan_not_truncation():
+    """Device inputs skip host value checks: out-of-plan keys and oversize requests give NaN."""
+    rng = np.random.default_rng(8)
+    inputs, _ = _batch(rng, TINY, 2, [20, 2, 3], [3, 3, 3], 3, 24)
+    inputs["past_lens"][2] = 22                       # 22 + 3 > S = 24: does not fit
+    p = va.plan(3, 3, 2, 24, latent_dim=16, rope_dim=8, max_kv_len=16, split_size=16,
+                config=TINY)                          # one segment: request 0 reaches past it
+    dev = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in
+           dict(inputs, visibility=pack_visibility(inputs["visibility"])).items()}
+    out = cuda.to_device(np.zeros((3, 3, 2, 16), np.float32))
+    lse = cuda.to_device(np.zeros((3, 3, 2), np.float32))
+    va.run(p, dev["q_latent"], dev["q_rope"], dev["kv_latent"], dev["k_rope"], dev["past_lens"],
+           dev["tree_sizes"], dev["visibility"], 0.3, out, lse,
+           cuda.to_device(np.zeros(p.workspace_shape, np.float32)))
+    out, lse = out.copy_to_host(), lse.copy_to_host()
+    assert np.all(np.isnan(out[0])) and np.all(np.isnan(lse[0]))
+    assert np.all(np.isnan(out[2])) and np.all(np.isnan(lse[2]))
+    ref_out, ref_lse = _reference({k: v[1:2] for k, v in inputs.items()}, 0.3)
+    _assert_close(out[1:2], lse[1:2], ref_out, ref_lse)
+
+
+def test_plan_layout():
+    p = va.plan(8, 33, 64, 32768 + 64, max_kv_len=32768 + 33)
+    assert p.config == va.KIMI_K2_CONFIG and p.config.threads == 256
+    assert p.num_splits == -(-(32768 + 33) // va.DEFAULT_SPLIT_SIZE)
+    assert p.attention_grid == (33, p.num_splits, 8) and p.merge_grid == (33, 8)
+    assert p.workspace_shape == (p.num_splits, 8, 33, 64, 514)
+    assert va.plan(2, 9, 128, 4096).attention_grid[0] == 18      # DeepSeek-V3: 2 head groups
+    assert va.KIMI_K2_CONFIG.static_shared_bytes <= 48 * 1024
+
+
+@pytest.mark.parametrize("kwargs, exc, word", [
+    (dict(batch_size=0), ValueError, "batch_size"),
+    (dict(batch_size=1.5), TypeError, "batch_size"),
+    (dict(tree_capacity=True), TypeError, "tree_capacity"),
+    (dict(num_heads=8), ValueError, "config"),                 # no preset for 8 heads
+    (dict(num_heads=96), ValueError, "num_heads"),             # not a multiple of 64
+    (dict(split_size=100), ValueError, "split_size"),          # not a multiple of chunk 32
+    (dict(split_size=1), ValueError, "split_size"),
+    (dict(max_kv_len=5000), ValueError, "max_kv_len"),         # > kv_capacity
+    (dict(latent_dim=16, rope_dim=8), ValueError, "config"),
+    (dict(config="kimi"), TypeError, "config"),
+    (dict(config=TINY), ValueError, "config"),                 # dims differ
+])
+def test_plan_errors(kwargs, exc, word):
+    args = dict(batch_size=2, tree_capacity=9, num_heads=64, kv_capacity=4096)
+    if kwargs.get("num_heads") == 96:
+        kwargs = dict(kwargs, config=va.KIMI_K2_CONFIG)
+    args.update(kwargs)
+    with pytest.raises(exc, match=word):
+        va.plan(**args)
+
+
+@pytest.mark.parametrize("change", [
+    dict(k_slice=7), dict(k_groups=3), dict(qk_rows=3), dict(pv_dims=3), dict(v_slice=3),
+    dict(heads=4, pv_rows=2), dict(chunk=0), dict(merge_threads=48), dict(k_groups=64, k_slice=64),
+])
+def test_config_errors(change):
+    fields = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
+    with pytest.raises(ValueError, match="config"):
+        va.TileConfig(**dict(fields, **change)).validate()
+
+
+def _good_run_args():
+    p = va.plan(2, 4, 2, 12, latent_dim=16, rope_dim=8, split_size=8, config=TINY)
+    rng = np.random.default_rng(9)
+    inputs, _ = _batch(rng, TINY, 2, [3, 9], [4, 2], 4, 12)
+    args = dict(q_latent=inputs["q_latent"], q_rope=inputs["q_rope"],
+                kv_latent=inputs["kv_latent"], k_rope=inputs["k_rope"],
+                past_lens=inputs["past_lens"], tree_sizes=inputs["tree_sizes"],
+                visibility=pack_visibility(inputs["visibility"]), scale=0.3,
+                out=np.zeros((2, 4, 2, 16), np.float32), lse=np.zeros((2, 4, 2), np.float32),
+                workspace=np.zeros(p.workspace_shape, np.float32))
+    return p, args
+
+
+@pytest.mark.parametrize("name, bad, exc", [
+    ("q_latent", lambda a: a.astype(np.float64), TypeError),
+    ("q_rope", lambda a: a[:, :, :, :4], ValueError),
+    ("kv_latent", lambda a: np.asfortranarray(a), ValueError),
+    ("k_rope", lambda a: a.tolist(), TypeError),
+    ("past_lens", lambda a: a.astype(np.int64), TypeError),
+    ("past_lens", lambda a: a - 10, ValueError),
+    ("past_lens", lambda a: a + 8, ValueError),                # past + size > S
+    ("tree_sizes", lambda a: a + 3, ValueError),               # > Tc
+    ("visibility", lambda a: a.astype(np.int32), TypeError),
+    ("visibility", lambda a: a & np.uint32(0xFFFFFFFE), ValueError),   # row 0 misses itself
+    ("scale", lambda a: 0.0, ValueError),
+    ("scale", lambda a: float("nan"), ValueError),
+    ("scale", lambda a: True, TypeError),
+    ("out", lambda a: a[:1], ValueError),
+    ("lse", lambda a: a.astype(np.float16), TypeError),
+    ("workspace", lambda a: a[1:], ValueError),
+])
+def test_run_errors_leave_outputs_untouched(name, bad, exc):
+    p, args = _good_run_args()
+    args[name] = bad(args[name])
+    with pytest.raises(exc, match=name):
+        va.run(p, **args)
+    assert not np.any(args["out"]) and not np.any(args["lse"]) and not np.any(args["workspace"])
+
+
+def test_run_rejects_out_of_plan_keys_and_long_paths():
+    p, args = _good_run_args()
+    short = va.plan(2, 4, 2, 12, latent_dim=16, rope_dim=8, max_kv_len=8, split_size=8,
+                    config=TINY)
+    with pytest.raises(ValueError, match="past_lens"):
+        va.run(short, **dict(args, workspace=np.zeros(short.workspace_shape, np.float32)))
+    with pytest.raises(TypeError, match="p must"):
+        va.run("plan", **args)
+    narrow = va.TileConfig(**{**{f: getattr(TINY, f) for f in TINY.__dataclass_fields__},
+                              "max_path": 2})
+    p2 = va.plan(2, 4, 2, 12, latent_dim=16, rope_dim=8, split_size=8, config=narrow)
+    args["visibility"] = pack_visibility(_visibility([np.arange(-1, 3)] * 2, 4))   # chains of 4
+    with pytest.raises(ValueError, match="max_path"):
+        va.run(p2, **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (H200): Kimi K2 shapes
+# ---------------------------------------------------------------------------------------------
+
+def _kimi_case(rng, past_lens, sizes):
+    tc = max(sizes)
+    return _batch(rng, va.KIMI_K2_CONFIG, 64, past_lens, sizes, tc, max(past_lens) + tc)
+
+
+@pytest.mark.gpu
+def test_gpu_kimi_matches_reference():
+    rng = np.random.default_rng(10)
+    scale = 0.14467962580268923
+    inputs, _ = _kimi_case(rng, [8191, 2048, 77, 0], [33, 17, 9, 1])
+    out, lse = _run(inputs, scale, va.KIMI_K2_CONFIG, va.DEFAULT_SPLIT_SIZE)
+    for b in range(4):  # reference one request at a time (float64 at N = 32k is heavy)
+        one = {k: v[b:b + 1] for k, v in inputs.items()}
+        ref_out, ref_lse = _reference(one, scale)
+        _assert_close(out[b:b + 1], lse[b:b + 1], ref_out, ref_lse)
+
+
+@pytest.mark.gpu
+def test_gpu_kimi_tree_equals_decode_bitwise():
+    rng = np.random.default_rng(11)
+    inputs, parents = _kimi_case(rng, [4093, 2047], [33, 9])
+    split = va.DEFAULT_SPLIT_SIZE
+    out, lse = _run(inputs, 0.3, va.KIMI_K2_CONFIG, split)
+    dec_out, dec_lse = _decode_calls(inputs, parents, 0.3, va.KIMI_K2_CONFIG, split)
+    live = [(b, i) for b, n in enumerate([33, 9]) for i in range(n)]
+    assert _same_bits(np.stack([out[b, i] for b, i in live]), dec_out[:, 0])
+    assert _same_bits(np.stack([lse[b, i] for b, i in live]), dec_lse[:, 0])
