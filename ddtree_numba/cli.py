@@ -11,6 +11,15 @@ from pathlib import Path
 
 DEFAULT_GOLDEN_DIR = Path(__file__).resolve().parent.parent / "data" / "golden"
 
+# ``ddtree-numba bench NAME ...`` -> ddtree_numba.bench.<module>.main(...)
+BENCHMARKS = {
+    "topk": ("topk", "fused log-softmax top-k over the vocabulary (GPU)"),
+    "tree-build": ("tree_build", "best-first tree build (GPU, CUDA-graph replay)"),
+    "verify-attention": ("verify_attention", "tree-verify MLA attention, FP32 (GPU)"),
+    "accept-compact": ("accept_compact", "posterior argmax / sampling, accept walk, KV compaction (GPU)"),
+    "cpu-tree": ("cpu_tree", "the CPU path: NumPy top-k + Python heapq build (host)"),
+}
+
 DESCRIPTION = """\
 DDTree speculative decoding with the whole round on the GPU, in Numba CUDA.
 
@@ -78,10 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check only this file family; repeatable")
     golden.set_defaults(func=_cmd_golden)
 
-    cc = sub.add_parser(
+    sub.add_parser(  # listed for --help; main() hands its options to sim.compile_check
         "compile-check", add_help=False,
         help="compile every kernel for sm_90 and sm_120 without a GPU; report registers, "
              "shared memory and spills (options: ddtree-numba compile-check --help)")
+
+    bench = sub.add_parser(
+        "bench", help="time a kernel at Kimi K2 shapes (ddtree-numba bench NAME --help)",
+        description="Benchmarks (not tests): CUDA-event timing after warm-up, many repetitions, "
+                    "median / min / max, inputs rotated; --out appends an xarray Dataset with "
+                    "provenance to an HDF5 file. Benchmarks:\n" + "\n".join(
+                        f"  {name:18s} {text}" for name, (_, text) in BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.set_defaults(func=lambda args: 0)
 
     prof = sub.add_parser("profiles", help="print the device profiles (H200, RTX PRO 6000 Blackwell)")
     prof.set_defaults(func=_cmd_profiles)
@@ -90,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
+        # Each benchmark owns its options (ddtree-numba bench NAME --help).
+        import importlib
+
+        module = importlib.import_module(f"ddtree_numba.bench.{BENCHMARKS[argv[1]][0]}")
+        return int(module.main(argv[2:]) or 0)
     if argv[:1] == ["compile-check"]:
         # Its options belong to sim.compile_check's own parser (argparse.REMAINDER cannot pass
         # "--arch ..." through a subparser).

@@ -1,0 +1,302 @@
+"""Benchmark: posterior (argmax / sampled), acceptance walk and KV compaction on the GPU.
+
+GPU time per step by CUDA events, measured "queue-ahead": before each repetition a sleeper
+kernel keeps the stream busy while Python enqueues the step's launches, so the events time the
+kernels back to back (as a CUDA graph replays them) and not Python's 20-30 us per launch
+(limits §8). Warm-up runs first (compilation), then >= 20 repetitions; inputs rotate over
+several sets (trees, posteriors, accepted rows) so no repetition reuses the last one's L2 state.
+
+Kimi K2 shapes (spec §6): V = 163840, horizon L = 16 (accepted width 17), cache rows of
+61 layers x 576 bf16 values (latent 512 + rope 64), per-layer [bs, S, 576] buffers or one
+[bs, S, 61 * 576] buffer. Trees come from the NumPy reference (tree vocab 4096: token ids do
+not change the timing); posteriors follow a child with probability 0.9 (long acceptances).
+
+    ddtree-numba bench accept-compact                      # bs 1/8/64 x B 32/512
+    ddtree-numba bench accept-compact --batch 64 --budget 512 --reps 50 --out data/bench/h200.h5
+
+The speed target (issue 3): posterior argmax + accept + compaction at bs 64, B 512 <= 30 us.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int64, uint64
+
+from ddtree_numba.bench.common import write_run
+from ddtree_numba.kernels import accept as ka
+from ddtree_numba.kernels import compact as kc
+from reference import accept_batch, build_tree_batch, topk_log_probs
+from sim.profiles import active_profile, roofline
+
+KIMI_VOCAB = 163840
+HORIZON = 16  # L: drafted positions; accepted width L + 1
+LAYERS = 61
+ROW_VALUES = 576  # latent 512 + rope 64 per layer
+TREE_VOCAB = 4096  # token ids of the synthetic trees (the timing does not depend on them)
+FOLLOW = 0.9  # probability that a node's posterior is one of its children's tokens
+PAST_MAX = 64  # past lengths drawn from [0, PAST_MAX)
+INPUT_SETS = 4  # rotated input sets
+SLEEP_NS_PER_CALL = 1000  # nanosleep argument of the sleeper kernel
+FILL_THREADS = 256
+FILL_BLOCKS = 4096
+MIX1 = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 constants: a cheap on-device logit filler
+MIX2 = np.uint64(0xBF58476D1CE4E5B9)
+SHIFT_MIX = np.uint64(31)
+SHIFT_MANTISSA = np.uint64(40)  # top 24 bits -> float32 in [0, 1)
+
+
+@cuda.jit
+def sleep_kernel(calls):
+    """Keep the stream busy for about calls x SLEEP_NS_PER_CALL ns (one thread)."""
+    for _ in range(calls):
+        cuda.nanosleep(SLEEP_NS_PER_CALL)
+
+
+@cuda.jit
+def fill_logits_kernel(flat, seed):
+    """flat float32 [n] <- pseudo-random values in [-8, 8) from a hash of (index, seed)."""
+    i = int64(cuda.grid(1))  # > 2**31 elements at bs 64, B 512
+    while i < flat.shape[0]:
+        h = (uint64(i) + seed) * MIX1
+        h = (h ^ (h >> SHIFT_MIX)) * MIX2
+        h = h ^ (h >> SHIFT_MIX)
+        flat[i] = float32(h >> SHIFT_MANTISSA) * float32(2.0**-24) * float32(16.0) - float32(8.0)
+        i += cuda.gridsize(1)
+
+
+@dataclass
+class Timing:
+    """Per-repetition GPU times of one step, in microseconds."""
+
+    name: str
+    batch: int
+    budget: int
+    times_us: list[float]
+    bytes_moved: int  # DRAM bytes the step must move (0: latency-bound, no floor reported)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times_us)
+
+
+def time_step(step: Callable[[int, object], None], stream, reps: int, warmup: int) -> list[float]:
+    """GPU microseconds of ``step(rep, stream)`` per repetition, queue-ahead (module doc)."""
+    for rep in range(warmup):
+        step(rep, stream)
+    stream.synchronize()
+    t0 = time.perf_counter()
+    step(0, stream)
+    enqueue_s = time.perf_counter() - t0
+    stream.synchronize()
+    sleep_calls = int(3 * enqueue_s * 1e9 / SLEEP_NS_PER_CALL) + 500  # 3x the enqueue time + 0.5 ms
+    events = []
+    for rep in range(reps):
+        sleep_kernel[1, 1, stream](sleep_calls)
+        start, end = cuda.event(timing=True), cuda.event(timing=True)
+        start.record(stream)
+        step(rep, stream)
+        end.record(stream)
+        events.append((start, end))
+    stream.synchronize()
+    return [1000.0 * cuda.event_elapsed_time(start, end) for start, end in events]
+
+
+def _posterior(rng: np.random.Generator, trees, follow: float) -> np.ndarray:
+    """int32 [bs, N]: w.p. ``follow`` one of the node's children's tokens, else a random token."""
+    post = rng.integers(0, TREE_VOCAB, (trees.batch_size, trees.capacity)).astype(np.int32)
+    for b in range(trees.batch_size):
+        for node in range(int(trees.sizes[b])):
+            kids = trees.child_index[b, trees.child_ptr[b, node]:trees.child_ptr[b, node + 1]]
+            if kids.size and rng.random() < follow:
+                post[b, node] = trees.tokens[b, rng.choice(kids)]
+    return post
+
+
+def make_round_inputs(rng: np.random.Generator, bs: int, budget: int) -> dict[str, object]:
+    """One rotated input set on the device: tree CSR, posterior, past lengths, and the walk's
+    expected outputs (accepted / lengths, used by the compaction-only steps)."""
+    k = min(budget, TREE_VOCAB)
+    lp, ids = topk_log_probs(rng.standard_normal((bs * HORIZON, TREE_VOCAB)) * 2.0, k)
+    trees = build_tree_batch(lp.reshape(bs, HORIZON, k), ids.reshape(bs, HORIZON, k), budget,
+                             rng.integers(0, TREE_VOCAB, bs), capacity=budget + 1)
+    post = _posterior(rng, trees, FOLLOW)
+    accepted, lengths, _ = accept_batch(post, trees)
+    width = HORIZON + 1
+    acc = np.full((bs, width), -1, np.int32)
+    acc[:, :accepted.shape[1]] = accepted
+    host = {
+        "posterior": post, "child_ptr": trees.child_ptr, "child_index": trees.child_index,
+        "tokens": trees.tokens.astype(np.int32), "accepted": acc, "lengths": lengths.astype(np.int32),
+        "past_lens": rng.integers(0, PAST_MAX, bs).astype(np.int32),
+        "sizes": trees.sizes.astype(np.int32),
+        "positions": (rng.integers(0, PAST_MAX, (bs, 1)) + trees.depths).astype(np.int64),
+    }
+    return {name: cuda.to_device(np.ascontiguousarray(a)) for name, a in host.items()} | {
+        "mean_length": float(lengths.mean())}
+
+
+def run_case(bs: int, budget: int, args: argparse.Namespace, stream) -> list[Timing]:
+    """Every step at one (batch, budget)."""
+    rng = np.random.default_rng(1000 * bs + budget)
+    n_cap = budget + 1
+    n_rows = PAST_MAX + n_cap
+    sets = [make_round_inputs(rng, bs, budget) for _ in range(INPUT_SETS)]
+    out_post = cuda.device_array((bs, n_cap), np.int32)
+    out_acc = cuda.device_array((bs, HORIZON + 1), np.int32)
+    out_len = cuda.device_array(bs, np.int32)
+    out_bonus = cuda.device_array(bs, np.int32)
+    temperatures = cuda.to_device(np.ones(bs))
+    seeds = cuda.to_device(rng.integers(0, 2**63, bs).astype(np.uint64))
+    big = cuda.device_array((bs, n_rows, LAYERS * ROW_VALUES), np.uint16)  # bf16 bits, uninitialised
+    per_layer = [cuda.device_array((bs, n_rows, ROW_VALUES), np.uint16) for _ in range(LAYERS)]
+    plan_big = kc.plan_compaction(big)
+    plan_layers = kc.plan_compaction(per_layer)
+    row_bytes = LAYERS * ROW_VALUES * 2
+    mean_len = statistics.mean(s["mean_length"] for s in sets)
+    moved = int(2 * bs * max(mean_len - 1.0, 0.0) * row_bytes)  # read + write, root never moves
+
+    def walk(rep, s):
+        d = sets[rep % INPUT_SETS]
+        ka.accept_walk(d["posterior"], d["child_ptr"], d["child_index"], d["tokens"], out_acc, out_len,
+                       out_bonus, stream=s)
+
+    def compact(plan):
+        def step(rep, s):
+            d = sets[rep % INPUT_SETS]
+            kc.run_compaction(plan, d["past_lens"], d["accepted"], d["lengths"], stream=s)
+        return step
+
+    def walk_compact(rep, s):
+        walk(rep, s)
+        d = sets[rep % INPUT_SETS]
+        kc.run_compaction(plan_big, d["past_lens"], out_acc, out_len, stream=s)
+
+    steps: list[tuple[str, Callable, int]] = [
+        ("accept_walk", walk, 0),
+        ("compact_61x576_one_buffer", compact(plan_big), moved),
+        ("compact_61_layer_buffers", compact(plan_layers), moved),
+        ("walk+compact", walk_compact, moved),
+    ]
+    logits_bytes = 4 * bs * n_cap * args.vocab
+    if logits_bytes <= args.max_logits_gb * 1e9:
+        logits = cuda.device_array((bs, n_cap, args.vocab), np.float32)
+        fill_logits_kernel[FILL_BLOCKS, FILL_THREADS, stream](logits.reshape(logits.size), np.uint64(bs))
+        read = int(4 * args.vocab * sum(int(s["sizes"].copy_to_host().sum()) for s in sets) / INPUT_SETS)
+
+        def argmax(rep, s):
+            ka.posterior_argmax(logits, sets[rep % INPUT_SETS]["sizes"], out_post, stream=s)
+
+        def sample(rep, s):
+            d = sets[rep % INPUT_SETS]
+            ka.posterior_sample(logits, d["sizes"], temperatures, seeds, d["positions"], out_post, stream=s)
+
+        def full_round(rep, s):
+            argmax(rep, s)
+            walk_compact(rep, s)
+
+        steps += [("posterior_argmax", argmax, read), ("argmax+walk+compact", full_round, read + moved)]
+        if not args.no_sample:
+            steps.append(("posterior_sample_T1", sample, read))
+    else:
+        print(f"  (bs {bs}, B {budget}: logits {logits_bytes / 1e9:.1f} GB > --max-logits-gb; posterior skipped)")
+    results = []
+    for name, step, nbytes in steps:
+        results.append(Timing(name, bs, budget, time_step(step, stream, args.reps, args.warmup), nbytes))
+        print(f"  {name:28s} bs {bs:3d} B {budget:5d}: median {results[-1].median:10.1f} us", flush=True)
+    return results
+
+
+def format_table(results: list[Timing]) -> str:
+    profile = active_profile()
+    header = (f"{'step':28s} {'bs':>4s} {'B':>5s} {'median us':>10s} {'min':>9s} {'max':>9s} {'MB':>9s} "
+              f"{'floor us':>9s} {'% roof':>7s}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        floor = roofline(profile, r.bytes_moved, 0.0).t_floor_s * 1e6 if r.bytes_moved else math.nan
+        pct = 100.0 * floor / r.median if r.bytes_moved else math.nan
+        lines.append(f"{r.name:28s} {r.batch:4d} {r.budget:5d} {r.median:10.1f} {min(r.times_us):9.1f} "
+                     f"{max(r.times_us):9.1f} {r.bytes_moved / 1e6:9.1f} {floor:9.1f} {pct:7.1f}")
+    return "\n".join(lines)
+
+
+def write_dataset(path: str, results: list[Timing], args: argparse.Namespace) -> None:
+    """An xarray Dataset over (case,) written as HDF5 (h5netcdf), atomically (temp file, rename)."""
+    import xarray as xr
+
+    ds = xr.Dataset(
+        {
+            "median_us": (("case",), [r.median for r in results]),
+            "min_us": (("case",), [min(r.times_us) for r in results]),
+            "max_us": (("case",), [max(r.times_us) for r in results]),
+            "times_us": (("case", "rep"), [r.times_us for r in results]),
+            "bytes_moved": (("case",), np.array([r.bytes_moved for r in results], np.int64)),
+        },
+        coords={
+            "step": (("case",), [r.name for r in results]),
+            "batch": (("case",), np.array([r.batch for r in results], np.int64)),
+            "budget": (("case",), np.array([r.budget for r in results], np.int64)),
+        },
+        attrs={
+            "benchmark": "accept_compact",
+            "config": json.dumps({"vocab": args.vocab, "horizon": HORIZON, "layers": LAYERS,
+                                  "row_values": ROW_VALUES, "reps": args.reps, "warmup": args.warmup,
+                                  "input_sets": INPUT_SETS, "follow": FOLLOW, "past_max": PAST_MAX}),
+            "timing": "CUDA events, queue-ahead behind a sleeper kernel (GPU time, no launch gaps)",
+        },
+    )
+    group = write_run(path, ds)
+    print(f"wrote {path}:{group}")
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive ints, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=_int_list, default=[1, 8, 64], help="batch sizes (default 1,8,64)")
+    parser.add_argument("--budget", type=_int_list, default=[32, 512], help="tree budgets B (default 32,512)")
+    parser.add_argument("--vocab", type=int, default=KIMI_VOCAB, help="vocabulary of the target logits")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions (>= 20)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--max-logits-gb", type=float, default=30.0,
+                        help="skip the posterior steps when the float32 logits exceed this (default 30)")
+    parser.add_argument("--no-sample", action="store_true", help="skip the sampled posterior (slow at B 512)")
+    parser.add_argument("--out", help="also write the results as an HDF5 xarray Dataset")
+    args = parser.parse_args(argv)
+    if args.reps < 20:
+        parser.error("--reps must be >= 20")
+    if cuda.config.ENABLE_CUDASIM:
+        parser.error("needs a CUDA GPU (NUMBA_ENABLE_CUDASIM is set)")
+    if args.out:
+        import h5netcdf  # noqa: F401  (fail now, not after the run)
+    stream = cuda.stream()
+    results = []
+    for bs in args.batch:
+        for budget in args.budget:
+            results += run_case(bs, budget, args, stream)
+    print()
+    print(format_table(results))
+    target = [r for r in results if r.name == "argmax+walk+compact" and r.batch == 64 and r.budget == 512]
+    if target:
+        print(f"\ntarget (issue 3): posterior argmax + accept + compaction, bs 64, B 512 <= 30 us: "
+              f"measured {target[0].median:.1f} us")
+    if args.out:
+        write_dataset(args.out, results, args)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""What every benchmark shares: provenance and the HDF5 run store.
+
+A sweep is an xarray Dataset written as one group ``/<benchmark>/<UTC timestamp>_<git sha>`` of an
+HDF5 file (engine h5netcdf), so one file accumulates the runs of every benchmark and a reader picks
+one (numba-stack.md §7).
+Each run carries its provenance as attributes: git sha, GPU, compute capability, driver and CUDA
+versions, package versions, date, host and the exact command.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from ddtree_numba.atomic import atomic_path
+
+PACKAGES = ("numba", "numba-cuda", "numpy", "cuda-core", "cuda-bindings", "xarray", "h5netcdf",
+            "h5py", "llvmlite", "torch")
+
+
+def git_sha() -> str:
+    """The checkout's commit (``DDTREE_GIT_SHA`` wins: the GPU machine gets a copy without .git)."""
+    if os.environ.get("DDTREE_GIT_SHA"):
+        return os.environ["DDTREE_GIT_SHA"]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _gpu() -> dict[str, str]:
+    """GPU name, compute capability, driver and CUDA versions of the current device."""
+    from sim.detect import gpu_available, simulator_requested
+
+    if simulator_requested() or not gpu_available():
+        what = "numba-cuda simulator" if simulator_requested() else "none"
+        return {"gpu": what, "compute_capability": "", "driver": "", "cuda_driver_api": ""}
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    info = {"gpu": name, "compute_capability": "%d.%d" % dev.compute_capability}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True, timeout=20)
+        info["driver"] = smi.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        info["driver"] = "unknown"
+    try:
+        version = cuda.cudadrv.driver.driver.get_version()
+        info["cuda_driver_api"] = "%d.%d" % tuple(version)
+    except Exception:  # noqa: BLE001 - provenance must never stop a benchmark
+        info["cuda_driver_api"] = "unknown"
+    return info
+
+
+def provenance(command: list[str] | None = None) -> dict[str, str]:
+    """Attributes that say where, when and with what a number was measured (strings only)."""
+    return {
+        "git_sha": git_sha(),
+        **_gpu(),
+        "packages": json.dumps(_versions(), sort_keys=True),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(command if command is not None else [Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+
+
+def write_run(path: str | Path, ds, *, command: list[str] | None = None) -> str:
+    """Append ``ds`` (an xarray Dataset) with provenance as a new group; return the group name.
+
+    The group is ``<ds.attrs["benchmark"]>/<UTC timestamp>_<git sha>``.
+
+    The file is copied to a temp file, the group appended there, then renamed over the original
+    (:func:`ddtree_numba.atomic.atomic_path`): a crash never leaves a half-written file.
+    """
+    path = Path(path)
+    attrs = provenance(command)
+    ds = ds.assign_attrs({**ds.attrs, **attrs})
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    group = f"{ds.attrs.get('benchmark', 'runs')}/{stamp}_{attrs['git_sha'][:12]}"
+    with atomic_path(path, copy_existing=True) as tmp:
+        ds.to_netcdf(tmp, group=group, mode="a" if tmp.exists() else "w", engine="h5netcdf")
+    return group
+
+
+def summarize(times_us) -> dict[str, float]:
+    """Median / min / max of a list of times in microseconds."""
+    arr = np.asarray(times_us, dtype=np.float64)
+    return {"median_us": float(np.median(arr)), "min_us": float(arr.min()), "max_us": float(arr.max())}
