@@ -144,6 +144,20 @@ def test_several_full_iterations_then_a_partial_one(dtype, vocab):
     assert plan.n_chunks == 1
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_two_warps_and_a_moving_exp_reference(dtype):
+    """64 threads: each warp reads its own contiguous run of words per iteration. A steep ramp
+    (80 nats) moves every thread's exp reference several times (REFERENCE_HEADROOM = 8 nats),
+    and a wide Gaussian row mixes moved and unmoved references in the block's log-sum-exp."""
+    vocab = 2600  # bf16: 2 full iterations of 64 x 16 elements + a partial one; f32: 5 + partial
+    rng = np.random.default_rng(64)
+    logits = np.stack([np.linspace(-40.0, 40.0, vocab, dtype=np.float32), _gaussian(rng, 1, vocab, std=8.0)[0]])
+    if dtype == "bf16":
+        logits = float32_to_bf16(logits)
+    plan = _check(logits, 12, threads=64, n_chunks=1)
+    assert plan.threads == 64 and plan.n_chunks == 1
+
+
 def test_signed_zeros_subnormals_and_large_values():
     """-0.0 ties with +0.0 (lower id first), subnormals keep their order, large logits are exact."""
     row = np.array([-0.0, 0.0, 1e-40, -1e-40, 1e30, -1e30, -0.0, 0.0, 2.5, -2.5], np.float32)

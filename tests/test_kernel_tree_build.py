@@ -230,6 +230,21 @@ def test_path_less_is_python_tuple_order():
     assert path_less(0, int(ranks[child]), child, 0, parents, ranks, depths)
 
 
+def test_score_key_orders_like_the_float64_scores():
+    """(high signed, low unsigned) keys compare like the floats: equal keys iff equal scores."""
+    score_key = tb._score_key.py_func
+    rng = np.random.default_rng(40)
+    base = -rng.exponential(8.0, size=40)
+    values = np.concatenate([
+        base, np.nextafter(base, 0.0), np.nextafter(base, -np.inf), base[:8],  # ulp steps, ties
+        [0.0, -0.0, -np.inf, -5e-324, 5e-324, -np.finfo(np.float64).max, -1.0, -2.0, 3.5],
+    ])
+    keys = [tuple(int(h) for h in score_key(float(v))) for v in values]
+    for a, ka in zip(values, keys):
+        for b, kb in zip(values, keys):
+            assert (ka < kb) == (a < b) and (ka == kb) == (a == b), (a, b)
+
+
 @pytest.mark.parametrize("n_slots", tb.SLOT_CLASSES)
 def test_rescan_finds_the_best_of_a_lane_slice(n_slots):
     """_rescan over every slot count the kernels use: empty, tie-heavy and distinct scores."""

@@ -24,7 +24,7 @@ from numba import cuda
 
 from ddtree_numba.golden import read_all
 from ddtree_numba.kernels import verify_attention as va
-from reference import pack_visibility, verify_attention, verify_attention_batch
+from reference import pack_visibility, verify_attention_batch
 
 GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden"
 OUT_RTOL = 1e-5   # ||out - ref|| / ||ref||
@@ -159,14 +159,31 @@ def test_large_scores_and_ties():
     assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) <= OUT_RTOL
 
 
+def _chunk_sum_model(p: np.ndarray, key_tiles: int) -> np.ndarray:
+    """The kernel's float32 sum of a chunk's probabilities: float32 [H] for p float32 [H, chunk].
+
+    Lane ``t`` of a row sums keys ``t, t + key_tiles, ...`` in order, then an xor butterfly over
+    the ``key_tiles`` lanes (distance 1, 2, 4, ...) adds the lane sums.
+    """
+    lanes = np.zeros((p.shape[0], key_tiles), np.float32)                # [H, key_tiles]
+    for j in range(0, p.shape[1], key_tiles):
+        lanes = lanes + p[:, j:j + key_tiles]
+    dist = 1
+    while dist < key_tiles:
+        lanes = lanes + lanes[:, np.arange(key_tiles) ^ dist]
+        dist *= 2
+    return lanes[:, 0]
+
+
 def _float32_lse_model(q: np.ndarray, keys: np.ndarray, scale: float, chunk: int,
-                       split: int) -> np.ndarray:
+                       split: int, key_tiles: int) -> np.ndarray:
     """NumPy float32 model of the kernel's lse: float32 [H] for q float32 [H, D], keys [N, D].
 
     Same structure as the kernel (module docstring of verify_attention): each score a float32
     dot split over two k-groups, each sequential with unfused multiply-add (at least the kernel's
     rounding error), times scale; online softmax over chunks of ``chunk`` keys inside segments of
-    ``split`` keys; then the ordered segment merge and ``m + log(l)``.
+    ``split`` keys (chunk sums as :func:`_chunk_sum_model`); then the ordered segment merge and
+    ``m + log(l)``.
     """
     f32 = np.float32
     n, d = keys.shape
@@ -187,10 +204,9 @@ def _float32_lse_model(q: np.ndarray, keys: np.ndarray, scale: float, chunk: int
             block = scores[:, c:c + chunk]                             # [H, <= chunk]
             m_new = np.maximum(m_run, block.max(axis=1))
             rescale = np.exp(m_run - m_new).astype(f32)
-            p = np.exp(block - m_new[:, None]).astype(f32)
-            l_chunk = np.zeros_like(l_run)
-            for j in range(p.shape[1]):                                # keys in position order
-                l_chunk = l_chunk + p[:, j]
+            p = np.zeros((q.shape[0], chunk), f32)                     # [H, chunk], 0 past N
+            p[:, :block.shape[1]] = np.exp(block - m_new[:, None])
+            l_chunk = _chunk_sum_model(p, key_tiles)
             l_run = l_run * rescale + l_chunk
             m_run = m_new
         seg_m.append(m_run)
@@ -214,7 +230,9 @@ def test_lse_error_model_at_128k():
     n, heads, dims, scale = 131072, 2, 576, 0.14467962580268923
     q = (2.0 * rng.standard_normal((heads, dims))).astype(np.float32)   # |lse| ~ 30-60
     keys = rng.standard_normal((n, dims)).astype(np.float32)
-    lse = _float32_lse_model(q, keys, scale, chunk=32, split=va.DEFAULT_SPLIT_SIZE)
+    cfg = va.KIMI_K2_CONFIG
+    lse = _float32_lse_model(q, keys, scale, chunk=cfg.chunk, split=va.DEFAULT_SPLIT_SIZE,
+                             key_tiles=cfg.chunk // cfg.qk_keys)
     scores = scale * (keys.astype(np.float64) @ q.astype(np.float64).T)          # [N, H]
     top = scores.max(axis=0)
     ref = top + np.log(np.exp(scores - top).sum(axis=0))
@@ -384,6 +402,14 @@ def test_config_errors(change):
     fields = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
     with pytest.raises(ValueError, match="config"):
         va.TileConfig(**dict(fields, **change)).validate()
+
+
+def test_config_rejects_row_keys_beyond_a_warp():
+    """The softmax reduces a row over k_groups * chunk / qk_keys lanes: they must share a warp."""
+    wide = va.TileConfig(latent_dim=64, rope_dim=8, heads=1, chunk=16, k_slice=8, k_groups=4,
+                         qk_rows=1, qk_keys=1, pv_rows=1, pv_dims=1, v_slice=8)
+    with pytest.raises(ValueError, match="one warp"):
+        wide.validate()
 
 
 def _good_run_args():

@@ -8,10 +8,14 @@ logit descending, equal logits by lower token id, and their log-probabilities
 Algorithm. A row is split into ``n_chunks`` chunks; one block per (chunk, row):
 
 1. *Stream.* Each thread reads four 64-bit words per iteration (16 bf16 or 8 fp32 elements;
-   8 scalar words when V is not a multiple of the packing), keeps an online ``(max, sum of
-   exp)`` pair (float32 terms, float64 running sum) and the minimum (for the NaN/inf check).
-   Software pipeline: the next iteration's words are loaded before the current ones are
-   processed, so every thread always has 32 bytes in flight, across the iteration's barrier.
+   8 scalar words when V is not a multiple of the packing), WARP_SIZE words apart inside its
+   warp's contiguous run (coalesced loads at immediate offsets). It keeps an online
+   ``(reference, sum of exp(x - reference))`` pair (float32 terms, float64 running sum), the
+   batch maximum (for the filter) and the minimum (for the NaN/inf check). The reference lags
+   the running max by up to REFERENCE_HEADROOM nats, so the rescale-and-resum path is rare
+   per warp, not just per thread. Software pipeline: the next iteration's words are loaded
+   before the current ones are processed, so every thread always has 32 bytes in flight,
+   across the iteration's barrier.
 2. *Filter.* Every element is a 64-bit **composite** ``(order_key(logit) << 32) | (2^32-1 - id)``:
    composites are unique and their unsigned order is exactly the reference order (value
    descending, then id ascending), so ties never need special handling, across chunk boundaries
@@ -31,16 +35,20 @@ Algorithm. A row is split into ``n_chunks`` chunks; one block per (chunk, row):
    and runs the same filter over the ``n_chunks * k'`` candidates.
 
 Cost: one read of the logits plus ~7 instructions per element (unpack, subtract, scale, ex2,
-add, max, min); the compactions are amortised over the chunk. Launch bounds cap the chunk kernel
-at 64 registers (no spills, checked for sm_90 and sm_120): 4 blocks of 256 threads per SM. Worst case (logits ascending along the row, every element a new top-k') each
+add, max, min) and ~60 per thread-iteration (loads, filter test, barrier), i.e. ~11 per bf16
+element in the sm_90 SASS; the compactions are amortised over the chunk. Launch bounds cap the
+chunk kernel at 64 registers (no spills, checked for sm_90 and sm_120): 4 blocks of 256 threads
+per SM. Worst case (logits ascending along the row, every element a new top-k') each
 element reaches the buffer and the kernel is compaction-bound: still exact, just slower.
 
 Precision (the stated tolerance): each exp is ``ex2.approx`` of a float32 argument, summed in
 float32 over 16 elements and in float64 beyond; the log-sum-exp is formed in float64. The error of
 the log-sum-exp is below ~1e-6 and the final float32 rounding adds one ulp, so
 ``|value - reference| <= VALUE_ATOL + VALUE_RTOL * |reference|``. Ids are bit-exact. (A NumPy
-emulation of this arithmetic at V = 163840, Gaussian and peaked rows, gave log-sum-exp errors
-<= 1.2e-7; VALUE_ATOL leaves room for ex2.approx's 2^-22 relative error bound.) -0.0 ranks as
+emulation of this arithmetic, lagged reference included, at V = 163840 on Gaussian (std 2.5, 5,
+8), peaked, ramp, offset, uniform, constant and step rows, f32 and bf16, with ex2 perturbed by
++-2^-22, gave log-sum-exp errors <= 2.2e-7; VALUE_ATOL leaves room for the worst-case argument
+rounding, see REFERENCE_HEADROOM.) -0.0 ranks as
 +0.0, as in the reference's float comparison.
 
 Non-finite logits. The reference rejects NaN/inf; here each block detects them in the same pass
@@ -77,6 +85,7 @@ VALUE_RTOL = 2.5e-7  # ~2 ulp of float32: the reference rounds float64 -> float3
 MAX_K = 1024  # largest k' = min(k, V) (issue: "K up to 1024")
 MAX_THREADS = 256  # launch bound and static reduction scratch; block sizes are powers of two up to this
 MIN_THREADS = 32
+WARP_SIZE = 32  # a thread's words in one iteration are WARP_SIZE apart (compile-time load offsets)
 MAX_REGISTERS = 64  # per thread in the chunk kernel (launch bounds)
 REGISTER_FILE = 65536  # 32-bit registers per SM (sm_90, sm_120)
 DEFAULT_THREADS = 256
@@ -107,6 +116,13 @@ _ELEM_BITS = {"float32": 32, "bfloat16": 16}
 _ELEM_DTYPE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
 _NARROW_WORD = {"float32": np.dtype(np.uint32), "bfloat16": np.dtype(np.uint16)}
 _EXP_OVERFLOW = 88.0  # exp(x) > float32 max beyond this
+# A thread's exp reference m lags its running max: it moves up only when a batch max exceeds it
+# by more than this many nats. Moving it on every new max ran the second pass and its float64
+# exp in most warp-iterations (some lane of 32 nearly always has a new max); with the headroom
+# it runs in a thread's first iteration and then rarely. The float32 exp argument (x - m) log2 e
+# is then up to ~11.5 instead of <= 0, so its rounding costs up to ~8e-7 relative per term; a
+# larger headroom would eat the VALUE_ATOL budget (24 nats: up to ~2.3e-6).
+REFERENCE_HEADROOM = float32(8.0)
 
 # --- bit casts and exp: libdevice on the GPU, NumPy in the simulator (which has no libdevice) -----
 if simulator_active():
@@ -351,19 +367,21 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         return uint32((half >> uint32(shift)) & uint32(elem_mask)) << widen
 
     @cuda.jit(device=True, inline=True)
-    def load_words(row_words, ws, base, nt, w_end):
+    def load_words(row_words, ws, base, w_end, check):
         """Issue this thread's loads of one iteration (words base + u nt) into ``ws``.
 
-        Out-of-range words are not read; their slots keep stale bits that the partial-iteration
-        code never looks at (it tests every word's position).
+        ``check`` is False when every word is in bounds: unpredicated loads, whose addresses the
+        compiler strength-reduces (predicated ones made it recompute row x stride per load).
+        Otherwise out-of-range words are not read; their slots keep stale bits that the
+        partial-iteration code never looks at (it tests every word's position).
         """
         for u in range(unroll):
-            j = base + u * nt
-            if j < w_end:
+            j = base + u * WARP_SIZE
+            if not check or j < w_end:
                 ws[u] = row_words[uint64(j)]  # unsigned index: no negative-index wraparound code
 
     @cuda.jit(device=True, inline=True)
-    def reduce_words(ws, base, nt, w_end, m, lo, check):
+    def reduce_words(ws, base, w_end, m, lo, check):
         """(batch max, float32 sum of exp(x - m), min) over this iteration's elements.
 
         ``check`` is False for full iterations (every word in bounds; the compiler drops the
@@ -372,7 +390,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         bmax = LOWEST
         bsum = float32(0.0)
         for u in range(unroll):
-            if not check or base + u * nt < w_end:
+            if not check or base + u * WARP_SIZE < w_end:
                 for e in range(per_word):
                     x = _f32_from_bits(element_bits(ws[u], e))
                     bmax = max(bmax, x)
@@ -381,21 +399,21 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         return bmax, bsum, lo
 
     @cuda.jit(device=True, inline=True)
-    def sum_words(ws, base, nt, w_end, m, check):
+    def sum_words(ws, base, w_end, m, check):
         """float32 sum of exp(x - m) (the rare second pass after the running max rose)."""
         bsum = float32(0.0)
         for u in range(unroll):
-            if not check or base + u * nt < w_end:
+            if not check or base + u * WARP_SIZE < w_end:
                 for e in range(per_word):
                     bsum += _fast_exp(_f32_from_bits(element_bits(ws[u], e)) - m)
         return bsum
 
     @cuda.jit(device=True, inline=True)
-    def first_max(ws, base, nt, w_end, bmax, check):
+    def first_max(ws, base, w_end, bmax, check):
         """Composite of this thread's first element equal to ``bmax`` (EMPTY if it has none)."""
         c = EMPTY
         for u in range(unroll):
-            j = base + u * nt
+            j = base + u * WARP_SIZE
             if not check or j < w_end:
                 for e in range(per_word):
                     bits = element_bits(ws[u], e)
@@ -404,18 +422,18 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         return c
 
     @cuda.jit(device=True, inline=True)
-    def above(ws, base, nt, w_end, t_val, check):
+    def above(ws, base, w_end, t_val, check):
         """Mask of this iteration's elements with logit >= ``t_val`` (bit u per_word + e)."""
         mask = int64(0)
         for u in range(unroll):
-            if not check or base + u * nt < w_end:
+            if not check or base + u * WARP_SIZE < w_end:
                 for e in range(per_word):
                     if _f32_from_bits(element_bits(ws[u], e)) >= t_val:
                         mask |= int64(1) << (u * per_word + e)
         return mask
 
     @cuda.jit(device=True)
-    def offer(row_words, base, nt, t_comp, buf, count, cap, todo):
+    def offer(row_words, base, t_comp, buf, count, cap, todo):
         """Push the elements of mask ``todo`` whose composite is >= ``t_comp``;
         return the mask of those that found the buffer full (retried after a compaction).
 
@@ -430,7 +448,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             todo ^= bit
             u = b // per_word
             e = b - u * per_word
-            j = base + u * nt
+            j = base + u * WARP_SIZE
             word = row_words[uint64(j)]
             bits = uint32((uint64(word) >> uint64(e * elem_bits)) & uint64(elem_mask)) << widen
             c = _composite(bits, j * per_word + e)
@@ -447,18 +465,19 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         in a compaction, which ends with a barrier) rather than kept in registers. One block
         barrier in the common case (no buffer overflow); every thread of the block calls this.
         """
-        # One pass against the running max m; the rare batch that raises m is summed again.
-        bmax, bsum, lo = reduce_words(ws, base, nt, w_end, m, lo, check)
-        if bmax > m:
+        # One pass against the reference m; a batch max above m + REFERENCE_HEADROOM (the
+        # thread's first batch, then rarely) moves m to it and the batch is summed again.
+        bmax, bsum, lo = reduce_words(ws, base, w_end, m, lo, check)
+        if bmax > m + REFERENCE_HEADROOM:
             s = _rescaled(s, m, bmax)
             m = bmax
-            bsum = sum_words(ws, base, nt, w_end, m, check)
+            bsum = sum_words(ws, base, w_end, m, check)
         s += float64(bsum)
 
         if first_iter:
             # Seed: each thread offers its largest element; T becomes their k'-th largest. The
             # buffer is then emptied: the filter below pushes the seeds again with the rest.
-            seed = first_max(ws, base, nt, w_end, bmax, check)
+            seed = first_max(ws, base, w_end, bmax, check)
             if seed != EMPTY:
                 _push(buf, count, cap, seed)  # nt <= cap: always fits
             cuda.syncthreads()  # seeds are in the buffer before the compaction reads them
@@ -466,16 +485,16 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             if tid == 0:
                 count[0] = 0
             cuda.syncthreads()  # the emptied buffer is visible before anyone pushes
-            load_words(row_words, ws, base, nt, w_end)  # once per block: ws need not live across the sort
+            load_words(row_words, ws, base, w_end, check)  # once per block: ws need not live across the sort
 
         pending = int64(0)
         t_val = thresh_val[0]
         if bmax >= t_val:  # rare after the first iterations
-            pending = offer(row_words, base, nt, thresh[0], buf, count, cap,
-                            above(ws, base, nt, w_end, t_val, check))
+            pending = offer(row_words, base, thresh[0], buf, count, cap,
+                            above(ws, base, w_end, t_val, check))
         while cuda.syncthreads_or(int32(pending != 0)):  # barrier: did any push find the buffer full?
             _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)  # the buffer is full: cut it
-            pending = offer(row_words, base, nt, thresh[0], buf, count, cap, pending)
+            pending = offer(row_words, base, thresh[0], buf, count, cap, pending)
         return m, s, lo
 
     @cuda.jit(fastmath=True, **_BOUNDS)
@@ -497,26 +516,33 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         span = unroll * nt
         full_end = w_end - (w_end - w_begin) % span  # iterations before it have every word in bounds
         row_words = words[row]  # [W] this row: keeps the row offset out of the loads
+        # Each warp reads a contiguous run of unroll x WARP_SIZE words per iteration, word u of
+        # a lane at u x WARP_SIZE: every load is coalesced and the offsets are immediates.
+        lane = tid % WARP_SIZE
+        off = (tid - lane) * unroll + lane
         _init_state(count, thresh, thresh_val, tid)
 
-        m = LOWEST  # running max (finite sentinel, see LOWEST)
+        m = LOWEST  # exp reference, <= the running max (finite sentinel, see LOWEST)
         s = 0.0  # running sum of exp(x - m), float64
         lo = HIGHEST  # running min: -inf shows here
         # Software pipeline: the loads of iteration i + 1 are issued before iteration i is
         # processed, so each thread always has one iteration of words in flight (limits §6).
-        load_words(row_words, nxt, w_begin + tid, nt, w_end)
+        load_words(row_words, nxt, w_begin + off, w_end, True)
         block_base = w_begin
         while block_base < full_end:  # uniform across the block: every thread runs every iteration
             for u in range(unroll):
                 ws[u] = nxt[u]
-            base = block_base + tid
+            base = block_base + off
             first_iter = block_base == w_begin
             block_base += span
-            load_words(row_words, nxt, block_base + tid, nt, w_end)
+            if block_base < full_end:  # uniform: the next iteration is full, no bounds tests
+                load_words(row_words, nxt, block_base + off, w_end, False)
+            else:
+                load_words(row_words, nxt, block_base + off, w_end, True)
             m, s, lo = step(row_words, ws, base, nt, w_end, False, m, s, lo, first_iter,
                             buf, count, thresh, thresh_val, k, cap, tid)
         if block_base < w_end:  # the partial last iteration, already loaded (uniform)
-            m, s, lo = step(row_words, nxt, block_base + tid, nt, w_end, True, m, s, lo, block_base == w_begin,
+            m, s, lo = step(row_words, nxt, block_base + off, nt, w_end, True, m, s, lo, block_base == w_begin,
                             buf, count, thresh, thresh_val, k, cap, tid)
 
         _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)

@@ -21,7 +21,10 @@ arithmetic, a per-pop rescan, dependent loads after the selection). Now, per pop
 - Before the warp's choice, each lane computes its best's successors (sibling
   ``(w - lp[d-1, r]) + lp[d-1, r+1]``, first child ``w + lp[d, 0]``; shared-memory reads that
   overlap the shuffles below).
-- A float64 warp max (5 xor shuffles), a ballot for the holder, index shuffles of its slot,
+- The holder of the warp's top score: each best maps to an order-preserving 64-bit integer key
+  (:func:`_score_key`), two ``redux.sync.max`` (high word, then low word among the lanes at
+  the top high word) and a ballot replace the 5-round float64 shuffle butterfly (10 shuffles
+  and 5 compares in one dependent chain). Then index shuffles of its score, slot,
   rank | depth and child score. The winner's new best is max(``rest``, sibling); the owner of
   slot ``i`` compares the child with its best. No barrier, no global load (ranks past the lp
   cache excepted), all integers int32 with unsigned indices.
@@ -52,7 +55,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, float64, int16, int32, int64, uint32
+from llvmlite import ir
+from numba import cuda, float32, float64, int16, int32, int64, types, uint32
+from numba.core.extending import intrinsic
 
 from sim.launch import launch
 
@@ -96,16 +101,115 @@ MAX_THREADS = 512  # registers (< 128) allow 512; the other warps idle during se
 
 # --- device functions ------------------------------------------------------------------------
 
+ABS_MASK = 0x7FFFFFFFFFFFFFFF  # float64 bits without the sign
+LOW_WORD = 0xFFFFFFFF
+HIGH_SHIFT = 32
+
+
+def _redux_intrinsic(ptx_type: str, nb_type: types.Type):
+    """``redux.sync.max.<ptx_type>`` over the full warp (sm_80+: one REDUX instruction)."""
+
+    @intrinsic
+    def redux_max(typingctx, value):
+        if value != nb_type:
+            return None
+        sig = nb_type(nb_type)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            asm = ir.InlineAsm(fnty, f"redux.sync.max.{ptx_type} $0, $1, 0xffffffff;", "=r,r",
+                               side_effect=True)
+            return builder.call(asm, args)
+
+        return sig, codegen
+
+    return redux_max
+
+
+@intrinsic
+def _f64_bits_gpu(typingctx, x):
+    """The IEEE bits of float64 ``x`` as int64 (a register move)."""
+    if x != types.float64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(types.float64), codegen
+
+
 @cuda.jit(device=True)
-def _warp_max_f64(v):
-    """Maximum of float64 ``v`` over the warp, on every lane (xor butterfly)."""
+def _f64_bits_sim(x):
+    """Simulator stand-in for the bit cast."""
+    return np.array([x], np.float64).view(np.int64)[0]
+
+
+@cuda.jit(device=True)
+def _warp_max_s32_sim(v):
+    """Simulator stand-in for ``redux.sync.max.s32``: an xor butterfly."""
+    v = int32(v)
     offset = FIRST_BUTTERFLY_OFFSET
     while offset > 0:
-        other = cuda.shfl_xor_sync(FULL_MASK, v, offset)
+        other = int32(cuda.shfl_xor_sync(FULL_MASK, v, offset))
         if other > v:
             v = other
         offset //= 2
     return v
+
+
+@cuda.jit(device=True)
+def _warp_max_u32_sim(v):
+    """Simulator stand-in for ``redux.sync.max.u32``: an xor butterfly (shuffles take no uint32,
+    so the values travel as int64)."""
+    w = int64(v)
+    offset = FIRST_BUTTERFLY_OFFSET
+    while offset > 0:
+        other = int64(cuda.shfl_xor_sync(FULL_MASK, w, offset))
+        if other > w:
+            w = other
+        offset //= 2
+    return uint32(w)
+
+
+# The GPU takes the single-instruction forms; the simulator (which cannot run inline PTX) the
+# butterflies, with the same results.
+if cuda.config.ENABLE_CUDASIM:
+    _f64_bits = _f64_bits_sim
+    _warp_max_s32 = _warp_max_s32_sim
+    _warp_max_u32 = _warp_max_u32_sim
+else:
+    _f64_bits = _f64_bits_gpu
+    _warp_max_s32 = _redux_intrinsic("s32", types.int32)
+    _warp_max_u32 = _redux_intrinsic("u32", types.uint32)
+
+
+@cuda.jit(device=True)
+def _score_key(x):
+    """Order key of float64 ``x`` (not NaN) as (int32 high word, uint32 low word).
+
+    The signed integer ``bits`` for x >= 0, ``-(bits & ABS_MASK)`` for x < 0: it orders like the
+    floats, with -0.0 and +0.0 equal (as they compare), so equal keys are exactly equal scores.
+    Compared lexicographically, high word signed, low word unsigned.
+    """
+    bits = _f64_bits(x)
+    if bits < 0:
+        bits = -(bits & ABS_MASK)
+    return int32(bits >> HIGH_SHIFT), uint32(bits & LOW_WORD)
+
+
+@cuda.jit(device=True)
+def _warp_argmax_key(x):
+    """Lane mask of the lanes holding the warp's largest float64 ``x`` (two REDUX + a ballot).
+
+    The high words' maximum first, then the maximum low word among the lanes that reach it.
+    """
+    hi, lo = _score_key(x)
+    hi_max = _warp_max_s32(hi)
+    lo_in = uint32(0)
+    if hi == hi_max:
+        lo_in = lo
+    lo_max = _warp_max_u32(lo_in)
+    return cuda.ballot_sync(FULL_MASK, hi == hi_max and lo == lo_max)
 
 
 @cuda.jit(device=True)
@@ -267,8 +371,8 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
     ends as each node's child count. Expects slot_score = -inf, slot_info = 0, the root record.
 
     Lane state, in registers: its best candidate (score, slot, rank | depth << 16; its shared
-    slot reads -inf) and the best of its shared slots (``rest``, position ``rest_j``), kept
-    exact by every update in O(1) except one: when the lane's best is popped and the sibling
+    slot reads -inf) and the best of its shared slots (``rest``, position ``rest_j``, info
+    ``rest_info``), kept exact by every update in O(1) except one: when the lane's best is popped and the sibling
     replacing it is worse than ``rest``, ``rest`` becomes the best and the new ``rest`` needs a
     rescan of the slice (``stale``), done at the top of the next pop by that lane alone.
     Integers are kept int32 and indices unsigned: numba's default int64 arithmetic and negative-
@@ -283,7 +387,9 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
     best_info = int32(SEED_INFO)
     rest = NEG_INF
     rest_j = int32(0)
+    rest_info = int32(0)
     stale = False
+    score_row = scores[b]  # [N] float64, hoisted out of the loop
     if lane == 0 and budget > 0:  # seed: rank path (0,), node 0's first child, slot 0
         best = float64(lp_cache[0])
         slot_info[0] = SEED_INFO
@@ -291,15 +397,16 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
     while n < budget:
         if stale:
             rest, rest_j = _rescan(slot_score, base, n_slots)
+            rest_info = int32(slot_info[uint32(base + rest_j)])  # read now, used after the selection
             stale = False
         cuda.syncwarp()  # converged: no divergence checks split the shuffles below
         sibling, child = _successors(lp, lp_cache, kc, b, n_depth, k, best, best_info)
         slot_word = best_slot
         if rest == best and best != NEG_INF:  # the lane's slice holds its best score twice
             slot_word |= TIE_FLAG
-        top = _warp_max_f64(best)
-        holders = cuda.ballot_sync(FULL_MASK, best == top)
+        holders = _warp_argmax_key(best)
         win = int32(cuda.ffs(holders) - 1)
+        top = cuda.shfl_sync(FULL_MASK, best, win)
         slot_word = int32(cuda.shfl_sync(FULL_MASK, slot_word, win))
         info = int32(cuda.shfl_sync(FULL_MASK, best_info, win))  # popped: child `rank` of node p, depth d
         child = cuda.shfl_sync(FULL_MASK, child, win)
@@ -314,6 +421,7 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
             if lane == win:  # its best may have changed: redo the fast path's lane-local work
                 sibling, child = _successors(lp, lp_cache, kc, b, n_depth, k, best, best_info)
                 rest, rest_j = _rescan(slot_score, base, n_slots)
+                rest_info = int32(slot_info[uint32(base + rest_j)])
             info = int32(cuda.shfl_sync(FULL_MASK, best_info, win))
             child = cuda.shfl_sync(FULL_MASK, child, win)
         i = int32(n + 1)
@@ -321,7 +429,7 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
         node_rank[uint32(i)] = info & RANK_MASK
         node_depth[uint32(i)] = info >> DEPTH_SHIFT
         if lane == 0:
-            scores[uint32(b), uint32(i)] = top
+            score_row[uint32(i)] = top
         if lane == win:  # slot p moves on to sibling rank + 1; best = max(rest, sibling)
             slot_info[uint32(base + (p >> LANE_BITS))] = info + 1
             if sibling >= rest:  # the sibling stays in registers, slot p reads -inf
@@ -332,7 +440,7 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
                 slot_score[uint32(base + rest_j)] = NEG_INF
                 best = rest
                 best_slot = int32(lane + (rest_j << LANE_BITS))
-                best_info = int32(slot_info[uint32(base + rest_j)])
+                best_info = rest_info
                 stale = True
         if lane == int32(i & LANE_MASK) and i < budget:  # slot i opens: node i's first child
             child_info = int32(((info >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT)
@@ -341,6 +449,7 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
                 slot_score[uint32(base + (best_slot >> LANE_BITS))] = best
                 rest = best
                 rest_j = int32(best_slot >> LANE_BITS)
+                rest_info = best_info
                 best = child
                 best_slot = i
                 best_info = child_info
@@ -349,6 +458,7 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
                 if child > rest:
                     rest = child
                     rest_j = int32(i >> LANE_BITS)
+                    rest_info = child_info
         n = i
     return n
 

@@ -19,8 +19,8 @@ Numerics: one key sequence, one result.
     the batch or the other queries, so a tree node's output equals, bit for bit, a ``T = 1`` call
     (root only, visibility ``[[1]]``) on the compacted cache of its path: DDTree stays exactly
     lossless (spec §1.4). The invariance holds between calls with the same :class:`TileConfig`
-    numerics (``chunk``, ``k_groups``) and the same ``split_size``; :func:`plan` picks the config
-    from ``(Dl, Dr, H)`` only, never from ``T``, ``N`` or the batch size.
+    numerics (``chunk``, ``k_groups``, ``qk_keys``) and the same ``split_size``; :func:`plan`
+    picks the config from ``(Dl, Dr, H)`` only, never from ``T``, ``N`` or the batch size.
 
 Work layout (limits §3, §7; stack §2-3).
     Grid of the attention kernel: ``(Tc * H / heads, num_splits, bs)``; node index fastest, so the
@@ -30,9 +30,16 @@ Work layout (limits §3, §7; stack §2-3).
     ``k_groups`` lanes in groups of 4 consecutive dims and summed by an xor butterfly; staged rows
     are padded to ``k_slice + 4 * k_groups`` floats so each group is one conflict-free LDS.128:
     8 shared loads per 64 FFMA, where scalar loads made the score GEMM shared-memory bound at
-    half the FFMA rate), then ``acc += P V`` with ``V`` staged in
-    ``[v_slice, Dl]`` slices (``pv_rows x pv_dims`` accumulators per thread). The KV tile is read
-    once per chunk for all heads of the tile; scores never leave shared memory (``[heads, chunk]``),
+    half the FFMA rate). The online softmax runs in registers on the score tiles: a row's keys
+    live on the ``k_groups * chunk / qk_keys`` lanes of its row tile (one warp), so the chunk max
+    and sum are xor butterflies (no serial per-row loop, no barrier); running ``m``/``l`` live in
+    shared memory by chunk parity. Then ``acc += P V`` with ``V`` staged in ``[v_slice, Dl]``
+    slices (``pv_rows x pv_dims`` accumulators per thread, float4 loads of probabilities and
+    values) that alternate between the two halves of the staging buffer. Every global load is
+    issued one stage ahead into registers (next key slice; first value slice during the last
+    key slice; next value slice; the next chunk's first key slice during the last value slice),
+    so no barrier waits on global memory. The KV tile is read once per chunk for all heads of
+    the tile; scores never leave the chip (``[chunk, heads]`` probabilities in shared memory),
     and the workspace is ``[num_splits, bs, Tc, H, Dl + 2]`` (acc, then m and l). Array indices
     are cast to ``uint64`` (Numba emits no negative-index wraparound for unsigned indices: 4-6
     integer instructions per shared load otherwise) and device helpers are ``inline="always"``
@@ -81,8 +88,9 @@ DEFAULT_SPLIT_SIZE = 2048
 class TileConfig:
     """One compile-time specialisation of the kernels.
 
-    ``chunk`` and ``k_groups`` fix the order of the floating-point operations (with the plan's
-    ``split_size``); the other fields only move work between threads.
+    ``chunk``, ``k_groups`` and ``qk_keys`` (the lanes a chunk sum is reduced over) fix the order
+    of the floating-point operations (with the plan's ``split_size``); the other fields only move
+    work between threads.
 
     Attributes:
         latent_dim: Dl, the latent (value) width; 512 for DeepSeek-V3 / Kimi K2.
@@ -121,19 +129,26 @@ class TileConfig:
     def static_shared_bytes(self) -> int:
         """Static shared memory of the attention kernel, in bytes."""
         return 4 * (
-            self.heads * self.k_row
-            + self.kv_buffer_floats
-            + self.heads * self.chunk
-            + self.heads
+            2 * self.buffer_floats
+            + self.chunk * self.probs_row
+            + 5 * self.heads
             + self.max_path
-            + self.chunk
+            + 2 * self.chunk
         )
 
     @property
-    def kv_buffer_floats(self) -> int:
-        """Floats of the buffer shared by key slices ``[chunk, k_slice + k_groups]`` and value
-        slices ``[v_slice, latent_dim]``."""
-        return max(self.chunk * self.k_row, self.v_slice * self.latent_dim)
+    def buffer_floats(self) -> int:
+        """Floats of each half of the staging buffer: the first holds query slices ``[heads,
+        k_row]``, the second key slices ``[chunk, k_row]``; in ``P V`` they alternate as value
+        slices ``[v_slice, latent_dim]`` (double buffering at no extra shared memory)."""
+        return max(self.heads * self.k_row, self.chunk * self.k_row,
+                   self.v_slice * self.latent_dim)
+
+    @property
+    def probs_row(self) -> int:
+        """Padded row of the key-major probabilities ``[chunk, heads + 4]``: 16-byte rows (a
+        lane's ``pv_rows`` probabilities are one vector load), stores spread over the banks."""
+        return self.heads + 4
 
     @property
     def k_row(self) -> int:
@@ -166,6 +181,11 @@ class TileConfig:
              "threads must be a multiple of 32 and <= 1024"),
             (self.heads <= self.threads and self.chunk <= self.threads,
              "heads and chunk must be <= threads"),
+            (self.chunk % self.qk_keys == 0
+             and (self.chunk // self.qk_keys) & (self.chunk // self.qk_keys - 1) == 0
+             and self.k_groups * (self.chunk // self.qk_keys) <= WARP,
+             "chunk // qk_keys must be a power of two with k_groups * chunk // qk_keys <= 32 "
+             "(a row's keys within one warp)"),
             (self.threads % self.k_slice == 0 or self.k_slice % self.threads == 0,
              "threads and k_slice must divide one another"),
             (self.threads % self.latent_dim == 0 or self.latent_dim % self.threads == 0,
@@ -183,8 +203,8 @@ def default_config(latent_dim: int, rope_dim: int, num_heads: int) -> TileConfig
 
     Dl = 512, Dr = 64 (DeepSeek-V3, Kimi K2 and their tensor-parallel shards; H a multiple of
     16): tiles of ``gcd(H, 64)`` heads, 256 threads, chunks of 32 keys, 2 k-groups; for 64 heads
-    each thread holds 8 x 16 accumulators and a 4 x 4 score tile (239 registers on sm_90, no
-    spills; a 512-thread tiling with 8 x 8 accumulators spills under its 128-register cap).
+    each thread holds 8 x 16 accumulators and a 4 x 4 score tile (245 registers on sm_90, 250 on
+    sm_120, no spills, 46.25 KiB static shared memory; a 512-thread tiling with 8 x 8 accumulators spills under its 128-register cap).
     Other dims have no preset: pass a :class:`TileConfig`.
     """
     if (latent_dim, rope_dim) == (512, 64) and num_heads % 16 == 0:
@@ -265,9 +285,14 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     N_KSLICES = (DL + DR) // KS
     N_VSLICES = CHUNK // CS
     BUTTERFLY = KG.bit_length() - 1     # xor-butterfly levels over the k-groups
-    KV_BUF = config.kv_buffer_floats
-    Q_TILE = HEADS * KSP
-    PROBS = HEADS * CHUNK
+    BUF = config.buffer_floats          # one half of bufs
+    TWO_BUFS = 2 * BUF
+    PROW = config.probs_row
+    PROBS = CHUNK * PROW
+    TWO_HEADS = 2 * HEADS
+    TWO_CHUNKS = 2 * CHUNK
+    KT_LEVELS = KEY_TILES.bit_length() - 1      # xor-butterfly levels over the key tiles
+    VV = math.gcd(PD, 4)                # consecutive value dims per lane step (one float4)
     MERGE_THREADS = config.merge_threads
     # Staging geometry: a row of KS (or DL) floats is loaded by S_TPR (V_TPR) consecutive lanes.
     S_TPR = min(THREADS, KS)
@@ -284,6 +309,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     V_ROWS_EXACT = CS % V_ROW_STEP == 0
     Q_REGS = Q_ROW_PASSES * S_COL_PASSES
     K_REGS = K_ROW_PASSES * S_COL_PASSES
+    V_REGS = V_ROW_PASSES * V_COL_PASSES
 
     @cuda.jit(device=True, inline="always")
     def kv_row(pos, past, path):
@@ -293,12 +319,13 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         return past + path[uint64(pos - past)]
 
     @cuda.jit(device=True, inline="always")
-    def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, s_row, s_col,
-                      q_reg, k_reg):
+    def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, rows_off, s_row,
+                      s_col, q_reg, k_reg):
         """Global -> registers: ``[HEADS, KS]`` query and ``[CHUNK, KS]`` key slices at dim k0.
 
-        q_base: flat row of the tile's first head; rows: the chunk's flat cache rows (-1: no
-        key, staged as zeros). A slice never straddles latent and rope (KS divides DL and DR).
+        q_base: flat row of the tile's first head; rows[rows_off:]: the chunk's flat cache rows
+        (-1: no key, staged as zeros). A slice never straddles latent and rope (KS divides DL
+        and DR).
         """
         in_latent = k0 < DL
         for rp in range(Q_ROW_PASSES):
@@ -316,7 +343,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             c = s_row + rp * S_ROW_STEP
             row = -1
             if K_ROWS_EXACT or c < CHUNK:
-                row = rows[uint64(c)]
+                row = rows[uint64(rows_off + c)]
             for cp in range(S_COL_PASSES):
                 col = k0 + s_col + cp * S_TPR
                 value = float32(0.0)
@@ -328,32 +355,41 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 k_reg[rp * S_COL_PASSES + cp] = value
 
     @cuda.jit(device=True, inline="always")
-    def store_qk_slice(q_tile, kv_tile, s_row, s_col, q_reg, k_reg):
-        """Registers -> shared memory (rows padded to KSP floats)."""
+    def store_qk_slice(bufs, s_row, s_col, q_reg, k_reg):
+        """Registers -> shared memory: queries at bufs[0:], keys at bufs[BUF:] (rows of KSP)."""
         for rp in range(Q_ROW_PASSES):
             r = s_row + rp * S_ROW_STEP
             if r < HEADS:
                 for cp in range(S_COL_PASSES):
-                    q_tile[uint64(r * KSP + s_col + cp * S_TPR)] = q_reg[rp * S_COL_PASSES + cp]
+                    bufs[uint64(r * KSP + s_col + cp * S_TPR)] = q_reg[rp * S_COL_PASSES + cp]
         for rp in range(K_ROW_PASSES):
             c = s_row + rp * S_ROW_STEP
             if c < CHUNK:
                 for cp in range(S_COL_PASSES):
-                    kv_tile[uint64(c * KSP + s_col + cp * S_TPR)] = k_reg[rp * S_COL_PASSES + cp]
+                    bufs[uint64(BUF + c * KSP + s_col + cp * S_TPR)] = k_reg[rp * S_COL_PASSES + cp]
 
     @cuda.jit(device=True, inline="always")
-    def load_v_slice(kv_latent, rows, first, v_row, v_col, kv_tile):
-        """Global -> shared memory: latent rows of chunk keys ``first .. first + CS - 1``."""
+    def load_v_slice(kv_latent, rows, rows_off, first, v_row, v_col, v_reg):
+        """Global -> registers: latent rows of chunk keys ``first .. first + CS - 1``."""
+        for rp in range(V_ROW_PASSES):
+            c = v_row + rp * V_ROW_STEP
+            row = -1
+            if V_ROWS_EXACT or c < CS:
+                row = rows[uint64(rows_off + first + c)]
+            for cp in range(V_COL_PASSES):
+                value = float32(0.0)
+                if row >= 0:  # zeros, never stale rows: 0 * NaN would poison acc
+                    value = kv_latent[uint64(row * DL + v_col + cp * V_TPR)]
+                v_reg[rp * V_COL_PASSES + cp] = value
+
+    @cuda.jit(device=True, inline="always")
+    def store_v_slice(bufs, off, v_row, v_col, v_reg):
+        """Registers -> shared memory: a ``[CS, DL]`` value slice at bufs[off:]."""
         for rp in range(V_ROW_PASSES):
             c = v_row + rp * V_ROW_STEP
             if V_ROWS_EXACT or c < CS:
-                row = rows[uint64(first + c)]
                 for cp in range(V_COL_PASSES):
-                    col = v_col + cp * V_TPR
-                    value = float32(0.0)
-                    if row >= 0:  # zeros, never stale rows: 0 * NaN would poison acc
-                        value = kv_latent[uint64(row * DL + col)]
-                    kv_tile[uint64(c * DL + col)] = value
+                    bufs[uint64(off + c * DL + v_col + cp * V_TPR)] = v_reg[rp * V_COL_PASSES + cp]
 
     @cuda.jit(**_jit_options(THREADS))
     def attention(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility,
@@ -365,12 +401,13 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         flat uint32 visibility [bs, Tc, W]; int32 Tc, H, S, W; float32 scale; int32 split;
         flat float32 workspace [n_splits, bs, Tc, H, Dl + 2].
         """
-        q_tile = cuda.shared.array(Q_TILE, float32)          # [HEADS, KSP] query slice
-        kv_tile = cuda.shared.array(KV_BUF, float32)         # [CHUNK, KSP] keys / [CS, DL] values
-        probs = cuda.shared.array(PROBS, float32)            # [HEADS, CHUNK] scores, then probs
-        alpha = cuda.shared.array(HEADS, float32)            # [HEADS] acc rescale of this chunk
-        path = cuda.shared.array(MAX_PATH, int32)            # tree node at position past + k
-        rows = cuda.shared.array(CHUNK, int32)               # flat cache row of each chunk key
+        bufs = cuda.shared.array(TWO_BUFS, float32)   # q|k slices [HEADS|CHUNK, KSP]; 2 v slices
+        probs = cuda.shared.array(PROBS, float32)     # [CHUNK, PROW] probabilities, key-major
+        alpha = cuda.shared.array(HEADS, float32)     # [HEADS] acc rescale of this chunk
+        m_sh = cuda.shared.array(TWO_HEADS, float32)  # [2, HEADS] running max, by chunk parity
+        l_sh = cuda.shared.array(TWO_HEADS, float32)  # [2, HEADS] running sum, by chunk parity
+        path = cuda.shared.array(MAX_PATH, int32)     # tree node at position past + k
+        rows = cuda.shared.array(TWO_CHUNKS, int32)   # [2, CHUNK] flat cache rows, by parity
 
         tid = cuda.threadIdx.x
         head_groups = num_heads // HEADS
@@ -401,27 +438,39 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 for v in range(w):
                     rank += cuda.popc(_visible_word(visibility, vis_base, v, size))
                 path[uint64(rank)] = j
-        cuda.syncthreads()  # path[] complete before the first key load
+        if tid < HEADS:
+            m_sh[tid] = float32(NEG_INF)
+            l_sh[tid] = float32(0.0)
+        cuda.syncthreads()  # path[] complete before the first chunk's rows
+
+        kv_base = b * kv_rows                                   # flat row of (b, cache row 0)
+        if tid < CHUNK:
+            row = -1
+            if seg_start + tid < seg_end:
+                row = kv_base + kv_row(seg_start + tid, past, path)
+            rows[tid] = row
+        cuda.syncthreads()  # the first chunk's key rows are known
 
         q_base = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
-        kv_base = b * kv_rows                                   # flat row of (b, cache row 0)
         s_row = tid // S_TPR
         s_col = tid % S_TPR
         v_row = tid // V_TPR
         v_col = tid % V_TPR
-        # Score GEMM: k-group fastest, so the butterfly stays inside a warp; offsets include
-        # the lane's first dim kg.
+        # Score GEMM: k-group fastest, then key tile, so the k-group butterfly and the softmax
+        # reductions over key tiles stay inside a warp; offsets include the lane's first dim kg.
         kg = tid % KG
         key_tile = (tid // KG) % KEY_TILES
         row_tile = tid // (KG * KEY_TILES)
         q_off = row_tile * RM * KSP + kg * VEC
-        k_off = key_tile * KSP + kg * VEC
-        # P·V: dims fastest, so value loads are consecutive across lanes.
+        k_off = BUF + key_tile * KSP + kg * VEC
+        # P·V: dims fastest (VV consecutive dims per lane: one LDS.128), so value loads are
+        # consecutive across lanes; a warp's rows are uniform, so probs loads broadcast.
         dim_lane = tid % DIM_THREADS
         pv_row0 = (tid // DIM_THREADS) * PM
 
         q_reg = cuda.local.array(Q_REGS, float32)
         k_reg = cuda.local.array(K_REGS, float32)
+        v_reg = cuda.local.array(V_REGS, float32)
         s = cuda.local.array((RM, RC), float32)
         q_vec = cuda.local.array((RM, VEC), float32)
         k_vec = cuda.local.array((RC, VEC), float32)
@@ -431,32 +480,24 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         for i in range(PM):
             for j in range(PD):
                 acc[i, j] = float32(0.0)
-        m_run = float32(NEG_INF)    # running row max and sum, held by thread `row` < HEADS
-        l_run = float32(0.0)
 
+        cur = 0     # chunk parity: rows, m_sh, l_sh of this chunk at [cur]; the next at [1 - cur]
+        load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, 0, rows, 0, s_row, s_col,
+                      q_reg, k_reg)
         for chunk_start in range(seg_start, seg_end, CHUNK):
             # ---- S = Q Kᵀ over the Dl + Dr dims, KS at a time, next slice prefetched ----
             for i in range(RM):
                 for j in range(RC):
                     s[i, j] = float32(0.0)
-            cuda.syncthreads()  # the previous chunk's readers of kv_tile, probs, rows are done
-            if tid < CHUNK:
-                pos = chunk_start + tid
-                row = -1
-                if pos < seg_end:
-                    row = kv_base + kv_row(pos, past, path)
-                rows[tid] = row
-            cuda.syncthreads()  # the chunk's key rows are known
-            load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, 0, rows, s_row, s_col,
-                          q_reg, k_reg)
             for ks in range(N_KSLICES):
-                if ks > 0:
-                    cuda.syncthreads()  # every reader of slice ks - 1 is done
-                store_qk_slice(q_tile, kv_tile, s_row, s_col, q_reg, k_reg)
+                cuda.syncthreads()  # readers of bufs (previous slice / last value slice) done
+                store_qk_slice(bufs, s_row, s_col, q_reg, k_reg)
                 cuda.syncthreads()  # slice ks staged
                 if ks + 1 < N_KSLICES:
                     load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, (ks + 1) * KS,
-                                  rows, s_row, s_col, q_reg, k_reg)
+                                  rows, cur * CHUNK, s_row, s_col, q_reg, k_reg)
+                else:   # the chunk's first value slice, in flight during the last score slice
+                    load_v_slice(kv_latent, rows, cur * CHUNK, 0, v_row, v_col, v_reg)
                 # Lane kg takes dims in groups of VEC at (g * KG + kg) * VEC: the VEC loads of
                 # a row are adjacent and 16-byte aligned, so they merge into one vector load
                 # (LDS.128: 8 shared loads per 64 FFMA instead of 32), and the constant-trip
@@ -464,10 +505,10 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 for g in range(0, KS, KG * VEC):
                     for i in range(RM):
                         for e in range(VEC):
-                            q_vec[i, e] = q_tile[uint64(q_off + i * KSP + g + e)]
+                            q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
                     for j in range(RC):
                         for e in range(VEC):
-                            k_vec[j, e] = kv_tile[uint64(k_off + j * (KEY_TILES * KSP) + g + e)]
+                            k_vec[j, e] = bufs[uint64(k_off + j * (KEY_TILES * KSP) + g + e)]
                     for e in range(VEC):
                         for i in range(RM):
                             for j in range(RC):
@@ -477,60 +518,85 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 for i in range(RM):
                     for j in range(RC):
                         s[i, j] += cuda.shfl_xor_sync(FULL_MASK, s[i, j], KG >> (level + 1))
-            if kg == 0:
-                for i in range(RM):
-                    for j in range(RC):
-                        probs[uint64((row_tile * RM + i) * CHUNK + key_tile + j * KEY_TILES)] = (
-                            s[i, j] * scale)
-            cuda.syncthreads()  # the chunk's scores are in probs
 
-            # ---- online softmax, one thread per row, keys in position order ----
-            if tid < HEADS:
-                n_keys = min(CHUNK, seg_end - chunk_start)
-                m_new = m_run
-                for c in range(n_keys):
-                    m_new = max(m_new, probs[uint64(tid * CHUNK + c)])
-                rescale = math.exp(m_run - m_new)   # exp(-inf) = 0 on the first chunk
-                l_run = l_run * rescale
-                for c in range(n_keys):
-                    p = math.exp(probs[uint64(tid * CHUNK + c)] - m_new)
-                    l_run += p
-                    probs[uint64(tid * CHUNK + c)] = p
-                for c in range(n_keys, CHUNK):
-                    probs[uint64(tid * CHUNK + c)] = float32(0.0)
-                alpha[tid] = rescale
-                m_run = m_new
-            cuda.syncthreads()  # probabilities and rescale factors ready
+            # ---- online softmax in registers: a row's keys live on the KG * KEY_TILES lanes
+            # of its row tile; max and sum are xor butterflies over the key tiles (commutative
+            # steps: every lane ends with the same bits). Keys past the segment get p = 0. ----
+            n_keys = seg_end - chunk_start
+            nxt = 1 - cur
+            for i in range(RM):
+                row = row_tile * RM + i
+                m_old = m_sh[uint64(cur * HEADS + row)]
+                c_max = float32(NEG_INF)
+                for j in range(RC):
+                    score = float32(NEG_INF)
+                    if key_tile + j * KEY_TILES < n_keys:
+                        score = s[i, j] * scale
+                    s[i, j] = score
+                    c_max = max(c_max, score)
+                for level in range(KT_LEVELS):
+                    c_max = max(c_max, cuda.shfl_xor_sync(FULL_MASK, c_max, KG << level))
+                m_new = max(m_old, c_max)
+                rescale = math.exp(m_old - m_new)   # exp(-inf) = 0 on the first chunk
+                p_sum = float32(0.0)
+                for j in range(RC):
+                    s[i, j] = math.exp(s[i, j] - m_new)
+                    p_sum += s[i, j]
+                for level in range(KT_LEVELS):
+                    p_sum += cuda.shfl_xor_sync(FULL_MASK, p_sum, KG << level)
+                if key_tile == 0 and kg == 0:
+                    m_sh[uint64(nxt * HEADS + row)] = m_new
+                    l_old = l_sh[uint64(cur * HEADS + row)]
+                    l_sh[uint64(nxt * HEADS + row)] = l_old * rescale + p_sum
+                    alpha[uint64(row)] = rescale
+                for j in range(RC):
+                    if j % KG == kg:
+                        probs[uint64((key_tile + j * KEY_TILES) * PROW + row)] = s[i, j]
+            if tid < CHUNK:     # the next chunk's key rows (its buffer's readers are done)
+                pos = chunk_start + CHUNK + tid
+                row = -1
+                if pos < seg_end:
+                    row = kv_base + kv_row(pos, past, path)
+                rows[uint64(nxt * CHUNK + tid)] = row
+            cuda.syncthreads()  # probs, alpha, next rows ready; score readers of bufs done
 
-            # ---- acc = acc * alpha + P V, values staged CS rows at a time ----
+            # ---- acc = acc * alpha + P V; value slices alternate between the two halves of
+            # bufs, each prefetched into registers one slice ahead ----
             for i in range(PM):
                 p_val[i] = alpha[uint64(pv_row0 + i)]
                 for j in range(PD):
                     acc[i, j] = acc[i, j] * p_val[i]
             for vs in range(N_VSLICES):
-                if vs > 0:
-                    cuda.syncthreads()  # readers of the previous value slice are done
-                load_v_slice(kv_latent, rows, vs * CS, v_row, v_col, kv_tile)
-                cuda.syncthreads()  # value slice staged
+                v_off = BUF * (1 - vs % 2)
+                store_v_slice(bufs, v_off, v_row, v_col, v_reg)
+                cuda.syncthreads()  # slice vs staged; readers of slice vs - 2 (same half) done
+                if vs + 1 < N_VSLICES:
+                    load_v_slice(kv_latent, rows, cur * CHUNK, (vs + 1) * CS, v_row, v_col,
+                                 v_reg)
+                else:   # the next chunk's first score slice, in flight during this one
+                    load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, 0, rows,
+                                  nxt * CHUNK, s_row, s_col, q_reg, k_reg)
                 for c in range(CS):
                     for i in range(PM):
-                        p_val[i] = probs[uint64((pv_row0 + i) * CHUNK + vs * CS + c)]
+                        p_val[i] = probs[uint64((vs * CS + c) * PROW + pv_row0 + i)]
                     for j in range(PD):
-                        v_val[j] = kv_tile[uint64(c * DL + dim_lane + j * DIM_THREADS)]
+                        v_val[j] = bufs[uint64(v_off + c * DL + dim_lane * VV
+                                               + (j // VV) * (DIM_THREADS * VV) + j % VV)]
                     for i in range(PM):
                         for j in range(PD):
                             acc[i, j] = cuda.fma(p_val[i], v_val[j], acc[i, j])
+            cur = nxt
 
         # ---- segment partial -> workspace [seg, b, node, h, :] ----
         batch = past_lens.shape[0]
         ws_row = ((seg * batch + b) * tree_capacity + node) * num_heads + h0
         for i in range(PM):
             for j in range(PD):
-                workspace[uint64((ws_row + pv_row0 + i) * (DL + 2) + dim_lane + j * DIM_THREADS)] = (
-                    acc[i, j])
-        if tid < HEADS:
-            workspace[uint64((ws_row + tid) * (DL + 2) + DL)] = m_run
-            workspace[uint64((ws_row + tid) * (DL + 2) + DL + 1)] = l_run
+                dim = dim_lane * VV + (j // VV) * (DIM_THREADS * VV) + j % VV
+                workspace[uint64((ws_row + pv_row0 + i) * (DL + 2) + dim)] = acc[i, j]
+        if tid < HEADS:     # the last chunk's writes precede its probs barrier
+            workspace[uint64((ws_row + tid) * (DL + 2) + DL)] = m_sh[uint64(cur * HEADS + tid)]
+            workspace[uint64((ws_row + tid) * (DL + 2) + DL + 1)] = l_sh[uint64(cur * HEADS + tid)]
 
     @cuda.jit(**_jit_options(MERGE_THREADS))
     def merge(past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words,
@@ -699,7 +765,7 @@ def _check_array(arr: Any, name: str, dtype: type, shape: tuple[int, ...]) -> No
 def _check_host_values(p: VerifyPlan, past_lens: np.ndarray, tree_sizes: np.ndarray,
                        visibility: np.ndarray) -> None:
     """Value checks possible on host arrays (device arrays are guarded in the kernels)."""
-    bs, tc = p.batch_size, p.tree_capacity
+    tc = p.tree_capacity
     if isinstance(tree_sizes, np.ndarray) and np.any((tree_sizes < 0) | (tree_sizes > tc)):
         raise ValueError(f"tree_sizes must lie in [0, {tc}] (0: an idle slot)")
     if isinstance(past_lens, np.ndarray) and np.any(past_lens < 0):
