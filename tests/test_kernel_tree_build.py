@@ -230,8 +230,11 @@ def test_path_less_is_python_tuple_order():
     assert path_less(0, int(ranks[child]), child, 0, parents, ranks, depths)
 
 
-def test_score_key_orders_like_the_float64_scores():
+def test_score_key_orders_like_the_float64_scores(monkeypatch):
     """(high signed, low unsigned) keys compare like the floats: equal keys iff equal scores."""
+    # On a GPU _f64_bits is a numba intrinsic that Python cannot call: run the key's Python
+    # body with the simulator's NumPy bit cast (same bits).
+    monkeypatch.setattr(tb, "_f64_bits", getattr(tb._f64_bits_sim, "py_func", tb._f64_bits_sim))
     score_key = tb._score_key.py_func
     rng = np.random.default_rng(40)
     base = -rng.exponential(8.0, size=40)
