@@ -11,6 +11,10 @@ from pathlib import Path
 
 DEFAULT_GOLDEN_DIR = Path(__file__).resolve().parent.parent / "data" / "golden"
 
+# Families of data/golden/*.h5 (reference.golden_cases.GOLDEN_FILES; listed here so --help needs no
+# import of the reference and its dependencies).
+GOLDEN_FAMILIES = ["topk", "tree", "attention", "accept", "sampling", "compact"]
+
 # ``ddtree-numba bench NAME ...`` -> ddtree_numba.bench.<module>.main(...)
 BENCHMARKS = {
     "topk": ("topk", "fused log-softmax top-k over the vocabulary (GPU)"),
@@ -77,13 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     regen = gsub.add_parser("regen", help="rebuild the golden files from reference/ (atomic writes)")
     regen.add_argument("--out", type=Path, default=DEFAULT_GOLDEN_DIR,
                        help="output directory (default: %(default)s)")
-    regen.add_argument("--only", action="append", metavar="FILE",
-                       help="regenerate only this file family (e.g. tree); repeatable")
+    regen.add_argument("--only", action="append", choices=GOLDEN_FAMILIES,
+                       help="regenerate only this file family; repeatable")
     regen.add_argument("--quiet", action="store_true", help="no progress bar")
     check = gsub.add_parser("check", help="rebuild every case and compare it with the stored files")
     check.add_argument("--dir", type=Path, default=DEFAULT_GOLDEN_DIR,
                        help="directory of the golden files (default: %(default)s)")
-    check.add_argument("--only", action="append", metavar="FILE",
+    check.add_argument("--only", action="append", choices=GOLDEN_FAMILIES,
                        help="check only this file family; repeatable")
     golden.set_defaults(func=_cmd_golden)
 

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 import types
 from collections.abc import Iterable, Iterator, Sequence
@@ -388,7 +387,7 @@ def format_report(results: Sequence[CompileResult]) -> str:
 
 
 def _write_json_atomic(path: str, results: Sequence[CompileResult]) -> None:
-    """Write the results (with their check problems) as JSON: temp file, then os.replace."""
+    """Write the results (with their check problems) as JSON, atomically (temp file, rename)."""
     payload = [
         dataclasses.asdict(r)
         | {
@@ -397,15 +396,10 @@ def _write_json_atomic(path: str, results: Sequence[CompileResult]) -> None:
         }
         for r in results
     ]
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".compile-check-", suffix=".json.tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from ddtree_numba.atomic import atomic_path  # lazily: importing ddtree_numba wires the simulator
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(payload, indent=2))
 
 
 _DESCRIPTION = """\

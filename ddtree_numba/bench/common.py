@@ -92,7 +92,7 @@ def provenance(command: list[str] | None = None) -> dict[str, str]:
 def write_run(path: str | Path, ds, *, command: list[str] | None = None) -> str:
     """Append ``ds`` (an xarray Dataset) with provenance as a new group; return the group name.
 
-    The group is ``<ds.attrs["benchmark"]>/<UTC timestamp>_<git sha>``.
+    The group is ``<ds.attrs["benchmark"]>/<UTC timestamp, microseconds>_<short git sha>[-dirty]``.
 
     The file is copied to a temp file, the group appended there, then renamed over the original
     (:func:`ddtree_numba.atomic.atomic_path`): a crash never leaves a half-written file.
@@ -100,8 +100,9 @@ def write_run(path: str | Path, ds, *, command: list[str] | None = None) -> str:
     path = Path(path)
     attrs = provenance(command)
     ds = ds.assign_attrs({**ds.attrs, **attrs})
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    group = f"{ds.attrs.get('benchmark', 'runs')}/{stamp}_{attrs['git_sha'][:12]}"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%f")
+    sha, _, dirty = attrs["git_sha"].partition("-")
+    group = f"{ds.attrs.get('benchmark', 'runs')}/{stamp}_{sha[:12]}{'-' + dirty if dirty else ''}"
     with atomic_path(path, copy_existing=True) as tmp:
         ds.to_netcdf(tmp, group=group, mode="a" if tmp.exists() else "w", engine="h5netcdf")
     return group

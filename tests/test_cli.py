@@ -1,0 +1,52 @@
+"""The command line: subcommands wired to the modules that do the work."""
+import importlib
+
+import pytest
+
+from ddtree_numba import cli
+from reference.golden_cases import GOLDEN_FILES
+
+
+def test_golden_families_match_the_golden_files():
+    assert sorted(cli.GOLDEN_FAMILIES) == sorted(GOLDEN_FILES)
+
+
+def test_every_benchmark_module_has_a_main():
+    for name, (module, _) in cli.BENCHMARKS.items():
+        assert callable(importlib.import_module(f"ddtree_numba.bench.{module}").main), name
+
+
+def test_golden_check_passes_on_the_committed_files(capsys):
+    assert cli.main(["golden", "check", "--only", "tree"]) == 0
+    assert "match the reference" in capsys.readouterr().out
+
+
+def test_golden_check_on_a_missing_directory_names_the_file_and_the_fix(tmp_path, capsys):
+    assert cli.main(["golden", "check", "--dir", str(tmp_path / "nowhere"), "--only", "topk"]) == 2
+    err = capsys.readouterr().err
+    assert "topk.h5" in err and "ddtree-numba golden regen" in err
+
+
+def test_unknown_golden_family_is_a_usage_error():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["golden", "check", "--only", "nope"])
+    assert exc.value.code == 2
+
+
+def test_profiles_prints_both_devices(capsys):
+    assert cli.main(["profiles"]) == 0
+    out = capsys.readouterr().out
+    assert "sm_90" in out and "sm_120" in out
+
+
+def test_cpu_tree_benchmark_runs_on_the_host(tmp_path, capsys):
+    out = tmp_path / "runs.h5"
+    assert cli.main(["bench", "cpu-tree", "--batch", "2", "--budgets", "4", "--reps", "1",
+                     "--vocab", "512", "--out", str(out)]) == 0
+    import xarray as xr
+
+    with xr.open_datatree(out, engine="h5netcdf") as tree:
+        (run,) = tree["cpu_tree"].children.values()
+        ds = run.to_dataset()
+        assert ds.attrs["benchmark"] == "cpu_tree" and ds.attrs["git_sha"]
+        assert float(ds["heap_ms"][0]) > 0.0
