@@ -355,6 +355,13 @@ def _posterior_args():
     return dict(logits=logits, sizes=np.array([3, 1], np.int32), out=np.full((2, 3), 7, np.int32))
 
 
+def _logits_with(value: float, b: int, i: int) -> np.ndarray:
+    """float32 [2, 3, 8] zeros with ``value`` at token 5 of row (b, i)."""
+    logits = np.zeros((2, 3, 8), np.float32)
+    logits[b, i, 5] = value
+    return logits
+
+
 @pytest.mark.parametrize("change, error, name", [
     (dict(logits=np.zeros((2, 3, 8), np.float64)), TypeError, "logits"),
     (dict(logits=[[[0.0]]]), TypeError, "logits"),
@@ -367,10 +374,12 @@ def _posterior_args():
     (dict(sizes=np.array([3, 0], np.int32)), ValueError, "sizes"),
     (dict(out=np.zeros((2, 3), np.int64)), TypeError, "out"),
     (dict(out=np.zeros((2, 4), np.int32)), ValueError, "out"),
+    (dict(logits=_logits_with(np.nan, 0, 2)), ValueError, "logits"),  # request 0 has 3 real rows
+    (dict(logits=_logits_with(-np.inf, 1, 0)), ValueError, "logits"),
 ])
 def test_argmax_rejects_bad_arguments_before_any_work(change, error, name):
     args = _posterior_args() | change
-    with pytest.raises(error, match=name):
+    with pytest.raises(error, match=rf"^{name}\b"):
         ka.posterior_argmax(**args)
     if "out" not in change:
         assert np.all(args["out"] == 7)
@@ -379,7 +388,7 @@ def test_argmax_rejects_bad_arguments_before_any_work(change, error, name):
 @pytest.mark.parametrize("threads, error", [(48, ValueError), (0, ValueError), (2048, ValueError),
                                             (64.0, TypeError), (True, TypeError)])
 def test_threads_checked(threads, error):
-    with pytest.raises(error, match="threads"):
+    with pytest.raises(error, match=r"^threads\b"):
         ka.posterior_argmax(**_posterior_args(), threads=threads)
 
 
@@ -390,7 +399,7 @@ def test_block_sizes_are_capped_at_the_registered_block_threads():
     assert registry.get("posterior_sample").block_threads == ka.MAX_SAMPLE_THREADS
     assert registry.get("accept_walk").block_threads == ka.WALK_THREADS
     args = _sample_args()
-    with pytest.raises(ValueError, match="threads"):
+    with pytest.raises(ValueError, match=r"^threads\b"):
         ka.posterior_sample(**args, threads=ka.MAX_SAMPLE_THREADS + 32)
     assert np.all(args["out"] == 7)
 
@@ -410,10 +419,12 @@ def _sample_args():
     (dict(positions=np.zeros((2, 3), np.uint32)), TypeError, "positions"),
     (dict(positions=np.zeros((2, 2), np.int64)), ValueError, "positions"),
     (dict(positions=np.full((2, 3), -1, np.int64)), ValueError, "positions"),
+    (dict(logits=_logits_with(np.inf, 0, 1)), ValueError, "logits"),
+    (dict(logits=_logits_with(np.nan, 1, 0)), ValueError, "logits"),
 ])
 def test_sample_rejects_bad_arguments_before_any_work(change, error, name):
     args = _sample_args() | change
-    with pytest.raises(error, match=name):
+    with pytest.raises(error, match=rf"^{name}\b"):
         ka.posterior_sample(**args)
     assert np.all(args["out"] == 7)
 
@@ -440,10 +451,66 @@ def _walk_args(n_cap=4, bs=2):
 ])
 def test_walk_rejects_bad_arguments_before_any_work(change, error, name):
     args = _walk_args() | change
-    with pytest.raises(error, match=name):
+    with pytest.raises(error, match=rf"^{name}\b"):
         ka.accept_walk(**args)
     if "accepted" not in change:
         assert np.all(args["accepted"] == 7)
+
+
+def test_non_finite_host_logits_in_padding_rows_are_ignored():
+    """Only real rows (i < sizes[b]) must be finite: padding rows are never read."""
+    rng = np.random.default_rng(31)
+    logits = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    logits[1, 1:] = np.nan  # request 1 has one real row
+    sizes = np.array([3, 1], np.int32)
+    expected = np.argmax(np.nan_to_num(logits), axis=2).astype(np.int32)
+    expected[1, 1:] = -1
+    np.testing.assert_array_equal(_argmax(logits, sizes), expected)
+    got = _sample(logits, sizes, [0.0, 0.0], np.array([1, 2], np.uint64), np.zeros((2, 3), np.int64))
+    np.testing.assert_array_equal(got, expected)
+
+
+def _tree_walk_args():
+    """Two well-formed padded trees, N = 4: request 0 is 0 -> {1, 2}, 2 -> 3; request 1 is 0 -> 1
+    (nodes 2, 3 padding: posterior -1, child_index -1)."""
+    return _walk_args() | dict(
+        posterior=np.array([[0, 0, 0, 0], [0, 0, -1, -1]], np.int32),
+        child_ptr=np.array([[0, 2, 2, 3, 3], [0, 1, 1, 1, 1]], np.int32),
+        child_index=np.array([[1, 2, 3, -1], [1, -1, -1, -1]], np.int32),
+        tokens=np.array([[9, 0, 4, 5], [9, 3, -1, -1]], np.int32))
+
+
+def _set(key: str, index, value: int):
+    """An edit of one host value of the _tree_walk_args() argument ``key``."""
+    return lambda args: args[key].__setitem__(index, value)
+
+
+@pytest.mark.parametrize("edit, name", [
+    (_set("posterior", (1, 1), -1), "posterior"),  # node 1 of request 1 is real
+    (_set("posterior", (0, 3), -5), "posterior"),
+    (_set("child_ptr", (0, 2), 1), "child_ptr"),  # decreasing: [0, 2, 1, 3, 3]
+    (_set("child_ptr", (1, 0), -1), "child_ptr"),
+    (_set("child_ptr", (0, slice(3, None)), 4), "child_ptr"),  # > N - 1
+    (_set("child_index", (0, 2), 4), "child_index"),  # >= N on a real entry
+    (_set("child_index", (1, 0), 0), "child_index"),  # the root is nobody's child
+    (_set("child_index", (0, 0), -1), "child_index"),
+])
+def test_walk_rejects_bad_host_values_before_any_work(edit, name):
+    args = _tree_walk_args()
+    edit(args)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        ka.accept_walk(**args)
+    assert np.all(args["accepted"] == 7)
+
+
+def test_walk_host_values_ignore_padding():
+    """Negative posteriors on padding nodes and -1 padding child_index entries are accepted."""
+    args = _tree_walk_args()
+    args["posterior"][0] = [4, 0, 5, 0]  # request 0: root -> node 2 (token 4) -> node 3 (token 5)
+    args["posterior"][1, 0] = 3  # request 1: root -> node 1 (token 3)
+    ka.accept_walk(**args)
+    assert args["accepted"].tolist() == [[0, 2, 3], [0, 1, -1]]
+    assert args["lengths"].tolist() == [3, 2] and args["bonus"].tolist() == [0, 0]
 
 
 def test_walk_capacity_over_the_shared_memory_limit():

@@ -191,22 +191,41 @@ def test_misaligned_logits_use_the_scalar_path():
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # simulator NumPy: inf - inf
 @pytest.mark.parametrize("bad, n_chunks", [(np.nan, 2), (np.inf, 1), (-np.inf, 1)])
-def test_non_finite_logits_flag_their_row(bad, n_chunks):
+def test_non_finite_device_logits_flag_their_row(bad, n_chunks):
+    """Device logits are checked in-kernel: the flag names the row, the other rows stay exact."""
     logits = _gaussian(np.random.default_rng(9), 3, 48)
     logits[1, 17] = bad
     plan = plan_topk(3, 48, 4, np.float32, threads=SIM_THREADS, n_chunks=n_chunks)
     values = np.zeros((3, 4), np.float32)
     ids = np.zeros((3, 4), np.int32)
     with pytest.raises(ValueError, match=r"^logits\b"):
-        run_topk(plan, logits, values, ids)
-    run_topk(plan, logits, values, ids, check=False)  # graph-capture mode: no sync, no raise
+        run_topk(plan, cuda.to_device(logits), values, ids)
+    run_topk(plan, cuda.to_device(logits), values, ids, check=False)  # graph-capture mode: no sync, no raise
     with pytest.raises(ValueError, match=r"logits.*\[1\]"):
         check_topk_errors(plan)
     good = [0, 2]  # the other rows are still exact
     ref_values, ref_ids = topk_log_probs(logits[good], 4)
     _assert_matches(values[good], ids[good], ref_values, ref_ids)
     logits[1, 17] = 0.0
-    run_topk(plan, logits, values, ids)  # flags are rewritten on every run
+    run_topk(plan, cuda.to_device(logits), values, ids)  # flags are rewritten on every run: no raise
+    _assert_matches(values, ids, *_expected(logits, 4))  # the cleared row (and the others) are exact
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_host_logits_raise_before_writing(dtype, bad):
+    """Host logits are checked before any launch: the outputs keep their poison values."""
+    logits = _gaussian(np.random.default_rng(11), 3, 48)
+    logits[2, 5] = bad
+    if dtype == np.uint16:
+        logits = float32_to_bf16(logits)
+    plan = plan_topk(3, 48, 4, dtype, threads=SIM_THREADS, n_chunks=2)
+    values = np.full((3, 4), 5.0, np.float32)
+    ids = np.full((3, 4), -7, np.int32)
+    with pytest.raises(ValueError, match=r"^logits\b.*\[2\]"):
+        run_topk(plan, logits, values, ids, check=False)  # the host check does not depend on `check`
+    np.testing.assert_array_equal(values, np.full((3, 4), 5.0, np.float32))
+    np.testing.assert_array_equal(ids, np.full((3, 4), -7, np.int32))
 
 
 # --- validation: errors name the argument and nothing is written ---------------------------------

@@ -17,6 +17,7 @@ run Kimi K2 shapes (H = 64, Dl = 512, Dr = 64) on the H200.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -425,8 +426,23 @@ def _good_run_args():
     return p, args
 
 
+def _poke(index: tuple, value: float):
+    """A copy of the array with ``value`` at ``index``."""
+    def edit(a: np.ndarray) -> np.ndarray:
+        a = a.copy()
+        a[index] = value
+        return a
+    return edit
+
+
 @pytest.mark.parametrize("name, bad, exc", [
     ("q_latent", lambda a: a.astype(np.float64), TypeError),
+    ("q_latent", lambda a: SimpleNamespace(dtype=a.dtype, shape=a.shape), TypeError),  # not an array
+    ("q_latent", _poke((1, 1, 0, 0), np.nan), ValueError),     # request 1: 2 live rows
+    ("q_rope", _poke((0, 3, 1, 2), np.inf), ValueError),
+    ("kv_latent", _poke((0, 6, 0), np.nan), ValueError),       # request 0 reads rows 0 .. 3 + 4 - 1
+    ("k_rope", _poke((1, 10, 3), -np.inf), ValueError),        # request 1 reads rows 0 .. 9 + 2 - 1
+    ("past_lens", lambda a: SimpleNamespace(dtype=a.dtype, shape=a.shape), TypeError),
     ("q_rope", lambda a: a[:, :, :, :4], ValueError),
     ("kv_latent", lambda a: np.asfortranarray(a), ValueError),
     ("k_rope", lambda a: a.tolist(), TypeError),
@@ -446,9 +462,38 @@ def _good_run_args():
 def test_run_errors_leave_outputs_untouched(name, bad, exc):
     p, args = _good_run_args()
     args[name] = bad(args[name])
-    with pytest.raises(exc, match=name):
+    with pytest.raises(exc, match=rf"^{name}\b"):
         va.run(p, **args)
     assert not np.any(args["out"]) and not np.any(args["lse"]) and not np.any(args["workspace"])
+
+
+def test_unread_non_finite_rows_are_accepted():
+    """Only the rows the kernels read must be finite: padding queries and stale cache rows
+    (already NaN in _batch) may hold anything; the live outputs are unchanged."""
+    p, args = _good_run_args()
+    va.run(p, **args)
+    want_out, want_lse = args["out"].copy(), args["lse"].copy()
+    args["q_latent"][1, 2:] = np.inf                          # request 1: rows 2, 3 are padding
+    args["q_rope"][1, 3] = np.nan
+    assert np.isnan(args["kv_latent"][0, 7:]).all() and np.isnan(args["k_rope"][1, 11:]).all()
+    args["out"][...], args["lse"][...] = 0.0, 0.0
+    va.run(p, **args)
+    assert _same_bits(args["out"], want_out) and _same_bits(args["lse"], want_lse)
+
+
+@pytest.mark.parametrize("name, bad, exc", [
+    ("q_rope", lambda a: a.tolist(), TypeError),
+    ("q_rope", lambda a: a[0], ValueError),
+    ("k_rope", lambda a: a.tolist(), TypeError),
+    ("k_rope", lambda a: a[0], ValueError),
+    ("kv_latent", lambda a: a[None], ValueError),
+])
+def test_verify_attention_checks_every_input_array(name, bad, exc):
+    _, args = _good_run_args()
+    args = {k: v for k, v in args.items() if k not in ("out", "lse", "workspace")}
+    args[name] = bad(args[name])
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        va.verify_attention(**args, split_size=8, config=TINY)
 
 
 def test_run_rejects_out_of_plan_keys_and_long_paths():
@@ -474,6 +519,30 @@ def test_run_rejects_out_of_plan_keys_and_long_paths():
 def _kimi_case(rng, past_lens, sizes):
     tc = max(sizes)
     return _batch(rng, va.KIMI_K2_CONFIG, 64, past_lens, sizes, tc, max(past_lens) + tc)
+
+
+class _Interface:
+    """A foreign device array: only ``__cuda_array_interface__`` (e.g. a CuPy / torch tensor)."""
+
+    def __init__(self, arr) -> None:
+        self._arr = arr
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self._arr.__cuda_array_interface__
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_array_interface_inputs():
+    """__cuda_array_interface__ objects are wrapped (no copy) and give the host run's bits."""
+    p, args = _good_run_args()
+    va.run(p, **args)
+    dev = {k: _Interface(cuda.to_device(v)) if isinstance(v, np.ndarray) else v
+           for k, v in args.items()}
+    va.run(p, **dev)
+    out = cuda.as_cuda_array(dev["out"]).copy_to_host()
+    lse = cuda.as_cuda_array(dev["lse"]).copy_to_host()
+    assert _same_bits(out, args["out"]) and _same_bits(lse, args["lse"])
 
 
 @pytest.mark.gpu

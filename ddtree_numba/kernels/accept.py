@@ -19,8 +19,9 @@ float64 logs come from libdevice on the GPU (<= 1 ulp, like NumPy's), so only tw
 an ulp of each other could ever be ordered differently from the reference.
 
 Tie rule everywhere: the largest score wins, equal scores go to the lower token id
-(docs/ARCHITECTURE.md). Logits must be finite (the reference rejects NaN/inf; on the device
-it is not checked: a NaN never wins against a number).
+(docs/ARCHITECTURE.md). Logits must be finite: NumPy (host) logits are checked before any launch,
+as the reference does; device logits are not checked (that would cost a copy; a NaN never wins
+against a number).
 
 The host-side argument checks at the bottom are shared with :mod:`.compact`.
 """
@@ -403,6 +404,20 @@ def _check_sizes(sizes: Any, bs: int, n_cap: int) -> Any:
     return sizes
 
 
+def _check_finite_logits(logits: Any, sizes: Any) -> None:
+    """Host logits: every real row (i < sizes[b]; all rows when sizes is a device array) is finite."""
+    values = host_values(logits)
+    if values is None or not values.size:
+        return
+    bad = ~np.isfinite(values).all(axis=2)  # [bs, N]
+    n_real = host_values(sizes)
+    if n_real is not None:
+        bad &= np.arange(values.shape[1])[None, :] < n_real[:, None]  # padding rows are not read
+    if bad.any():
+        b, i = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"logits must be finite (NaN or infinity in request {b}, node {i})")
+
+
 def _check_logits_and_out(logits: Any, out: Any) -> tuple[Any, Any]:
     """logits float32 [bs, N, V] with V >= 1; out int32 [bs, N]."""
     logits = check_array(logits, "logits", (np.float32,), 3)
@@ -419,7 +434,8 @@ def posterior_argmax(logits: Any, sizes: Any, out: Any, *, stream: Any = 0,
     """Greedy posterior token of every tree node: ``out[b, i] = argmax_v logits[b, i, v]``.
 
     Args:
-        logits: float32 [bs, N, V], C-contiguous; finite (not checked on the device).
+        logits: float32 [bs, N, V], C-contiguous; finite (NumPy logits are checked on the
+            host, real rows only when sizes is a NumPy array too; device logits are not).
         sizes: int32 [bs], tree sizes (1 + drafted nodes); rows i >= sizes[b] are not read.
         out: int32 [bs, N], caller-owned; padding rows get -1.
         stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
@@ -427,10 +443,14 @@ def posterior_argmax(logits: Any, sizes: Any, out: Any, *, stream: Any = 0,
 
     Returns:
         ``out``. Ties go to the lowest token id (= ``np.argmax``).
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
     """
     logits, out = _check_logits_and_out(logits, out)
     bs, n_cap, _ = logits.shape
     sizes = _check_sizes(sizes, bs, n_cap)
+    _check_finite_logits(logits, sizes)
     threads = check_threads(threads, maximum=MAX_ARGMAX_THREADS)
     if bs and n_cap:
         launch(posterior_argmax_kernel, (n_cap, bs), threads, stream, 0, logits, sizes, out)
@@ -447,7 +467,8 @@ def posterior_sample(logits: Any, sizes: Any, temperatures: Any, seeds: Any, pos
     DDTree reproduces sampled autoregressive decoding token for token.
 
     Args:
-        logits: float32 [bs, N, V], C-contiguous; finite (not checked on the device).
+        logits: float32 [bs, N, V], C-contiguous; finite (NumPy logits are checked on the
+            host, real rows only when sizes is a NumPy array too; device logits are not).
         sizes: int32 [bs]; rows i >= sizes[b] are not read.
         temperatures: float64 [bs], >= 0.
         seeds: uint64 [bs] (int64 is taken as the same 64 bits).
@@ -459,10 +480,14 @@ def posterior_sample(logits: Any, sizes: Any, temperatures: Any, seeds: Any, pos
 
     Returns:
         ``out``.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
     """
     logits, out = _check_logits_and_out(logits, out)
     bs, n_cap, _ = logits.shape
     sizes = _check_sizes(sizes, bs, n_cap)
+    _check_finite_logits(logits, sizes)
     temperatures = check_array(temperatures, "temperatures", (np.float64,), 1)
     check_shape(temperatures, "temperatures", (bs,))
     values = host_values(temperatures)
@@ -490,6 +515,37 @@ def walk_shared_bytes(n_cap: int) -> int:
     return 4 * (4 * n_cap + 1)
 
 
+def _check_csr(child_ptr: Any, child_index: Any) -> None:
+    """Host CSR: child_ptr non-decreasing within [0, N - 1], real child_index entries
+    (child_ptr[b, 0] <= j < child_ptr[b, N]) within [1, N). Device values are not read."""
+    ptr = host_values(child_ptr)  # [bs, N + 1]
+    if ptr is None or not ptr.size:
+        return
+    n_cap = ptr.shape[1] - 1
+    if ptr.min() < 0 or ptr.max() > n_cap - 1 or np.any(np.diff(ptr, axis=1) < 0):
+        raise ValueError(f"child_ptr must be non-decreasing within [0, {n_cap - 1}] (CSR offsets)")
+    index = host_values(child_index)  # [bs, N]
+    if index is None:
+        return
+    j = np.arange(n_cap)[None, :]
+    real = (j >= ptr[:, :1]) & (j < ptr[:, -1:])  # [bs, N] entries inside some child range
+    if np.any(real & ((index < 1) | (index >= n_cap))):
+        raise ValueError(f"child_index must be in [1, {n_cap}) on real entries "
+                         "(child_ptr[b, 0] <= j < child_ptr[b, N])")
+
+
+def _check_posterior_values(posterior: Any, child_ptr: Any) -> None:
+    """Host posterior >= 0 on the real nodes 0 .. E of each tree, E = its edge count
+    child_ptr[b, N] - child_ptr[b, 0] (padding nodes follow the real ones and are ignored)."""
+    post, ptr = host_values(posterior), host_values(child_ptr)
+    if post is None or ptr is None or not post.size:
+        return
+    n_real = ptr[:, -1] - ptr[:, 0] + 1  # [bs]
+    real = np.arange(post.shape[1])[None, :] < n_real[:, None]  # [bs, N]
+    if np.any(real & (post < 0)):
+        raise ValueError("posterior must be >= 0 on real (non-padding) nodes")
+
+
 def accept_walk(posterior: Any, child_ptr: Any, child_index: Any, tokens: Any,
                 accepted: Any, lengths: Any, bonus: Any, *, stream: Any = 0) -> None:
     """The acceptance walk of every request, bit-exact against ``reference.accept_batch``.
@@ -498,9 +554,12 @@ def accept_walk(posterior: Any, child_ptr: Any, child_index: Any, tokens: Any,
         posterior: int32 [bs, N], the target's token at every node (padding rows ignored).
         child_ptr: int32 [bs, N + 1], child_index: int32 [bs, N], tokens: int32 [bs, N]:
             the padded TreeBatch layout (children of p: child_index[b, child_ptr[b, p] :
-            child_ptr[b, p + 1]], ascending node index). Assumed well-formed (the tree kernel
-            builds it) and not checked; malformed device values never index out of bounds:
-            a node's child range is clamped to [0, N) and children outside [1, N) are skipped.
+            child_ptr[b, p + 1]], ascending node index). NumPy values are checked before the
+            launch (child_ptr non-decreasing within [0, N - 1]; child_index within [1, N) on
+            real entries; posterior >= 0 on the E + 1 real nodes, E = child_ptr[b, N] -
+            child_ptr[b, 0], when child_ptr is a NumPy array too). Device values are not
+            checked (no sync); malformed ones never index out of bounds: a node's child range
+            is clamped to [0, N) and children outside [1, N) are skipped.
         accepted: int32 [bs, W], caller-owned, W >= 1 (use L + 1): accepted node indices,
             root first, padded with -1; at most W nodes are accepted.
         lengths: int32 [bs], caller-owned: number of accepted nodes (>= 1, root included).
@@ -508,8 +567,8 @@ def accept_walk(posterior: Any, child_ptr: Any, child_index: Any, tokens: Any,
         stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
 
     Raises:
-        TypeError / ValueError naming the argument (dtype, rank, shape, contiguity), or
-        LaunchConfigError when N is too large for the walk's shared memory (N <= 3071).
+        TypeError / ValueError naming the argument (dtype, rank, shape, contiguity, host
+        values), before any launch, or LaunchConfigError when N is too large for the walk's shared memory (N <= 3071).
     """
     posterior = check_array(posterior, "posterior", (np.int32,), 2)
     bs, n_cap = posterior.shape
@@ -528,6 +587,8 @@ def accept_walk(posterior: Any, child_ptr: Any, child_index: Any, tokens: Any,
     check_shape(bonus, "bonus", (bs,))
     if n_cap < 1:
         raise ValueError("posterior must have at least one node per request (the root)")
+    _check_csr(child_ptr, child_index)
+    _check_posterior_values(posterior, child_ptr)
     if bs:
         launch(accept_walk_kernel, bs, WALK_THREADS, stream, walk_shared_bytes(n_cap),
                posterior, child_ptr, child_index, tokens, accepted, lengths, bonus)

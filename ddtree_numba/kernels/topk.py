@@ -51,12 +51,14 @@ emulation of this arithmetic, lagged reference included, at V = 163840 on Gaussi
 rounding, see REFERENCE_HEADROOM.) -0.0 ranks as
 +0.0, as in the reference's float comparison.
 
-Non-finite logits. The reference rejects NaN/inf; here each block detects them in the same pass
-(a NaN makes the float64 sum NaN, +inf makes it NaN through inf - inf, -inf shows in the minimum)
-and the finishing block writes a per-row error flag to the workspace. ``run_topk(check=True)``
-reads the flags back (one device-to-host copy, i.e. a stream sync) and raises ``ValueError``
-naming 'logits'; pass ``check=False`` inside CUDA-graph capture and call :func:`check_topk_errors`
-after the replay. Outputs of a flagged row are unspecified.
+Non-finite logits. The reference rejects NaN/inf. NumPy (host) logits are checked on the host
+before any launch, so nothing is written. Device logits cannot be checked without a copy, so each
+block detects them in the same pass (a NaN makes the float64 sum NaN, +inf makes it NaN through
+inf - inf, -inf shows in the minimum) and the finishing block writes a per-row error flag to the
+workspace. That check happens *after* the launches (outputs are already written; those of a flagged
+row are unspecified): ``run_topk(check=True)`` reads the flags back (one device-to-host copy, i.e. a
+stream sync) and raises ``ValueError`` naming 'logits'; inside CUDA-graph capture pass
+``check=False`` (no check at all) and call :func:`check_topk_errors` after the replay.
 
 Public API (FlashInfer-style plan/run split, stack §8): :class:`TopKPlan`, :func:`plan_topk`,
 :func:`run_topk`, :func:`check_topk_errors`.
@@ -840,6 +842,25 @@ def _check_array(x: Any, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> 
         raise ValueError(f"{name} must be C-contiguous")
 
 
+_BF16_EXP_MASK = 0x7F80  # bf16 exponent bits: all ones is infinity or NaN
+
+
+def _check_host_finite(logits: np.ndarray, dtype: str) -> None:
+    """Raise ValueError naming 'logits' if a host row holds NaN or infinity (bf16: exponent all ones)."""
+    if dtype == "bfloat16":
+        bad_rows = ((logits & _BF16_EXP_MASK) == _BF16_EXP_MASK).any(axis=1)  # [R]
+    else:
+        bad_rows = ~np.isfinite(logits).all(axis=1)  # [R]
+    _raise_bad_rows(np.flatnonzero(bad_rows))
+
+
+def _raise_bad_rows(bad: np.ndarray) -> None:
+    """ValueError naming 'logits' listing the first flagged rows, if any."""
+    if bad.size:
+        raise ValueError(f"logits must be finite (found NaN or infinity in rows {bad[:8].tolist()}"
+                         f"{' ...' if bad.size > 8 else ''})")
+
+
 def _address(x: Any) -> int:
     """Address of the first element (device or host)."""
     iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
@@ -868,11 +889,14 @@ def run_topk(
         out_values: float32 [R, k'] (written).
         out_ids: int32 [R, k'] (written).
         stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
-        check: read the per-row error flags back (a stream sync) and raise ValueError naming
-            'logits' if any row had a NaN or infinite logit. Use False under graph capture.
+        check: for device logits, read the per-row error flags back after the launches (a stream
+            sync) and raise ValueError naming 'logits' if any row had a NaN or infinite logit
+            (outputs are then already written). Use False under graph capture: no check.
+            NumPy logits are always checked on the host before any launch.
 
     Raises:
-        TypeError / ValueError naming the argument, before any launch.
+        TypeError / ValueError naming the argument, before any launch (non-finite device logits:
+        ValueError after the launches, see ``check``).
     """
     if not isinstance(plan, TopKPlan):
         raise TypeError(f"plan must be a TopKPlan (from plan_topk), got {type(plan).__name__}")
@@ -882,6 +906,8 @@ def run_topk(
     _check_array(logits, "logits", _ELEM_DTYPE[plan.dtype], (plan.rows, plan.vocab))
     _check_array(out_values, "out_values", np.dtype(np.float32), (plan.rows, plan.k_out))
     _check_array(out_ids, "out_ids", np.dtype(np.int32), (plan.rows, plan.k_out))
+    if isinstance(logits, np.ndarray):
+        _check_host_finite(logits, plan.dtype)
 
     per_word = _WORD_BYTES * 8 // _ELEM_BITS[plan.dtype]
     packed = plan.vocab % per_word == 0 and _address(logits) % _WORD_BYTES == 0
@@ -916,7 +942,4 @@ def check_topk_errors(plan: TopKPlan, stream: Any = 0) -> None:
     """Raise ValueError naming 'logits' if the last run saw a NaN or infinite logit (syncs ``stream``)."""
     flags = plan.row_flags.copy_to_host(stream=stream)
     _synchronize(stream)
-    bad = np.flatnonzero(flags)
-    if bad.size:
-        raise ValueError(f"logits must be finite (found NaN or infinity in rows {bad[:8].tolist()}"
-                         f"{' ...' if bad.size > 8 else ''})")
+    _raise_bad_rows(np.flatnonzero(flags))

@@ -49,7 +49,8 @@ Inputs that a device-side engine produces (``past_lens``, ``tree_sizes``, ``visi
 device) cannot be checked on the host without a copy; the kernels guard them instead: a request
 whose rows do not fit (``past + size > S``, ``size > Tc``), whose path is longer than
 ``max_path`` or whose keys reach past the planned segments gets NaN outputs, never a silent
-truncation. NumPy inputs are checked on the host before any launch.
+truncation. NumPy inputs are checked on the host before any launch, finiteness of the query and
+cache rows the kernels read included (the reference rejects NaN/inf); device values are not.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ from typing import Any
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
+from ddtree_numba.kernels.accept import as_kernel_array, is_c_contiguous
 from ddtree_numba.kernels.registry import register
 from sim.launch import launch
 
@@ -748,18 +750,18 @@ def plan(batch_size: int, tree_capacity: int, num_heads: int, kv_capacity: int, 
                       num_splits)
 
 
-def _check_array(arr: Any, name: str, dtype: type, shape: tuple[int, ...]) -> None:
-    """dtype (TypeError), shape and C-contiguity (ValueError) of a host or device array."""
-    if not hasattr(arr, "dtype") or not hasattr(arr, "shape"):
-        raise TypeError(f"{name} must be a NumPy or numba device array, got {type(arr).__name__}")
+def _check_array(arr: Any, name: str, dtype: type, shape: tuple[int, ...]) -> Any:
+    """``arr`` as a NumPy or numba device array (``__cuda_array_interface__`` objects wrapped
+    without a copy; anything else: TypeError), checked for dtype (TypeError), shape and
+    C-contiguity (ValueError)."""
+    arr = as_kernel_array(arr, name)
     if np.dtype(arr.dtype) != np.dtype(dtype):
         raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {arr.dtype}")
     if tuple(arr.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
-    contiguous = (arr.flags["C_CONTIGUOUS"] if isinstance(arr, np.ndarray)
-                  else arr.is_c_contiguous())
-    if not contiguous:
+    if not is_c_contiguous(arr):
         raise ValueError(f"{name} must be C-contiguous")
+    return arr
 
 
 def _check_host_values(p: VerifyPlan, past_lens: np.ndarray, tree_sizes: np.ndarray,
@@ -790,6 +792,25 @@ def _check_host_values(p: VerifyPlan, past_lens: np.ndarray, tree_sizes: np.ndar
                          f"{p.split_size}; plan with a larger max_kv_len")
 
 
+def _check_host_finite(arrays: dict[str, Any], past_lens: Any, tree_sizes: Any) -> None:
+    """NumPy q / kv arrays are finite on the rows the kernels read: query rows i < tree_sizes[b],
+    cache rows j < past_lens[b] + tree_sizes[b] (whole arrays when past_lens or tree_sizes is a
+    device array). Run after :func:`_check_host_values`, which bounds those lengths."""
+    known = isinstance(past_lens, np.ndarray) and isinstance(tree_sizes, np.ndarray)
+    for name, arr in arrays.items():
+        if not isinstance(arr, np.ndarray) or not arr.size:
+            continue
+        rows = arr.reshape(arr.shape[0], arr.shape[1], -1)                  # [bs, Tc or S, *]
+        bad = ~np.isfinite(rows).all(axis=2)                                # [bs, Tc or S]
+        if known:  # unread rows may hold anything (stale cache, padding)
+            is_query = name.startswith("q_")
+            n_read = tree_sizes if is_query else past_lens.astype(np.int64) + tree_sizes
+            bad &= np.arange(arr.shape[1])[None, :] < n_read[:, None]
+        if bad.any():
+            b, i = (int(v) for v in np.argwhere(bad)[0])
+            raise ValueError(f"{name} must be finite (NaN or infinity in request {b}, row {i})")
+
+
 def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
         past_lens: Any, tree_sizes: Any, visibility: Any, scale: float, out: Any, lse: Any,
         workspace: Any, stream: Any = 0) -> None:
@@ -802,30 +823,37 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
             past_lens[b] + tree_sizes[b] - 1`` hold request b's tree nodes in node order.
         past_lens, tree_sizes: int32 [bs]; visibility: uint32 [bs, Tc, ceil(Tc/32)] (packed
             ancestor-or-self rows, ARCHITECTURE.md).
+        All arrays: NumPy, numba device, or ``__cuda_array_interface__`` objects (wrapped with
+        ``cuda.as_cuda_array``, no copy). NumPy q / kv arrays must be finite on the rows read.
         scale: softmax scale (> 0, finite).
         out: float32 [bs, Tc, H, Dl]; lse: float32 [bs, Tc, H]; zeros in padding rows.
         workspace: float32 ``p.workspace_shape``.
         stream: 0, a numba stream or a cuda.core Stream.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
     """
     if not isinstance(p, VerifyPlan):
         raise TypeError(f"p must be a VerifyPlan, got {type(p).__name__}")
     cfg = p.config
     bs, tc, h, s = p.batch_size, p.tree_capacity, p.num_heads, p.kv_capacity
-    _check_array(q_latent, "q_latent", np.float32, (bs, tc, h, cfg.latent_dim))
-    _check_array(q_rope, "q_rope", np.float32, (bs, tc, h, cfg.rope_dim))
-    _check_array(kv_latent, "kv_latent", np.float32, (bs, s, cfg.latent_dim))
-    _check_array(k_rope, "k_rope", np.float32, (bs, s, cfg.rope_dim))
-    _check_array(past_lens, "past_lens", np.int32, (bs,))
-    _check_array(tree_sizes, "tree_sizes", np.int32, (bs,))
-    _check_array(visibility, "visibility", np.uint32, (bs, tc, -(-tc // 32)))
-    _check_array(out, "out", np.float32, (bs, tc, h, cfg.latent_dim))
-    _check_array(lse, "lse", np.float32, (bs, tc, h))
-    _check_array(workspace, "workspace", np.float32, p.workspace_shape)
+    q_latent = _check_array(q_latent, "q_latent", np.float32, (bs, tc, h, cfg.latent_dim))
+    q_rope = _check_array(q_rope, "q_rope", np.float32, (bs, tc, h, cfg.rope_dim))
+    kv_latent = _check_array(kv_latent, "kv_latent", np.float32, (bs, s, cfg.latent_dim))
+    k_rope = _check_array(k_rope, "k_rope", np.float32, (bs, s, cfg.rope_dim))
+    past_lens = _check_array(past_lens, "past_lens", np.int32, (bs,))
+    tree_sizes = _check_array(tree_sizes, "tree_sizes", np.int32, (bs,))
+    visibility = _check_array(visibility, "visibility", np.uint32, (bs, tc, -(-tc // 32)))
+    out = _check_array(out, "out", np.float32, (bs, tc, h, cfg.latent_dim))
+    lse = _check_array(lse, "lse", np.float32, (bs, tc, h))
+    workspace = _check_array(workspace, "workspace", np.float32, p.workspace_shape)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
     if not (math.isfinite(float(scale)) and float(scale) > 0.0):
         raise ValueError(f"scale must be finite and > 0, got {scale}")
     _check_host_values(p, past_lens, tree_sizes, visibility)
+    _check_host_finite(dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope),
+                       past_lens, tree_sizes)
 
     attention, merge = get_kernels(cfg)
     flat = [_flat(a) for a in (q_latent, q_rope, kv_latent, k_rope, visibility, workspace, out,
@@ -852,14 +880,12 @@ def verify_attention(q_latent: np.ndarray, q_rope: np.ndarray, kv_latent: np.nda
 
     Same arguments as :func:`run` (NumPy arrays); ``max_kv_len`` is the cache capacity S.
     """
-    for name, arr in (("q_latent", q_latent), ("kv_latent", kv_latent)):
+    for name, arr, ndim in (("q_latent", q_latent, 4), ("q_rope", q_rope, 4),
+                            ("kv_latent", kv_latent, 3), ("k_rope", k_rope, 3)):
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"{name} must be a NumPy array, got {type(arr).__name__}")
-        if arr.ndim != (4 if name == "q_latent" else 3):
-            raise ValueError(f"{name} must be {4 if name == 'q_latent' else 3}-D, "
-                             f"got shape {arr.shape}")
-    if not isinstance(q_rope, np.ndarray) or q_rope.ndim != 4:
-        raise ValueError("q_rope must be a 4-D NumPy array")
+        if arr.ndim != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     bs, tc, h, dl = q_latent.shape
     p = plan(bs, tc, h, kv_latent.shape[1], latent_dim=dl, rope_dim=q_rope.shape[3],
              split_size=split_size, config=config)
