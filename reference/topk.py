@@ -73,8 +73,15 @@ def topk_log_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     require_finite(logits, "logits")
     x = logits.astype(np.float64)  # [L, V]
     k = min(k, x.shape[1])
-    # A stable sort of the negated logits keeps equal logits in ascending id order.
-    ids = np.argsort(-x, axis=1, kind="stable")[:, :k].astype(np.int64)  # [L, k']
+    ids = np.empty((x.shape[0], k), dtype=np.int64)  # [L, k']
+    if k > 0:
+        # Every logit >= the row's k-th largest is a candidate (ties at the boundary included);
+        # a stable sort of the negated candidates, taken in ascending id order, keeps equal logits
+        # in ascending id order. Same result as sorting the whole row, without sorting V values.
+        kth = -np.partition(-x, k - 1, axis=1)[:, k - 1]  # [L]
+        for row in range(x.shape[0]):
+            cand = np.flatnonzero(x[row] >= kth[row])  # ascending ids
+            ids[row] = cand[np.argsort(-x[row, cand], kind="stable")[:k]]
     log_z = _logsumexp_rows(x)  # [L]
     values = (np.take_along_axis(x, ids, axis=1) - log_z[:, None]).astype(np.float32)  # [L, k']
     return values, ids

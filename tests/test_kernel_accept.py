@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from numba import cuda, njit
 
+from ddtree_numba.bench.accept_compact import random_posterior
 from ddtree_numba.golden import read_all
 from ddtree_numba.kernels import accept as ka
 from ddtree_numba.kernels import registry
@@ -76,15 +77,6 @@ def _random_batch(rng, bs, n_pos, vocab, budgets, capacity=None, *, ties=False) 
                             rng.integers(0, vocab, bs), capacity=capacity)
 
 
-def _posterior(rng, trees: TreeBatch, vocab: int, follow: float) -> np.ndarray:
-    """int32 [bs, N]: w.p. ``follow`` a node's posterior is one of its children's tokens."""
-    post = rng.integers(0, vocab, (trees.batch_size, trees.capacity)).astype(np.int32)
-    for b in range(trees.batch_size):
-        for node in range(int(trees.sizes[b])):
-            kids = trees.child_index[b, trees.child_ptr[b, node]:trees.child_ptr[b, node + 1]]
-            if kids.size and rng.random() < follow:
-                post[b, node] = trees.tokens[b, rng.choice(kids)]
-    return post
 
 
 def _padded(accepted: np.ndarray, width: int) -> np.ndarray:
@@ -224,7 +216,7 @@ def test_walk_random_batches(seed, ties):
     rng = np.random.default_rng(seed)
     budgets = [16, 0, 7, 12, 3, 16]
     trees = _random_batch(rng, 6, 4, 6, budgets, capacity=20, ties=ties)
-    post = _posterior(rng, trees, 6, follow=0.85)
+    post = random_posterior(rng, trees, 6, follow=0.85)
     post[:, -1] = -1  # padding rows: ignored
     accepted, lengths, bonus = accept_batch(post, trees)
     width = 5  # L + 1
@@ -272,7 +264,7 @@ def test_walk_truncates_to_the_buffer_width():
     last kept node (the target's own next token); a wider buffer is padded with -1."""
     rng = np.random.default_rng(24)
     trees = _random_batch(rng, 1, 4, 5, [12])
-    post = _posterior(rng, trees, 5, follow=0.0)
+    post = random_posterior(rng, trees, 5, follow=0.0)
     _follow_deepest(trees, post)
     accepted, lengths, _ = accept_batch(post, trees)
     assert lengths[0] == trees.depths.max() + 1 >= 3
@@ -335,7 +327,7 @@ def test_argmax_then_walk_end_to_end():
     rng = np.random.default_rng(25)
     vocab = 8
     trees = _random_batch(rng, 2, 3, vocab, [9, 5])
-    want = _posterior(rng, trees, vocab, follow=0.9)
+    want = random_posterior(rng, trees, vocab, follow=0.9)
     logits = rng.standard_normal((2, trees.capacity, vocab)).astype(np.float32)
     np.put_along_axis(logits, want[..., None].astype(np.int64), 5.0, axis=2)  # argmax = want
     post = cuda.device_array(want.shape, np.int32)
@@ -568,7 +560,7 @@ def test_gpu_walk_bs64_budget512():
     budgets = rng.integers(budget // 2, budget + 1, bs)
     budgets[0] = budget
     trees = _random_batch(rng, bs, n_pos, vocab, budgets, capacity=budget + 1)
-    post = _posterior(rng, trees, vocab, follow=0.9)
+    post = random_posterior(rng, trees, vocab, follow=0.9)
     accepted, lengths, bonus = accept_batch(post, trees)
     got = _walk(post, trees, n_pos + 1)
     np.testing.assert_array_equal(got[0], _padded(accepted, n_pos + 1))

@@ -109,9 +109,10 @@ def time_step(step: Callable[[int, object], None], stream, reps: int, warmup: in
     return [1000.0 * cuda.event_elapsed_time(start, end) for start, end in events]
 
 
-def _posterior(rng: np.random.Generator, trees, follow: float) -> np.ndarray:
-    """int32 [bs, N]: w.p. ``follow`` one of the node's children's tokens, else a random token."""
-    post = rng.integers(0, TREE_VOCAB, (trees.batch_size, trees.capacity)).astype(np.int32)
+def random_posterior(rng: np.random.Generator, trees, vocab: int, follow: float) -> np.ndarray:
+    """int32 [bs, N]: w.p. ``follow`` a node's posterior is one of its children's tokens, else a
+    random token of ``vocab`` (so walks accept long paths). Also the kernel tests' input."""
+    post = rng.integers(0, vocab, (trees.batch_size, trees.capacity)).astype(np.int32)
     for b in range(trees.batch_size):
         for node in range(int(trees.sizes[b])):
             kids = trees.child_index[b, trees.child_ptr[b, node]:trees.child_ptr[b, node + 1]]
@@ -127,7 +128,7 @@ def make_round_inputs(rng: np.random.Generator, bs: int, budget: int) -> dict[st
     lp, ids = topk_log_probs(rng.standard_normal((bs * HORIZON, TREE_VOCAB)) * 2.0, k)
     trees = build_tree_batch(lp.reshape(bs, HORIZON, k), ids.reshape(bs, HORIZON, k), budget,
                              rng.integers(0, TREE_VOCAB, bs), capacity=budget + 1)
-    post = _posterior(rng, trees, FOLLOW)
+    post = random_posterior(rng, trees, TREE_VOCAB, FOLLOW)
     accepted, lengths, _ = accept_batch(post, trees)
     width = HORIZON + 1
     acc = np.full((bs, width), -1, np.int32)

@@ -30,7 +30,7 @@ from numba import cuda
 
 from ddtree_numba.bench.common import write_run
 from ddtree_numba.kernels.topk import VALUE_ATOL, VALUE_RTOL, plan_topk, run_topk
-from reference.topk import bf16_to_float32, float32_to_bf16
+from reference.topk import bf16_to_float32, float32_to_bf16, topk_log_probs
 
 VOCAB = 163840  # Kimi K2
 STD = 2.5  # logit scale: bf16-rounded, most adjacent top ranks tie (spec §1.2)
@@ -102,21 +102,6 @@ def make_inputs(rows: int, dtype: str, rng: np.random.Generator, stream) -> tupl
     return sets, (bf16_to_float32(host) if dtype == "bf16" else host)
 
 
-def reference_topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """reference.topk_log_probs semantics for big arrays (partition, then sort the candidates)."""
-    x64 = x.astype(np.float64)
-    peak = x64.max(axis=1, keepdims=True)
-    log_z = peak[:, 0] + np.log(np.exp(x64 - peak).sum(axis=1))
-    kth = -np.partition(-x, k - 1, axis=1)[:, k - 1]
-    values = np.empty((x.shape[0], k), np.float32)
-    ids = np.empty((x.shape[0], k), np.int64)
-    for r in range(x.shape[0]):
-        cand = np.flatnonzero(x[r] >= kth[r])
-        ids[r] = cand[np.argsort(-x[r, cand], kind="stable")[:k]]
-        values[r] = (x64[r, ids[r]] - log_z[r]).astype(np.float32)
-    return values, ids
-
-
 def torch_times(sets, dtype: str, k: int, reps: int, warmup: int) -> list[float]:
     """torch.topk + torch.logsumexp on float32-upcast logits, queue-ahead with torch.cuda._sleep."""
     import torch
@@ -161,7 +146,7 @@ def run_config(rows: int, dtype: str, ks: list[int], args: argparse.Namespace, s
         err, mismatches = math.nan, -1
         if args.check:
             run_topk(plan, sets[0], values, ids, stream, check=True)
-            ref_values, ref_ids = reference_topk(as_float, plan.k_out)
+            ref_values, ref_ids = topk_log_probs(as_float, plan.k_out)
             got_values, got_ids = values.copy_to_host(stream=stream), ids.copy_to_host(stream=stream)
             stream.synchronize()
             mismatches = int(np.sum(got_ids != ref_ids))
