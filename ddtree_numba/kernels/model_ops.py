@@ -1,0 +1,862 @@
+"""Elementwise and per-row pieces of the MLA + MoE forward, FP32, one launch per call.
+
+The float64 NumPy reference (``reference/model.py``) defines every result; this module computes
+the same in float32 for a whole batch of M rows at once:
+
+- :func:`embed`: ``out[m] = table[tokens[m]]`` (ids checked on the device: a bad id -> NaN row).
+- :func:`rms_norm`: ``x / sqrt(mean(x²) + eps) · weight`` (``reference.model.rms_norm``).
+- :func:`rope_tables`: host cos / sin tables from ``reference.model.rope_cos_sin`` (YaRN).
+- :func:`mla_kv_write`: kv norm of the latent, RoPE of the key part, scattered into cache rows.
+- :func:`mla_q_rope`: RoPE of every head's query rope part.
+- :func:`moe_route`: ``reference.model.moe_gate`` plus the CSR that ``linear.expert_linear``
+  consumes (a second, single-block launch builds the CSR).
+- :func:`moe_combine`: residual + weighted expert outputs (ascending expert id) + shared expert.
+
+Determinism and batch invariance. Every reduction has a fixed order that depends only on the
+row length: in a row reduction (rms_norm, the kv norm) lane ``l`` of the row's warp sums elements
+``l, l + 32, ...`` in ascending order and the 32 partials are added in lane order; a gate logit
+is the ordered sum of ROUTE_SPLIT such strided partials. Which warp, block or launch a row lands
+in, and the launch shape, never change its bits, so a row verified inside a tree equals the same
+row decoded alone (issue 4, "batch-invariant"). Routing is integer-exact given the float32
+scores: ties go to the lower index, as ``reference.model._top_indices`` (stable argsort of the
+negated values) does; -0.0 ties +0.0.
+
+Launch shapes. Every kernel is grid-stride; on a GPU the grid covers the work (one warp per row,
+one thread per element, one block per routed row); under the simulator each launch is one block
+of one warp (simulated threads are Python threads, stack §2), with the same results.
+
+Precision. Arithmetic is float32 (FMA contraction on the GPU), so results match the float64
+reference to ~1e-6 relative; expert selection can differ from the float64 reference only where
+two candidates' float64 scores are within float32 rounding of each other (a near-tie).
+
+Device-side guards (the engine feeds valid values; checking device values on the host would
+need a copy): token ids outside [0, V) -> NaN rows; positions outside [0, capacity) -> NaN RoPE
+outputs; cache rows < 0 are padding and skipped, cache rows >= R are skipped too; a NaN gate
+score ranks as -inf, so routing always yields k distinct valid experts and a well-formed CSR.
+
+Host wrappers check every argument (TypeError / ValueError naming it) before any launch and
+never copy device data to the host, so a step can be captured in a CUDA graph (stack §4).
+Scalars passed to kernels (eps, layout, routing constants) are per-model constants.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, int32, int64, uint32
+from numba.core import types as nbtypes
+
+from ddtree_numba.config import ROPE_LAYOUTS, ModelConfig
+from reference.model import rope_cos_sin
+from sim.install import simulator_active
+from sim.launch import launch
+
+from .accept import as_kernel_array, check_array, check_shape, host_values
+from .registry import register
+from .warp import warp_inclusive_scan_i32
+
+__all__ = [
+    "MAX_EXPERTS", "MAX_GROUPS", "MAX_TOPK", "ROW_THREADS", "ELEM_THREADS", "CSR_THREADS",
+    "MAX_ROUTE_THREADS", "embed", "rms_norm", "rope_tables", "mla_kv_write", "mla_q_rope",
+    "moe_route", "moe_combine", "route_threads",
+]
+
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+ROW_WARPS = 4  # warp-per-row kernels: rows per block
+ROW_THREADS = ROW_WARPS * WARP_SIZE
+ELEM_THREADS = 128  # element-parallel kernels: elements (or RoPE pairs) per block
+SIM_THREADS = WARP_SIZE  # every launch under the simulator: one block of one warp
+UNROLL = 8  # loads in flight per lane in the row loops
+MAX_EXPERTS = 512  # routed experts (DeepSeek-V3 256, Kimi K2 384): shared logits and CSR cursors
+MAX_TOPK = 32  # picks (and kept groups) held in a thread's insertion list
+MAX_GROUPS = 32  # the kept groups are one bit mask
+ROUTE_SPLIT = 16  # partial sums per gate logit (16 consecutive threads read 64 B of a gate row)
+ROUTE_PART_FLOATS = MAX_EXPERTS * ROUTE_SPLIT  # 32 KiB of shared partials
+MAX_ROUTE_THREADS = 512
+CSR_THREADS = 128  # the single CSR block
+CSR_WORDS = 8  # row-mask words per expert and chunk: 256 rows per chunk
+CSR_CHUNK_ROWS = CSR_WORDS * WARP_SIZE
+CSR_MASK_WORDS = CSR_WORDS * MAX_EXPERTS
+LAYOUT_CODES = {"interleaved": 0, "neox": 1}
+NEOX = 1
+NAN_F32 = np.float32(np.nan)
+NEG_INF_F32 = np.float32(-np.inf)
+GATE_NORM_EPS_F32 = np.float32(1e-20)  # reference.model.GATE_NORM_EPS (HF noaux_tc)
+
+
+# --- device functions ------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _strided_sumsq(x, row, first, stride, n):
+    """Σ x[row, j]² over j = first, first + stride, ... < n in ascending order (UNROLL loads in
+    flight). A fixed order: the partial depends on (first, stride, n) only."""
+    staged = cuda.local.array(UNROLL, float32)  # registers once the loops are unrolled
+    acc = float32(0.0)
+    j = first
+    while j + (UNROLL - 1) * stride < n:
+        for u in range(UNROLL):  # all loads first
+            staged[u] = x[row, j + u * stride]
+        for u in range(UNROLL):
+            acc += staged[u] * staged[u]
+        j += UNROLL * stride
+    while j < n:
+        v = x[row, j]
+        acc += v * v
+        j += stride
+    return acc
+
+
+@cuda.jit(device=True)
+def _strided_dot(x, row, w, e, first, stride, n):
+    """Σ x[row, j] · w[e, j] over j = first, first + stride, ... < n, ascending (as
+    :func:`_strided_sumsq`)."""
+    staged_x = cuda.local.array(UNROLL, float32)
+    staged_w = cuda.local.array(UNROLL, float32)
+    acc = float32(0.0)
+    j = first
+    while j + (UNROLL - 1) * stride < n:
+        for u in range(UNROLL):  # all loads first
+            staged_x[u] = x[row, j + u * stride]
+            staged_w[u] = w[e, j + u * stride]
+        for u in range(UNROLL):
+            acc += staged_x[u] * staged_w[u]
+        j += UNROLL * stride
+    while j < n:
+        acc += x[row, j] * w[e, j]
+        j += stride
+    return acc
+
+
+@cuda.jit(device=True)
+def _warp_row_rms(x, row, n, eps, s_part):
+    """sqrt(mean(x[row, :n]²) + eps) on every lane of the calling warp.
+
+    Lane l sums elements l, l + 32, ... (coalesced); the 32 partials meet in the warp's slice of
+    s_part (float32 [blockDim]) and every lane adds them in lane order: one warp barrier instead
+    of a shuffle butterfly (5 meetings; the simulator pays per meeting), and a fixed order.
+    """
+    lane = cuda.threadIdx.x % WARP_SIZE
+    base = cuda.threadIdx.x - lane
+    s_part[cuda.threadIdx.x] = _strided_sumsq(x, row, lane, WARP_SIZE, n)
+    cuda.syncwarp()  # the warp's 32 partials are in shared memory before any lane adds them
+    total = float32(0.0)
+    for other in range(WARP_SIZE):
+        total += s_part[base + other]
+    return math.sqrt(total / float32(n) + eps)
+
+
+@cuda.jit(device=True)
+def _write_normed(x, row, col0, n, rms, weight, out, out_row):
+    """out[out_row, j] = x[row, col0 + j] / rms · weight[j] for the lane's j < n (lane-strided).
+    Each lane reads its elements before writing them, so out may be x itself."""
+    staged = cuda.local.array(UNROLL, float32)
+    staged_w = cuda.local.array(UNROLL, float32)
+    j = cuda.threadIdx.x % WARP_SIZE
+    while j + (UNROLL - 1) * WARP_SIZE < n:
+        for u in range(UNROLL):  # all loads first
+            staged[u] = x[row, col0 + j + u * WARP_SIZE]
+            staged_w[u] = weight[j + u * WARP_SIZE]
+        for u in range(UNROLL):
+            out[out_row, j + u * WARP_SIZE] = staged[u] / rms * staged_w[u]
+        j += UNROLL * WARP_SIZE
+    while j < n:
+        out[out_row, j] = x[row, col0 + j] / rms * weight[j]
+        j += WARP_SIZE
+
+
+@cuda.jit(device=True)
+def _pair_cols(i, half, layout):
+    """Columns of RoPE pair i: (2i, 2i + 1) interleaved (DeepSeek), (i, i + half) NeoX."""
+    if layout == NEOX:
+        return i, i + half
+    return 2 * i, 2 * i + 1
+
+
+@cuda.jit(device=True)
+def _rotate(a, b, cos, sin, pos, i):
+    """(a cos - b sin, a sin + b cos) at table row pos; NaN for a position outside the table."""
+    if pos < 0 or pos >= cos.shape[0]:
+        return NAN_F32, NAN_F32
+    c = cos[pos, i]
+    s = sin[pos, i]
+    return a * c - b * s, a * s + b * c
+
+
+@cuda.jit(device=True)
+def _score(logit, softmax_scores, row_max, denom):
+    """Unbiased gate score: sigmoid through e^-|z| (reference.model.sigmoid), or softmax given
+    the row's max and sum of exponentials."""
+    if softmax_scores != 0:
+        return math.exp(logit - row_max) / denom
+    e = math.exp(-abs(logit))
+    num = float32(1.0) if logit >= 0 else e
+    return num / (float32(1.0) + e)
+
+
+@cuda.jit(device=True)
+def _insert(values, ids, n, cap, value, index):
+    """Insert (value, index) into the best-``cap`` list values / ids [n] (value descending, equal
+    values by ascending index; candidates arrive in ascending index, so a newcomer goes after
+    every entry >= it: stable argsort order, reference.model._top_indices). Returns the new n."""
+    if n == cap and not value > values[cap - 1]:
+        return n
+    p = n if n < cap else cap - 1  # a free slot, or the dropped last entry's
+    while p > 0 and values[p - 1] < value:
+        values[p] = values[p - 1]
+        ids[p] = ids[p - 1]
+        p -= 1
+    values[p] = value
+    ids[p] = index
+    return n + 1 if n < cap else n
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+@cuda.jit
+def embed_kernel(tokens, table, out):
+    """out[m, d] = table[tokens[m], d]; a NaN row for an id outside [0, V).
+
+    tokens int32 [M], table [V, D], out [M, D]. One thread per element, grid-stride.
+    """
+    dim = out.shape[1]
+    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
+                     cuda.gridDim.x * cuda.blockDim.x):
+        m = idx // dim
+        d = idx - m * dim
+        t = tokens[m]
+        if t >= 0 and t < table.shape[0]:
+            out[m, d] = table[t, d]
+        else:
+            out[m, d] = NAN_F32
+
+
+@cuda.jit
+def rms_norm_kernel(x, weight, eps, out):
+    """out[m] = x[m] / sqrt(mean(x[m]²) + eps) · weight; x, out [M, D], weight [D].
+
+    One warp per row, grid-stride over rows (blockDim <= ROW_THREADS).
+    """
+    s_part = cuda.shared.array(ROW_THREADS, float32)  # one partial sum of squares per lane
+    warps = cuda.blockDim.x // WARP_SIZE
+    for row in range(cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP_SIZE, x.shape[0],
+                     cuda.gridDim.x * warps):  # per warp: the whole warp iterates together
+        rms = _warp_row_rms(x, row, x.shape[1], eps, s_part)
+        _write_normed(x, row, 0, x.shape[1], rms, weight, out, row)
+        cuda.syncwarp()  # every lane has read the partials before the next row overwrites them
+
+
+@cuda.jit
+def mla_kv_write_kernel(kv_a, norm_weight, eps, cos, sin, positions, cache_rows, kv_latent,
+                        k_rope, layout):
+    """Normed latent and RoPE'd key of row m into cache row cache_rows[m] (< 0: padding).
+
+    kv_a [M, C + R] (C = kv_lora, R = rope), norm_weight [C], cos / sin [capacity, R / 2],
+    positions / cache_rows int32 [M], kv_latent [rows, C], k_rope [rows, R]. One warp per row,
+    grid-stride over rows.
+    """
+    s_part = cuda.shared.array(ROW_THREADS, float32)  # one partial sum of squares per lane
+    warps = cuda.blockDim.x // WARP_SIZE
+    c = kv_latent.shape[1]
+    half = k_rope.shape[1] // 2
+    for row in range(cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP_SIZE, kv_a.shape[0],
+                     cuda.gridDim.x * warps):  # per warp
+        dst = cache_rows[row]
+        if dst < 0 or dst >= kv_latent.shape[0]:  # padding, or no such cache row (per warp)
+            continue
+        rms = _warp_row_rms(kv_a, row, c, eps, s_part)
+        _write_normed(kv_a, row, 0, c, rms, norm_weight, kv_latent, dst)
+        pos = positions[row]
+        for i in range(cuda.threadIdx.x % WARP_SIZE, half, WARP_SIZE):
+            c0, c1 = _pair_cols(i, half, layout)
+            y0, y1 = _rotate(kv_a[row, c + c0], kv_a[row, c + c1], cos, sin, pos, i)
+            k_rope[dst, c0] = y0
+            k_rope[dst, c1] = y1
+        cuda.syncwarp()  # every lane has read the partials before the next row overwrites them
+
+
+@cuda.jit
+def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
+    """out[m, h] = RoPE(q[m, h, nope:]) at positions[m]; q [M, H, nope + R], out [M, H, R].
+
+    One thread per (row, head, pair), grid-stride; each reads its pair before writing it, so
+    out may be q[:, :, nope:] itself.
+    """
+    heads = out.shape[1]
+    half = out.shape[2] // 2
+    nope = q.shape[2] - out.shape[2]
+    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * heads * half,
+                     cuda.gridDim.x * cuda.blockDim.x):
+        m = idx // (heads * half)
+        rest = idx - m * heads * half
+        h = rest // half
+        i = rest - h * half
+        c0, c1 = _pair_cols(i, half, layout)
+        y0, y1 = _rotate(q[m, h, nope + c0], q[m, h, nope + c1], cos, sin, positions[m], i)
+        out[m, h, c0] = y0
+        out[m, h, c1] = y1
+
+
+@cuda.jit
+def moe_route_kernel(xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
+                     route_scale, topk_ids, topk_w):
+    """reference.model.moe_gate, rows blockIdx.x, + gridDim.x, ...; picks in ascending expert id.
+
+    xn [M, D], gate_w [E, D], bias float32 [E] or None, topk_ids int32 [M, k], topk_w [M, k].
+    1. Logit e = the sum, in order, of ROUTE_SPLIT partials, partial c over d = c, c + SPLIT, ...
+       (one (expert, partial) pair per thread, consecutive threads on consecutive columns):
+       a fixed order whatever the block size. 2. Scores and selection values per expert.
+    3. Thread 0 selects: group scores (top-2 sum with a bias, else max), the n_limited best
+       groups, the k best experts among them, each by one ascending pass with an insertion
+       list (ties exact, :func:`_insert`); weights = unbiased scores renormalised in pick
+       order, times route_scale.
+    """
+    s_part = cuda.shared.array(ROUTE_PART_FLOATS, float32)  # [E, ROUTE_SPLIT] partial logits
+    s_logit = cuda.shared.array(MAX_EXPERTS, float32)
+    s_score = cuda.shared.array(MAX_EXPERTS, float32)  # unbiased scores (the weights)
+    s_choice = cuda.shared.array(MAX_EXPERTS, float32)  # selection values: score (+ bias)
+    top_values = cuda.local.array(MAX_TOPK, float32)
+    top_ids = cuda.local.array(MAX_TOPK, int32)
+    tid = cuda.threadIdx.x
+    n_experts = gate_w.shape[0]
+    per_group = n_experts // n_groups
+    k = topk_ids.shape[1]
+    for row in range(cuda.blockIdx.x, xn.shape[0], cuda.gridDim.x):  # uniform over the block
+        for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
+            e = q // ROUTE_SPLIT
+            s_part[q] = _strided_dot(xn, row, gate_w, e, q - e * ROUTE_SPLIT, ROUTE_SPLIT, xn.shape[1])
+        cuda.syncthreads()  # every partial logit is in shared memory before they are summed
+        for e in range(tid, n_experts, cuda.blockDim.x):
+            logit = float32(0.0)
+            for c in range(ROUTE_SPLIT):
+                logit += s_part[e * ROUTE_SPLIT + c]
+            s_logit[e] = logit
+        row_max = NEG_INF_F32
+        denom = float32(1.0)
+        if softmax_scores != 0:  # uniform over the block
+            cuda.syncthreads()  # every logit is in shared memory before the row's max and sum
+            for e in range(n_experts):  # every thread, the same order: the same bits
+                if s_logit[e] > row_max:
+                    row_max = s_logit[e]
+            denom = float32(0.0)
+            for e in range(n_experts):
+                denom += math.exp(s_logit[e] - row_max)
+        for e in range(tid, n_experts, cuda.blockDim.x):
+            score = _score(s_logit[e], softmax_scores, row_max, denom)
+            s_score[e] = score
+            choice = score
+            if bias is not None:
+                choice = score + bias[e]
+            s_choice[e] = choice if choice == choice else NEG_INF_F32  # NaN ranks last: picks stay valid
+        cuda.syncthreads()  # every score is in shared memory before thread 0 selects
+        if tid == 0:
+            kept = int64(-1)  # bit g: group g may be picked from (all when n_groups == 1)
+            if n_groups > 1:
+                n = 0
+                for g in range(n_groups):
+                    top1 = NEG_INF_F32
+                    top2 = NEG_INF_F32
+                    for e in range(g * per_group, (g + 1) * per_group):
+                        v = s_choice[e]
+                        if v > top1:
+                            top2 = top1
+                            top1 = v
+                        elif v > top2:
+                            top2 = v
+                    group_score = top1  # without a bias: the max
+                    if bias is not None and per_group > 1:
+                        group_score = top2 + top1  # HF noaux_tc: the top-2 sum
+                    n = _insert(top_values, top_ids, n, n_limited, group_score, int32(g))
+                kept = int64(0)
+                for p in range(n_limited):
+                    kept |= int64(1) << int64(top_ids[p])
+            n = 0
+            for e in range(n_experts):
+                if (kept >> int64(e // per_group)) & 1:
+                    n = _insert(top_values, top_ids, n, k, s_choice[e], int32(e))
+            total = float32(0.0)  # in pick order, as the reference's weights.sum(axis=1)
+            for p in range(k):
+                total += s_score[top_ids[p]]
+            for p in range(k):
+                rank = 0  # place of pick p in ascending expert id
+                for other in range(k):
+                    if top_ids[other] < top_ids[p]:
+                        rank += 1
+                weight = s_score[top_ids[p]]
+                if normalize != 0 and k > 1:
+                    weight = weight / (total + GATE_NORM_EPS_F32)
+                topk_ids[row, rank] = top_ids[p]
+                topk_w[row, rank] = weight * route_scale
+        cuda.syncthreads()  # thread 0 is done with the scores before the next row rewrites them
+
+
+@cuda.jit
+def moe_csr_kernel(topk_ids, row_offsets, row_index, slot_of):
+    """Routing CSR of all rows, one block: entries of expert e are its rows in ascending order.
+
+    topk_ids int32 [M, k] (each row's k distinct experts) -> row_offsets int32 [E + 1],
+    row_index int32 [M·k] (the row of each entry), slot_of int32 [M, k] (entry of each pick).
+    Counts (shared atomics: integer, so order-free), an exclusive scan by warp 0, then rows in
+    chunks of CSR_CHUNK_ROWS: bit r of mask word (r // 32, e) marks chunk row r choosing e, so an
+    entry's place is the expert's cursor + the popcount of the chunk's earlier rows.
+    """
+    s_cursor = cuda.shared.array(MAX_EXPERTS, int32)  # counts, then each expert's next entry
+    s_mask = cuda.shared.array(CSR_MASK_WORDS, uint32)  # [CSR_WORDS, E] row bits of a chunk
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    n_rows = topk_ids.shape[0]
+    k = topk_ids.shape[1]
+    n_experts = row_offsets.shape[0] - 1
+    for e in range(tid, n_experts, threads):
+        s_cursor[e] = 0
+    cuda.syncthreads()  # counts zeroed before any thread adds
+    for j in range(tid, n_rows * k, threads):
+        e = topk_ids[j // k, j % k]
+        if e >= 0 and e < n_experts:
+            cuda.atomic.add(s_cursor, e, 1)
+    cuda.syncthreads()  # every count is final before the scan reads it
+    if tid < WARP_SIZE:
+        carry = int32(0)
+        for base in range(0, n_experts, WARP_SIZE):
+            e = base + tid
+            count = s_cursor[e] if e < n_experts else int32(0)
+            inclusive = int32(warp_inclusive_scan_i32(count) + carry)
+            if e < n_experts:
+                row_offsets[e] = inclusive - count
+                s_cursor[e] = inclusive - count
+            carry = cuda.shfl_sync(FULL_MASK, inclusive, WARP_SIZE - 1)
+        if tid == 0:
+            row_offsets[n_experts] = carry
+    cuda.syncthreads()  # cursors hold the offsets before entries are placed
+    for first in range(0, n_rows, CSR_CHUNK_ROWS):
+        chunk = min(CSR_CHUNK_ROWS, n_rows - first)
+        for w in range(tid, CSR_WORDS * n_experts, threads):
+            s_mask[w] = 0
+        cuda.syncthreads()  # masks cleared before the chunk's bits go in
+        for j in range(tid, chunk * k, threads):
+            r = j // k
+            e = topk_ids[first + r, j % k]
+            if e >= 0 and e < n_experts:  # a row's experts are distinct: add == or
+                cuda.atomic.add(s_mask, (r // WARP_SIZE) * n_experts + e, uint32(1) << uint32(r % WARP_SIZE))
+        cuda.syncthreads()  # the chunk's masks are complete before entries are placed
+        for j in range(tid, chunk * k, threads):
+            r = j // k
+            e = topk_ids[first + r, j % k]
+            if e >= 0 and e < n_experts:
+                place = s_cursor[e]
+                for w in range(r // WARP_SIZE):
+                    place += cuda.popc(s_mask[w * n_experts + e])
+                below = uint32((int64(1) << int64(r % WARP_SIZE)) - 1)
+                place += cuda.popc(s_mask[(r // WARP_SIZE) * n_experts + e] & below)
+                row_index[place] = first + r
+                slot_of[first + r, j % k] = place
+            else:
+                slot_of[first + r, j % k] = -1
+        cuda.syncthreads()  # every entry is placed before the cursors move
+        for e in range(tid, n_experts, threads):
+            for w in range(CSR_WORDS):
+                s_cursor[e] += cuda.popc(s_mask[w * n_experts + e])
+        cuda.syncthreads()  # cursors advanced before the next chunk clears the masks
+
+
+@cuda.jit
+def moe_combine_kernel(x, expert_out, slot_of, topk_w, shared_out, out):
+    """out[m, d] = x[m, d] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s], d] + shared_out[m, d]).
+
+    s ascending (= ascending expert id), shared_out [M, D] or None; a slot outside [0, M·k)
+    gives NaN. One thread per element, grid-stride; out may be x.
+    """
+    dim = out.shape[1]
+    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
+                     cuda.gridDim.x * cuda.blockDim.x):
+        m = idx // dim
+        d = idx - m * dim
+        acc = float32(0.0)
+        for s in range(slot_of.shape[1]):
+            j = slot_of[m, s]
+            if j >= 0 and j < expert_out.shape[0]:
+                acc += topk_w[m, s] * expert_out[j, d]
+            else:
+                acc = NAN_F32
+        if shared_out is not None:
+            acc = acc + shared_out[m, d]
+        out[m, d] = x[m, d] + acc
+
+
+# --- registry --------------------------------------------------------------------------------
+
+_F1 = float32[::1]
+_F2C = float32[:, ::1]
+_F2A = float32[:, :]  # views: any row stride (the wrappers require a unit inner stride)
+_F3A = float32[:, :, :]
+_I1 = int32[::1]
+_I2 = int32[:, ::1]
+
+register("embed_rows", embed_kernel, ((_I1, _F2C, _F2A),),
+         "embedding gather, one thread per element, NaN rows for bad ids", block_threads=ELEM_THREADS)
+register("rms_norm_rows", rms_norm_kernel, ((_F2A, _F1, float32, _F2A),),
+         "RMSNorm of rows, one warp per row (fixed-order reduction)", block_threads=ROW_THREADS)
+register("mla_kv_write", mla_kv_write_kernel,
+         ((_F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32),),
+         "MLA kv norm + key RoPE scattered into cache rows, one warp per row", block_threads=ROW_THREADS)
+register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),),
+         "RoPE of the query rope part of every head, one thread per pair", block_threads=ELEM_THREADS)
+register("moe_route", moe_route_kernel,
+         tuple((_F2A, _F2C, bias, int32, int32, int32, int32, float32, _I2, _F2C) for bias in (_F1, nbtypes.none)),
+         "MoE gate: scores, grouped top-k, weights; one block per row", block_threads=MAX_ROUTE_THREADS)
+register("moe_route_csr", moe_csr_kernel, ((_I2, _I1, _I1, _I2),),
+         "MoE routing CSR (entries per expert in ascending row order), one block",
+         block_threads=CSR_THREADS)
+register("moe_combine", moe_combine_kernel,
+         tuple((_F2A, _F2C, _I2, _F2C, shared, _F2A) for shared in (_F2A, nbtypes.none)),
+         "MoE combine: residual + routed experts (ascending id) + shared expert, per element",
+         block_threads=ELEM_THREADS)
+
+
+# --- host-side checks ------------------------------------------------------------------------
+
+def _check_matrix(x: Any, name: str, ndim: int) -> Any:
+    """float32 ``ndim``-D array with a unit stride along the last axis (a view is fine)."""
+    x = as_kernel_array(x, name)
+    if np.dtype(x.dtype) != np.float32:
+        raise TypeError(f"{name} must have dtype float32, got {np.dtype(x.dtype).name}")
+    shape, strides = tuple(x.shape), tuple(x.strides)  # the simulator's shape takes no negative index
+    if len(shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {shape}")
+    if shape[-1] > 1 and strides[-1] != 4:
+        raise ValueError(f"{name} must have a unit stride along its last axis (a column slice is fine)")
+    return x
+
+
+def _check_rows(x: Any, name: str, ndim: int) -> Any:
+    """As :func:`_check_matrix`, with at least one row and one column."""
+    x = _check_matrix(x, name, ndim)
+    if min(tuple(x.shape)) < 1:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+    return x
+
+
+def _check_vector(x: Any, name: str, length: int) -> Any:
+    """float32 [length], C-contiguous."""
+    x = check_array(x, name, (np.float32,), 1)
+    check_shape(x, name, (length,))
+    return x
+
+
+def _check_eps(eps: Any) -> np.float32:
+    """A finite eps > 0, as the float32 the kernel adds."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be finite and > 0, got {eps}")
+    return np.float32(eps)
+
+
+def _check_layout(layout: Any) -> np.int32:
+    """"interleaved" or "neox", as the kernel's layout code."""
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a str, got {type(layout).__name__}")
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
+    return np.int32(LAYOUT_CODES[layout])
+
+
+def _check_tables(cos: Any, sin: Any, rope: int) -> tuple[Any, Any]:
+    """cos / sin float32 [capacity, rope / 2], C-contiguous, the same shape."""
+    cos = check_array(cos, "cos", (np.float32,), 2)
+    sin = check_array(sin, "sin", (np.float32,), 2)
+    if cos.shape[0] < 1 or cos.shape[1] != rope // 2:
+        raise ValueError(f"cos must have shape (capacity >= 1, {rope // 2}), got {tuple(cos.shape)}")
+    check_shape(sin, "sin", tuple(cos.shape))
+    return cos, sin
+
+
+def _check_positions(positions: Any, rows: int, capacity: int) -> Any:
+    """int32 [rows]; host values in [0, capacity)."""
+    positions = check_array(positions, "positions", (np.int32,), 1)
+    check_shape(positions, "positions", (rows,))
+    values = host_values(positions)
+    if values is not None and (values.min() < 0 or values.max() >= capacity):
+        raise ValueError(f"positions must be in [0, {capacity}) (the rows of cos / sin)")
+    return positions
+
+
+def _shape(items: int, per_block: int, threads: int) -> tuple[int, int]:
+    """(grid, block) covering ``items`` at ``per_block`` per block of ``threads``; under the
+    simulator one warp-sized block loops over everything (every kernel is grid-stride and its
+    results do not depend on the launch shape; simulated threads are what costs)."""
+    if simulator_active():
+        return 1, SIM_THREADS
+    return -(-items // per_block), threads
+
+
+# --- host wrappers ---------------------------------------------------------------------------
+
+def embed(tokens: Any, table: Any, out: Any, *, stream: Any = 0) -> Any:
+    """``out[m] = table[tokens[m]]``.
+
+    Args:
+        tokens: int32 [M], M >= 1. Host values must be in [0, V); device ids outside [0, V)
+            give a NaN row (checked on the device).
+        table: float32 [V, D], C-contiguous (``model.embed_tokens.weight``).
+        out: float32 [M, D], unit inner stride (a view is fine).
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+
+    Returns:
+        ``out``. Bit-exact (a copy).
+    """
+    tokens = check_array(tokens, "tokens", (np.int32,), 1)
+    table = check_array(table, "table", (np.float32,), 2)
+    if table.shape[0] < 1 or table.shape[1] < 1:
+        raise ValueError(f"table must have at least one row and one column, got shape {tuple(table.shape)}")
+    if tokens.shape[0] < 1:
+        raise ValueError("tokens must hold at least one token")
+    out = _check_matrix(out, "out", 2)
+    check_shape(out, "out", (tokens.shape[0], table.shape[1]))
+    values = host_values(tokens)
+    if values is not None and (values.min() < 0 or values.max() >= table.shape[0]):
+        raise ValueError(f"tokens must be in [0, {table.shape[0]})")
+    launch(embed_kernel, *_shape(out.shape[0] * out.shape[1], ELEM_THREADS, ELEM_THREADS), stream, 0,
+           tokens, table, out)
+    return out
+
+
+def rms_norm(x: Any, weight: Any, eps: float, out: Any, *, stream: Any = 0) -> Any:
+    """``out[m] = x[m] / sqrt(mean(x[m]²) + eps) · weight`` (``reference.model.rms_norm``).
+
+    Args:
+        x: float32 [M, D], M, D >= 1, unit inner stride (a column slice is fine).
+        weight: float32 [D], C-contiguous.
+        eps: finite, > 0.
+        out: float32 [M, D], unit inner stride; may be ``x`` itself.
+        stream: as :func:`embed`.
+
+    Returns:
+        ``out``. One warp per row, fixed-order sum of squares: bit-identical per row whatever
+        else is in the launch.
+    """
+    x = _check_rows(x, "x", 2)
+    weight = _check_vector(weight, "weight", x.shape[1])
+    eps32 = _check_eps(eps)
+    out = _check_matrix(out, "out", 2)
+    check_shape(out, "out", tuple(x.shape))
+    launch(rms_norm_kernel, *_shape(x.shape[0], ROW_WARPS, ROW_THREADS), stream, 0, x, weight, eps32, out)
+    return out
+
+
+def rope_tables(config: ModelConfig, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host RoPE tables for positions 0..capacity-1: (cos, sin) float32 [capacity, qk_rope / 2].
+
+    Computed in float64 by ``reference.model.rope_cos_sin`` (YaRN frequencies and amplitude
+    included), rounded once to float32; the engine uploads them once.
+
+    Raises:
+        TypeError: config not a ModelConfig, capacity not an int.
+        ValueError: capacity outside [1, config.max_seq_len].
+    """
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, numbers.Integral):
+        raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+    if not 1 <= capacity <= config.max_seq_len:
+        raise ValueError(f"capacity must be in [1, max_seq_len = {config.max_seq_len}], got {capacity}")
+    cos, sin = rope_cos_sin(config, np.arange(int(capacity)))  # [capacity, R / 2] float64
+    return cos.astype(np.float32), sin.astype(np.float32)
+
+
+def mla_kv_write(kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any, positions: Any,
+                 cache_rows: Any, kv_latent: Any, k_rope: Any, *, layout: str, stream: Any = 0) -> None:
+    """Write the new MLA cache rows: normed latent and RoPE'd key (``reference.model.mla_project``).
+
+    For each row m with ``cache_rows[m] >= 0``: ``kv_latent[cache_rows[m]] = rms_norm(kv_a[m, :C],
+    kv_norm_weight, eps)`` and ``k_rope[cache_rows[m]] = rope(kv_a[m, C:], positions[m])``.
+
+    Args:
+        kv_a: float32 [M, C + R] (C = kv_lora, R = rope), unit inner stride: e.g. the kv columns
+            of the fused [wq_a | wkv_a] output.
+        kv_norm_weight: float32 [C] (``kv_a_layernorm.weight``); eps: finite, > 0.
+        cos, sin: float32 [capacity, R / 2] from :func:`rope_tables`.
+        positions: int32 [M], RoPE positions (host values in [0, capacity); device values
+            outside give a NaN key row).
+        cache_rows: int32 [M], flat row of the [bs * S] layer cache; < 0 = padding (skipped).
+            Host values must be < rows and the non-negative ones distinct; device values
+            >= rows are skipped.
+        kv_latent: float32 [rows, C]; k_rope: float32 [rows, R] (unit inner stride; views of
+            a combined [rows, C + R] cache are fine).
+        layout: "interleaved" or "neox" (``config.rope_layout``).
+        stream: as :func:`embed`.
+    """
+    kv_a = _check_rows(kv_a, "kv_a", 2)
+    kv_latent = _check_matrix(kv_latent, "kv_latent", 2)
+    k_rope = _check_matrix(k_rope, "k_rope", 2)
+    c, r = kv_latent.shape[1], k_rope.shape[1]
+    if c < 1 or r < 2 or r % 2:
+        raise ValueError(f"kv_latent / k_rope: need C >= 1 and an even R >= 2, got C = {c}, R = {r}")
+    if kv_a.shape[1] != c + r:
+        raise ValueError(f"kv_a must have C + R = {c + r} columns (kv_latent, k_rope), got {kv_a.shape[1]}")
+    check_shape(k_rope, "k_rope", (kv_latent.shape[0], r))
+    kv_norm_weight = _check_vector(kv_norm_weight, "kv_norm_weight", c)
+    eps32 = _check_eps(eps)
+    cos, sin = _check_tables(cos, sin, r)
+    layout_code = _check_layout(layout)
+    m = kv_a.shape[0]
+    positions = _check_positions(positions, m, cos.shape[0])
+    cache_rows = check_array(cache_rows, "cache_rows", (np.int32,), 1)
+    check_shape(cache_rows, "cache_rows", (m,))
+    values = host_values(cache_rows)
+    if values is not None:
+        real = values[values >= 0]
+        if real.size and real.max() >= kv_latent.shape[0]:
+            raise ValueError(f"cache_rows must be < {kv_latent.shape[0]} (the cache rows)")
+        if np.unique(real).size != real.size:
+            raise ValueError("cache_rows must not repeat a row (>= 0)")
+    launch(mla_kv_write_kernel, *_shape(m, ROW_WARPS, ROW_THREADS), stream, 0, kv_a, kv_norm_weight, eps32,
+           cos, sin, positions, cache_rows, kv_latent, k_rope, layout_code)
+
+
+def mla_q_rope(q: Any, cos: Any, sin: Any, positions: Any, out: Any, *, layout: str,
+               stream: Any = 0) -> Any:
+    """``out[m, h] = rope(q[m, h, nope:], positions[m])`` for every head.
+
+    Args:
+        q: float32 [M, H, nope + R], unit inner stride (a view of the q_b output is fine).
+        cos, sin: float32 [capacity, R / 2] from :func:`rope_tables`.
+        positions: int32 [M] (host values in [0, capacity); device values outside give NaN).
+        out: float32 [M, H, R], unit inner stride; may be ``q[:, :, nope:]`` (in place).
+        layout: "interleaved" or "neox".
+        stream: as :func:`embed`.
+
+    Returns:
+        ``out``.
+    """
+    q = _check_rows(q, "q", 3)
+    out = _check_matrix(out, "out", 3)
+    r = out.shape[2]
+    if r < 2 or r % 2:
+        raise ValueError(f"out: the rope width must be even and >= 2, got {r}")
+    if q.shape[2] < r:
+        raise ValueError(f"q must have at least R = {r} columns per head, got {q.shape[2]}")
+    check_shape(out, "out", (q.shape[0], q.shape[1], r))
+    cos, sin = _check_tables(cos, sin, r)
+    layout_code = _check_layout(layout)
+    positions = _check_positions(positions, q.shape[0], cos.shape[0])
+    pairs = q.shape[0] * q.shape[1] * (r // 2)
+    launch(mla_q_rope_kernel, *_shape(pairs, ELEM_THREADS, ELEM_THREADS), stream, 0, q, cos, sin, positions, out,
+           layout_code)
+    return out
+
+
+def route_threads(n_experts: int) -> int:
+    """Block size of the routing kernel: one thread per (expert, partial) pair, up to
+    MAX_ROUTE_THREADS (the results do not depend on it: the partials' order is fixed)."""
+    return min(MAX_ROUTE_THREADS, -(-n_experts * ROUTE_SPLIT // WARP_SIZE) * WARP_SIZE)
+
+
+def _check_routing_config(config: Any) -> None:
+    """A ModelConfig whose routing fits the kernel's fixed-size shared and local arrays."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if config.n_routed_experts > MAX_EXPERTS:
+        raise ValueError(f"config: n_routed_experts must be <= {MAX_EXPERTS}, got {config.n_routed_experts}")
+    if config.n_expert_groups > MAX_GROUPS:
+        raise ValueError(f"config: n_expert_groups must be <= {MAX_GROUPS}, got {config.n_expert_groups}")
+    if config.n_activated_experts > MAX_TOPK:
+        raise ValueError(f"config: n_activated_experts must be <= {MAX_TOPK}, got {config.n_activated_experts}")
+
+
+def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: Any, topk_w: Any,
+              row_offsets: Any, row_index: Any, slot_of: Any, *, stream: Any = 0) -> None:
+    """MoE routing of M rows (``reference.model.moe_gate``) and the CSR for ``expert_linear``.
+
+    Scores are sigmoid (or softmax) of ``gate_w · xn[m]``; ``bias`` shifts them for selection
+    only; with groups, a group scores the sum of its top-2 biased scores (max without a bias),
+    the ``n_limited_groups`` best groups are kept, then the k best experts among them (ties:
+    lower index). Weights are the unbiased scores of the picks, renormalised (``norm_topk_prob``,
+    k > 1, +1e-20), times ``route_scale``.
+
+    Args:
+        xn: float32 [M, hidden], M >= 1, unit inner stride (the normed residual).
+        gate_w: float32 [E, hidden] (``mlp.gate.weight``), C-contiguous.
+        bias: float32 [E] (``e_score_correction_bias``; finite on the host) or None.
+        config: the model (E, k, groups, score function, normalisation, route_scale).
+        topk_ids: int32 [M, k] out: row m's experts in ascending id.
+        topk_w: float32 [M, k] out: their weights.
+        row_offsets: int32 [E + 1] out: entries of expert e are [row_offsets[e], row_offsets[e+1]).
+        row_index: int32 [M * k] out: each entry's row, ascending within an expert.
+        slot_of: int32 [M, k] out: the entry of (m, topk_ids[m, s]).
+        stream: as :func:`embed`.
+
+    Two launches: one block per row (routing), then one block (the CSR).
+    """
+    _check_routing_config(config)
+    xn = _check_rows(xn, "xn", 2)
+    n_experts, k, hidden = config.n_routed_experts, config.n_activated_experts, config.hidden_size
+    check_shape(xn, "xn", (xn.shape[0], hidden))
+    gate_w = check_array(gate_w, "gate_w", (np.float32,), 2)
+    check_shape(gate_w, "gate_w", (n_experts, hidden))
+    if bias is not None:
+        bias = _check_vector(bias, "bias", n_experts)
+        values = host_values(bias)
+        if values is not None and not np.all(np.isfinite(values)):
+            raise ValueError("bias must be finite")
+    m = xn.shape[0]
+    topk_ids = check_array(topk_ids, "topk_ids", (np.int32,), 2)
+    check_shape(topk_ids, "topk_ids", (m, k))
+    topk_w = check_array(topk_w, "topk_w", (np.float32,), 2)
+    check_shape(topk_w, "topk_w", (m, k))
+    row_offsets = check_array(row_offsets, "row_offsets", (np.int32,), 1)
+    check_shape(row_offsets, "row_offsets", (n_experts + 1,))
+    row_index = check_array(row_index, "row_index", (np.int32,), 1)
+    check_shape(row_index, "row_index", (m * k,))
+    slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
+    check_shape(slot_of, "slot_of", (m, k))
+    launch(moe_route_kernel, *_shape(m, 1, route_threads(n_experts)), stream, 0, xn, gate_w, bias,
+           np.int32(config.n_expert_groups), np.int32(config.n_limited_groups),
+           np.int32(config.score_func == "softmax"), np.int32(config.norm_topk_prob),
+           np.float32(config.route_scale), topk_ids, topk_w)
+    csr_threads = SIM_THREADS if simulator_active() else CSR_THREADS
+    launch(moe_csr_kernel, 1, csr_threads, stream, 0, topk_ids, row_offsets, row_index, slot_of)
+
+
+def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: Any, out: Any, *,
+                stream: Any = 0) -> Any:
+    """``out[m] = x[m] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s]] + shared_out[m])``.
+
+    The sum runs over s ascending (ascending expert id, the reference's ``moe`` loop order),
+    then the shared expert is added, then the residual.
+
+    Args:
+        x: float32 [M, D], unit inner stride (the residual stream).
+        expert_out: float32 [M * k, D], C-contiguous (``expert_linear`` output, CSR entries).
+        slot_of: int32 [M, k] from :func:`moe_route` (device values outside [0, M·k) -> NaN).
+        topk_w: float32 [M, k] from :func:`moe_route`.
+        shared_out: float32 [M, D] (shared expert output, unit inner stride) or None.
+        out: float32 [M, D], unit inner stride; may be ``x``.
+        stream: as :func:`embed`.
+
+    Returns:
+        ``out``.
+    """
+    x = _check_rows(x, "x", 2)
+    m, dim = x.shape
+    slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
+    if slot_of.shape[0] != m or slot_of.shape[1] < 1:
+        raise ValueError(f"slot_of must have shape ({m}, k) with k >= 1, got {tuple(slot_of.shape)}")
+    k = slot_of.shape[1]
+    topk_w = check_array(topk_w, "topk_w", (np.float32,), 2)
+    check_shape(topk_w, "topk_w", (m, k))
+    expert_out = check_array(expert_out, "expert_out", (np.float32,), 2)
+    check_shape(expert_out, "expert_out", (m * k, dim))
+    if shared_out is not None:
+        shared_out = _check_matrix(shared_out, "shared_out", 2)
+        check_shape(shared_out, "shared_out", (m, dim))
+    out = _check_matrix(out, "out", 2)
+    check_shape(out, "out", (m, dim))
+    values = host_values(slot_of)
+    if values is not None and (values.min() < 0 or values.max() >= m * k):
+        raise ValueError(f"slot_of must be in [0, {m * k})")
+    launch(moe_combine_kernel, *_shape(m * dim, ELEM_THREADS, ELEM_THREADS), stream, 0, x, expert_out, slot_of, topk_w,
+           shared_out, out)
+    return out
