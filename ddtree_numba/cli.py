@@ -13,7 +13,7 @@ DEFAULT_GOLDEN_DIR = Path(__file__).resolve().parent.parent / "data" / "golden"
 
 # Families of data/golden/*.h5 (reference.golden_cases.GOLDEN_FILES; listed here so --help needs no
 # import of the reference and its dependencies).
-GOLDEN_FAMILIES = ["topk", "tree", "attention", "accept", "sampling", "compact"]
+GOLDEN_FAMILIES = ["topk", "tree", "attention", "accept", "sampling", "compact", "model"]
 
 # ``ddtree-numba bench NAME ...`` -> ddtree_numba.bench.<module>.main(...)
 BENCHMARKS = {
@@ -22,7 +22,10 @@ BENCHMARKS = {
     "verify-attention": ("verify_attention", "tree-verify MLA attention, FP32 (GPU)"),
     "accept-compact": ("accept_compact", "posterior argmax / sampling, accept walk, KV compaction (GPU)"),
     "cpu-tree": ("cpu_tree", "the CPU path: NumPy top-k + Python heapq build (host)"),
+    "sweep": ("sweep", "sweeps over batch/budget/block/N/dtype with bounds and peers; e2e (GPU)"),
 }
+
+GENERATE_HELP = "generate with the engine: AR and DDTree side by side (ddtree-numba generate --help)"
 
 DESCRIPTION = """\
 DDTree speculative decoding with the whole round on the GPU, in Numba CUDA.
@@ -57,6 +60,27 @@ def _golden_action(args: argparse.Namespace, golden_cases) -> int:
         return 1
     print(f"golden files in {args.dir} match the reference")
     return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from ddtree_numba import plot
+
+    return plot.main(args)
+
+
+def _run_generate(argv: list[str]) -> int:
+    """``ddtree-numba generate``: options and work belong to ddtree_numba.engine.generate."""
+    import importlib
+
+    try:
+        module = importlib.import_module("ddtree_numba.engine.generate")
+    except ImportError as err:
+        print(f"error: `generate` needs ddtree_numba.engine.generate, which cannot be imported: {err}",
+              file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="ddtree-numba generate", description=GENERATE_HELP)
+    module.add_arguments(parser)
+    return int(module.main(parser.parse_args(argv)) or 0)
 
 
 def _cmd_profiles(args: argparse.Namespace) -> int:
@@ -106,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.set_defaults(func=lambda args: 0)
 
+    sub.add_parser("generate", add_help=False, help=GENERATE_HELP)  # main() hands it to the engine
+
+    plot = sub.add_parser(
+        "plot", help="figures (PNG) from sweep files (ddtree-numba bench sweep --out ...)",
+        description="Turn the latest sweep_* group of each benchmark in the given HDF5 files into PNG "
+                    "figures: kernel time vs budget with the roofline bound, GPU/CPU speedup, top-k time "
+                    "vs rows, verify-attention TFLOP/s vs N, the budget trade-off.")
+    from ddtree_numba.plot import add_arguments as plot_arguments
+
+    plot_arguments(plot)
+    plot.set_defaults(func=_cmd_plot)
+
     prof = sub.add_parser("profiles", help="print the device profiles (H200, RTX PRO 6000 Blackwell)")
     prof.set_defaults(func=_cmd_profiles)
     return parser
@@ -119,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
         module = importlib.import_module(f"ddtree_numba.bench.{BENCHMARKS[argv[1]][0]}")
         return int(module.main(argv[2:]) or 0)
+    if argv[:1] == ["generate"]:
+        return _run_generate(argv[1:])
     if argv[:1] == ["compile-check"]:
         # Its options belong to sim.compile_check's own parser (argparse.REMAINDER cannot pass
         # "--arch ..." through a subparser).

@@ -1,5 +1,7 @@
 """The command line: subcommands wired to the modules that do the work."""
 import importlib
+import sys
+import types
 
 import pytest
 
@@ -50,3 +52,40 @@ def test_cpu_tree_benchmark_runs_on_the_host(tmp_path, capsys):
         ds = run.to_dataset()
         assert ds.attrs["benchmark"] == "cpu_tree" and ds.attrs["git_sha"]
         assert float(ds["heap_ms"][0]) > 0.0
+
+
+def test_bench_sweep_help_lists_the_kernels(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "sweep", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "{topk,tree_build,verify_attention,accept_compact,e2e,all}" in out and "--quick" in out
+
+
+def test_bench_sweep_rejects_an_unknown_kernel():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "sweep", "--kernel", "nope"])
+    assert exc.value.code == 2
+
+
+def test_plot_and_generate_are_listed(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "plot" in out and "generate" in out
+
+
+def test_generate_without_the_engine_module_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ddtree_numba.engine.generate", None)  # import raises ImportError
+    assert cli.main(["generate", "--batch", "2"]) == 2
+    assert "ddtree_numba.engine.generate" in capsys.readouterr().err
+
+
+def test_generate_hands_its_options_to_the_engine_module(monkeypatch):
+    seen = {}
+    module = types.ModuleType("ddtree_numba.engine.generate")
+    module.add_arguments = lambda parser: parser.add_argument("--budget", type=int, default=32)
+    module.main = lambda args: seen.setdefault("budget", args.budget) and 0
+    monkeypatch.setitem(sys.modules, "ddtree_numba.engine.generate", module)
+    assert cli.main(["generate", "--budget", "64"]) == 0
+    assert seen == {"budget": 64}

@@ -9,6 +9,9 @@ official loop), one request after another. Two times are reported per (batch, bu
   GPU top-k + tree build replace; the official code runs its top-k on the GPU, then copies, so
   this is an upper bound on its host time).
 
+``bench sweep --kernel tree_build`` adds the device -> host copy of the logits the host top-k needs
+(:func:`copy_times`) and times each request separately (:func:`request_times`).
+
 Inputs are drafter-like rows (Gaussian logits at a few scales, so trees vary from wide to deep).
 Run it on the machine whose GPU numbers it is compared with.
 
@@ -58,6 +61,32 @@ def time_request(logits: np.ndarray, budget: int) -> tuple[float, float]:
     build_tree(values, ids, budget)
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1
+
+
+def request_times(pool: list[np.ndarray], budget: int, reps: int) -> tuple[list[float], list[float]]:
+    """Per request of ``pool`` ([L, V] float32 logits each): the median over ``reps`` of its NumPy
+    top-k and of its heap build, in microseconds (one request after another, as the official loop)."""
+    topk_us, heap_us = [], []
+    for logits in pool:
+        runs = [time_request(logits, budget) for _ in range(reps)]
+        topk_us.append(1e6 * float(np.median([r[0] for r in runs])))
+        heap_us.append(1e6 * float(np.median([r[1] for r in runs])))
+    return topk_us, heap_us
+
+
+def copy_times(n_rows: int, vocab: int, reps: int) -> list[float]:
+    """Microseconds to copy float32 [n_rows, vocab] drafter logits from the GPU to a fresh host
+    array (what ``.cpu()`` does before a host top-k); needs a GPU."""
+    from numba import cuda
+
+    device = cuda.device_array((n_rows, vocab), np.float32)
+    device.copy_to_host()  # warm-up: first-touch and driver staging buffers
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        device.copy_to_host()  # synchronous, pageable destination
+        times.append(1e6 * (time.perf_counter() - t0))
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,14 +1,18 @@
 """Benchmark: tree-verify MLA attention kernel (FP32) on the GPU, Kimi K2 shapes.
 
-For each (batch, tree size T, cached length N): random inputs (every request a random tree of T
-nodes, N cached rows), ``plan`` once, warm-up, then ``--reps`` timed ``run`` calls with CUDA
-events, rotating over ``--sets`` input sets so that no call finds the previous call's KV in L2.
-Effective TFLOP/s counts 2·T·H·(N+T)·1088 per request (limits §3; dense over the tree block) and
-is compared with the H200's 67 TFLOP/s FP32 peak (target: >= 30 %, about 20 TFLOP/s, at H = 64,
-T = 33, N = 32k, bs 8).
+For each (batch, tree size T, cached length N): random inputs filled on the device (every request
+a random tree of T nodes, N cached rows), ``plan`` once, warm-up, then ``--reps`` timed ``run``
+calls with CUDA events, rotating over ``--sets`` input sets so that no call finds the previous
+call's KV in L2. Effective TFLOP/s counts 2·T·H·(N+T)·1088 per request (limits §3; dense over the
+tree block) and is compared with the FP32 peak of the active device profile (``sim.profiles``;
+H200: 67 TFLOP/s; target >= 30 % at H = 64, T = 33, N = 32k, bs 8).
 
-    ddtree-numba bench verify-attention                      # default sweep
-    ddtree-numba bench verify-attention --shape 8,33,32768 --tile h32 --out data/bench/h200.h5
+Peers (same inputs, same run): ``--torch`` times PyTorch eager absorbed-MLA attention with an
+additive mask in fp32 and bf16 (when torch imports); ``--check`` measures the error of request 0
+against the float64 reference (``reference.verify_attention``) where that is cheap enough.
+
+    ddtree-numba bench verify-attention                      # default shapes
+    ddtree-numba bench verify-attention --shape 8,33,32768 --tile h32 --torch --out data/bench/h200.h5
 
 Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarray Dataset
 (dims case, values latency_us median/min/max, tflops, pct_fp32_peak) to an HDF5 file.
@@ -18,70 +22,85 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from numba import cuda
+from numba import cuda, float32, int64, uint64
 
 from ddtree_numba.bench.common import write_run
 from ddtree_numba.kernels import verify_attention as va
+from reference import pack_visibility
+from reference import verify_attention as reference_attention
+from sim.profiles import active_profile
 
-H200_FP32_PEAK = 67e12
 HEADS = 64
+LATENT = 512
+ROPE = 64
 SCALE = 0.14467962580268923   # Kimi K2, YaRN factor 64 (limits §2)
 DEFAULT_SHAPES = ((8, 33, 32768), (1, 33, 32768), (1, 9, 4096), (64, 9, 4096), (8, 65, 32768))
 TILES = {
     "default": va.KIMI_K2_CONFIG,                  # 64 heads per tile, 256 threads
     "h32": va.default_config(512, 64, 32),         # 32 heads per tile (KV read twice per node)
 }
+AMPLITUDE = 1.0  # inputs uniform in [-1, 1): scores have std ~1.2 after the scale
+FILL_THREADS = 256
+FILL_BLOCKS = 4096
+MIX1 = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 constants (as bench/accept_compact.py)
+MIX2 = np.uint64(0xBF58476D1CE4E5B9)
+SHIFT_MIX = np.uint64(31)
+SHIFT_MANTISSA = np.uint64(40)  # top 24 bits -> float32 in [0, 1)
+CHECK_MAX_SCORES = 400_000  # float64 reference only where T x (N + T) <= this (~1 s of NumPy)
+TORCH_MAX_BYTES = 24e9  # skip the torch peer when its [bs, T, H, S] scores would exceed this (x3 live)
 
 
-def _tree_visibility(rng: np.random.Generator, bs: int, t: int) -> np.ndarray:
-    """Packed uint32 [bs, T, W] ancestor-or-self rows of random trees (parents[i] < i)."""
+@cuda.jit
+def fill_uniform_kernel(flat, seed, amplitude):
+    """flat float32 [n] <- values uniform in [-amplitude, amplitude) from a hash of (index, seed)."""
+    i = int64(cuda.grid(1))  # > 2**31 elements at bs 64, N 128k
+    while i < flat.shape[0]:
+        h = (uint64(i) + seed) * MIX1
+        h = (h ^ (h >> SHIFT_MIX)) * MIX2
+        h = h ^ (h >> SHIFT_MIX)
+        flat[i] = (float32(h >> SHIFT_MANTISSA) * float32(2.0**-23) - float32(1.0)) * amplitude
+        i += cuda.gridsize(1)
+
+
+def random_visibility(rng: np.random.Generator, bs: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """bool [bs, T, T] ancestor-or-self rows of random trees (parents[i] < i) and their packed
+    uint32 [bs, T, ceil(T / 32)] form (ARCHITECTURE.md)."""
     vis = np.zeros((bs, t, t), bool)
     for b in range(bs):
         parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
         for i in range(t):
-            vis[b, i] = vis[b, parents[i]] if i else vis[b, i]
+            if i:
+                vis[b, i] = vis[b, parents[i]]  # the parent's row is complete: parents[i] < i
             vis[b, i, i] = True
-    words = -(-t // 32)
-    packed = np.zeros((bs, t, words), np.uint32)
-    for j in range(t):
-        packed[:, :, j // 32] |= vis[:, :, j].astype(np.uint32) << np.uint32(j % 32)
-    return packed
+    return vis, np.stack([pack_visibility(v) for v in vis])
 
 
-def _input_set(rng: np.random.Generator, bs: int, t: int, n: int) -> dict:
-    """Device arrays for one call: N cached rows then T tree rows per request."""
+def make_input_set(rng: np.random.Generator, bs: int, t: int, n: int, seed: int, stream) -> dict:
+    """Device arrays for one call (N cached rows then T tree rows per request), filled on the device;
+    ``host_visibility`` keeps the bool [bs, T, T] mask for the peers."""
     s = n + t
-    host = dict(
-        q_latent=rng.standard_normal((bs, t, HEADS, 512), np.float32),
-        q_rope=rng.standard_normal((bs, t, HEADS, 64), np.float32),
-        kv_latent=rng.standard_normal((bs, s, 512), np.float32),
-        k_rope=rng.standard_normal((bs, s, 64), np.float32),
-        past_lens=np.full(bs, n, np.int32),
-        tree_sizes=np.full(bs, t, np.int32),
-        visibility=_tree_visibility(rng, bs, t),
-    )
-    return {k: cuda.to_device(v) for k, v in host.items()}
+    shapes = dict(q_latent=(bs, t, HEADS, LATENT), q_rope=(bs, t, HEADS, ROPE),
+                  kv_latent=(bs, s, LATENT), k_rope=(bs, s, ROPE))
+    arrays = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        arr = cuda.device_array(shape, np.float32, stream=stream)
+        fill_uniform_kernel[FILL_BLOCKS, FILL_THREADS, stream](
+            arr.reshape(arr.size), np.uint64(1_000_003 * seed + 7919 * i), np.float32(AMPLITUDE))
+        arrays[name] = arr
+    vis, packed = random_visibility(rng, bs, t)
+    arrays.update(past_lens=cuda.to_device(np.full(bs, n, np.int32), stream=stream),
+                  tree_sizes=cuda.to_device(np.full(bs, t, np.int32), stream=stream),
+                  visibility=cuda.to_device(packed, stream=stream))
+    arrays["host_visibility"] = vis
+    return arrays
 
 
-def bench_case(bs: int, t: int, n: int, tile: str, split: int, reps: int, warmup: int,
-               sets: int, seed: int) -> dict:
-    """Median/min/max latency (µs) of one run() call, and effective TFLOP/s."""
-    rng = np.random.default_rng(seed)
-    p = va.plan(bs, t, HEADS, n + t, split_size=split, config=TILES[tile])
-    inputs = [_input_set(rng, bs, t, n) for _ in range(sets)]
-    out = cuda.device_array((bs, t, HEADS, 512), np.float32)
-    lse = cuda.device_array((bs, t, HEADS), np.float32)
-    workspace = p.allocate_workspace()
-    stream = cuda.stream()
-
-    def call(i: int) -> None:
-        x = inputs[i % sets]
-        va.run(p, x["q_latent"], x["q_rope"], x["kv_latent"], x["k_rope"], x["past_lens"],
-               x["tree_sizes"], x["visibility"], SCALE, out, lse, workspace, stream)
-
+def event_times(call: Callable[[int], None], reps: int, warmup: int, stream) -> list[float]:
+    """Microseconds of ``call(i)`` per repetition, CUDA events on ``stream``, after warm-up."""
     for i in range(warmup):
         call(i)
     stream.synchronize()
@@ -93,24 +112,144 @@ def bench_case(bs: int, t: int, n: int, tile: str, split: int, reps: int, warmup
         end.record(stream)
         end.synchronize()
         times.append(cuda.event_elapsed_time(start, end) * 1e3)
-    flops = 2.0 * t * HEADS * (n + t) * 1088 * bs
+    return times
+
+
+def flops(bs: int, t: int, n: int) -> float:
+    """Effective FLOPs of one call: 2·T·H·(N+T)·1088 per request (limits §3)."""
+    return 2.0 * t * HEADS * (n + t) * 1088 * bs
+
+
+def torch_scores_bytes(bs: int, t: int, n: int) -> float:
+    """fp32 bytes of the peer's [bs, T, H, N + T] scores (three such tensors are live)."""
+    return 4.0 * bs * t * HEADS * (n + t)
+
+
+def torch_mla_times(sets: list[dict], dtype: str, reps: int, warmup: int) -> list[float]:
+    """PyTorch eager absorbed MLA attention with an additive mask (DeepSeek-V3 attn_impl="absorb"):
+    scores = (q_latent·kv + q_rope·k_rope) · scale + mask, softmax in fp32, out = P · kv.
+    ``dtype`` "fp32" or "bf16" for the inputs and products; inputs cast before timing."""
+    import torch
+
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    prepared = []
+    for x in sets:
+        ql, qr, kv, kr = (torch.as_tensor(x[name], device="cuda").to(tdtype)
+                          for name in ("q_latent", "q_rope", "kv_latent", "k_rope"))
+        bs, t = ql.shape[:2]
+        n = kv.shape[1] - t
+        mask = torch.zeros((bs, t, 1, n + t), dtype=torch.float32, device="cuda")  # [bs, T, 1, S]
+        hidden = torch.as_tensor(~x["host_visibility"], device="cuda")  # [bs, T, T]
+        mask[:, :, 0, n:].masked_fill_(hidden, float("-inf"))
+        prepared.append((ql, qr, kv, kr, mask))
+
+    def call(i: int) -> None:
+        ql, qr, kv, kr, mask = prepared[i % len(prepared)]
+        scores = (torch.einsum("bthc,bsc->bths", ql, kv) + torch.einsum("bthr,bsr->bths", qr, kr)) * SCALE
+        probs = torch.softmax(scores.float() + mask, dim=-1).to(tdtype)  # [bs, T, H, S]
+        torch.einsum("bths,bsc->bthc", probs, kv)
+
+    for i in range(warmup):
+        call(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def torch_available() -> bool:
+    """PyTorch imports and sees a CUDA device (an optional peer, never a dependency)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def reference_error(x: dict, out, lse) -> tuple[float, float]:
+    """(max |out - ref|, max |lse - ref| / max(1, |ref lse|)) of request 0 against the float64 reference."""
+    t = x["host_visibility"].shape[1]
+    n = int(x["past_lens"].copy_to_host()[0])
+    host = {name: x[name][0].copy_to_host() for name in ("q_latent", "q_rope", "kv_latent", "k_rope")}
+    ref_out, ref_lse = reference_attention(host["q_latent"], host["q_rope"], host["kv_latent"][:n + t],
+                                           host["k_rope"][:n + t], x["host_visibility"][0], SCALE)
+    got_out, got_lse = out[0].copy_to_host(), lse[0].copy_to_host()
+    out_err = float(np.max(np.abs(got_out - ref_out)))
+    lse_err = float(np.max(np.abs(got_lse - ref_lse) / np.maximum(1.0, np.abs(ref_lse))))
+    return out_err, lse_err
+
+
+def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.DEFAULT_SPLIT_SIZE,
+            reps: int = 20, warmup: int = 3, sets: int = 2, seed: int = 0, peers: bool = False,
+            check: bool = False) -> dict:
+    """Per-repetition times (µs) of one ``run`` call and of the peers, and the reference error.
+
+    Returns a dict: ``gpu`` (list), ``torch_fp32`` / ``torch_bf16`` (lists; empty when not run),
+    ``out_err`` / ``lse_err`` (NaN when not checked), ``finite`` (bool).
+    """
+    rng = np.random.default_rng(seed)
+    stream = cuda.stream()
+    p = va.plan(bs, t, HEADS, n + t, split_size=split, config=TILES[tile])
+    inputs = [make_input_set(rng, bs, t, n, seed + s, stream) for s in range(sets)]
+    out = cuda.device_array((bs, t, HEADS, LATENT), np.float32)
+    lse = cuda.device_array((bs, t, HEADS), np.float32)
+    workspace = p.allocate_workspace()
+
+    def call(i: int) -> None:
+        x = inputs[i % sets]
+        va.run(p, x["q_latent"], x["q_rope"], x["kv_latent"], x["k_rope"], x["past_lens"],
+               x["tree_sizes"], x["visibility"], SCALE, out, lse, workspace, stream)
+
+    result = {"gpu": event_times(call, reps, warmup, stream), "torch_fp32": [], "torch_bf16": [],
+              "out_err": float("nan"), "lse_err": float("nan")}
+    stream.synchronize()
+    result["finite"] = bool(np.isfinite(out.copy_to_host()).all())
+    if check and t * (n + t) <= CHECK_MAX_SCORES:
+        call(0)
+        stream.synchronize()
+        result["out_err"], result["lse_err"] = reference_error(inputs[0], out, lse)
+    if peers and torch_available() and torch_scores_bytes(bs, t, n) <= TORCH_MAX_BYTES / 3:
+        for dtype in ("fp32", "bf16"):
+            try:
+                result[f"torch_{dtype}"] = torch_mla_times(inputs, dtype, reps, warmup)
+            except Exception as exc:  # the peer is optional: report and go on
+                print(f"torch {dtype} peer failed: {type(exc).__name__}: {exc}", flush=True)
+    return result
+
+
+def bench_case(bs: int, t: int, n: int, tile: str, split: int, reps: int, warmup: int,
+               sets: int, seed: int, peers: bool = False, check: bool = False) -> dict:
+    """Median/min/max latency (µs) of one run() call, effective TFLOP/s and % of the FP32 peak."""
+    m = measure(bs, t, n, tile=tile, split=split, reps=reps, warmup=warmup, sets=sets, seed=seed,
+                peers=peers, check=check)
+    times = m["gpu"]
     med = float(np.median(times))
+    tflops = flops(bs, t, n) / (med * 1e-6) / 1e12
+    torch_med = {k: float(np.median(m[k])) if m[k] else float("nan") for k in ("torch_fp32", "torch_bf16")}
     return dict(batch=bs, tree=t, past=n, tile=tile, split=split, median_us=med,
-                min_us=float(np.min(times)), max_us=float(np.max(times)),
-                tflops=flops / (med * 1e-6) / 1e12,
-                pct_fp32_peak=100.0 * flops / (med * 1e-6) / H200_FP32_PEAK,
-                finite=bool(np.isfinite(out.copy_to_host()).all()))
+                min_us=float(np.min(times)), max_us=float(np.max(times)), tflops=tflops,
+                pct_fp32_peak=100.0 * tflops * 1e12 / active_profile().fp32_peak,
+                torch_fp32_us=torch_med["torch_fp32"], torch_bf16_us=torch_med["torch_bf16"],
+                out_err=m["out_err"], lse_err=m["lse_err"], finite=m["finite"])
 
 
 def _write(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
-    """Append the results as one group /runs/<timestamp>_<sha> (write to a temp file, then rename)."""
+    """Append the results as one group /verify_attention/<timestamp>_<sha> (temp file, then rename)."""
     import xarray as xr
 
+    keys = ("batch", "tree", "past", "split", "median_us", "min_us", "max_us", "tflops", "pct_fp32_peak",
+            "torch_fp32_us", "torch_bf16_us", "out_err", "lse_err")
     ds = xr.Dataset(
-        {key: ("case", np.array([r[key] for r in rows])) for key in
-         ("batch", "tree", "past", "split", "median_us", "min_us", "max_us", "tflops",
-          "pct_fp32_peak")} | {"tile": ("case", np.array([r["tile"] for r in rows]))},
-        attrs=dict(benchmark="verify_attention", config=json.dumps(vars(args), default=str)),
+        {key: ("case", np.array([r[key] for r in rows])) for key in keys}
+        | {"tile": ("case", np.array([r["tile"] for r in rows]))},
+        attrs=dict(benchmark="verify_attention", config=json.dumps(vars(args), default=str),
+                   profile=active_profile().name),
     )
     group = write_run(path, ds)
     print(f"wrote {path}:{group}")
@@ -126,23 +265,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sets", type=int, default=2, help="input sets rotated between calls")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch", action="store_true", help="also time PyTorch eager MLA (fp32, bf16)")
+    parser.add_argument("--check", action="store_true", help="error of request 0 vs the float64 reference")
     parser.add_argument("--out", type=Path, help="HDF5 file to append the results to")
     args = parser.parse_args(argv)
     if args.reps < 20:
         parser.error("--reps must be >= 20")
+    if cuda.config.ENABLE_CUDASIM:
+        parser.error("needs a CUDA GPU (NUMBA_ENABLE_CUDASIM is set)")
     shapes = ([tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape
               else DEFAULT_SHAPES)
     rows = []
     print(f"{'bs':>3} {'T':>4} {'N':>7} {'tile':>8} {'median us':>11} {'min':>9} {'max':>9} "
-          f"{'TFLOP/s':>8} {'% FP32':>7}")
+          f"{'TFLOP/s':>8} {'% FP32':>7} {'torch f32':>10} {'torch bf16':>10} {'out err':>8}")
     for tile in args.tile or ["default"]:
         for bs, t, n in shapes:
             t0 = time.perf_counter()
             r = bench_case(bs, t, n, tile, args.split, args.reps, args.warmup, args.sets,
-                           args.seed)
+                           args.seed, peers=args.torch, check=args.check)
             rows.append(r)
             print(f"{bs:>3} {t:>4} {n:>7} {tile:>8} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
-                  f"{r['max_us']:>9.1f} {r['tflops']:>8.2f} {r['pct_fp32_peak']:>6.1f}%"
+                  f"{r['max_us']:>9.1f} {r['tflops']:>8.2f} {r['pct_fp32_peak']:>6.1f}% "
+                  f"{r['torch_fp32_us']:>10.1f} {r['torch_bf16_us']:>10.1f} {r['out_err']:>8.1e}"
                   f"{'' if r['finite'] else '  NON-FINITE OUTPUT'}  ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
     if args.out:

@@ -1,0 +1,26 @@
+"""Host-side pieces of the verify-attention benchmark: random trees' visibility, FLOPs, peer sizing."""
+import numpy as np
+import pytest
+
+from ddtree_numba.bench import verify_attention as bva
+from reference import unpack_visibility
+
+
+@pytest.mark.parametrize("bs,t", [(1, 1), (2, 9), (3, 33), (1, 70)])
+def test_random_visibility_is_an_ancestor_closure(bs, t):
+    vis, packed = bva.random_visibility(np.random.default_rng(t), bs, t)
+    assert vis.shape == (bs, t, t) and packed.shape == (bs, t, -(-t // 32)) and packed.dtype == np.uint32
+    np.testing.assert_array_equal(unpack_visibility(packed, t), vis)
+    for b in range(bs):
+        assert vis[b].diagonal().all() and not np.triu(vis[b], 1).any()  # self, and parents precede
+        assert vis[b, :, 0].all()  # node 0 (the root) is everyone's ancestor
+        for i in range(1, t):
+            parent = max(j for j in range(i) if vis[b, i, j] and vis[b, i].sum() == vis[b, j].sum() + 1)
+            expected = vis[b, parent].copy()
+            expected[i] = True
+            np.testing.assert_array_equal(vis[b, i], expected)  # a node sees its parent's row and itself
+
+
+def test_flops_and_peer_sizing():
+    assert bva.flops(8, 33, 32768) == 8 * 2.0 * 33 * 64 * (32768 + 33) * 1088
+    assert bva.torch_scores_bytes(1, 33, 1024) == 4.0 * 33 * 64 * (1024 + 33)
