@@ -1,0 +1,847 @@
+"""Batch-invariant FP32 matrix products with HF ``[out, in]`` weights: ``linear``,
+``head_linear`` (per-head groups) and ``expert_linear`` (MoE groups over a CSR routing).
+
+Numerics: one reduction order per K, whatever shares the launch.
+    Output element ``(m, n)`` is the dot product of input row m (after the prologue) with weight
+    row n. K is cut into ``k_split(K)`` contiguous segments of ``seg_steps`` steps of
+    ``STEP = 128`` values; in every step lane ``l`` of a warp owns ``k = 128 j + 4 l + e``,
+    e = 0..3. Per segment, each lane runs ONE fma chain over its k (j ascending, then e
+    ascending; k >= K skipped), the 32 lane partials are summed by the fixed xor butterfly
+    (offsets 16, 8, 4, 2, 1, :func:`.warp.warp_sum_f32`), and the segment sums are added in
+    segment order: ``((s_0 + s_1) + s_2) + ...``. ``k_split`` and ``seg_steps`` are functions of K
+    only, every product is an explicit ``cuda.fma`` (no contraction choice left to the
+    compiler), and the row tile, the column group and the launch shape only decide WHICH
+    elements a warp computes, never how. So row m's output is bit-identical whether it is
+    computed alone, in a batch of 7 or in a tree-verify batch of 1056 rows, and run to run (no
+    atomics): what makes DDTree verification lossless (spec §1.4).
+
+Work layout (limits §3, §7).
+    A block computes an ``MT x (C * groups)`` output tile: MT rows (compile-time row tile, 1 to
+    8, row tiles along grid y) by column groups of C adjacent columns, one column group per
+    ``k_split`` warps (one warp per K segment). The MT input rows are staged in dynamic shared
+    memory ``[MT, k_split, phase_steps * 128]`` with the prologue applied (none, RMSNorm with the
+    row's rms, or SwiGLU), in phases when they do not fit (``XS_BUDGET_BYTES``), so a weight
+    row is streamed once per row tile (not per row) and each staged value is reused by all C
+    columns. The weight stream is the hot path: each lane issues ``U x C`` 16-byte loads
+    (``ld.global.nc.v4.f32``) before their ``4 * MT * C`` FMAs, lanes covering 512 contiguous
+    bytes of a weight row per load. Columns past N (odd N) load the last row and are not
+    stored; rows past M are staged as zeros and not stored. With one phase the rows are staged
+    once and the block loops over column groups (grid-stride), so a small grid (the simulator)
+    covers every column.
+
+Decode (M = 1..16) streams W at HBM bandwidth when enough loads are in flight: C = 4 columns
+and U = 1-2 steps per lane (LLVM unrolls the step loop further), 8 warps per block. Large K is
+split over up to 8 warps (``k_split``) so that narrow outputs (N = 2048, K = 8192) still fill
+the GPU. The simulator (threads are Python threads, shuffles cost a thread barrier each) runs
+one column group per block over a grid-stride loop and reduces through shared memory in the
+butterfly's exact tree (``SIM_TREE``), so its results are the same bits a shuffle gives.
+
+Compile-time specialisations (closure factory, registered with real signatures): kind
+(linear / head / expert) x prologue (none / rmsnorm / swiglu) x residual epilogue x MT.
+
+Device-side inputs (expert ``row_offsets`` / ``row_index``) are not checked on the host (no
+copy, graph-capturable); an entry whose row index is outside x gets a NaN output row, offsets
+are clamped to the entries, never indexed out of bounds.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda, float32, int32, int64, types, uint64
+
+from sim.launch import launch
+
+from .accept import as_kernel_array, is_c_contiguous
+from .registry import register
+from .warp import warp_inclusive_scan_i32, warp_min_i32, warp_sum_f32
+
+__all__ = [
+    "ROW_TILES",
+    "STEP",
+    "BLOCK_WARPS",
+    "MAX_EXPERTS",
+    "COLUMNS",
+    "LinearPlan",
+    "k_split",
+    "row_tile",
+    "plan_linear",
+    "expert_slots",
+    "linear",
+    "head_linear",
+    "expert_linear",
+    "get_kernel",
+]
+
+WARP = 32
+VEC = 4                      # floats per lane per step (one 16-byte load)
+STEP = WARP * VEC            # 128 k values per warp step
+SPLIT_STEPS = 16             # a segment of K per warp holds at least ~2048 values
+MAX_K_SPLIT = 8              # K segments (one warp each) per column group, at most
+BLOCK_WARPS = MAX_K_SPLIT    # warps per block on a GPU (k_split divides it)
+SIM_GROUPS = 1               # column groups per block under the simulator (threads are costly)
+SIM_GRID_X = 1               # column-group blocks under the simulator (grid-stride loop)
+COLUMNS = 4                  # C: adjacent output columns per warp (16 FMAs per staged float4)
+ROW_TILES = (1, 2, 4, 8)     # 16 rows: LLVM leaves the row loop rolled, acc goes to local memory
+MAX_ROW_TILE = ROW_TILES[-1]
+XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
+MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in shared memory
+FULL_MASK = 0xFFFFFFFF
+NO_SLOT = np.int32(2**31 - 1)  # warp_min identity: "this lane holds no tile"
+PROLOGUES = ("none", "rmsnorm", "swiglu")
+KINDS = ("linear", "head", "expert")
+RED_ROW = WARP + 1           # simulator reduction rows, padded
+SIM_TREE = bool(cuda.config.ENABLE_CUDASIM)  # frozen: the GPU build keeps only the shuffles
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+
+
+def _unroll(mt: int) -> int:
+    """Weight steps loaded before their FMAs (U x C float4 loads in flight per lane)."""
+    return 4 if mt <= 2 else 2
+
+
+# --- the 16-byte weight load --------------------------------------------------------------------
+
+def _make_load_f32x4() -> Any:
+    """``load_f32x4(w, i) -> (w[i], w[i+1], w[i+2], w[i+3])`` for a 1-D C-contiguous float32 array
+    whose element i is 16-byte aligned: one ``ld.global.nc.v4.f32`` on a GPU (numba-cuda has no
+    vector load, stack §1), four element reads under the simulator (a plain Python function)."""
+    if cuda.config.ENABLE_CUDASIM:
+        def load_f32x4(w, i):
+            return w[i], w[i + 1], w[i + 2], w[i + 3]
+        return load_f32x4
+
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load_f32x4(typingctx, array, index):
+        if not (isinstance(array, types.Array) and array.ndim == 1 and array.dtype == types.float32
+                and isinstance(index, types.Integer)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(array, index)
+
+        def codegen(context, builder, signature, args):
+            array_type, index_type = signature.args
+            ary = context.make_array(array_type)(context, builder, value=args[0])
+            idx = context.cast(builder, args[1], index_type, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, array_type, ary, [idx], wraparound=False)
+            f32 = ir.FloatType()
+            result = ir.LiteralStructType([f32, f32, f32, f32])
+            # Weights are read-only for the kernel's lifetime: the non-coherent path is safe.
+            asm = ir.InlineAsm(ir.FunctionType(result, [ptr.type]),
+                               "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
+            value = builder.call(asm, [ptr])
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(value, e) for e in range(VEC)])
+
+        return sig, codegen
+
+    return load_f32x4
+
+
+load_f32x4 = _make_load_f32x4()
+
+
+# --- device helpers shared by every specialisation ----------------------------------------------
+
+@cuda.jit(device=True, inline="always")
+def _silu_mul(gate, up):
+    """silu(gate) * up in float32 (gate / (1 + exp(-gate)), as reference.model.silu)."""
+    return gate / (ONE + math.exp(-gate)) * up
+
+
+@cuda.jit(device=True, inline="always")
+def _row_inv_rms(x, row, k_dim, eps, lane):
+    """1 / sqrt(mean(x[row, :K]^2) + eps), on every lane: lane l sums k = l, l + 32, ...
+    ascending (fma chain), then the butterfly: a function of K only."""
+    total = ZERO
+    for k in range(lane, k_dim, WARP):
+        value = x[row, k]
+        total = cuda.fma(value, value, total)
+    total = warp_sum_f32(total)
+    return ONE / math.sqrt(total / float32(k_dim) + eps)
+
+
+@cuda.jit(device=True, inline="always")
+def _tree_sum(red, base):
+    """Sum of red[base : base + 32] in :func:`.warp.warp_sum_f32`'s butterfly order, as lane 0
+    sees it (v_l + v_(l + o) for o = 16, 8, 4, 2, 1; every lane ends with these bits because
+    a + b == b + a exactly). Destroys the row. Simulator only."""
+    offset = WARP // 2
+    while offset > 0:
+        for lane in range(offset):
+            red[base + lane] = red[base + lane] + red[base + lane + offset]
+        offset //= 2
+    return red[base]
+
+
+# --- kernel factory ------------------------------------------------------------------------------
+
+def _jit_options(threads: int) -> dict[str, Any]:
+    """``launch_bounds`` (threads, 1 block per SM) on a GPU: without the minimum, ptxas held the
+    1-row tile to 128 registers and spilled; the simulator rejects the option."""
+    return {} if cuda.config.ENABLE_CUDASIM else {"launch_bounds": (threads, 1)}
+
+
+@functools.cache
+def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
+    """The kernel for one specialisation (compiled lazily on first launch, cached).
+
+    kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]) or
+    "expert" (x [R, Kx], w [E, N, K], out [J, N], CSR routing); prologue: "none", "rmsnorm"
+    (linear only) or "swiglu" (linear, expert); residual: out = residual + x @ w.T (linear only);
+    mt: rows per tile, one of ROW_TILES.
+    """
+    if kind not in KINDS or prologue not in PROLOGUES or mt not in ROW_TILES:
+        raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, mt={mt!r}")
+    if (kind == "head" and (prologue != "none" or residual)) or \
+            (kind == "expert" and (prologue == "rmsnorm" or residual)):
+        raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, residual={residual}")
+    MT = mt
+    C = COLUMNS
+    U = _unroll(mt)
+    MTC = MT * C
+    RMS = prologue == "rmsnorm"
+    SWIGLU = prologue == "swiglu"
+    RESIDUAL = residual
+    COMB = BLOCK_WARPS * MTC       # segment sums of every warp of a block
+    RED = BLOCK_WARPS * MTC * RED_ROW if SIM_TREE else 1   # simulator only: lane partials
+    OFFS = MAX_EXPERTS + 1
+
+    # ---- per-kind row access: x value at (src row, group, k); output store ----
+    if kind == "head":
+        @cuda.jit(device=True, inline="always")
+        def x_value(x, src, g, k, k_dim):
+            return x[src, g, k]
+
+        @cuda.jit(device=True, inline="always")
+        def store(out, residual_arr, dst, g, col, value):
+            out[dst, g, col] = value
+    else:
+        @cuda.jit(device=True, inline="always")
+        def x_value(x, src, g, k, k_dim):
+            if SWIGLU:
+                return _silu_mul(x[src, k], x[src, k_dim + k])
+            return x[src, k]
+
+        @cuda.jit(device=True, inline="always")
+        def store(out, residual_arr, dst, g, col, value):
+            if RESIDUAL:
+                out[dst, col] = residual_arr[dst, col] + value
+            else:
+                out[dst, col] = value
+
+    @cuda.jit(device=True, inline="always")
+    def stage(x, xs, src_sh, inv_sh, norm_w, g, phase, k_dim, k_split_, seg_steps, phase_steps):
+        """Input rows of the tile -> xs [MT, k_split, phase_steps * STEP] for one phase: segment s,
+        offset kk holds k = (s * seg_steps + phase * phase_steps) * STEP + kk, prologue applied;
+        zeros past K, past the segment and for absent rows, NaN for invalid source rows."""
+        kcw = phase_steps * STEP
+        row_floats = k_split_ * kcw
+        total_steps = (k_dim + STEP - 1) // STEP
+        for idx in range(cuda.threadIdx.x, MT * row_floats, cuda.blockDim.x):
+            i = idx // row_floats
+            rem = idx - i * row_floats
+            s = rem // kcw
+            kk = rem - s * kcw
+            j = s * seg_steps + phase * phase_steps + kk // STEP
+            k = j * STEP + kk % STEP
+            seg_end = min((s + 1) * seg_steps, total_steps)
+            src = src_sh[i]
+            value = ZERO
+            if j < seg_end and k < k_dim and src != -1:
+                if src < 0:          # -2: an invalid source row (expert routing)
+                    value = float32(math.nan)
+                elif RMS:
+                    value = x_value(x, src, g, k, k_dim) * inv_sh[i] * norm_w[k]
+                else:
+                    value = x_value(x, src, g, k, k_dim)
+            xs[uint64(idx)] = value
+
+    @cuda.jit(device=True, inline="always")
+    def load_step(w, wbase, j, wv, u):
+        """The C float4s of step j for this lane's columns into wv[u]."""
+        for c in range(C):
+            v0, v1, v2, v3 = load_f32x4(w, wbase[c] + j * STEP)
+            wv[u, c, 0] = v0
+            wv[u, c, 1] = v1
+            wv[u, c, 2] = v2
+            wv[u, c, 3] = v3
+
+    @cuda.jit(device=True, inline="always")
+    def fma_step(xs, xo, row_floats, wv, u, acc):
+        """acc[i, c] += x[i, 4l + e] * w[c, 4l + e], e ascending (xs offset xo of row 0)."""
+        for i in range(MT):
+            base = uint64(xo + i * row_floats)
+            x0 = xs[base]
+            x1 = xs[base + uint64(1)]
+            x2 = xs[base + uint64(2)]
+            x3 = xs[base + uint64(3)]
+            for c in range(C):
+                a = cuda.fma(x0, wv[u, c, 0], acc[i, c])
+                a = cuda.fma(x1, wv[u, c, 1], a)
+                a = cuda.fma(x2, wv[u, c, 2], a)
+                acc[i, c] = cuda.fma(x3, wv[u, c, 3], a)
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate(xs, w, wbase, acc, wv, ws, lane, seg, j0, j1, vec_steps, k_dim, k_split_,
+                   phase_steps):
+        """Steps [j0, j1) of this warp's segment (staged from step j0 on) into acc."""
+        kcw = phase_steps * STEP
+        row_floats = k_split_ * kcw
+        xo0 = seg * kcw + VEC * lane - j0 * STEP   # xs offset of step j is xo0 + j * STEP
+        jv = min(j1, max(j0, vec_steps))
+        j = j0
+        while j + U <= jv:                          # U steps: all loads, then all FMAs
+            for u in range(U):
+                load_step(w, wbase, j + u, wv, u)
+            for u in range(U):
+                fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
+            j += U
+        while j < jv:
+            load_step(w, wbase, j, wv, 0)
+            fma_step(xs, xo0 + j * STEP, row_floats, wv, 0, acc)
+            j += 1
+        while j < j1:                               # scalar steps: the tail, or unaligned rows
+            for e in range(VEC):
+                k = j * STEP + VEC * lane + e
+                if k < k_dim:
+                    for c in range(C):
+                        ws[c] = w[wbase[c] - VEC * lane + k]
+                    for i in range(MT):
+                        xv = xs[uint64(xo0 + j * STEP + e + i * row_floats)]
+                        for c in range(C):
+                            acc[i, c] = cuda.fma(xv, ws[c], acc[i, c])
+            j += 1
+
+    @cuda.jit(device=True, inline="always")
+    def put(out, residual_arr, dst_sh, g, col0, n_cols, a, total):
+        """Store element a = i * C + c of the tile (skipping absent rows and columns past N)."""
+        i = a // C
+        c = a - i * C
+        dst = dst_sh[i]
+        if dst >= 0 and col0 + c < n_cols:
+            store(out, residual_arr, dst, g, col0 + c, total)
+
+    @cuda.jit(device=True, inline="always")
+    def emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_, a, total):
+        """A segment sum: stored when K is one segment, else parked in comb for the combine."""
+        if k_split_ == 1:
+            put(out, residual_arr, dst_sh, g, col0, n_cols, a, total)
+        else:
+            comb[uint64(warp * MTC + a)] = total
+
+    @cuda.jit(device=True, inline="always")
+    def tile(x, w, out, residual_arr, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, g, w_group,
+             n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps):
+        """The row tile (src_sh / dst_sh staged) times every column group of this block."""
+        acc = cuda.local.array((MT, C), float32)
+        wv = cuda.local.array((U, C, VEC), float32)
+        ws = cuda.local.array(C, float32)
+        wbase = cuda.local.array(C, int64)
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        seg = warp % k_split_
+        groups_per_block = (cuda.blockDim.x // WARP) // k_split_
+        total_steps = (k_dim + STEP - 1) // STEP
+        n_phases = (seg_steps + phase_steps - 1) // phase_steps
+        j_seg = min(seg * seg_steps, total_steps)
+        j_seg_end = min(j_seg + seg_steps, total_steps)
+        if n_phases == 1:   # the whole segment fits: stage once for every column group
+            stage(x, xs, src_sh, inv_sh, norm_w, g, 0, k_dim, k_split_, seg_steps, phase_steps)
+            cuda.syncthreads()  # staged rows visible to every warp
+        n_groups = (n_cols + C - 1) // C
+        n_group_blocks = (n_groups + groups_per_block - 1) // groups_per_block
+        for gb in range(cuda.blockIdx.x, n_group_blocks, cuda.gridDim.x):
+            col0 = (gb * groups_per_block + warp // k_split_) * C
+            for c in range(C):
+                col = min(col0 + c, n_cols - 1)    # columns past N re-read the last row
+                wbase[c] = (w_group + col) * k_dim + VEC * lane
+            for i in range(MT):
+                for c in range(C):
+                    acc[i, c] = ZERO
+            for phase in range(n_phases):
+                j0 = min(j_seg + phase * phase_steps, j_seg_end)
+                j1 = min(j0 + phase_steps, j_seg_end)
+                if n_phases > 1:
+                    cuda.syncthreads()  # every warp is done with the previous phase's rows
+                    stage(x, xs, src_sh, inv_sh, norm_w, g, phase, k_dim, k_split_, seg_steps,
+                          phase_steps)
+                    cuda.syncthreads()  # this phase's rows staged
+                accumulate(xs, w, wbase, acc, wv, ws, lane, seg, j0, j1, vec_steps, k_dim,
+                           k_split_, phase_steps)
+            if SIM_TREE:    # the butterfly's tree through shared memory (simulated shuffles are slow)
+                red_base = warp * MTC * RED_ROW
+                for i in range(MT):
+                    for c in range(C):
+                        red[red_base + (i * C + c) * RED_ROW + lane] = acc[i, c]
+                cuda.syncwarp()  # the warp's partials visible to the lane that reduces each
+                for a in range(lane, MTC, WARP):
+                    emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_, a,
+                         _tree_sum(red, red_base + a * RED_ROW))
+                cuda.syncwarp()  # red read before the next column group rewrites it
+            else:
+                for i in range(MT):
+                    for c in range(C):
+                        total = warp_sum_f32(acc[i, c])
+                        if lane == (i * C + c) % WARP:
+                            emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_,
+                                 i * C + c, total)
+            if k_split_ > 1:
+                cuda.syncthreads()  # every segment's sums in comb
+                if seg == 0:
+                    for a in range(lane, MTC, WARP):
+                        total = comb[uint64(warp * MTC + a)]
+                        for s in range(1, k_split_):   # segment order
+                            total += comb[uint64((warp + s) * MTC + a)]
+                        put(out, residual_arr, dst_sh, g, col0, n_cols, a, total)
+                cuda.syncthreads()  # comb read before the next column group rewrites it
+
+    options = _jit_options(BLOCK_WARPS * WARP)
+
+    if kind == "linear":
+        @cuda.jit(**options)
+        def kernel(x, w, out, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps,
+                   phase_steps, vec_steps):
+            """out[m] = (residual[m] +) prologue(x[m]) @ w.T. x [M, Kx], w flat [N * K],
+            out / residual [M, N], norm_w [K] (rmsnorm; else unused). Grid (column-group blocks,
+            ceil(M / MT)), dynamic shared xs."""
+            xs = cuda.shared.array(0, float32)
+            comb = cuda.shared.array(COMB, float32)
+            red = cuda.shared.array(RED, float32)
+            src_sh = cuda.shared.array(MT, int32)
+            dst_sh = cuda.shared.array(MT, int32)
+            inv_sh = cuda.shared.array(MT, float32)
+            row0 = cuda.blockIdx.y * MT
+            tid = cuda.threadIdx.x
+            if tid < MT:
+                row = row0 + tid
+                src_sh[tid] = row if row < x.shape[0] else -1
+                dst_sh[tid] = row if row < x.shape[0] else -1
+            if RMS:
+                lane = tid % WARP
+                for i in range(tid // WARP, MT, cuda.blockDim.x // WARP):
+                    row = min(row0 + i, x.shape[0] - 1)
+                    inv = _row_inv_rms(x, row, k_dim, eps, lane)
+                    if lane == 0:
+                        inv_sh[i] = inv
+            cuda.syncthreads()  # tile rows (and their rms) visible before staging
+            tile(x, w, out, residual_arr, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, 0, 0,
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps)
+
+    elif kind == "head":
+        @cuda.jit(**options)
+        def kernel(x, w, out, n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps):
+            """out[m, g] = x[m, g] @ w[g].T. x [M, G, K], w flat [G * N * K], out [M, G, N].
+            Grid (column-group blocks, ceil(M / MT), G)."""
+            xs = cuda.shared.array(0, float32)
+            comb = cuda.shared.array(COMB, float32)
+            red = cuda.shared.array(RED, float32)
+            src_sh = cuda.shared.array(MT, int32)
+            dst_sh = cuda.shared.array(MT, int32)
+            row0 = cuda.blockIdx.y * MT
+            g = cuda.blockIdx.z
+            tid = cuda.threadIdx.x
+            if tid < MT:
+                row = row0 + tid
+                src_sh[tid] = row if row < x.shape[0] else -1
+                dst_sh[tid] = row if row < x.shape[0] else -1
+            cuda.syncthreads()  # tile rows visible before staging
+            tile(x, w, out, out, w, xs, comb, red, src_sh, dst_sh, comb, g, g * n_cols,
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps)
+
+    else:
+        @cuda.jit(**options)
+        def kernel(x, w, out, row_offsets, row_index, n_cols, k_dim, k_split_, seg_steps,
+                   phase_steps, vec_steps):
+            """out[j] = prologue(x[row_index[j]]) @ w[e].T for CSR entries j of expert e.
+            x [R, Kx], w flat [E * N * K], out [J, N], row_offsets int32 [E + 1], row_index int32
+            [J]. Grid (column-group blocks, tile slots): slot t is the t-th non-empty MT-row tile
+            in expert order; slots past the last tile exit."""
+            xs = cuda.shared.array(0, float32)
+            comb = cuda.shared.array(COMB, float32)
+            red = cuda.shared.array(RED, float32)
+            src_sh = cuda.shared.array(MT, int32)
+            dst_sh = cuda.shared.array(MT, int32)
+            offs = cuda.shared.array(OFFS, int32)
+            found = cuda.shared.array(2, int32)
+            tid = cuda.threadIdx.x
+            n_experts = row_offsets.shape[0] - 1
+            n_entries = out.shape[0]
+            for e in range(tid, n_experts + 1, cuda.blockDim.x):
+                offs[e] = min(max(row_offsets[e], 0), n_entries)   # clamped: never out of bounds
+            cuda.syncthreads()  # offsets staged
+            if tid < WARP:     # warp 0: which expert and which of its tiles is this slot?
+                slot = cuda.blockIdx.y
+                carry = 0
+                best = NO_SLOT
+                best_tile = NO_SLOT
+                for base in range(0, n_experts, WARP):
+                    e = base + tid
+                    tiles = 0
+                    if e < n_experts:
+                        tiles = (max(offs[e + 1] - offs[e], 0) + MT - 1) // MT
+                    incl = int32(warp_inclusive_scan_i32(int32(tiles)) + carry)
+                    excl = incl - tiles
+                    hit = tiles > 0 and excl <= slot and slot < incl
+                    best = min(best, warp_min_i32(int32(e) if hit else NO_SLOT))
+                    best_tile = min(best_tile, warp_min_i32(int32(slot - excl) if hit else NO_SLOT))
+                    carry = cuda.shfl_sync(FULL_MASK, incl, WARP - 1)
+                if tid == 0:
+                    found[0] = best
+                    found[1] = best_tile
+            cuda.syncthreads()  # the slot's expert and tile
+            expert = found[0]
+            if expert == NO_SLOT:   # past the last tile: the whole block leaves together
+                return
+            if tid < MT:
+                entry = offs[expert] + found[1] * MT + tid
+                src = -1
+                dst = -1
+                if entry < offs[expert + 1]:
+                    dst = entry
+                    src = row_index[entry]
+                    if src < 0 or src >= x.shape[0]:
+                        src = -2         # invalid row: NaN output
+                src_sh[tid] = src
+                dst_sh[tid] = dst
+            cuda.syncthreads()  # tile rows visible before staging
+            tile(x, w, out, out, w, xs, comb, red, src_sh, dst_sh, comb, 0, expert * n_cols,
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps)
+
+    return kernel
+
+
+# --- registration (real signatures: all C-contiguous, and views where the contract allows) ------
+
+_GEOMETRY = (int32, int32, int32, int32, int32, int32)   # n_cols, k_dim, k_split, seg, phase, vec
+
+
+def _linear_sigs() -> tuple:
+    c2, a2, w1 = float32[:, ::1], float32[:, :], float32[::1]
+    return ((c2, w1, c2, c2, w1, float32) + _GEOMETRY,
+            (a2, w1, a2, a2, w1, float32) + _GEOMETRY)
+
+
+def _head_sigs() -> tuple:
+    return ((float32[:, :, ::1], float32[::1], float32[:, :, ::1]) + _GEOMETRY,
+            (float32[:, :, :], float32[::1], float32[:, :, :]) + _GEOMETRY)
+
+
+def _expert_sigs() -> tuple:
+    return ((float32[:, ::1], float32[::1], float32[:, ::1], int32[::1], int32[::1]) + _GEOMETRY,
+            (float32[:, :], float32[::1], float32[:, :], int32[::1], int32[::1]) + _GEOMETRY)
+
+
+def _register_all() -> None:
+    threads = BLOCK_WARPS * WARP
+    for mt in ROW_TILES:
+        for prologue in PROLOGUES:
+            for residual in (False, True):
+                name = f"linear_{prologue}{'_residual' if residual else ''}_mt{mt}"
+                register(name, get_kernel("linear", prologue, residual, mt), _linear_sigs(),
+                         f"batch-invariant x @ w.T, {prologue} prologue"
+                         f"{', residual epilogue' if residual else ''}, {mt}-row tiles",
+                         block_threads=threads)
+        register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs(),
+                 f"batch-invariant per-head x[:, g] @ w[g].T, {mt}-row tiles", block_threads=threads)
+        for prologue in ("none", "swiglu"):
+            register(f"expert_linear_{prologue}_mt{mt}", get_kernel("expert", prologue, False, mt),
+                     _expert_sigs(), f"batch-invariant MoE expert products over a CSR routing, "
+                     f"{prologue} prologue, {mt}-row tiles", block_threads=threads)
+
+
+_register_all()
+
+
+# --- host side -------------------------------------------------------------------------------------
+
+def k_split(k_dim: int) -> int:
+    """K segments (warps) per column group: the smallest power of two giving segments of at
+    most SPLIT_STEPS * 128 values, capped at MAX_K_SPLIT. A function of K only (the order)."""
+    total_steps = -(-k_dim // STEP)
+    split = 1
+    while split < MAX_K_SPLIT and split * SPLIT_STEPS < total_steps:
+        split *= 2
+    return split
+
+
+def row_tile(rows: int) -> int:
+    """MT for a launch with ``rows`` rows per group: the smallest tile >= rows, else the largest."""
+    for mt in ROW_TILES:
+        if rows <= mt:
+            return mt
+    return MAX_ROW_TILE
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """Launch geometry of one product (a function of the shapes only; numerics depend on K only).
+
+    Attributes:
+        mt: rows per tile; k_split, seg_steps: the K segmentation (from K); phase_steps: steps
+        staged per phase; vec_steps: steps read with 16-byte loads (K // 128 when the weight rows
+        are 16-byte aligned, else 0: scalar loads, same order); threads: block size;
+        grid_x: column-group blocks; shared_bytes: dynamic shared memory.
+    """
+
+    mt: int
+    k_split: int
+    seg_steps: int
+    phase_steps: int
+    vec_steps: int
+    threads: int
+    grid_x: int
+    shared_bytes: int
+
+    def geometry(self, n_cols: int, k_dim: int) -> tuple[int, ...]:
+        """The kernels' trailing scalar arguments."""
+        return (n_cols, k_dim, self.k_split, self.seg_steps, self.phase_steps, self.vec_steps)
+
+
+def _address(x: Any) -> int:
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is not None:
+        return int(interface["data"][0])
+    return int(x.ctypes.data)
+
+
+def plan_linear(rows: int, n_cols: int, k_dim: int, *, w: Any = None) -> LinearPlan:
+    """Launch geometry for ``rows`` rows per tile group, N = n_cols, K = k_dim (``w``: the weight,
+    for the 16-byte alignment check)."""
+    mt = row_tile(rows)
+    split = k_split(k_dim)
+    total_steps = -(-k_dim // STEP)
+    seg_steps = -(-total_steps // split)
+    phase_steps = max(1, min(seg_steps, XS_BUDGET_BYTES // (4 * mt * split * STEP)))
+    aligned = k_dim % VEC == 0 and (w is None or _address(w) % (4 * VEC) == 0)
+    vec_steps = k_dim // STEP if aligned else 0
+    groups = SIM_GROUPS if cuda.config.ENABLE_CUDASIM else max(1, BLOCK_WARPS // split)
+    n_groups = -(-n_cols // COLUMNS)
+    grid_x = SIM_GRID_X if cuda.config.ENABLE_CUDASIM else -(-n_groups // groups)
+    return LinearPlan(mt, split, seg_steps, phase_steps, vec_steps, groups * split * WARP,
+                      max(1, grid_x), 4 * mt * split * phase_steps * STEP)
+
+
+# --- argument checks -------------------------------------------------------------------------------
+
+def _f32(x: Any, name: str, ndim: int) -> Any:
+    """A float32 array of rank ndim with unit inner stride (views allowed)."""
+    x = as_kernel_array(x, name)
+    if np.dtype(x.dtype) != np.float32:
+        raise TypeError(f"{name} must have dtype float32, got {np.dtype(x.dtype).name}")
+    shape, strides = tuple(x.shape), tuple(x.strides)
+    if len(shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {shape}")
+    if shape[-1] > 1 and strides[-1] != 4:
+        raise ValueError(f"{name} must have a unit inner stride (a view of whole rows or a "
+                         f"column slice), got strides {strides}")
+    if any(s < 0 for s in strides):
+        raise ValueError(f"{name} must not have negative strides")
+    return x
+
+
+def _weight(w: Any, ndim: int) -> Any:
+    """w float32, rank ndim, C-contiguous, K >= 1."""
+    w = _f32(w, "w", ndim)
+    if not is_c_contiguous(w):
+        raise ValueError("w must be C-contiguous")
+    if tuple(w.shape)[-1] < 1 or tuple(w.shape)[-2] < 1:
+        raise ValueError(f"w must have N >= 1 and K >= 1, got shape {tuple(w.shape)}")
+    return w
+
+
+def _check_out(out: Any, name: str, shape: tuple[int, ...]) -> Any:
+    out = _f32(out, name, len(shape))
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    return out
+
+
+def _check_stride_limits(*arrays: tuple[Any, str]) -> None:
+    """Element counts and offsets fit the kernels' int32 geometry and int64 indices."""
+    for x, name in arrays:
+        if x.size and max(x.shape) > np.iinfo(np.int32).max // 2:
+            raise ValueError(f"{name} is too large (a dimension over 2**30)")
+
+
+def _flat(w: Any) -> Any:
+    """A 1-D view of a C-contiguous weight."""
+    return w.reshape(int(np.prod(w.shape, dtype=np.int64)))
+
+
+def _check_eps(eps: Any) -> np.float32:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return np.float32(eps)
+
+
+# --- host wrappers ---------------------------------------------------------------------------------
+
+def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6,
+           swiglu: bool = False, residual: Any = None, stream: Any = 0) -> Any:
+    """``out[m] = (residual[m] if given else 0) + input[m] @ w.T``, batch-invariant.
+
+    Args:
+        x: float32 [M, Kx], unit inner stride (a column-slice view is fine). The input row is
+            x[m] (Kx == K); rmsnorm(x[m]) * norm_weight when ``norm_weight`` is given (rms over
+            the K values, eps added to the mean square); silu(x[m, :K]) * x[m, K:] when
+            ``swiglu`` (Kx == 2K).
+        w: float32 [N, K], C-contiguous (HF [out, in] layout).
+        out: float32 [M, N], unit inner stride (a view is fine).
+        norm_weight: float32 [K] or None (not with ``swiglu``).
+        eps: RMSNorm epsilon.
+        swiglu: apply the SwiGLU prologue.
+        residual: float32 [M, N] or None; may be ``out`` itself (read before written, per element).
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
+    """
+    x = _f32(x, "x", 2)
+    w = _weight(w, 2)
+    n_cols, k_dim = w.shape
+    m_rows = x.shape[0]
+    if not isinstance(swiglu, bool):
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    if norm_weight is not None and swiglu:
+        raise ValueError("norm_weight and swiglu cannot be combined (one prologue)")
+    want = 2 * k_dim if swiglu else k_dim
+    if x.shape[1] != want:
+        raise ValueError(f"x must have {want} columns ({'2K, swiglu' if swiglu else 'K'} with "
+                         f"K = {k_dim} from w), got shape {tuple(x.shape)}")
+    out = _check_out(out, "out", (m_rows, n_cols))
+    eps32 = _check_eps(eps)
+    prologue = "swiglu" if swiglu else "none"
+    norm = None
+    if norm_weight is not None:
+        norm = _f32(norm_weight, "norm_weight", 1)
+        if tuple(norm.shape) != (k_dim,):
+            raise ValueError(f"norm_weight must have shape ({k_dim},), got {tuple(norm.shape)}")
+        prologue = "rmsnorm"
+    if residual is not None:
+        residual = _check_out(residual, "residual", (m_rows, n_cols))
+    _check_stride_limits((x, "x"), (w, "w"), (out, "out"))
+    if m_rows == 0:
+        return out
+    plan = plan_linear(m_rows, n_cols, k_dim, w=w)
+    kernel = get_kernel("linear", prologue, residual is not None, plan.mt)
+    w_flat = _flat(w)
+    launch(kernel, (plan.grid_x, -(-m_rows // plan.mt)), plan.threads, stream, plan.shared_bytes,
+           x, w_flat, out, out if residual is None else residual, w_flat if norm is None else norm,
+           eps32, *plan.geometry(n_cols, k_dim))
+    return out
+
+
+def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
+    """Per-group products ``out[m, g] = x[m, g] @ w[g].T`` (MLA absorb), batch-invariant.
+
+    Args:
+        x: float32 [M, G, K], unit inner stride (a view such as q[:, :, :nope] is fine).
+        w: float32 [G, N, K], C-contiguous.
+        out: float32 [M, G, N], unit inner stride.
+        stream: as :func:`linear`.
+
+    Returns:
+        ``out``.
+    """
+    x = _f32(x, "x", 3)
+    w = _weight(w, 3)
+    groups, n_cols, k_dim = w.shape
+    m_rows = x.shape[0]
+    if x.shape[1] != groups or x.shape[2] != k_dim:
+        raise ValueError(f"x must have shape (M, {groups}, {k_dim}) (G and K from w), got "
+                         f"{tuple(x.shape)}")
+    out = _check_out(out, "out", (m_rows, groups, n_cols))
+    _check_stride_limits((x, "x"), (w, "w"), (out, "out"))
+    if m_rows == 0 or groups == 0:
+        return out
+    plan = plan_linear(m_rows, n_cols, k_dim, w=w)
+    kernel = get_kernel("head", "none", False, plan.mt)
+    launch(kernel, (plan.grid_x, -(-m_rows // plan.mt), groups), plan.threads, stream,
+           plan.shared_bytes, x, _flat(w), out, *plan.geometry(n_cols, k_dim))
+    return out
+
+
+def expert_slots(entries: int, experts: int, mt: int) -> int:
+    """Tile slots launched for ``entries`` CSR entries over ``experts`` groups: an upper bound of
+    sum_e ceil(count_e / mt) (each non-empty expert wastes at most one partial tile)."""
+    return -(-entries // mt) + min(experts, entries)
+
+
+def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
+                  swiglu: bool = False, stream: Any = 0) -> Any:
+    """Grouped (MoE) products over a CSR routing, batch-invariant.
+
+    Entries j in [row_offsets[e], row_offsets[e + 1]) use expert e on input row x[row_index[j]]
+    and write out[j] = input @ w[e].T (input = silu(x[r, :K]) * x[r, K:] when ``swiglu``).
+
+    Args:
+        x: float32 [R, Kx] (Kx = K, or 2K with swiglu), unit inner stride.
+        w: float32 [E, N, K], C-contiguous (E <= MAX_EXPERTS).
+        out: float32 [J, N], unit inner stride; J = the entry capacity (M * k). Entries past
+            row_offsets[E] are not written.
+        row_offsets: int32 [E + 1], non-decreasing, within [0, J] (device values are clamped, not
+            checked); row_index: int32 [J], rows of x (a device value outside [0, R) gives a NaN
+            output row).
+        swiglu: apply the SwiGLU prologue.
+        stream: as :func:`linear`.
+
+    Returns:
+        ``out``. The grid is fixed by (J, E, R): blocks past the last non-empty tile exit.
+    """
+    x = _f32(x, "x", 2)
+    w = _weight(w, 3)
+    experts, n_cols, k_dim = w.shape
+    if not isinstance(swiglu, bool):
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"w has {experts} experts, at most {MAX_EXPERTS} are supported")
+    want = 2 * k_dim if swiglu else k_dim
+    if x.shape[1] != want:
+        raise ValueError(f"x must have {want} columns ({'2K, swiglu' if swiglu else 'K'} with "
+                         f"K = {k_dim} from w), got shape {tuple(x.shape)}")
+    out = _f32(out, "out", 2)
+    if out.shape[1] != n_cols:
+        raise ValueError(f"out must have shape (J, {n_cols}) (N from w), got {tuple(out.shape)}")
+    entries = out.shape[0]
+    row_offsets = as_kernel_array(row_offsets, "row_offsets")
+    if np.dtype(row_offsets.dtype) != np.int32:
+        raise TypeError(f"row_offsets must have dtype int32, got {np.dtype(row_offsets.dtype).name}")
+    if tuple(row_offsets.shape) != (experts + 1,) or not is_c_contiguous(row_offsets):
+        raise ValueError(f"row_offsets must be a contiguous ({experts + 1},) array, got shape "
+                         f"{tuple(row_offsets.shape)}")
+    row_index = as_kernel_array(row_index, "row_index")
+    if np.dtype(row_index.dtype) != np.int32:
+        raise TypeError(f"row_index must have dtype int32, got {np.dtype(row_index.dtype).name}")
+    if tuple(row_index.shape) != (entries,) or not is_c_contiguous(row_index):
+        raise ValueError(f"row_index must be a contiguous ({entries},) array (J from out), got "
+                         f"shape {tuple(row_index.shape)}")
+    if isinstance(row_offsets, np.ndarray):
+        if row_offsets[0] < 0 or row_offsets[-1] > entries or np.any(np.diff(row_offsets) < 0):
+            raise ValueError(f"row_offsets must be non-decreasing within [0, {entries}]")
+        if isinstance(row_index, np.ndarray):
+            used = row_index[row_offsets[0]:row_offsets[-1]]
+            if used.size and (used.min() < 0 or used.max() >= x.shape[0]):
+                raise ValueError(f"row_index must be in [0, {x.shape[0]}) on routed entries")
+    _check_stride_limits((x, "x"), (w, "w"), (out, "out"))
+    if entries == 0 or x.shape[0] == 0:
+        return out
+    plan = plan_linear(min(x.shape[0], entries), n_cols, k_dim, w=w)
+    kernel = get_kernel("expert", "swiglu" if swiglu else "none", False, plan.mt)
+    launch(kernel, (plan.grid_x, expert_slots(entries, experts, plan.mt)), plan.threads, stream,
+           plan.shared_bytes, x, _flat(w), out, row_offsets, row_index,
+           *plan.geometry(n_cols, k_dim))
+    return out

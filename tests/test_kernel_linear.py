@@ -1,0 +1,343 @@
+"""Batch-invariant FP32 products (ddtree_numba.kernels.linear) against NumPy float64.
+
+Tolerance: |out - ref| <= 1e-5 * (|input| @ |w|.T) elementwise (+ |residual| * 1e-6), ref in
+float64; FP32 fma chains over K <= 2100 land far inside it. Batch invariance is bit-exact: a row's
+output is the same whether computed alone, among 7 or 33 rows, or through expert_linear /
+head_linear. Under the simulator the reduction order itself is checked bit for bit against a
+NumPy emulation (the simulator's fma is a*b + c in float32).
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.kernels import linear as lin
+
+
+RNG = np.random.default_rng(20261130)
+SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
+
+
+def _dev(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def _rand(*shape, rng=RNG):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _rms(x, weight, eps):
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * weight
+
+
+def _silu_mul(x, k):
+    g = x[:, :k].astype(np.float64)
+    return g / (1.0 + np.exp(-g)) * x[:, k:].astype(np.float64)
+
+
+def _assert_close(out, inp, w, residual=None):
+    """out vs float64 inp @ w.T (+ residual) within 1e-5 of sum |inp| |w|."""
+    ref = inp.astype(np.float64) @ w.astype(np.float64).T
+    bound = 1e-5 * (np.abs(inp.astype(np.float64)) @ np.abs(w.astype(np.float64)).T) + 1e-30
+    if residual is not None:
+        ref = ref + residual
+        bound = bound + 1e-6 * np.abs(residual)
+    assert np.all(np.isfinite(out))
+    err = np.abs(out - ref)
+    assert np.all(err <= bound), f"max err {err.max()} vs bound {bound[np.argmax(err - bound)]}"
+
+
+def _run_linear(x, w, **kwargs):
+    out = cuda.to_device(np.full((x.shape[0], w.shape[0]), np.nan, np.float32))
+    lin.linear(_dev(x), _dev(w), out, **kwargs)
+    return out.copy_to_host()
+
+
+# --- the order of the reduction, emulated --------------------------------------------------------
+
+def _emulate(inp, w):
+    """The documented order in float32 with the simulator's fma (a*b + c, two roundings)."""
+    m_rows, k_dim = inp.shape
+    split = lin.k_split(k_dim)
+    steps = -(-k_dim // lin.STEP)
+    seg_steps = -(-steps // split)
+    out = np.zeros((m_rows, w.shape[0]), np.float32)
+    for s in range(split):
+        partial = np.zeros((32, m_rows, w.shape[0]), np.float32)  # [lane, M, N]
+        for j in range(s * seg_steps, min((s + 1) * seg_steps, steps)):
+            for e in range(4):
+                k = j * lin.STEP + 4 * np.arange(32) + e  # [32]
+                ok = k < k_dim
+                kk = np.where(ok, k, 0)
+                prod = inp[:, kk].T[:, :, None] * w[:, kk].T[:, None, :]  # [32, M, N] float32
+                partial = np.where(ok[:, None, None], prod + partial, partial)
+        offset = 16
+        while offset:
+            partial = partial[:offset] + partial[offset:2 * offset]
+            offset //= 2
+        out = partial[0] if s == 0 else out + partial[0]
+    return out
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
+@pytest.mark.parametrize("m_rows,n_cols,k_dim", [(3, 5, 300), (2, 4, 2100), (1, 3, 126)])
+def test_reduction_order_is_the_documented_one(m_rows, n_cols, k_dim):
+    x, w = _rand(m_rows, k_dim), _rand(n_cols, k_dim)
+    np.testing.assert_array_equal(_run_linear(x, w), _emulate(x, w))
+
+
+# --- accuracy -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m_rows,n_cols,k_dim", [(1, 9, 64), (3, 17, 300), (5, 8, 130), (17, 5, 131),
+                                                 (2, 3, 7), (4, 6, 2100)])
+def test_linear_matches_float64(m_rows, n_cols, k_dim):
+    x, w = _rand(m_rows, k_dim), _rand(n_cols, k_dim)
+    _assert_close(_run_linear(x, w), x, w)
+
+
+def test_rmsnorm_prologue_and_residual_aliasing_out():
+    x, w, nw = _rand(6, 200), _rand(7, 200), _rand(200)
+    res = _rand(6, 7)
+    out = _dev(res)
+    lin.linear(_dev(x), _dev(w), out, norm_weight=_dev(nw), eps=1e-5, residual=out)
+    _assert_close(out.copy_to_host(), _rms(x, nw, 1e-5), w, residual=res.astype(np.float64))
+
+
+def test_swiglu_prologue_and_separate_residual():
+    x, w, res = _rand(3, 2 * 150), _rand(5, 150), _rand(3, 5)
+    out = _run_linear(x, w, swiglu=True, residual=_dev(res))
+    _assert_close(out, _silu_mul(x, 150), w, residual=res.astype(np.float64))
+
+
+def test_views_column_slice_in_and_out():
+    """x a column slice of a wider buffer (row stride != K), out a column slice too."""
+    big = _rand(4, 100)
+    w = _rand(6, 64)
+    out_big = np.full((4, 10), -7.0, np.float32)
+    d_big, d_out = _dev(big), _dev(out_big)
+    lin.linear(d_big[:, 20:84], _dev(w), d_out[:, 2:8])
+    got = d_out.copy_to_host()
+    _assert_close(got[:, 2:8], big[:, 20:84], w)
+    assert np.all(got[:, :2] == -7.0) and np.all(got[:, 8:] == -7.0)
+
+
+def test_unaligned_weight_rows_use_the_same_order():
+    """K % 4 != 0 rules out 16-byte loads (scalar path); K % 4 == 0 with a misaligned base too:
+    both must give the aligned path's bits."""
+    x, w = _rand(2, 260), _rand(3, 260)
+    ref = _run_linear(x, w)
+    buf = cuda.to_device(np.concatenate([np.zeros(1, np.float32), w.ravel()]))
+    shifted = buf[1:].reshape(3, 260)  # base 4 bytes past an aligned address
+    assert lin.plan_linear(2, 3, 260, w=shifted).vec_steps == 0
+    out = cuda.to_device(np.zeros((2, 3), np.float32))
+    lin.linear(_dev(x), shifted, out)
+    np.testing.assert_array_equal(out.copy_to_host(), ref)
+
+
+# --- batch invariance ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k_dim,prologue", [(300, "none"), (1500, "rmsnorm"), (2100, "swiglu")])
+def test_row_is_bit_identical_alone_in_7_and_in_33(k_dim, prologue):
+    """Row tiles 1, 8 and 8 (5 tiles); K = 1500 and 2100 stage in 2 phases at MT 8, 2100 has 2
+    K segments."""
+    rng = np.random.default_rng(k_dim)
+    kx = 2 * k_dim if prologue == "swiglu" else k_dim
+    row = _rand(1, kx, rng=rng)
+    w = _rand(5, k_dim, rng=rng)
+    kwargs = {"swiglu": True} if prologue == "swiglu" else {}
+    if prologue == "rmsnorm":
+        kwargs = {"norm_weight": _dev(_rand(k_dim, rng=rng)), "eps": 1e-6}
+    alone = _run_linear(row, w, **kwargs)[0]
+    for batch, where in ((7, 3), (33, 20)):
+        x = _rand(batch, kx, rng=rng) * rng.uniform(0.1, 10.0)
+        x[where] = row[0]
+        got = _run_linear(x, w, **kwargs)
+        np.testing.assert_array_equal(got[where], alone)
+
+
+def test_head_linear_matches_linear_per_group():
+    m_rows, groups, n_cols, k_dim = 3, 4, 5, 48
+    q = _rand(m_rows, groups, k_dim + 8)  # a view q[:, :, :K] of wider rows (nope | rope)
+    w = _rand(groups, n_cols, k_dim)
+    out = cuda.to_device(np.full((m_rows, groups, n_cols), np.nan, np.float32))
+    lin.head_linear(_dev(q)[:, :, :k_dim], _dev(w), out)
+    got = out.copy_to_host()
+    for g in range(groups):
+        _assert_close(got[:, g], q[:, g, :k_dim], w[g])
+        np.testing.assert_array_equal(got[:, g], _run_linear(q[:, g, :k_dim], w[g]))
+
+
+# --- expert_linear ---------------------------------------------------------------------------------
+
+def _routing(rng, m_rows, experts, top_k, empty=()):
+    """CSR of a random top-k routing: entries of expert e in ascending row order."""
+    allowed = np.array([e for e in range(experts) if e not in empty])
+    chosen = [np.sort(rng.choice(allowed, top_k, replace=False)) for _ in range(m_rows)]
+    offsets, index, pairs = [0], [], []
+    for e in range(experts):
+        rows = [m for m in range(m_rows) if e in chosen[m]]
+        index += rows
+        pairs += [(m, e) for m in rows]
+        offsets.append(len(index))
+    return np.array(offsets, np.int32), np.array(index, np.int32), pairs
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_expert_linear_matches_linear_bit_for_bit(swiglu):
+    rng = np.random.default_rng(7 + swiglu)
+    m_rows, experts, top_k, n_cols, k_dim = 5, 6, 2, 7, 136
+    x = _rand(m_rows, 2 * k_dim if swiglu else k_dim, rng=rng)
+    w = _rand(experts, n_cols, k_dim, rng=rng)
+    offsets, index, pairs = _routing(rng, m_rows, experts, top_k, empty=(1, 4))
+    capacity = m_rows * top_k + 3  # entries past offsets[E] stay untouched
+    out = cuda.to_device(np.full((capacity, n_cols), -3.0, np.float32))
+    row_index = np.zeros(capacity, np.int32)
+    row_index[:len(index)] = index
+    lin.expert_linear(_dev(x), _dev(w), out, _dev(offsets), _dev(row_index), swiglu=swiglu)
+    got = out.copy_to_host()
+    inp = _silu_mul(x, k_dim) if swiglu else x.astype(np.float64)
+    for j, (m, e) in enumerate(pairs):
+        _assert_close(got[j:j + 1], inp[m:m + 1], w[e])
+        np.testing.assert_array_equal(got[j], _run_linear(x[m:m + 1], w[e], swiglu=swiglu)[0])
+    assert np.all(got[len(pairs):] == -3.0)
+
+
+def test_expert_linear_is_invariant_to_the_routing():
+    """Row 0 through expert 2: the same bits whatever the other rows and their experts."""
+    rng = np.random.default_rng(11)
+    experts, n_cols, k_dim = 5, 6, 70
+    w = _rand(experts, n_cols, k_dim, rng=rng)
+    row = _rand(1, k_dim, rng=rng)
+    results = []
+    for m_rows in (1, 6, 20):
+        x = _rand(m_rows, k_dim, rng=rng)
+        x[0] = row[0]
+        offsets, index, pairs = _routing(rng, m_rows, experts, 2)
+        if (0, 2) not in pairs:  # force row 0 -> expert 2 by routing it there alone
+            offsets, index, pairs = (np.array([0, 0, 0, 1, 1, 1], np.int32), np.array([0], np.int32),
+                                     [(0, 2)])
+        out = cuda.to_device(np.zeros((max(len(pairs), 1), n_cols), np.float32))
+        lin.expert_linear(_dev(x), _dev(w), out, _dev(offsets), _dev(index))
+        results.append(out.copy_to_host()[pairs.index((0, 2))])
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+
+
+def test_expert_linear_bad_device_row_index_gives_nan_row():
+    x, w = _rand(2, 40), _rand(2, 3, 40)
+    out = cuda.to_device(np.zeros((2, 3), np.float32))
+    lin.expert_linear(_dev(x), _dev(w), out, _dev(np.array([0, 1, 2], np.int32)),
+                      _dev(np.array([1, 9], np.int32)))  # device values: not checked on the host
+    got = out.copy_to_host()
+    assert np.all(np.isfinite(got[0])) and np.all(np.isnan(got[1]))
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+def _good():
+    return _dev(_rand(2, 8)), _dev(_rand(3, 8)), cuda.to_device(np.zeros((2, 3), np.float32))
+
+
+@pytest.mark.parametrize("case,exc,name", [
+    (lambda x, w, o: lin.linear(x.copy_to_host().astype(np.float64), w, o), TypeError, "x"),
+    (lambda x, w, o: lin.linear(x, _dev(_rand(3, 9)), o), ValueError, "x"),
+    (lambda x, w, o: lin.linear(x, w, cuda.to_device(np.zeros((2, 4), np.float32))), ValueError, "out"),
+    (lambda x, w, o: lin.linear(_dev(_rand(2, 16))[:, ::2], w, o), ValueError, "x"),
+    (lambda x, w, o: lin.linear(x, _dev(_rand(8, 3)).T, o), ValueError, "w"),
+    (lambda x, w, o: lin.linear(x, w, o, norm_weight=_dev(_rand(7))), ValueError, "norm_weight"),
+    (lambda x, w, o: lin.linear(x, w, o, swiglu=True), ValueError, "x"),
+    (lambda x, w, o: lin.linear(x, w, o, swiglu=1), TypeError, "swiglu"),
+    (lambda x, w, o: lin.linear(x, w, o, residual=_dev(_rand(3, 3))), ValueError, "residual"),
+    (lambda x, w, o: lin.linear(x, w, o, norm_weight=_dev(_rand(8)), eps=-1.0), ValueError, "eps"),
+    (lambda x, w, o: lin.linear(x, w, o, norm_weight=_dev(_rand(8)), swiglu=True), ValueError, "norm_weight"),
+    (lambda x, w, o: lin.linear([[1.0]], w, o), TypeError, "x"),
+    (lambda x, w, o: lin.head_linear(_dev(_rand(2, 3, 8)), _dev(_rand(2, 4, 8)), o), ValueError, "x"),
+    (lambda x, w, o: lin.head_linear(_dev(_rand(2, 2, 8)), _dev(_rand(2, 4, 8)), o), ValueError, "out"),
+    (lambda x, w, o: lin.expert_linear(x, _dev(_rand(2, 3, 8)), o, _dev(np.array([0, 1, 2], np.int64)),
+                                       _dev(np.zeros(2, np.int32))), TypeError, "row_offsets"),
+    (lambda x, w, o: lin.expert_linear(x, _dev(_rand(2, 3, 8)), o, np.array([0, 2, 1], np.int32),
+                                       np.zeros(2, np.int32)), ValueError, "row_offsets"),
+    (lambda x, w, o: lin.expert_linear(x, _dev(_rand(2, 3, 8)), o, np.array([0, 1, 2], np.int32),
+                                       np.array([0, 5], np.int32)), ValueError, "row_index"),
+    (lambda x, w, o: lin.expert_linear(x, _dev(_rand(2, 3, 8)), o, np.array([0, 1, 2], np.int32),
+                                       np.zeros(3, np.int32)), ValueError, "row_index"),
+])
+def test_bad_input_names_the_argument_and_writes_nothing(case, exc, name):
+    x, w, out = _good()
+    with pytest.raises(exc, match=name):
+        case(x, w, out)
+    assert np.all(out.copy_to_host() == 0.0)
+
+
+def test_plan_is_a_function_of_k_for_the_order():
+    assert [lin.k_split(k) for k in (1, 128, 2048, 2049, 4096, 8192, 18432, 100000)] == \
+        [1, 1, 1, 2, 2, 4, 8, 8]
+    for rows in (1, 7, 33, 1056):
+        p = lin.plan_linear(rows, 100, 5000)
+        assert (p.k_split, p.seg_steps) == (4, 10)
+        assert p.shared_bytes <= lin.XS_BUDGET_BYTES
+
+
+def test_every_specialisation_is_registered():
+    from ddtree_numba.kernels import registry
+
+    names = {s.name for s in registry.all_kernels()}
+    for mt in lin.ROW_TILES:
+        assert f"head_linear_mt{mt}" in names
+        for p in lin.PROLOGUES:
+            assert {f"linear_{p}_mt{mt}", f"linear_{p}_residual_mt{mt}"} <= names
+        assert {f"expert_linear_none_mt{mt}", f"expert_linear_swiglu_mt{mt}"} <= names
+
+
+# --- GPU: small-preset shapes ----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cols,k_dim,prologue", [(32768, 2048, "rmsnorm"), (11264, 2048, "none"),
+                                                    (12288, 768, "none"), (2048, 5632, "swiglu")])
+def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
+    rng = np.random.default_rng(n_cols + k_dim)
+    w = _rand(n_cols, k_dim, rng=rng)
+    d_w = _dev(w)
+    kx = 2 * k_dim if prologue == "swiglu" else k_dim
+    x_all = _rand(1056, kx, rng=rng)
+    nw = _rand(k_dim, rng=rng)
+    kwargs = {"swiglu": prologue == "swiglu"}
+    if prologue == "rmsnorm":
+        kwargs = {"norm_weight": _dev(nw), "eps": 1e-6}
+    alone = {}
+    for m_rows in (1, 4, 16, 33, 1056):
+        out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
+        lin.linear(_dev(x_all[:m_rows]), d_w, out, **kwargs)
+        got = out.copy_to_host()
+        if m_rows == 1:
+            alone = got[0]
+        else:
+            np.testing.assert_array_equal(got[0], alone)
+        check = [0, m_rows - 1]
+        inp = x_all[check]
+        inp = (_silu_mul(inp, k_dim) if prologue == "swiglu" else
+               _rms(inp, nw, 1e-6) if prologue == "rmsnorm" else inp)
+        _assert_close(got[check], inp, w)
+
+
+@pytest.mark.gpu
+def test_gpu_expert_and_head_shapes():
+    rng = np.random.default_rng(3)
+    experts, n_cols, k_dim, top_k, m_rows = 16, 512, 2048, 4, 1056
+    w = _rand(experts, n_cols, k_dim, rng=rng)
+    x = _rand(m_rows, k_dim, rng=rng)
+    offsets, index, pairs = _routing(rng, m_rows, experts, top_k)
+    out = cuda.to_device(np.full((m_rows * top_k, n_cols), np.nan, np.float32))
+    lin.expert_linear(_dev(x), _dev(w), out, _dev(offsets), _dev(index))
+    got = out.copy_to_host()
+    for j in rng.choice(len(pairs), 16, replace=False):
+        m, e = pairs[j]
+        _assert_close(got[j:j + 1], x[m:m + 1], w[e])
+        np.testing.assert_array_equal(got[j], _run_linear(x[m:m + 1], w[e])[0])
+    q = _rand(33, 64, 192, rng=rng)
+    wk = _rand(64, 512, 128, rng=rng)
+    out = cuda.to_device(np.full((33, 64, 512), np.nan, np.float32))
+    lin.head_linear(_dev(q)[:, :, :128], _dev(wk), out)
+    got = out.copy_to_host()
+    for g in (0, 63):
+        _assert_close(got[:, g], q[:, g, :128], wk[g])
