@@ -389,5 +389,5 @@ class ModelConfig:
 
 
 def preset_names() -> list[str]:
-    """Names of the JSON presets in ``data/presets``."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    """Names of the target-model JSON presets in ``data/presets`` (drafter presets excluded)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json") if not p.stem.startswith("dflash-"))
