@@ -10,7 +10,8 @@ Each case is an ``xr.Dataset`` with named dims and
 
 Dims: position (drafter horizon L), vocab, rank (top-k), node / node_key (tree nodes as rows /
 visibility columns), node_ptr (n + 1 CSR offsets), child (n - 1 CSR entries), word (packed
-visibility), request (batch), head, latent, rope, key (N + T cache rows), row, accepted.
+visibility), request (batch), head, latent, rope, key (N + T cache rows), row, accepted; model
+cases add row / row_key (new tokens), layer, entry (hidden-state entries), hidden and vocab.
 
 Building is pure: :func:`build_cases` returns identical datasets on every call, so :func:`check`
 can rebuild and compare them with the committed files (bit for bit on the machine that wrote them;
@@ -28,13 +29,17 @@ import numpy as np
 import xarray as xr
 from tqdm import tqdm
 
+from ddtree_numba.config import ModelConfig
 from ddtree_numba.golden import datasets_diff, read_all, write_cases
 from reference.accept import accept, accept_batch
 from reference.attention import verify_attention, verify_attention_batch
 from reference.compact import compact, compact_batch
+from reference.model import LayerCache, causal_visibility
+from reference.model import forward as model_forward
 from reference.sampling import gumbel_noise, philox4x32, sample_posterior
 from reference.topk import bf16_to_float32, float32_to_bf16, topk_log_probs
 from reference.tree import DraftTree, TreeBatch, build_tree, build_tree_batch, pack_visibility
+from reference.weights import init_weights
 
 GOLDEN_FILES: dict[str, str] = {
     "topk": "topk.h5",
@@ -43,6 +48,7 @@ GOLDEN_FILES: dict[str, str] = {
     "accept": "accept.h5",
     "sampling": "sampling.h5",
     "compact": "compact.h5",
+    "model": "model.h5",
 }
 GENERATOR = "reference.golden_cases"
 # check() tolerance for float variables: NumPy's exp / log / einsum take different SIMD paths on
@@ -566,6 +572,88 @@ def _compact_cases() -> dict[str, xr.Dataset]:
     }
 
 
+# --------------------------------------------------------------------------- model
+
+MODEL_PRESET = "tiny"
+MODEL_WEIGHTS_SEED = 0
+MODEL_PROMPT_LENS = (5, 9)  # the two requests of the engine tests (a ragged batch)
+MODEL_TREE = {"horizon": 3, "budget": 3}  # draft tree of the verify cases
+
+
+def _pad_stack(arrays: list[np.ndarray], fill: Any) -> np.ndarray:
+    """Stack arrays whose first dims differ (rows or keys) along a new leading request dim, padded with fill."""
+    n = max(a.shape[0] for a in arrays)
+    out = np.full((len(arrays), n) + arrays[0].shape[1:], fill, dtype=arrays[0].dtype)
+    for i, a in enumerate(arrays):
+        out[i, :a.shape[0]] = a
+    return out
+
+
+def _model_step(seed: int, description: str, config: dict, weights: dict, model_config: ModelConfig,
+                calls: list[tuple[np.ndarray, np.ndarray, list[LayerCache] | None, np.ndarray]]
+                ) -> tuple[xr.Dataset, list[Any]]:
+    """One step of a ragged batch: one float64 forward per request, stored padded along ``request``.
+
+    calls: per request (tokens [T_b], positions [T_b], cache (None: empty) or per layer rows, visibility [T_b, T_b]).
+    Padding: tokens -1, positions 0, padding rows see only themselves, cache rows 0, outputs NaN; in_sizes and
+    in_past_lens give the real extents. No in_cache_* when every cache is empty (prefill).
+    """
+    outs = [model_forward(weights, model_config, *call) for call in calls]
+    t_max = max(len(call[0]) for call in calls)
+    vis = np.broadcast_to(np.eye(t_max, dtype=bool), (len(calls), t_max, t_max)).copy()
+    for i, call in enumerate(calls):
+        vis[i, :len(call[0]), :len(call[0])] = call[3]
+    variables = {
+        "in_sizes": (("request",), np.array([len(call[0]) for call in calls], dtype=np.int32)),
+        "in_tokens": (("request", "row"), _pad_stack([call[0] for call in calls], -1)),
+        "in_positions": (("request", "row"), _pad_stack([call[1] for call in calls], 0)),
+        "in_visibility": (("request", "row", "row_key"), vis),
+        "out_logits": (("request", "row", "vocab"), _pad_stack([o.logits for o in outs], np.nan)),
+        "out_hidden": (("request", "row", "entry", "hidden"),
+                       _pad_stack([o.hidden.transpose(1, 0, 2) for o in outs], np.nan)),
+    }
+    caches = [call[2] for call in calls]
+    if any(c is not None for c in caches):
+        variables["in_past_lens"] = (("request",), np.array([c[0].latent.shape[0] for c in caches], dtype=np.int32))
+        variables["in_cache_latent"] = (("request", "key", "layer", "latent"),
+                                        _pad_stack([np.stack([r.latent for r in c], axis=1) for c in caches], 0.0))
+        variables["in_cache_k_rope"] = (("request", "key", "layer", "rope"),
+                                        _pad_stack([np.stack([r.k_rope for r in c], axis=1) for c in caches], 0.0))
+    return _case(model_forward, seed, description, config, variables), outs
+
+
+def _model_cases() -> dict[str, xr.Dataset]:
+    """A ragged batch of two requests (prompts of MODEL_PROMPT_LENS tokens, weights init_weights(tiny, 0))
+    through one DDTree round's target work: prefill; the verify of a draft tree per request rooted at the
+    prefill's greedy token (positions past_len + depth); and the AR decode step of that root token, the
+    first step of an AR replay of the tree (same prefix). Each step is one case; prompts and draft trees
+    come from one random stream (the cases' seed)."""
+    model_config = ModelConfig.from_name(MODEL_PRESET)
+    weights = init_weights(model_config, MODEL_WEIGHTS_SEED)
+    seed = 700
+    rng = np.random.default_rng(seed)
+    config = {"preset": MODEL_PRESET, "weights_seed": MODEL_WEIGHTS_SEED, "prompt_lens": list(MODEL_PROMPT_LENS)}
+    prompts = [rng.integers(0, model_config.vocab_size, n).astype(np.int32) for n in MODEL_PROMPT_LENS]
+    cases = {}
+    cases["prefill"], outs = _model_step(
+        seed, "prefill of two prompts (ragged batch)", {**config, "step": "prefill"}, weights, model_config,
+        [(p, np.arange(len(p), dtype=np.int32), None, causal_visibility(len(p))) for p in prompts])
+    caches = [o.new_cache for o in outs]
+    roots = [int(np.argmax(o.logits[-1])) for o in outs]
+    trees = [_random_tree(rng, MODEL_TREE["horizon"], model_config.vocab_size, MODEL_TREE["budget"], root)
+             for root in roots]
+    cases["tree"], _ = _model_step(
+        seed, "verify of a draft tree per request, rooted at the greedy token (positions past_len + depth)",
+        {**config, "step": "tree", **MODEL_TREE}, weights, model_config,
+        [(t.tokens.astype(np.int32), (len(p) + t.depths).astype(np.int32), c, t.visibility)
+         for t, p, c in zip(trees, prompts, caches)])
+    cases["decode"], _ = _model_step(
+        seed, "one AR decode step of each request's greedy token (the tree roots)", {**config, "step": "decode"},
+        weights, model_config, [(np.array([r], dtype=np.int32), np.array([len(p)], dtype=np.int32), c,
+                                 causal_visibility(1)) for r, p, c in zip(roots, prompts, caches)])
+    return cases
+
+
 # --------------------------------------------------------------------------- entry points
 
 _BUILDERS: dict[str, Callable[[], dict[str, xr.Dataset]]] = {
@@ -575,6 +663,7 @@ _BUILDERS: dict[str, Callable[[], dict[str, xr.Dataset]]] = {
     "accept": _accept_cases,
     "sampling": _sampling_cases,
     "compact": _compact_cases,
+    "model": _model_cases,
 }
 
 

@@ -351,7 +351,7 @@ def test_cases_are_pure_well_formed_and_cover_the_reference() -> None:
         for f in (reference.topk_log_probs, reference.float32_to_bf16, reference.build_tree,
                   reference.build_tree_batch, reference.verify_attention, reference.verify_attention_batch,
                   reference.accept, reference.accept_batch, reference.sample_posterior, reference.gumbel_noise,
-                  reference.philox4x32, reference.compact, reference.compact_batch)
+                  reference.philox4x32, reference.compact, reference.compact_batch, reference.forward)
     }
     assert functions == expected
 

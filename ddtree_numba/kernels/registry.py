@@ -120,11 +120,16 @@ def register(
     return kernel
 
 
+# Packages whose modules register kernels: the round kernels and the engine's glue kernels.
+KERNEL_PACKAGES = ("ddtree_numba.kernels", "ddtree_numba.engine")
+
+
 def _import_kernel_modules() -> None:
-    """Import every module of this package so that each has registered its kernels."""
-    package = importlib.import_module(__package__)
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{__package__}.{module.name}")
+    """Import every module of the kernel packages so that each has registered its kernels."""
+    for name in KERNEL_PACKAGES:
+        package = importlib.import_module(name)
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{name}.{module.name}")
 
 
 def all_kernels() -> list[KernelSpec]:

@@ -1,0 +1,736 @@
+"""Generation loops on the device: autoregressive (AR) and DDTree, with their statistics.
+
+Both loops share the set-up (:class:`_Session`): every buffer is allocated once, at capacity,
+before the first step; the prompts are prefilled in one target forward with the causal mask and
+the first token is taken from each request's last prompt row. A TargetModel forwards a fixed
+number of rows per request, so the prefill, the AR step (1 row) and the tree (1 + B rows) run on
+models of those sizes that share the caller's weights and KV cache (:func:`model_with_rows`).
+Then
+
+- **AR step** (:func:`generate_ar`): one forward of T = 1 row per request (visibility [[1]]) at
+  position past_len, the posterior (argmax, or the Philox Gumbel-max sample keyed by (seed,
+  position)), and the commit kernel (append, stop / length checks, past_len += 1).
+- **DDTree round** (:func:`generate_ddtree`, spec §1.1): draft logits [bs, L, V] -> fused top-k
+  (K = min(B, V)) -> best-first tree build (positions past_len + depth, packed ancestor mask) ->
+  one target forward over the 1 + B tree rows -> posterior of every node -> acceptance walk ->
+  in-place compaction of every layer's latent and RoPE cache (spec §1.5) and of the drafter's
+  context (``Drafter.commit``, spec §1.6) -> commit kernel (append the accepted tokens and the
+  bonus, stop / length checks, past_len += acceptance length, per-round statistics).
+
+Everything stays on the device: each step or round reads its per-step values (past lengths, root
+tokens, tree sizes) from device buffers and launches with fixed shapes, so there is no per-request
+host work and no device allocation inside the loop. The only host traffic per step is one copy of
+a small status array (tokens generated and finished flags, int32 [2, bs]) that decides when to
+stop. Requests that finish early (stop token, max_new_tokens) stay in the batch but commit nothing
+(budget 0, root token and past length frozen). Not yet done: capturing a step / round in a CUDA
+graph (the shapes and device-resident inputs allow it; the Python loop launches each kernel).
+
+Exactness (issue 4): the target's rows are batch-invariant and a tree node's attention sees
+exactly its root path, so the verify logits of the accepted path are bit-identical to the AR
+step's logits at the same position; the posterior noise is keyed by (seed + request, position),
+never by node index (reference/sampling.py), so greedy and sampled DDTree reproduce AR token for
+token.
+
+Output semantics: the first token comes from the prefill; a request stops after its first stop
+token (which is kept) or after ``max_new_tokens`` tokens, whichever comes first (spec §1.1
+step 6). Request b samples with seed ``(seed + b) mod 2^64``.
+
+Timing: stage times come from CUDA events on a GPU (read after each step's status copy, which
+synchronises anyway) and from the wall clock under the simulator (which runs every launch
+synchronously).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from ddtree_numba.engine.drafters import Drafter
+from ddtree_numba.kernels import tree_build
+from ddtree_numba.kernels.accept import GREEDY_TEMPERATURE, accept_walk, posterior_argmax, posterior_sample
+from ddtree_numba.kernels.compact import plan_compaction, run_compaction
+from ddtree_numba.kernels.registry import register
+from ddtree_numba.kernels.topk import plan_topk, run_topk
+from reference._checks import require_int, require_real
+from reference.tree import pack_visibility
+from sim.install import simulator_active
+from sim.launch import launch
+
+__all__ = [
+    "GenerateResult",
+    "AR_STAGES",
+    "DDTREE_STAGES",
+    "MAX_BUDGET",
+    "generate_ar",
+    "generate_ddtree",
+    "model_with_rows",
+    "required_kv_capacity",
+]
+
+AR_STAGES = ("verify", "accept")
+DDTREE_STAGES = ("draft", "topk", "build", "verify", "accept", "compact")
+MAX_BUDGET = tree_build.MAX_BUDGET  # 1024 drafted nodes
+COMMIT_THREADS = 128  # one thread per request, looping when bs is larger
+POSTERIOR_THREADS = 256  # block of the posterior kernels on a GPU (one row per block)
+TOPK_THREADS = 256  # block of the top-k kernels on a GPU
+COMPACT_THREADS = 128  # word columns per block of the compaction
+GATHER_THREADS = 256  # threads striding over the vocabulary when copying a logits row
+WARP_SIZE = 32
+SIM_THREADS = 32  # block size of the round kernels under the simulator (threads are Python threads)
+NO_STOP = -1  # filler of the stop-token buffer: never equal to a token id
+SEED_MODULUS = 2**64
+
+
+# --- device kernels ---------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _is_stop(token, stop_tokens):
+    """True if ``token`` is one of ``stop_tokens`` (int32 [n], NO_STOP-padded)."""
+    for s in range(stop_tokens.shape[0]):
+        if stop_tokens[s] == token:
+            return True
+    return False
+
+
+@cuda.jit
+def last_row_kernel(logits, prompt_lens, out):
+    """out[b, 0, :] = logits[b, prompt_lens[b] - 1, :]: each request's last prompt row.
+
+    logits float32 [bs, P, V], prompt_lens int32 [bs] -> out float32 [bs, 1, V]. Grid (1, bs),
+    threads stride over the vocabulary.
+    """
+    b = cuda.blockIdx.y
+    row = prompt_lens[b] - 1
+    for v in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+        out[b, 0, v] = logits[b, row, v]
+
+
+@cuda.jit
+def prefill_commit_kernel(first, prompt_lens, stop_tokens, max_new, out_tokens, n_gen, done, past_lens, bonus,
+                          budgets):
+    """After prefill: the first generated token of every request (one thread per request).
+
+    first int32 [bs, 1] (the posterior of the last prompt row), prompt_lens int32 [bs],
+    stop_tokens int32 [n], int32 max_new -> out_tokens int32 [bs, max_new] (column 0), n_gen = 1,
+    done (stop token or max_new == 1; then budgets = 0), past_lens = prompt_lens (the prompt rows
+    are committed), bonus = the token (the next root / AR input).
+    """
+    b = cuda.grid(1)
+    if b >= bonus.shape[0]:
+        return
+    token = first[b, 0]
+    out_tokens[b, 0] = token
+    n_gen[b] = 1
+    finished = max_new <= 1 or _is_stop(token, stop_tokens)
+    done[b] = 1 if finished else 0
+    if finished:
+        budgets[b] = 0
+    past_lens[b] = prompt_lens[b]
+    bonus[b] = token
+
+
+@cuda.jit
+def commit_kernel(tree_tokens, accepted, lengths, new_bonus, stop_tokens, max_new,
+                  out_tokens, n_gen, done, past_lens, bonus, budgets, round_lengths, round_counter):
+    """Commit one step / round of every unfinished request (one block; thread b per request).
+
+    tree_tokens int32 [bs, N] (node tokens), accepted int32 [bs, W] (accepted node indices, root
+    first), lengths int32 [bs] (acceptance length m), new_bonus int32 [bs] (the target's token
+    after the last accepted node), stop_tokens int32 [n], int32 max_new. An unfinished request
+    appends the accepted nodes' tokens (accepted[1:m]) and the new bonus to out_tokens
+    [bs, max_new] at n_gen[b], stopping after a stop token or at max_new (then done[b] = 1 and
+    budgets[b] = 0), and commits: past_lens[b] += m (the root's and its accepted descendants'
+    rows), bonus[b] = the new bonus. round_lengths[r, b] = m (0 for a request that was already
+    done), r = round_counter[0], which then increments.
+
+    A finished request changes nothing else: it keeps a valid root token and, with budget 0,
+    root-only trees, whatever its drafter outputs from then on.
+    """
+    tid = cuda.threadIdx.x
+    bs = bonus.shape[0]
+    r = round_counter[0]
+    for b in range(tid, bs, cuda.blockDim.x):
+        m = 0
+        if done[b] == 0:
+            m = lengths[b]
+            count = n_gen[b]
+            finished = False
+            j = 1
+            while j <= m and not finished:
+                token = new_bonus[b] if j == m else tree_tokens[b, accepted[b, j]]
+                out_tokens[b, count] = token
+                count += 1
+                finished = count >= max_new or _is_stop(token, stop_tokens)
+                j += 1
+            n_gen[b] = count
+            past_lens[b] += m
+            bonus[b] = new_bonus[b]
+            if finished:
+                done[b] = 1
+                budgets[b] = 0
+        if r < round_lengths.shape[0]:
+            round_lengths[r, b] = m
+    cuda.syncthreads()  # every thread has read round_counter before it advances
+    if tid == 0:
+        round_counter[0] = r + 1
+
+
+register("decode_last_row", last_row_kernel,
+         ((float32[:, :, ::1], int32[::1], float32[:, :, ::1]),),
+         "decode: copy each request's last prompt row of logits (the first token's distribution)",
+         block_threads=GATHER_THREADS)
+register("decode_prefill_commit", prefill_commit_kernel,
+         ((int32[:, ::1], int32[::1], int32[::1], int32, int32[:, ::1], int32[::1], int32[::1],
+           int32[::1], int32[::1], int32[::1]),),
+         "decode: first generated token of every request (from its last prompt row's posterior)",
+         block_threads=COMMIT_THREADS)
+register("decode_commit", commit_kernel,
+         ((int32[:, ::1], int32[:, ::1], int32[::1], int32[::1], int32[::1], int32, int32[:, ::1],
+           int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[:, ::1], int32[::1]),),
+         "decode: append accepted tokens + bonus, stop / length checks, advance past_lens, stats",
+         block_threads=COMMIT_THREADS)
+
+
+# --- results --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What one generate call produced and how fast.
+
+    Attributes:
+        method: "ar" or "ddtree".
+        tokens: per request, the generated token ids (host ints; the first comes from the prefill).
+        prompt_lens: per request, the prompt length.
+        forward_passes: target forwards, the prefill included.
+        acceptance: int32 [rounds, bs], acceptance length m (root included, 1 for an AR step) of
+            each request in each step / round after the prefill; 0 where the request had finished.
+        max_acceptance: the largest possible m (1 for AR, block_size for DDTree).
+        prefill_s: seconds of the prefill (forward, first token, drafter context).
+        decode_s: seconds of the steps / rounds after the prefill (synchronised wall clock).
+        stage_s: seconds per stage, summed over the steps / rounds (AR_STAGES or DDTREE_STAGES).
+        timing: "cuda-events" or "wall-clock" (where stage_s comes from).
+        budget, block_size: the DDTree settings (None for AR).
+    """
+
+    method: str
+    tokens: list[list[int]]
+    prompt_lens: list[int]
+    forward_passes: int
+    acceptance: np.ndarray
+    max_acceptance: int
+    prefill_s: float
+    decode_s: float
+    stage_s: dict[str, float]
+    timing: str
+    budget: int | None = None
+    block_size: int | None = None
+
+    @property
+    def rounds(self) -> int:
+        """Steps / rounds after the prefill (= forward_passes - 1)."""
+        return int(self.acceptance.shape[0])
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens generated over the batch."""
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens committed by the steps / rounds (the prefill's first tokens excluded)."""
+        return sum(max(len(t) - 1, 0) for t in self.tokens)
+
+    @property
+    def histogram(self) -> np.ndarray:
+        """int64 [max_acceptance + 1]: histogram[m] = (request, round) pairs with acceptance m."""
+        return np.bincount(self.acceptance[self.acceptance > 0].ravel(), minlength=self.max_acceptance + 1)
+
+    @property
+    def mean_acceptance(self) -> float:
+        """Mean acceptance length tau over the (request, round) pairs of unfinished requests."""
+        active = self.acceptance[self.acceptance > 0]
+        return float(active.mean()) if active.size else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: tokens committed by the steps / rounds per second of decode_s."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly numbers (tokens included)."""
+        return {
+            "method": self.method, "budget": self.budget, "block_size": self.block_size,
+            "tokens": self.tokens, "prompt_lens": self.prompt_lens,
+            "forward_passes": self.forward_passes, "rounds": self.rounds,
+            "new_tokens": self.new_tokens, "mean_acceptance": self.mean_acceptance,
+            "acceptance_histogram": self.histogram.tolist(),
+            "acceptance": self.acceptance.tolist(),
+            "prefill_s": self.prefill_s, "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
+            "stage_s": dict(self.stage_s), "timing": self.timing,
+        }
+
+
+# --- stage clock ------------------------------------------------------------------------------
+
+class _StageClock:
+    """Per-stage time, summed over steps: CUDA events on a GPU, the wall clock in the simulator.
+
+    Each step calls :meth:`start`, then :meth:`mark` once per stage in a fixed order, then (after
+    the step's synchronising status copy) :meth:`collect`. Events are created once and reused.
+    """
+
+    def __init__(self, stages: Sequence[str], stream: Any) -> None:
+        self.stages = tuple(stages)
+        self.totals = dict.fromkeys(self.stages, 0.0)
+        self._stream = stream
+        self._events = None if simulator_active() else [cuda.event(timing=True) for _ in range(len(stages) + 1)]
+        self._walls = [0.0] * (len(stages) + 1)
+        self._next = 0
+
+    @property
+    def source(self) -> str:
+        return "wall-clock" if self._events is None else "cuda-events"
+
+    def _record(self) -> None:
+        if self._events is None:
+            self._walls[self._next] = time.perf_counter()
+        else:
+            self._events[self._next].record(stream=self._stream)
+        self._next += 1
+
+    def start(self) -> None:
+        self._next = 0
+        self._record()
+
+    def mark(self, stage: str) -> None:
+        """End of ``stage`` (the stages must be marked in their declared order)."""
+        if self.stages[self._next - 1] != stage:
+            raise RuntimeError(f"stage {stage!r} marked out of order (expected {self.stages[self._next - 1]!r})")
+        self._record()
+
+    def collect(self) -> None:
+        """Add this step's stage times (call after the stream has synchronised)."""
+        for i, stage in enumerate(self.stages):
+            if self._events is None:
+                self.totals[stage] += self._walls[i + 1] - self._walls[i]
+            else:
+                self.totals[stage] += cuda.event_elapsed_time(self._events[i], self._events[i + 1]) / 1e3
+
+
+# --- set-up -----------------------------------------------------------------------------------
+
+def _threads(gpu_threads: int) -> int:
+    """Block size of a round kernel: ``gpu_threads`` on a GPU, SIM_THREADS in the simulator."""
+    return SIM_THREADS if simulator_active() else gpu_threads
+
+
+def _check_prompts(prompts: Any, batch_size: int, vocab_size: int) -> list[np.ndarray]:
+    """``batch_size`` non-empty sequences of ids in [0, V), as int32 arrays."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
+    if len(prompts) != batch_size:
+        raise ValueError(f"prompts must hold one prompt per request of the model's batch ({batch_size}), "
+                         f"got {len(prompts)}")
+    out = []
+    for b, prompt in enumerate(prompts):
+        arr = np.asarray(prompt)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"prompts[{b}] must be a non-empty 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"prompts[{b}] must hold integers, got {arr.dtype}")
+        if arr.min() < 0 or arr.max() >= vocab_size:
+            raise ValueError(f"prompts[{b}] must hold ids in [0, {vocab_size})")
+        out.append(arr.astype(np.int32))
+    return out
+
+
+def _check_stop_tokens(stop_tokens: Iterable[int] | None, vocab_size: int) -> np.ndarray:
+    """int32 [max(n, 1)] of the stop ids, NO_STOP-padded."""
+    if isinstance(stop_tokens, (str, bytes)):
+        raise TypeError("stop_tokens must be an iterable of token ids, got a string")
+    ids = [] if stop_tokens is None else list(stop_tokens)
+    for t in ids:
+        require_int(t, "stop_tokens", minimum=0, maximum=vocab_size - 1)
+    return np.array(ids or [NO_STOP], dtype=np.int32)
+
+
+_MODEL_ATTRS = ("config", "weights", "batch_size", "kv_capacity", "max_rows", "capture_layers", "stream",
+                "cache", "forward")
+
+
+def _check_model(model: Any) -> None:
+    """The TargetModel interface the loops use (duck-typed: a test double may stand in)."""
+    for name in _MODEL_ATTRS:
+        if not hasattr(model, name):
+            raise TypeError(f"model must be a TargetModel (missing {name!r}), got {type(model).__name__}")
+
+
+# Models derived from a caller's model, keyed by that model: (rows, capture layers) -> model.
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_with_rows(model: Any, rows: int, capture_layers: Sequence[int]) -> Any:
+    """A target of ``rows`` rows per forward sharing ``model``'s weights and KV cache.
+
+    ``model`` itself when it already has that shape; otherwise one built with the same constructor
+    (``cache=model.cache``, ``weights=model.weights``: nothing is uploaded twice) and kept for the
+    next call. A prefill model (rows = longest prompt), an AR model (1 row) and a tree model
+    (1 + budget rows) thus share one cache; each allocates only its activation buffers.
+    """
+    capture = tuple(capture_layers)
+    if model.max_rows == rows and tuple(model.capture_layers) == capture:
+        return model
+    derived = _DERIVED.setdefault(model, {})
+    key = (rows, capture)
+    if key not in derived:
+        derived[key] = type(model)(model.config, model.weights, batch_size=model.batch_size,
+                                   kv_capacity=model.kv_capacity, max_rows=rows, capture_layers=capture,
+                                   stream=model.stream, cache=model.cache)
+    return derived[key]
+
+
+def _causal_visibility(prompt_lens: Sequence[int], rows: int) -> np.ndarray:
+    """Packed prefill mask uint32 [bs, Tc, ceil(Tc / 32)]: row i < P_b sees rows 0..i, a padding
+    row only itself (docs/ARCHITECTURE.md)."""
+    index = np.arange(rows)
+    causal = index[None, :] <= index[:, None]  # [Tc, Tc]
+    live = index[None, :] < np.asarray(prompt_lens)[:, None]  # [bs, Tc]
+    vis = np.where(live[:, :, None], causal[None] & live[:, None, :], np.eye(rows, dtype=bool)[None])  # [bs, Tc, Tc]
+    return pack_visibility(vis)
+
+
+def required_kv_capacity(prompt_lens: Sequence[int], max_new_tokens: int, budget: int = 0) -> int:
+    """Cache rows per request a generate call needs: longest prompt + max_new_tokens + budget - 1.
+
+    The last step / round starts at past_len <= P + max_new_tokens - 2 and writes 1 + budget rows
+    (budget 0 for AR) at positions < past_len + 1 + budget.
+    """
+    return max(prompt_lens) + max_new_tokens + budget - 1
+
+
+class _Session:
+    """Buffers and steps shared by the AR and DDTree loops (allocated once, before any step).
+
+    Device state per request: status int32 [2, bs] (row 0: tokens generated n_gen, row 1: done),
+    out_tokens [bs, max_new], bonus [bs] (next root / AR input), round statistics
+    [max_new - 1, bs] with a device round counter, the stop ids, the sampling keys; the prefill
+    inputs. ``step_model`` runs the steps / rounds (``step_rows`` rows), ``prefill_model`` the
+    prompts; both share ``model``'s weights and cache.
+    """
+
+    def __init__(self, model: Any, prompts: Any, *, max_new_tokens: int, temperature: float, seed: int,
+                 stop_tokens: Iterable[int] | None, budget: int, step_rows: int,
+                 capture_layers: Sequence[int], stream: Any) -> None:
+        _check_model(model)
+        self.stream = stream
+        self.bs = bs = int(model.batch_size)
+        self.vocab = int(model.config.vocab_size)
+        self.prompts = _check_prompts(prompts, bs, self.vocab)
+        self.max_new = require_int(max_new_tokens, "max_new_tokens", minimum=1, maximum=2**31 - 1)
+        self.temperature = require_real(temperature, "temperature")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        seed = require_int(seed, "seed", minimum=0, maximum=SEED_MODULUS - 1)
+        stop = _check_stop_tokens(stop_tokens, self.vocab)
+        self.prompt_lens = [len(p) for p in self.prompts]
+        p_max = max(self.prompt_lens)
+        need_kv = required_kv_capacity(self.prompt_lens, self.max_new, budget)
+        if need_kv > model.kv_capacity:
+            raise ValueError(f"max_new_tokens: longest prompt {p_max} + {self.max_new} new tokens + budget {budget} "
+                             f"need {need_kv} cache rows per request, the model has kv_capacity {model.kv_capacity}")
+
+        # The caller's model prefills when its rows hold the longest prompt (no extra buffers).
+        rows = max(p_max, model.max_rows)
+        self.prefill_model = model_with_rows(model, rows, capture_layers)
+        max_path = getattr(self.prefill_model, "max_path", p_max)
+        if p_max > max_path:
+            raise ValueError(f"prompts: the longest prompt ({p_max} tokens) exceeds the attention's longest "
+                             f"visible path ({max_path} rows); shorten it")
+        self.step_model = model_with_rows(model, step_rows, capture_layers)
+        self.past_lens = model.cache.past_lens  # [bs], shared by every derived model
+        self.past_lens.copy_to_device(np.zeros(bs, dtype=np.int32), stream=stream)  # the prefill starts empty
+
+        tokens = np.zeros((bs, rows), dtype=np.int32)  # padding rows: token 0 (not cached)
+        for b, prompt in enumerate(self.prompts):
+            tokens[b, :len(prompt)] = prompt
+        positions = np.broadcast_to(np.arange(rows, dtype=np.int32), (bs, rows))
+        self.prefill_tokens = cuda.to_device(tokens, stream=stream)
+        self.prefill_positions = cuda.to_device(np.ascontiguousarray(positions), stream=stream)
+        self.prefill_visibility = cuda.to_device(_causal_visibility(self.prompt_lens, rows), stream=stream)
+        self.prompt_lens_dev = cuda.to_device(np.array(self.prompt_lens, dtype=np.int32), stream=stream)
+        self.ones = cuda.to_device(np.ones(bs, dtype=np.int32), stream=stream)  # [bs] one row per request
+        self.last_logits = cuda.device_array((bs, 1, self.vocab), dtype=np.float32, stream=stream)
+        self.last_positions = cuda.to_device(np.array(self.prompt_lens, dtype=np.int32)[:, None] - 1, stream=stream)
+        self.first_token = cuda.device_array((bs, 1), dtype=np.int32, stream=stream)
+
+        self.status = cuda.to_device(np.zeros((2, bs), dtype=np.int32), stream=stream)  # [2, bs]
+        self.n_gen = self.status[0]  # [bs] views: one copy brings both to the host
+        self.done = self.status[1]
+        self.host_status = cuda.pinned_array((2, bs), dtype=np.int32)
+        self.out_tokens = cuda.device_array((bs, self.max_new), dtype=np.int32, stream=stream)
+        self.bonus = cuda.device_array(bs, dtype=np.int32, stream=stream)
+        self.budgets = cuda.to_device(np.full(bs, budget, dtype=np.int32), stream=stream)  # 0 once done
+        self.stop_tokens = cuda.to_device(stop, stream=stream)
+        self.round_lengths = cuda.to_device(np.zeros((max(self.max_new - 1, 1), bs), dtype=np.int32), stream=stream)
+        self.round_counter = cuda.to_device(np.zeros(1, dtype=np.int32), stream=stream)
+        self.greedy = self.temperature < GREEDY_TEMPERATURE
+        self.temperatures = cuda.to_device(np.full(bs, self.temperature, dtype=np.float64), stream=stream)
+        seeds = np.array([(seed + b) % SEED_MODULUS for b in range(bs)], dtype=np.uint64)
+        self.seeds = cuda.to_device(seeds, stream=stream)
+        self.forward_passes = 0
+        self.posterior_threads = _threads(POSTERIOR_THREADS)
+        self.commit_threads = min(COMMIT_THREADS, WARP_SIZE * -(-bs // WARP_SIZE))  # the commit: one block
+
+    # -- the pieces of a step --
+    def forward(self, model: Any, tokens: Any, positions: Any, sizes: Any, visibility: Any) -> Any:
+        self.forward_passes += 1
+        return model.forward(tokens, positions, sizes, visibility, stream=self.stream)
+
+    def posterior(self, logits: Any, sizes: Any, positions: Any, out: Any) -> None:
+        """Greedy argmax, or the Philox Gumbel-max sample keyed by (seed + b, position)."""
+        if self.greedy:
+            posterior_argmax(logits, sizes, out, stream=self.stream, threads=self.posterior_threads)
+        else:
+            posterior_sample(logits, sizes, self.temperatures, self.seeds, positions, out,
+                             stream=self.stream, threads=self.posterior_threads)
+
+    def prefill(self) -> Any:
+        """Prefill forward + first token + past_lens = prompt lengths; returns the ForwardOut.
+
+        The first token is the posterior of each request's last prompt row at its position
+        P - 1, as an AR step would draw it.
+        """
+        out = self.forward(self.prefill_model, self.prefill_tokens, self.prefill_positions, self.prompt_lens_dev,
+                           self.prefill_visibility)
+        launch(last_row_kernel, (1, self.bs), _threads(GATHER_THREADS), self.stream, 0,
+               out.logits, self.prompt_lens_dev, self.last_logits)
+        self.posterior(self.last_logits, self.ones, self.last_positions, self.first_token)
+        launch(prefill_commit_kernel, -(-self.bs // self.commit_threads), self.commit_threads, self.stream, 0,
+               self.first_token, self.prompt_lens_dev, self.stop_tokens, np.int32(self.max_new),
+               self.out_tokens, self.n_gen, self.done, self.past_lens, self.bonus, self.budgets)
+        return out
+
+    def commit(self, tree_tokens: Any, accepted: Any, lengths: Any, new_bonus: Any) -> None:
+        launch(commit_kernel, 1, self.commit_threads, self.stream, 0,
+               tree_tokens, accepted, lengths, new_bonus, self.stop_tokens, np.int32(self.max_new),
+               self.out_tokens, self.n_gen, self.done, self.past_lens, self.bonus, self.budgets,
+               self.round_lengths, self.round_counter)
+
+    def sync_status(self) -> tuple[int, bool]:
+        """The step's one device-to-host copy: (tokens generated over the batch, all finished)."""
+        self.status.copy_to_host(self.host_status, stream=self.stream)
+        _synchronize(self.stream)
+        return int(self.host_status[0].sum()), bool(self.host_status[1].all())
+
+    def run(self, step: Callable[[], None], clock: _StageClock, progress: Callable[[int], None] | None,
+            begin: Callable[[Any], None] | None = None) -> tuple[float, float]:
+        """Prefill, then ``step`` until every request is done; returns (prefill_s, decode_s)."""
+        t0 = time.perf_counter()
+        out = self.prefill()
+        if begin is not None:
+            begin(out)
+        generated, finished = self.sync_status()
+        t1 = time.perf_counter()
+        if progress is not None:
+            progress(generated)
+        for _ in range(self.max_new - 1):  # every step commits >= 1 token per unfinished request
+            if finished:
+                break
+            clock.start()
+            step()
+            generated, finished = self.sync_status()
+            clock.collect()
+            if progress is not None:
+                progress(generated)
+        return t1 - t0, time.perf_counter() - t1
+
+    def result(self, method: str, max_acceptance: int, times: tuple[float, float], clock: _StageClock,
+               **settings: Any) -> GenerateResult:
+        """Copy the tokens and statistics to the host (once, after the loop)."""
+        out = self.out_tokens.copy_to_host(stream=self.stream)
+        rounds = self.round_counter.copy_to_host(stream=self.stream)
+        lengths = self.round_lengths.copy_to_host(stream=self.stream)
+        _synchronize(self.stream)
+        n_gen = self.host_status[0]
+        return GenerateResult(
+            method=method,
+            tokens=[out[b, :n_gen[b]].tolist() for b in range(self.bs)],
+            prompt_lens=list(self.prompt_lens),
+            forward_passes=self.forward_passes,
+            acceptance=lengths[:min(int(rounds[0]), lengths.shape[0])].copy(),
+            max_acceptance=max_acceptance,
+            prefill_s=times[0], decode_s=times[1], stage_s=dict(clock.totals), timing=clock.source,
+            **settings)
+
+
+def _synchronize(stream: Any) -> None:
+    """Wait for ``stream`` (0 / None: the copies were synchronous)."""
+    if stream is None or (isinstance(stream, int) and stream == 0):
+        return
+    (getattr(stream, "synchronize", None) or getattr(stream, "sync"))()
+
+
+# --- AR ---------------------------------------------------------------------------------------
+
+def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                seed: int = 0, stop_tokens: Iterable[int] | None = None, stream: Any = 0,
+                progress: Callable[[int], None] | None = None) -> GenerateResult:
+    """Autoregressive generation: prefill, then one T = 1 target forward per token.
+
+    Args:
+        model: a TargetModel with batch_size = len(prompts) and kv_capacity >=
+            :func:`required_kv_capacity` (prompt lengths, max_new_tokens). Models with the prefill's
+            and the step's row counts are derived from it (:func:`model_with_rows`); its cache is
+            overwritten.
+        prompts: per request, the prompt token ids (lengths may differ).
+        max_new_tokens: >= 1 tokens per request at most.
+        temperature: 0 (< 1e-5) for greedy, else Gumbel-max sampling at this temperature.
+        seed: int in [0, 2^64); request b samples with seed + b.
+        stop_tokens: ids that end a request (kept in its output).
+        stream: 0 or a numba stream; every launch and copy goes on it.
+        progress: called after the prefill and after each step with the tokens generated so far
+            (summed over the batch).
+
+    Returns:
+        :class:`GenerateResult` with method "ar" (acceptance 1 per step).
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
+    """
+    _check_model(model)
+    session = _Session(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                       stop_tokens=stop_tokens, budget=0, step_rows=1, capture_layers=model.capture_layers,
+                       stream=stream)
+    bs = session.bs
+    ones = session.ones  # [bs]: one row per request, acceptance length 1
+    roots = cuda.to_device(np.zeros((bs, 1), dtype=np.int32), stream=stream)  # accepted = the root only
+    visibility = cuda.to_device(np.ones((bs, 1, 1), dtype=np.uint32), stream=stream)  # [[1]]
+    posterior = cuda.device_array((bs, 1), dtype=np.int32, stream=stream)
+    step_tokens = session.bonus.reshape(bs, 1)  # the last token is the next input ...
+    step_positions = session.past_lens.reshape(bs, 1)  # ... at position past_len
+    new_tokens = posterior.reshape(bs)
+    clock = _StageClock(AR_STAGES, stream)
+
+    def step() -> None:
+        out = session.forward(session.step_model, step_tokens, step_positions, ones, visibility)
+        clock.mark("verify")
+        session.posterior(out.logits, ones, step_positions, posterior)
+        session.commit(step_tokens, roots, ones, new_tokens)
+        clock.mark("accept")
+
+    times = session.run(step, clock, progress)
+    return session.result("ar", 1, times, clock)
+
+
+# --- DDTree -----------------------------------------------------------------------------------
+
+def _check_drafter(drafter: Any, horizon: int, vocab: int, batch_size: int) -> None:
+    """A Drafter whose horizon is block_size - 1 (and whose vocabulary and batch, if it states
+    them, are the target's)."""
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must implement the Drafter protocol (horizon, feature_layers, begin, draft, "
+                        f"commit), got {type(drafter).__name__}")
+    if drafter.horizon != horizon:
+        raise ValueError(f"block_size: the drafter drafts {drafter.horizon} positions per round, "
+                         f"block_size - 1 = {horizon}")
+    drafter_vocab = getattr(drafter, "vocab_size", vocab)
+    if drafter_vocab != vocab:
+        raise ValueError(f"drafter: vocabulary {drafter_vocab} differs from the target's {vocab}")
+    drafter_batch = getattr(drafter, "batch_size", batch_size)
+    if drafter_batch != batch_size:
+        raise ValueError(f"drafter: batch size {drafter_batch} differs from the model's {batch_size}")
+
+
+def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int]], *, budget: int, block_size: int,
+                    max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                    stop_tokens: Iterable[int] | None = None, stream: Any = 0,
+                    progress: Callable[[int], None] | None = None) -> GenerateResult:
+    """DDTree speculative generation: prefill, then one draft-tree round per target forward.
+
+    A round (spec §1.1): the drafter's logits [bs, L, V] (L = block_size - 1) -> top-k with
+    K = min(budget, V) -> best-first tree of 1 + budget nodes -> target forward over the tree ->
+    posterior per node -> acceptance walk -> compaction of the target cache and the drafter's
+    context -> commit of the accepted tokens and the bonus. ``budget = 0`` or ``block_size = 1``
+    builds root-only trees: an AR step through the tree path (the drafter is not called).
+
+    Args:
+        model: a TargetModel (see :func:`generate_ar`; kv_capacity >= :func:`required_kv_capacity`
+            with the budget). Its prefill / round models are derived with the drafter's
+            feature layers captured.
+        drafter: a :class:`~ddtree_numba.engine.drafters.Drafter` with horizon block_size - 1 and
+            the model's batch size.
+        prompts, max_new_tokens, temperature, seed, stop_tokens, stream, progress: as :func:`generate_ar`.
+        budget: drafted nodes per tree, in [0, 1024].
+        block_size: b >= 1 (L = b - 1 drafted positions).
+
+    Returns:
+        :class:`GenerateResult` with method "ddtree"; acceptance lengths in [1, block_size].
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
+    """
+    budget = require_int(budget, "budget", minimum=0, maximum=MAX_BUDGET)
+    block_size = require_int(block_size, "block_size", minimum=1, maximum=tree_build.MAX_HORIZON + 1)
+    horizon = block_size - 1
+    _check_model(model)
+    vocab = int(model.config.vocab_size)
+    _check_drafter(drafter, horizon, vocab, int(model.batch_size))
+    drafting = budget > 0 and horizon > 0
+    n_cap = 1 + budget
+    session = _Session(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                       stop_tokens=stop_tokens, budget=budget, step_rows=n_cap,
+                       capture_layers=drafter.feature_layers, stream=stream)
+    bs = session.bs
+
+    # Round buffers, all allocated here. A root-only tree (not drafting) has no draft rows.
+    depth = horizon if drafting else 0
+    k = min(budget, vocab) if drafting else 0
+    top_lp = cuda.device_array((bs, depth, k), dtype=np.float32, stream=stream)  # [bs, L, K]
+    top_ids = cuda.device_array((bs, depth, k), dtype=np.int32, stream=stream)
+    if drafting:
+        topk_plan = plan_topk(bs * depth, vocab, k, np.float32, threads=_threads(TOPK_THREADS))
+        top_lp_rows = top_lp.reshape(bs * depth, k)  # [bs * L, K] views for the top-k kernel
+        top_ids_rows = top_ids.reshape(bs * depth, k)
+    tree_plan = tree_build.plan(bs, depth, k, n_cap, threads=_threads(tree_build.DEFAULT_THREADS))
+    tree = tree_build.allocate_outputs(tree_plan, stream=stream)
+    walk_bonus = cuda.device_array(bs, dtype=np.int32, stream=stream)  # committed into session.bonus
+    posterior = cuda.device_array((bs, n_cap), dtype=np.int32, stream=stream)
+    accepted = cuda.device_array((bs, depth + 1), dtype=np.int32, stream=stream)  # W = 1 + max depth
+    lengths = cuda.device_array(bs, dtype=np.int32, stream=stream)
+    compaction = plan_compaction(model.cache.buffers(), threads=_threads(COMPACT_THREADS))
+    clock = _StageClock(DDTREE_STAGES, stream)
+
+    def begin(prefill_out: Any) -> None:
+        if drafting:
+            drafter.begin(prefill_out.features, session.prompt_lens_dev, stream)
+
+    def step() -> None:
+        if drafting:
+            logits = drafter.draft(session.bonus, session.past_lens, stream)  # [bs, L, V]
+            clock.mark("draft")
+            run_topk(topk_plan, logits.reshape(bs * depth, vocab), top_lp_rows, top_ids_rows, stream, check=False)
+            clock.mark("topk")
+        else:
+            clock.mark("draft")
+            clock.mark("topk")
+        tree_build.run(tree_plan, top_lp, top_ids, session.budgets, session.past_lens, session.bonus, tree, stream)
+        clock.mark("build")
+        out = session.forward(session.step_model, tree.tokens, tree.positions, tree.sizes, tree.visibility)
+        clock.mark("verify")
+        session.posterior(out.logits, tree.sizes, tree.positions, posterior)
+        accept_walk(posterior, tree.child_ptr, tree.child_index, tree.tokens, accepted, lengths, walk_bonus,
+                    stream=stream)
+        clock.mark("accept")
+        run_compaction(compaction, session.past_lens, accepted, lengths, stream=stream)
+        if drafting:
+            drafter.commit(out.features, accepted, lengths, stream)
+        session.commit(tree.tokens, accepted, lengths, walk_bonus)
+        clock.mark("compact")
+
+    times = session.run(step, clock, progress, begin)
+    return session.result("ddtree", block_size, times, clock, budget=budget, block_size=block_size)

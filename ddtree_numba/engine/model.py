@@ -1,0 +1,548 @@
+"""The MLA + MoE target forward on the GPU, FP32: one code path for prefill, AR decode and tree verify.
+
+A forward takes ``Tc`` rows per request (``sizes[b]`` of them valid) at explicit RoPE positions with
+a packed visibility mask over the new rows (causal for prefill / decode, ancestor-or-self for a
+draft tree whose positions are ``past_len + depth``, docs/ARCHITECTURE.md) and attends every
+request's ``past_lens[b]`` cached rows plus the new rows it sees, through the tree-verify MLA
+kernel (``kernels/verify_attention.py``) in weight-absorbed form (limits §2), exactly as
+``reference.model.forward`` does in float64:
+
+    x = embed(tokens)                                                        # [M, D], M = bs * Tc
+    per layer:  a = linear(rmsnorm(x), [q_a | kv_a])                          # [M, Qa + C + R]
+                q = linear(rmsnorm(a[:, :Qa]), q_b)                           # [M, H, nope + R]
+                q_rope = rope(q[..., nope:]);  q_latent = q[..., :nope] @ W_UK[h]   # absorb
+                cache rows past_lens[b] + i <- (kv_norm(a[:, Qa:Qa+C]), rope(a[:, Qa+C:]))
+                o = verify_attention(q_latent, q_rope, cache, visibility)     # [bs, Tc, H, C]
+                x += (o @ W_UV[h]ᵀ) @ wo                                      # [M, D]
+                x += ffn(rmsnorm(x))       (dense SwiGLU, or MoE: route, experts, shared, combine)
+    logits = linear(rmsnorm(x), lm_head)                                      # [bs, Tc, V]
+
+Batch invariance (issue 4, spec §1.4): every kernel computes a row with a reduction order that
+depends only on the model's dims, never on how many rows share the launch, and the attention
+kernel's key sequence of a tree node is its root path, so a node's logits are bit-identical to
+those of AR steps along the same path. Per-step values (tokens, positions, sizes, past_lens) are
+read on the device; every buffer is allocated in ``__init__``, a forward allocates nothing and
+copies nothing to the host (graph-capturable, limits §4, §8).
+
+Device-side guards (values the host cannot see): rows ``i >= sizes[b]`` are padding (token 0,
+position 0, no cache write; their logits are unspecified); a valid row with a position outside
+``[0, kv_capacity)`` and every row of a request with ``past_lens[b] + sizes[b] > kv_capacity`` get
+token -1, which the embedding turns into a NaN row, so the error shows in the logits.
+
+Placement: a layer reads only its :class:`~ddtree_numba.engine.weights.LayerWeights`, its
+:class:`~ddtree_numba.engine.cache.LayerKV` and the activation buffers (:class:`Activations`), so a
+later version can put layers on different GPUs (one Activations per device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from ddtree_numba.config import ModelConfig
+from ddtree_numba.engine.cache import KVCache, LayerKV
+from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
+from ddtree_numba.kernels import verify_attention as va
+from ddtree_numba.kernels.accept import as_kernel_array, is_c_contiguous
+from ddtree_numba.kernels.linear import expert_linear, head_linear, linear
+from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, moe_combine, moe_route, rms_norm,
+                                            rope_tables)
+from ddtree_numba.kernels.registry import register
+from reference.tree import pack_visibility, unpack_visibility
+from sim.launch import launch
+
+__all__ = [
+    "Activations",
+    "ForwardOut",
+    "PREP_THREADS",
+    "TargetModel",
+    "attention_tile_config",
+    "prefill_visibility",
+]
+
+PREP_THREADS = 128  # rows per block of the row-preparation kernel
+COPY_THREADS = 128  # elements per block of the feature copy
+SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are Python threads)
+STATIC_SMEM_LIMIT = 48 * 1024  # static shared memory per block (limits §4): bounds the attention path table
+PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
+
+
+class ForwardOut(NamedTuple):
+    """Device outputs of :meth:`TargetModel.forward` (model-owned, overwritten by the next call)."""
+
+    logits: Any  # [bs, Tc, V] float32
+    features: Any | None  # [bs, Tc, len(capture_layers) * D] float32; None without capture layers
+
+
+# --------------------------------------------------------------------------- device kernels
+
+
+@cuda.jit
+def _prepare_rows_kernel(tokens, positions, sizes, past_lens, tree_capacity, kv_rows, tok_out, pos_out,
+                         cache_rows):
+    """Per row m = b * Tc + i: the token and position the kernels read, and the flat cache row.
+
+    tokens, positions int32 [M] (flat [bs, Tc]); sizes, past_lens int32 [bs]; int32 Tc, S;
+    outputs int32 [M]. cache_rows[m] = b * S + past_lens[b] + i for a valid row, -1 otherwise.
+    """
+    m = cuda.grid(1)
+    if m >= tokens.shape[0]:
+        return
+    b = m // tree_capacity
+    i = m - b * tree_capacity
+    past = past_lens[b]
+    size = sizes[b]
+    request_ok = past >= 0 and size >= 0 and size <= tree_capacity and past + size <= kv_rows
+    tok = -1  # poisons the row (NaN embedding) unless the request and the row are fine
+    pos = 0
+    row = -1
+    if request_ok and i >= size:
+        tok = 0  # padding: a harmless token, no cache write
+    elif request_ok:
+        row = b * kv_rows + past + i
+        pos = positions[m]
+        tok = tokens[m]
+        if pos < 0 or pos >= kv_rows:  # the RoPE tables have kv_rows rows
+            tok = -1
+            pos = 0
+    tok_out[m] = tok
+    pos_out[m] = pos
+    cache_rows[m] = row
+
+
+@cuda.jit
+def _copy_columns_kernel(src, dst, col0):
+    """dst[m, col0 + d] = src[m, d] (grid-stride): src float32 [M, D], dst float32 [M, F], C-contiguous."""
+    n_cols = src.shape[1]
+    for idx in range(cuda.grid(1), src.shape[0] * n_cols, cuda.gridsize(1)):
+        m = idx // n_cols
+        d = idx - m * n_cols
+        dst[m, col0 + d] = src[m, d]
+
+
+def _copy_grid(n: int) -> tuple[int, int]:
+    """(blocks, threads) of the feature copy: one element per thread on a GPU; one warp looping
+    under the simulator, where every thread is a Python thread."""
+    if cuda.config.ENABLE_CUDASIM:
+        return 1, SIM_THREADS
+    return -(-n // COPY_THREADS), COPY_THREADS
+
+
+register("engine_prepare_rows", _prepare_rows_kernel,
+         [(int32[::1], int32[::1], int32[::1], int32[::1], int32, int32, int32[::1], int32[::1], int32[::1])],
+         "target forward: per-row tokens / positions / flat cache rows from sizes and past_lens (device guards)",
+         block_threads=PREP_THREADS)
+register("engine_copy_columns", _copy_columns_kernel, [(float32[:, ::1], float32[:, ::1], int32)],
+         "target forward: copy a layer's hidden states into the captured-feature columns",
+         block_threads=COPY_THREADS)
+
+
+# --------------------------------------------------------------------------- host helpers
+
+
+def _small_tile_config(latent_dim: int, rope_dim: int, num_heads: int) -> va.TileConfig:
+    """A one-warp tiling for dims without a preset (``tiny``: C = 32, R = 8, H = 4): 4 heads per
+    tile, chunks of 16 keys, 1 k-group (32 threads: cheap under the simulator)."""
+    return va.TileConfig(latent_dim=latent_dim, rope_dim=rope_dim, heads=4, chunk=16,
+                         k_slice=math.gcd(math.gcd(latent_dim, rope_dim), 8), k_groups=1, qk_rows=1, qk_keys=2,
+                         pv_rows=1, pv_dims=max(latent_dim // 8, 1), v_slice=16, merge_threads=32)
+
+
+def attention_tile_config(config: ModelConfig, max_rows: int) -> va.TileConfig:
+    """The verify-attention specialisation of a model: ``va.default_config`` for Kimi-K2 dims
+    (C = 512, R = 64), a one-warp tiling otherwise; ``max_path`` (the longest visible path, which
+    only sizes a shared table, not the numerics) raised to ``max_rows`` as far as static shared
+    memory allows, so a prefill chunk of ``max_rows`` causal rows fits.
+
+    Raises:
+        ValueError: no valid tiling for the model's attention dims.
+    """
+    dl, dr, h = config.kv_lora_rank, config.qk_rope_dim, config.n_heads
+    try:
+        base = va.default_config(dl, dr, h)
+    except ValueError:
+        base = _small_tile_config(dl, dr, h)
+    try:
+        base.validate()
+    except ValueError as exc:
+        raise ValueError(f"config: no verify-attention tiling for kv_lora_rank={dl}, qk_rope_dim={dr}, "
+                         f"n_heads={h} ({exc})") from None
+    if h % base.heads:
+        raise ValueError(f"config: n_heads={h} must be a multiple of the attention tile's {base.heads} heads")
+    room = (STATIC_SMEM_LIMIT - base.static_shared_bytes) // PATH_ENTRY_BYTES
+    return dataclasses.replace(base, max_path=max(base.max_path, min(max_rows, base.max_path + room)))
+
+
+def prefill_visibility(sizes: np.ndarray, tree_capacity: int) -> np.ndarray:
+    """Packed causal visibility for a prefill / AR chunk (host).
+
+    Args:
+        sizes: int [bs], valid rows per request, each in [0, tree_capacity].
+        tree_capacity: Tc >= 1.
+
+    Returns:
+        uint32 [bs, Tc, ceil(Tc / 32)]: row i < sizes[b] sees rows 0..i; padding rows see only
+        themselves (docs/ARCHITECTURE.md).
+    """
+    if isinstance(tree_capacity, (bool, np.bool_)) or not isinstance(tree_capacity, (int, np.integer)):
+        raise TypeError(f"tree_capacity must be an int, got {type(tree_capacity).__name__}")
+    if tree_capacity < 1:
+        raise ValueError(f"tree_capacity must be >= 1, got {tree_capacity}")
+    sizes = np.asarray(sizes)
+    if sizes.dtype.kind not in "iu":
+        raise TypeError(f"sizes must be integers, got {sizes.dtype}")
+    if sizes.ndim != 1:
+        raise ValueError(f"sizes must be 1-D, got shape {sizes.shape}")
+    if np.any(sizes < 0) or np.any(sizes > tree_capacity):
+        raise ValueError(f"sizes must lie in [0, {tree_capacity}]")
+    tc = int(tree_capacity)
+    rows = np.arange(tc)
+    causal = rows[None, :] <= rows[:, None]  # [Tc, Tc]
+    live = rows[None, :] < sizes[:, None]  # [bs, Tc]
+    vis = np.where(live[:, :, None], causal[None] & live[:, None, :], np.eye(tc, dtype=bool)[None])  # [bs, Tc, Tc]
+    return pack_visibility(vis)
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Every per-forward buffer of one device, allocated once at capacity (M = bs * Tc rows,
+    J = M * k routed entries). Float32 unless stated; C-contiguous."""
+
+    tokens: Any  # int32 [bs, Tc] staging for host inputs
+    positions: Any  # int32 [bs, Tc] staging for host inputs
+    sizes: Any  # int32 [bs] staging for host inputs
+    visibility: Any  # uint32 [bs, Tc, W] staging for host inputs
+    row_tokens: Any  # int32 [M] tokens the embedding reads (padding -> 0, bad rows -> -1)
+    row_positions: Any  # int32 [M] RoPE positions (padding / bad -> 0)
+    cache_rows: Any  # int32 [M] flat cache row b * S + past_lens[b] + i, -1 for no write
+    x: Any  # [M, D] residual stream
+    a: Any  # [M, Qa + C + R] q_a | kv_a projections
+    q: Any  # [M, H, nope + R] queries
+    q_latent: Any  # [bs, Tc, H, C] absorbed queries
+    q_rope: Any  # [bs, Tc, H, R] RoPE'd query parts
+    attn: Any  # [bs, Tc, H, C] attention output in the latent space
+    lse: Any  # [bs, Tc, H] its log-sum-exp (unused downstream)
+    workspace: Any  # verify-attention segment partials (plan.workspace_shape)
+    heads: Any  # [M, H, v] per-head values
+    h13: Any | None  # [M, 2 * I_dense] dense gate | up (None without dense layers)
+    xn: Any | None  # [M, D] normed MoE input (None without MoE layers)
+    topk_ids: Any | None  # int32 [M, k]
+    topk_w: Any | None  # [M, k]
+    row_offsets: Any | None  # int32 [E + 1] routing CSR
+    row_index: Any | None  # int32 [J] token row of each CSR entry
+    entry_index: Any | None  # int32 [J] = arange(J): the down projection reads its own entry
+    slot_of: Any | None  # int32 [M, k] CSR entry of each (row, selected expert)
+    e13: Any | None  # [J, 2 * I_moe] routed gate | up
+    e_out: Any | None  # [J, D] routed expert outputs
+    s13: Any | None  # [M, 2 * Is] shared gate | up (None without shared experts)
+    s_out: Any | None  # [M, D] shared expert output
+    logits: Any  # [bs, Tc, V]
+    features: Any | None  # [bs, Tc, n_capture * D]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, bs: int, tc: int, plan: va.VerifyPlan, n_capture: int,
+                 stream: Any = 0) -> Activations:
+        """Allocate every buffer (the only allocation of the forward path)."""
+        c = config
+        m, k = bs * tc, c.n_activated_experts
+        j = m * k
+        has_dense = c.n_dense_layers > 0
+        has_moe = c.n_dense_layers < c.n_layers
+        has_shared = has_moe and c.n_shared_experts > 0
+        shared_width = c.n_shared_experts * c.moe_intermediate
+
+        def f32(*shape: int) -> Any:
+            return cuda.device_array(shape, dtype=np.float32, stream=stream)
+
+        def i32(*shape: int) -> Any:
+            return cuda.device_array(shape, dtype=np.int32, stream=stream)
+
+        return cls(
+            tokens=i32(bs, tc), positions=i32(bs, tc), sizes=i32(bs),
+            visibility=cuda.device_array((bs, tc, -(-tc // 32)), dtype=np.uint32, stream=stream),
+            row_tokens=i32(m), row_positions=i32(m), cache_rows=i32(m),
+            x=f32(m, c.hidden_size), a=f32(m, c.q_lora_rank + c.kv_cache_dim),
+            q=f32(m, c.n_heads, c.qk_head_dim),
+            q_latent=f32(bs, tc, c.n_heads, c.kv_lora_rank), q_rope=f32(bs, tc, c.n_heads, c.qk_rope_dim),
+            attn=f32(bs, tc, c.n_heads, c.kv_lora_rank), lse=f32(bs, tc, c.n_heads),
+            workspace=plan.allocate_workspace(), heads=f32(m, c.n_heads, c.v_head_dim),
+            h13=f32(m, 2 * c.dense_intermediate) if has_dense else None,
+            xn=f32(m, c.hidden_size) if has_moe else None,
+            topk_ids=i32(m, k) if has_moe else None, topk_w=f32(m, k) if has_moe else None,
+            row_offsets=i32(c.n_routed_experts + 1) if has_moe else None,
+            row_index=i32(j) if has_moe else None,
+            entry_index=cuda.to_device(np.arange(j, dtype=np.int32), stream=stream) if has_moe else None,
+            slot_of=i32(m, k) if has_moe else None,
+            e13=f32(j, 2 * c.moe_intermediate) if has_moe else None,
+            e_out=f32(j, c.hidden_size) if has_moe else None,
+            s13=f32(m, 2 * shared_width) if has_shared else None,
+            s_out=f32(m, c.hidden_size) if has_shared else None,
+            logits=f32(bs, tc, c.vocab_size),
+            features=f32(bs, tc, n_capture * c.hidden_size) if n_capture else None,
+        )
+
+
+class _Views(NamedTuple):
+    """Reshaped / sliced views of the :class:`Activations` the kernels take (made once; no copies)."""
+
+    a_q: Any | None  # [M, Qa] column slice of a (low-rank q input)
+    a_kv: Any  # [M, C + R] column slice of a (kv_a output)
+    q2: Any  # [M, H * (nope + R)]
+    q_nope: Any  # [M, H, nope] strided view of q
+    q_rope: Any  # [M, H, R]
+    q_latent: Any  # [M, H, C]
+    attn: Any  # [M, H, C]
+    heads: Any  # [M, H * v]
+    logits: Any  # [M, V]
+    features: Any | None  # [M, n_capture * D]
+
+    @classmethod
+    def of(cls, c: ModelConfig, b: Activations, m: int) -> _Views:
+        qa, h = c.q_lora_rank, c.n_heads
+        return cls(a_q=b.a[:, :qa] if qa else None, a_kv=b.a[:, qa:], q2=b.q.reshape(m, h * c.qk_head_dim),
+                   q_nope=b.q[:, :, :c.qk_nope_dim], q_rope=b.q_rope.reshape(m, h, c.qk_rope_dim),
+                   q_latent=b.q_latent.reshape(m, h, c.kv_lora_rank), attn=b.attn.reshape(m, h, c.kv_lora_rank),
+                   heads=b.heads.reshape(m, h * c.v_head_dim), logits=b.logits.reshape(m, c.vocab_size),
+                   features=None if b.features is None else b.features.reshape(m, b.features.shape[2]))
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _int_arg(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_capture(capture_layers: Any, n_layers: int) -> tuple[int, ...]:
+    """Distinct layer ids in [0, n_layers), in the given order (the feature column order)."""
+    if isinstance(capture_layers, (str, bytes)) or not isinstance(capture_layers, Sequence):
+        raise TypeError(f"capture_layers must be a sequence of ints, got {type(capture_layers).__name__}")
+    ids = tuple(_int_arg(v, "capture_layers", 0) for v in capture_layers)
+    if any(v >= n_layers for v in ids):
+        raise ValueError(f"capture_layers must lie in [0, {n_layers}), got {list(ids)}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"capture_layers must be distinct, got {list(ids)}")
+    return ids
+
+
+class TargetModel:
+    """The target on one GPU: weights, KV cache, activation buffers and the attention plan, all
+    made once in ``__init__``; :meth:`forward` only launches.
+
+    Args:
+        config: the model.
+        weights: HF-named host parameters (``reference.weights``; uploaded here) or a
+            :class:`DeviceWeights` of the same config (shared with another model).
+        batch_size: requests per forward (bs).
+        kv_capacity: cache rows per request (S), <= config.max_seq_len; positions lie in [0, S).
+        max_rows: rows per request per forward (Tc): a prefill chunk, 1 for AR, 1 + budget for a tree.
+        capture_layers: target layers whose outputs (hidden-state entries l + 1) are returned as
+            features, in this order (the DFlash context, spec §2).
+        stream: default stream of the uploads and of :meth:`forward`.
+        cache: a :class:`KVCache` to share (same config, batch size and capacity), e.g. between a
+            prefill model and a round model; default: a new one.
+    """
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | DeviceWeights, *, batch_size: int,
+                 kv_capacity: int, max_rows: int, capture_layers: Sequence[int] = (), stream: Any = 0,
+                 cache: KVCache | None = None) -> None:
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        self.batch_size = _int_arg(batch_size, "batch_size", 1)
+        self.kv_capacity = _int_arg(kv_capacity, "kv_capacity", 1)
+        if self.kv_capacity > config.max_seq_len:
+            raise ValueError(f"kv_capacity must be <= config.max_seq_len = {config.max_seq_len}, "
+                             f"got {self.kv_capacity}")
+        self.max_rows = _int_arg(max_rows, "max_rows", 1)
+        self.capture_layers = _check_capture(capture_layers, config.n_layers)
+        self.stream = stream
+        if isinstance(weights, DeviceWeights):
+            if weights.config != config:
+                raise ValueError("weights: DeviceWeights of another config")
+            self.weights = weights
+        elif isinstance(weights, Mapping):
+            self.weights = DeviceWeights.from_host(config, weights, stream=stream)
+        else:
+            raise TypeError(f"weights must be a mapping of name -> ndarray or DeviceWeights, "
+                            f"got {type(weights).__name__}")
+        if cache is None:
+            cache = KVCache(config, self.batch_size, self.kv_capacity, stream=stream)
+        elif not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+        elif (cache.config, cache.batch_size, cache.capacity) != (config, self.batch_size, self.kv_capacity):
+            raise ValueError("cache: a KVCache of another config, batch_size or capacity")
+        self.cache = cache
+
+        self.tile_config = attention_tile_config(config, self.max_rows)
+        self.max_path = self.tile_config.max_path  # longest visible path of a row (prefill chunk bound)
+        self.plan = va.plan(self.batch_size, self.max_rows, config.n_heads, self.kv_capacity,
+                            latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_dim, config=self.tile_config)
+        cos, sin = rope_tables(config, self.kv_capacity)  # [S, R / 2] each
+        self.rope_cos = cuda.to_device(np.ascontiguousarray(cos, dtype=np.float32), stream=stream)
+        self.rope_sin = cuda.to_device(np.ascontiguousarray(sin, dtype=np.float32), stream=stream)
+        self.buffers = Activations.allocate(config, self.batch_size, self.max_rows, self.plan,
+                                            len(self.capture_layers), stream)
+        self._capture_slot = {layer: i for i, layer in enumerate(self.capture_layers)}
+        self._views = _Views.of(config, self.buffers, self.batch_size * self.max_rows)
+        self._kv_rows = tuple(kv.flat() for kv in self.cache.layers)  # per layer [bs * S, C], [bs * S, R]
+
+    # ------------------------------------------------------------------ inputs
+
+    @staticmethod
+    def _check_input(arr: Any, name: str, dtype: type, shape: tuple[int, ...]) -> Any:
+        """A NumPy or device array of ``dtype`` / ``shape``, C-contiguous (TypeError / ValueError)."""
+        arr = as_kernel_array(arr, name)
+        if np.dtype(arr.dtype) != np.dtype(dtype):
+            raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(arr.dtype).name}")
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(arr.shape)}")
+        if not is_c_contiguous(arr):
+            raise ValueError(f"{name} must be C-contiguous")
+        return arr
+
+    @staticmethod
+    def _stage(arr: Any, staging: Any, stream: Any) -> Any:
+        """Device arrays as given; host arrays copied into the model's staging buffer (no allocation)."""
+        if isinstance(arr, np.ndarray):
+            # A fresh copy has canonical strides (a [:, None] view's stride-0 axis confuses copies).
+            staging.copy_to_device(arr.copy(), stream=stream)
+            return staging
+        return arr
+
+    def _check_host_values(self, tokens: Any, positions: Any, sizes: Any, visibility: Any) -> None:
+        """Value checks of host (NumPy) inputs against host ``sizes``; with device ``sizes`` nothing
+        is known about which rows are valid, and the device guards take over."""
+        tc = self.max_rows
+        if not isinstance(sizes, np.ndarray):
+            return
+        if np.any(sizes < 0) or np.any(sizes > tc):
+            raise ValueError(f"sizes must lie in [0, {tc}] (max_rows)")
+        live = np.arange(tc)[None, :] < sizes[:, None]  # [bs, Tc]
+        if isinstance(tokens, np.ndarray) and np.any(live & ((tokens < 0) | (tokens >= self.config.vocab_size))):
+            raise ValueError(f"tokens of valid rows must lie in [0, {self.config.vocab_size})")
+        if isinstance(positions, np.ndarray) and np.any(live & ((positions < 0) | (positions >= self.kv_capacity))):
+            raise ValueError(f"positions of valid rows must lie in [0, {self.kv_capacity}) (kv_capacity)")
+        if isinstance(visibility, np.ndarray):
+            try:
+                vis = unpack_visibility(visibility, tc)  # [bs, Tc, Tc]
+            except ValueError as exc:  # bits past column Tc
+                raise ValueError(f"visibility: {exc}") from None
+            vis &= live[:, None, :]  # over valid columns
+            if np.any(live & ~np.diagonal(vis, axis1=1, axis2=2)):
+                raise ValueError("visibility: every valid row must see itself (diagonal bit)")
+            if np.any(live[:, :, None] & np.triu(vis, k=1)):
+                raise ValueError("visibility: row i may only see rows j <= i (parents precede children)")
+            if np.any(vis.sum(axis=2) > self.max_path):
+                raise ValueError(f"visibility: a row sees more than max_path = {self.max_path} rows; "
+                                 "split the prefill into shorter chunks")
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, tokens: Any, positions: Any, sizes: Any, visibility: Any, *, stream: Any = None) -> ForwardOut:
+        """Run the target on ``Tc`` rows per request; new KV rows go to ``past_lens[b] + i``.
+
+        Args:
+            tokens: int32 [bs, Tc] token ids (rows i >= sizes[b] ignored).
+            positions: int32 [bs, Tc] RoPE positions in [0, kv_capacity) (tree: past_len + depth).
+            sizes: int32 [bs] valid rows per request, in [0, Tc].
+            visibility: uint32 [bs, Tc, ceil(Tc / 32)] packed ancestor-or-self rows (causal for
+                prefill: :func:`prefill_visibility`).
+            Device arrays are used in place; NumPy arrays are value-checked, then copied into the
+            model's staging buffers.
+            stream: launch stream (default: the model's).
+
+        Returns:
+            :class:`ForwardOut` of model-owned device buffers. ``cache.past_lens`` is not advanced.
+
+        Raises:
+            TypeError / ValueError naming the argument, before any launch.
+        """
+        stream = self.stream if stream is None else stream
+        bs, tc, b = self.batch_size, self.max_rows, self.buffers
+        tokens = self._check_input(tokens, "tokens", np.int32, (bs, tc))
+        positions = self._check_input(positions, "positions", np.int32, (bs, tc))
+        sizes = self._check_input(sizes, "sizes", np.int32, (bs,))
+        visibility = self._check_input(visibility, "visibility", np.uint32, (bs, tc, -(-tc // 32)))
+        self._check_host_values(tokens, positions, sizes, visibility)
+        # Host inputs are staged only once every check has passed (nothing half-written).
+        tokens = self._stage(tokens, b.tokens, stream)
+        positions = self._stage(positions, b.positions, stream)
+        sizes = self._stage(sizes, b.sizes, stream)
+        visibility = self._stage(visibility, b.visibility, stream)
+
+        m = bs * tc
+        threads = SIM_THREADS if cuda.config.ENABLE_CUDASIM else PREP_THREADS
+        launch(_prepare_rows_kernel, -(-m // threads), threads, stream, 0, tokens.reshape(m),
+               positions.reshape(m), sizes, self.cache.past_lens, np.int32(tc), np.int32(self.kv_capacity),
+               b.row_tokens, b.row_positions, b.cache_rows)
+        embed(b.row_tokens, self.weights.embed, b.x, stream=stream)
+        for lw, kv in zip(self.weights.layers, self.cache.layers):
+            self._attention(lw, kv, sizes, visibility, stream)
+            self._ffn(lw, stream)
+            if lw.index in self._capture_slot:
+                self._capture(lw.index, stream)
+        linear(b.x, self.weights.lm_head, self._views.logits, norm_weight=self.weights.final_norm,
+               eps=self.config.rms_norm_eps, stream=stream)  # [M, V]
+        return ForwardOut(logits=b.logits, features=b.features)
+
+    def _attention(self, lw: LayerWeights, kv: LayerKV, sizes: Any, visibility: Any, stream: Any) -> None:
+        """x += wo(W_UV · verify_attention(absorbed q, cache)) for one layer, its new rows cached first."""
+        c, b, v, w = self.config, self.buffers, self._views, lw.attn
+        eps = c.rms_norm_eps
+        linear(b.x, w.w_a, b.a, norm_weight=w.norm, eps=eps, stream=stream)  # [M, Qa + C + R]
+        if v.a_q is not None:
+            linear(v.a_q, w.w_q, v.q2, norm_weight=w.q_norm, eps=eps, stream=stream)  # [M, H * (nope + R)]
+        else:
+            linear(b.x, w.w_q, v.q2, norm_weight=w.norm, eps=eps, stream=stream)
+        mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
+                   stream=stream)  # [M, H, R]
+        head_linear(v.q_nope, w.w_uk_t, v.q_latent, stream=stream)  # [M, H, C]
+        latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
+        mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
+                     latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
+        va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
+               c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream)  # [bs, Tc, H, C]
+        head_linear(v.attn, w.w_uv, b.heads, stream=stream)  # [M, H, v]
+        linear(v.heads, w.w_o, b.x, residual=b.x, stream=stream)  # [M, D]
+
+    def _ffn(self, lw: LayerWeights, stream: Any) -> None:
+        """x += FFN(rmsnorm(x)): dense SwiGLU, or routed experts + shared expert."""
+        c, b, f = self.config, self.buffers, lw.ffn
+        eps = c.rms_norm_eps
+        if isinstance(f, DenseFfnWeights):
+            linear(b.x, f.w13, b.h13, norm_weight=f.norm, eps=eps, stream=stream)  # [M, 2I]
+            linear(b.h13, f.w2, b.x, swiglu=True, residual=b.x, stream=stream)  # [M, D]
+            return
+        assert isinstance(f, MoeWeights)
+        rms_norm(b.x, f.norm, eps, b.xn, stream=stream)  # [M, D]
+        moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, b.row_offsets, b.row_index, b.slot_of,
+                  stream=stream)
+        expert_linear(b.xn, f.w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J, 2I]
+        expert_linear(b.e13, f.w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, stream=stream)  # [J, D]
+        if f.shared_w13 is not None:
+            linear(b.xn, f.shared_w13, b.s13, stream=stream)  # [M, 2Is]
+            linear(b.s13, f.shared_w2, b.s_out, swiglu=True, stream=stream)  # [M, D]
+        moe_combine(b.x, b.e_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream)  # [M, D]
+
+    def _capture(self, layer: int, stream: Any) -> None:
+        """features[..., slot * D:(slot + 1) * D] = x (hidden-state entry layer + 1)."""
+        m, d = self.batch_size * self.max_rows, self.config.hidden_size
+        launch(_copy_columns_kernel, *_copy_grid(m * d), stream, 0, self.buffers.x, self._views.features,
+               np.int32(self._capture_slot[layer] * d))
+
+    def advance(self, lengths: Any, *, stream: Any = None) -> None:
+        """``cache.past_lens += lengths`` on the device (int32 [bs])."""
+        self.cache.advance(lengths, stream=self.stream if stream is None else stream)

@@ -1,0 +1,85 @@
+"""``ddtree-numba generate`` (ddtree_numba.engine.generate): options, a tiny run, the JSON file."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from ddtree_numba.engine import generate
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree-numba generate")
+    generate.add_arguments(parser)
+    return parser
+
+
+def _run(argv: list[str]) -> int:
+    return generate.main(_parser().parse_args(argv))
+
+
+def test_help_explains_the_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--preset", "--weights", "--prompt-lens", "--max-new-tokens", "--budget", "--block-size",
+                   "--drafter", "--accuracy", "--entropy", "--temperature", "--seed", "--json", "{oracle,dflash}"):
+        assert option in text
+    assert "simulator" in text and "must reproduce AR" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-len", "3", "--prompt-lens", "2,3"], "not both"),
+    (["--batch", "3", "--prompt-lens", "2,3"], "--batch"),
+    (["--budget", "1025"], "--budget"),
+    (["--drafter", "dflash", "--block-size", "3"], "--block-size"),
+    (["--accuracy", "1.5"], "--accuracy"),
+    (["--entropy", "0"], "--entropy"),
+    (["--preset", "tiny", "--weights", "x.h5"], "--weights"),
+    (["--weights", "does-not-exist.h5"], "does not exist"),
+    (["--preset", "no-such-preset"], "no-such-preset"),
+])
+def test_bad_options_fail_before_any_run(argv, message, capsys):
+    assert _run(["--preset", "tiny", *argv] if "--preset" not in argv and "--weights" not in argv else argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_option_values_are_rejected_by_the_parser(capsys):
+    for argv in (["--batch", "0"], ["--prompt-lens", "2,x"], ["--budget", "-1"], ["--drafter", "eagle"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(argv)
+    capsys.readouterr()
+
+
+def test_tiny_run_side_by_side_with_json(tmp_path, capsys):
+    from reference.weights import init_weights, save_weights
+    from ddtree_numba.config import ModelConfig
+
+    checkpoint = save_weights(tmp_path / "tiny.h5", init_weights(ModelConfig.from_name("tiny"), 3),
+                              ModelConfig.from_name("tiny"))
+    out = tmp_path / "runs" / "run.json"
+    status = _run(["--weights", str(checkpoint), "--batch", "1", "--prompt-len", "2", "--max-new-tokens", "3",
+                   "--budget", "2", "--block-size", "3", "--accuracy", "1", "--entropy", "0.3", "--quiet",
+                   "--json", str(out)])
+    text = capsys.readouterr().out
+    assert status == 0
+    assert "identical tokens" in text and "yes" in text and "target forwards" in text and "verify ms" in text
+    data = json.loads(out.read_text())
+    assert sorted(p.name for p in out.parent.iterdir()) == ["run.json"]  # atomic: no temp file left
+    assert data["identical"] is True and data["preset"] == "checkpoint tiny.h5"
+    ar, tree = data["ar"], data["ddtree"]
+    assert ar["tokens"] == tree["tokens"] and len(ar["tokens"]) == 1 and len(ar["tokens"][0]) == 3
+    assert ar["forward_passes"] == 3 and tree["forward_passes"] == 2  # prefill + one round of 3 tokens
+    assert tree["acceptance_histogram"] == [0, 0, 0, 1] and tree["mean_acceptance"] == 3.0
+    assert set(tree["stage_s"]) == {"draft", "topk", "build", "verify", "accept", "compact"}
+    assert data["budget"] == 2 and data["block_size"] == 3 and data["max_new_tokens"] == 3
+
+
+def test_tiny_run_with_the_dflash_drafter_sampled(capsys):
+    pytest.importorskip("ddtree_numba.engine.dflash")
+    status = _run(["--preset", "tiny", "--drafter", "dflash", "--batch", "1", "--prompt-len", "2",
+                   "--max-new-tokens", "2", "--budget", "3", "--temperature", "0.8", "--seed", "5", "--quiet"])
+    text = capsys.readouterr().out
+    assert status == 0 and "identical tokens" in text and "yes" in text and "drafter dflash" in text

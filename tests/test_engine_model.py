@@ -1,0 +1,569 @@
+"""TargetModel (ddtree_numba/engine): the FP32 MLA + MoE forward against the float64 reference, the
+golden model file, batch invariance and the lossless tree-vs-AR property, allocation-free forwards,
+and input checks.
+
+Simulator tests run ``tiny`` (init_weights seed 0) through the golden scenario of
+``reference.golden_cases`` (family ``model``): a ragged batch of two prompts (5 and 9 tokens) is
+prefilled, verifies one draft tree per request, then replays each tree's deepest path as AR steps
+(the first is the golden decode step). Three models share one weight upload and one KV cache
+(prefill Tc = 9, tree Tc = 4, AR Tc = 1), so the bitwise checks also cover a change of Tc.
+GPU tests (``-m gpu``) run ``small`` with random weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.config import ModelConfig
+import ddtree_numba.engine.model as model_module
+from ddtree_numba.engine.cache import KVCache
+from ddtree_numba.engine.model import TargetModel, attention_tile_config, prefill_visibility
+from ddtree_numba.engine.weights import DeviceWeights, kernel_layouts
+from ddtree_numba.golden import read_all
+from reference import build_tree, pack_visibility
+from reference.golden_cases import GOLDEN_FILES, MODEL_PRESET, MODEL_TREE, MODEL_WEIGHTS_SEED, build_cases
+from reference.model import causal_visibility
+from reference.model import forward as reference_forward
+from reference.topk import topk_log_probs
+from reference.weights import init_weights
+
+GOLDEN_DIR = Path(__file__).resolve().parent.parent / "data" / "golden"
+# FP32 engine vs float64 reference: |engine - ref| <= TOL * max|ref| over a request's valid rows
+# (logits of std ~1 over 2 layers; the float32 error is ~1e-6, the margin covers GPU FMA contraction).
+LOGIT_TOL = 1e-4
+HIDDEN_TOL = 1e-4
+KV_CAPACITY = 32
+STEPS = ("prefill", "tree", "decode")
+TREE_ROWS = MODEL_TREE["budget"] + 1  # Tc of the verify step
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _host(arr: Any) -> np.ndarray:
+    return arr.copy_to_host()
+
+
+def _assert_close(actual: np.ndarray, expected: np.ndarray, tol: float, what: str) -> None:
+    """max |actual - expected| <= tol * max |expected| (expected finite)."""
+    assert np.all(np.isfinite(expected)), what
+    scale = float(np.max(np.abs(expected)))
+    err = float(np.max(np.abs(actual.astype(np.float64) - expected)))
+    assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol} * {scale:.3g}"
+
+
+def _deepest_path(parents: np.ndarray, depths: np.ndarray) -> list[int]:
+    """Node ids from the root to the first deepest node."""
+    node = int(np.argmax(depths))
+    path = [node]
+    while parents[node] >= 0:
+        node = int(parents[node])
+        path.append(node)
+    return path[::-1]
+
+
+def _parents_from_visibility(vis: np.ndarray) -> np.ndarray:
+    """Parent of each node of an ancestor-or-self matrix: the deepest strict ancestor (-1 for the root)."""
+    depths = vis.sum(axis=1) - 1
+    parents = np.full(vis.shape[0], -1)
+    for i in range(vis.shape[0]):
+        anc = [j for j in range(i) if vis[i, j]]
+        if anc:
+            parents[i] = max(anc, key=lambda j: depths[j])
+    return parents
+
+
+def _pad_rows(arr: np.ndarray, tc: int, fill: int) -> np.ndarray:
+    """[bs, T] -> int32 [bs, tc], padded with fill."""
+    out = np.full((arr.shape[0], tc), fill, dtype=np.int32)
+    out[:, :arr.shape[1]] = arr
+    return out
+
+
+@functools.cache
+def _tiny() -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    config = ModelConfig.from_name(MODEL_PRESET)
+    return config, init_weights(config, MODEL_WEIGHTS_SEED)
+
+
+@functools.cache
+def _golden_built() -> dict:
+    return build_cases("model")
+
+
+# --------------------------------------------------------------------------- the golden scenario
+
+
+def _forbid_transfers(mp: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """Make every device allocation / host-copy entry point record its name in calls and fail."""
+    array_type = type(cuda.to_device(np.zeros(1)))
+
+    def forbidden(name: str):
+        def hook(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"forward called {name}")
+        return hook
+
+    for name in ("device_array", "device_array_like", "to_device", "pinned_array", "mapped_array",
+                 "managed_array"):
+        if hasattr(cuda, name):
+            mp.setattr(cuda, name, forbidden(f"cuda.{name}"))
+    mp.setattr(array_type, "copy_to_host", forbidden("copy_to_host"))
+
+
+def _record_host_args(mp: pytest.MonkeyPatch, seen: list[str]) -> None:
+    """Record kernel launches given a NumPy array (an implicit host <-> device copy on a GPU)."""
+    import ddtree_numba.engine.cache as cache_module
+    import ddtree_numba.engine.model as model_module
+    import ddtree_numba.kernels.linear as linear_module
+    import ddtree_numba.kernels.model_ops as ops_module
+    import ddtree_numba.kernels.verify_attention as va_module
+    from sim import launch as launch_module
+
+    original = launch_module.launch
+
+    def checked(kernel, griddim, blockdim, stream, dynamic, *args, **kwargs):
+        if any(isinstance(arg, np.ndarray) and arg.ndim > 0 for arg in args):
+            seen.append(getattr(kernel, "__name__", repr(kernel)))
+        return original(kernel, griddim, blockdim, stream, dynamic, *args, **kwargs)
+
+    for module in (model_module, cache_module, linear_module, ops_module, va_module):
+        mp.setattr(module, "launch", checked)
+
+
+def _step_inputs(tokens: np.ndarray, positions: np.ndarray, sizes: np.ndarray, vis: np.ndarray, tc: int):
+    """Golden step arrays ([bs, T], bool vis [bs, T, T]) padded to Tc: tokens -1, positions 0,
+    padding rows see themselves; visibility packed."""
+    bs, t = tokens.shape
+    full = np.broadcast_to(np.eye(tc, dtype=bool), (bs, tc, tc)).copy()
+    full[:, :t, :t] = vis
+    return (_pad_rows(tokens, tc, -1), _pad_rows(positions, tc, 0), sizes.astype(np.int32), pack_visibility(full))
+
+
+@pytest.fixture(scope="module")
+def scenario() -> dict[str, Any]:
+    """The golden scenario on the engine (bs = 2): prefill, tree verify, then each request's deepest
+    tree path replayed as AR steps (T = 1) from the same prefix; step 0 is the golden decode step.
+    Step 1 runs with device inputs while allocations and host copies are forbidden.
+
+    Three models share one weight upload and one KV cache (prefill Tc = 9, tree Tc = 4, AR Tc = 1),
+    so the bitwise comparisons also cover a change of Tc. Returns host copies.
+    """
+    config, weights = _tiny()
+    cases = _golden_built()
+    pre, tree = cases["prefill"], cases["tree"]
+    prefill = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
+    shared = dict(weights=prefill.weights, batch_size=2, kv_capacity=KV_CAPACITY, capture_layers=(0, 1),
+                  cache=prefill.cache)
+    verify = TargetModel(config, max_rows=TREE_ROWS, **shared)
+    decode = TargetModel(config, max_rows=1, **shared)
+    out: dict[str, Any] = {}
+
+    def run(model: TargetModel, ds, name: str) -> None:
+        result = model.forward(*_step_inputs(ds.in_tokens.values, ds.in_positions.values, ds.in_sizes.values,
+                                             ds.in_visibility.values, model.max_rows))
+        out[name] = {"logits": _host(result.logits), "features": _host(result.features)}
+
+    run(prefill, pre, "prefill")
+    prefill.advance(pre.in_sizes.values.astype(np.int32))
+    out["past_after_prefill"] = prefill.cache.read_past_lens()
+    out["cache_after_prefill"] = [(_host(kv.latent), _host(kv.k_rope)) for kv in prefill.cache.layers]
+    run(verify, tree, "tree")
+
+    vis = tree.in_visibility.values
+    paths = [_deepest_path(_parents_from_visibility(v), v.sum(axis=1) - 1) for v in vis]
+    replay = {"logits": np.full((2, TREE_ROWS, config.vocab_size), np.nan, np.float32),
+              "features": np.full((2, TREE_ROWS, 2 * config.hidden_size), np.nan, np.float32)}
+    past = out["past_after_prefill"]
+    out["guard"] = {"calls": [], "host_args": []}
+    for depth in range(max(len(p) for p in paths)):
+        live = np.array([depth < len(p) for p in paths])
+        tokens = np.array([[tree.in_tokens.values[b, p[depth]] if live[b] else 0] for b, p in enumerate(paths)],
+                          dtype=np.int32)
+        sizes = live.astype(np.int32)
+        inputs = (tokens, (past + depth).astype(np.int32)[:, None], sizes, prefill_visibility(sizes, 1))
+        if depth == 1:
+            inputs = tuple(cuda.to_device(a) for a in inputs)
+            lengths = cuda.to_device(sizes)
+            with pytest.MonkeyPatch.context() as mp:
+                _forbid_transfers(mp, out["guard"]["calls"])
+                _record_host_args(mp, out["guard"]["host_args"])
+                result = decode.forward(*inputs)
+                decode.advance(lengths)
+            out["guard"]["result_is_owned"] = (result.logits is decode.buffers.logits
+                                               and result.features is decode.buffers.features)
+        else:
+            result = decode.forward(*inputs)
+            decode.advance(sizes)
+        logits, features = _host(result.logits), _host(result.features)
+        if depth == 0:
+            out["decode"] = {"logits": logits, "features": features}
+        for b, p in enumerate(paths):
+            if live[b]:
+                replay["logits"][b, p[depth]] = logits[b, 0]
+                replay["features"][b, p[depth]] = features[b, 0]
+    out["paths"] = paths
+    out["replay"] = replay
+    out["past_after_replay"] = prefill.cache.read_past_lens()
+    return out
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_forward_matches_float64_reference(scenario, step) -> None:
+    """Logits and captured hidden states (entries 1, 2 = outputs of layers 0, 1) of every valid row
+    within LOGIT_TOL / HIDDEN_TOL of reference.model.forward (a live build of the golden cases)."""
+    ds = _golden_built()[step]
+    got = scenario[step]
+    for b, size in enumerate(ds.in_sizes.values):
+        _assert_close(got["logits"][b, :size], ds.out_logits.values[b, :size], LOGIT_TOL, f"{step} logits[{b}]")
+        hidden = ds.out_hidden.values[b, :size]  # [T, entry, D]
+        features = got["features"][b, :size].reshape(size, 2, -1)  # [T, 2, D]
+        _assert_close(features, hidden[:, 1:], HIDDEN_TOL, f"{step} features[{b}]")
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_forward_matches_golden_file(scenario, step) -> None:
+    """The committed data/golden/model.h5 (float64 reference) within the same tolerance, and the
+    same greedy token wherever the reference's top two logits are further apart than that."""
+    ds = read_all(GOLDEN_DIR / GOLDEN_FILES["model"])[step]
+    got = scenario[step]
+    for b, size in enumerate(ds.in_sizes.values):
+        ref = ds.out_logits.values[b, :size]
+        _assert_close(got["logits"][b, :size], ref, LOGIT_TOL, f"{step} logits[{b}]")
+        top2 = np.sort(ref, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * LOGIT_TOL * np.max(np.abs(ref))
+        np.testing.assert_array_equal(np.argmax(got["logits"][b, :size], axis=1)[clear],
+                                      np.argmax(ref, axis=1)[clear])
+
+
+def test_cache_rows_match_reference(scenario) -> None:
+    """Prefill wrote each request's rows (normed latent, RoPE'd key) as the reference's cache (the
+    tree case's in_cache_*) and nothing past them; past_lens advanced by the prompt lengths."""
+    ds = _golden_built()["tree"]
+    np.testing.assert_array_equal(scenario["past_after_prefill"], ds.in_past_lens.values)
+    for b, past in enumerate(ds.in_past_lens.values):
+        for layer, (latent, k_rope) in enumerate(scenario["cache_after_prefill"]):
+            _assert_close(latent[b, :past], ds.in_cache_latent.values[b, :past, layer], HIDDEN_TOL,
+                          f"latent[{b}, layer {layer}]")
+            _assert_close(k_rope[b, :past], ds.in_cache_k_rope.values[b, :past, layer], HIDDEN_TOL,
+                          f"k_rope[{b}, layer {layer}]")
+            assert not latent[b, past:].any() and not k_rope[b, past:].any()
+
+
+def test_tree_nodes_equal_ar_steps_bitwise(scenario) -> None:
+    """Lossless (spec §1.4): every node on a tree's deepest path has the logits and features, bit
+    for bit, of AR decoding that path one token at a time from the same prefix."""
+    for b, path in enumerate(scenario["paths"]):
+        assert len(path) >= 3  # the root and two drafted levels
+        for node in path:
+            np.testing.assert_array_equal(scenario["tree"]["logits"][b, node], scenario["replay"]["logits"][b, node])
+            np.testing.assert_array_equal(scenario["tree"]["features"][b, node],
+                                          scenario["replay"]["features"][b, node])
+    np.testing.assert_array_equal(scenario["past_after_replay"],
+                                  scenario["past_after_prefill"] + [len(p) for p in scenario["paths"]])
+
+
+def test_request_alone_equals_request_in_batch_bitwise(scenario) -> None:
+    """Batch invariance: request 1's decode step run alone (bs = 1, its prefix copied from the batch
+    cache) gives the bits it got in the bs = 2 step, logits and features."""
+    config, _ = _tiny()
+    dec = _golden_built()["decode"]
+    alone = TargetModel(config, _tiny()[1], batch_size=1, kv_capacity=KV_CAPACITY, max_rows=1,
+                        capture_layers=(0, 1))
+    for kv, (latent, k_rope) in zip(alone.cache.layers, scenario["cache_after_prefill"]):
+        kv.latent.copy_to_device(latent[1:])
+        kv.k_rope.copy_to_device(k_rope[1:])
+    alone.cache.set_past_lens(scenario["past_after_prefill"][1:])
+    sizes = np.ones(1, np.int32)
+    result = alone.forward(dec.in_tokens.values[1:], dec.in_positions.values[1:], sizes, prefill_visibility(sizes, 1))
+    np.testing.assert_array_equal(_host(result.logits)[0], scenario["decode"]["logits"][1])
+    np.testing.assert_array_equal(_host(result.features)[0], scenario["decode"]["features"][1])
+
+
+def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
+    """The scenario's second AR step (device inputs) ran with every device allocation and host copy
+    forbidden and no NumPy array passed to a kernel, and returned the model's own buffers."""
+    guard = scenario["guard"]
+    assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
+
+
+def test_no_low_rank_q_path_matches_reference() -> None:
+    """q_lora_rank = 0 (q_proj instead of q_a / q_b, no fused q path) matches the reference."""
+    base, _ = _tiny()
+    config = dataclasses.replace(base, q_lora_rank=0)
+    weights = init_weights(config, 3)
+    model = TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)
+    sizes = np.ones(1, np.int32)
+    logits = _host(model.forward(np.array([[7]], np.int32), np.array([[2]], np.int32), sizes,
+                                 prefill_visibility(sizes, 1)).logits)
+    ref = reference_forward(weights, config, np.array([7]), np.array([2]))
+    _assert_close(logits[0], ref.logits, LOGIT_TOL, "q_proj logits")
+
+
+def test_prepare_rows_kernel_guards() -> None:
+    """Per-row tokens / positions / cache rows: valid rows map to b * S + past + i, padding rows to
+    token 0 and no write, a bad position or an overflowing request to token -1 (a NaN row)."""
+    tc, s = 3, 8
+    tokens = np.array([[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]], np.int32)
+    positions = np.array([[4, 5, 9], [0, 1, 2], [7, -1, 0], [6, 7, 8]], np.int32)
+    sizes = np.array([2, 0, 2, 3], np.int32)
+    past = np.array([4, 0, 6, 6], np.int32)  # request 3: 6 + 3 > 8 rows
+    tok, pos, rows = (np.zeros(12, np.int32) for _ in range(3))
+    model_module._prepare_rows_kernel[1, 32](tokens.reshape(-1), positions.reshape(-1), sizes, past, np.int32(tc),
+                                             np.int32(s), tok, pos, rows)
+    np.testing.assert_array_equal(tok, [5, 6, 0, 0, 0, 0, 11, -1, 0, -1, -1, -1])
+    np.testing.assert_array_equal(pos, [4, 5, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(rows, [4, 5, -1, -1, -1, -1, 22, 23, -1, -1, -1, -1])
+
+
+# --------------------------------------------------------------------------- host-only pieces
+
+
+def test_kernel_layouts_reproduce_the_reference_projections() -> None:
+    """The fused / transposed / stacked layouts compute what the HF weights compute (NumPy)."""
+    config, weights = _tiny()
+    host = kernel_layouts(config, weights)
+    rng = np.random.default_rng(1)
+    c, h, nope, v = config.kv_lora_rank, config.n_heads, config.qk_nope_dim, config.v_head_dim
+    for i, lw in enumerate(host["layers"]):
+        p = f"model.layers.{i}.self_attn."
+        x = rng.standard_normal(config.hidden_size)
+        np.testing.assert_array_equal(lw["w_a"] @ x, np.concatenate([weights[f"{p}q_a_proj.weight"] @ x,
+                                                                     weights[f"{p}kv_a_proj_with_mqa.weight"] @ x]))
+        kv_b = weights[f"{p}kv_b_proj.weight"].astype(np.float64).reshape(h, nope + v, c)
+        q_nope = rng.standard_normal((h, nope))
+        latent = rng.standard_normal((h, c))
+        np.testing.assert_allclose(np.einsum("hk,hnk->hn", q_nope, lw["w_uk_t"]),
+                                   np.einsum("hd,hdc->hc", q_nope, kv_b[:, :nope]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.einsum("hk,hnk->hn", latent, lw["w_uv"]),
+                                   np.einsum("hc,hdc->hd", latent, kv_b[:, nope:]), rtol=1e-6, atol=1e-6)
+        assert all(a.dtype == np.float32 and a.flags.c_contiguous for a in lw.values())
+    moe = host["layers"][1]
+    e = 3
+    m = "model.layers.1.mlp."
+    np.testing.assert_array_equal(moe["w13"][e], np.concatenate([weights[f"{m}experts.{e}.gate_proj.weight"],
+                                                                 weights[f"{m}experts.{e}.up_proj.weight"]]))
+    np.testing.assert_array_equal(moe["w2"][e], weights[f"{m}experts.{e}.down_proj.weight"])
+    assert moe["w13"].shape == (config.n_routed_experts, 2 * config.moe_intermediate, config.hidden_size)
+    assert moe["shared_w13"].shape == (2 * config.moe_intermediate, config.hidden_size)
+    assert "bias" in moe and "w13" in host["layers"][0] and "gate" not in host["layers"][0]
+
+
+def test_prefill_visibility_is_packed_causal() -> None:
+    sizes = np.array([0, 3, 40])
+    packed = prefill_visibility(sizes, 40)
+    assert packed.shape == (3, 40, 2) and packed.dtype == np.uint32
+    cols = np.arange(40)
+    vis = ((packed[..., cols // 32] >> (cols % 32).astype(np.uint32)) & 1).astype(bool)
+    for b, size in enumerate(sizes):
+        expected = np.eye(40, dtype=bool)
+        expected[:size, :size] = causal_visibility(size)
+        np.testing.assert_array_equal(vis[b], expected)
+    with pytest.raises(ValueError, match="sizes"):
+        prefill_visibility(np.array([5]), 4)
+    with pytest.raises(TypeError, match="sizes"):
+        prefill_visibility(np.array([1.0]), 4)
+    with pytest.raises(ValueError, match="tree_capacity"):
+        prefill_visibility(np.array([0]), 0)
+
+
+def test_attention_tile_config_fits_prefill_chunks() -> None:
+    tiny = ModelConfig.from_name("tiny")
+    cfg = attention_tile_config(tiny, 100)
+    assert cfg.max_path == 100 and cfg.threads == 32
+    kimi = ModelConfig.from_name("small")  # Kimi K2 attention dims
+    big = attention_tile_config(kimi, 4096)
+    assert 64 <= big.max_path < 4096 and big.static_shared_bytes <= 48 * 1024
+    assert attention_tile_config(kimi, 16).max_path == 64
+
+
+def test_cache_past_lens_and_advance() -> None:
+    config, _ = _tiny()
+    cache = KVCache(config, 3, 8)
+    assert len(cache.buffers()) == 2 * config.n_layers
+    assert cache.layers[0].latent.shape == (3, 8, config.kv_lora_rank)
+    cache.set_past_lens(np.array([1, 0, 8]))
+    cache.advance(np.array([2, 5, 0], dtype=np.int32))
+    np.testing.assert_array_equal(cache.read_past_lens(), [3, 5, 8])
+    with pytest.raises(ValueError, match="lengths"):
+        cache.advance(np.array([-1, 0, 0], dtype=np.int32))
+    with pytest.raises(TypeError, match="lengths"):
+        cache.advance(np.array([1, 0, 0], dtype=np.int64))
+    with pytest.raises(ValueError, match="values"):
+        cache.set_past_lens(np.array([0, 0, 9]))
+    np.testing.assert_array_equal(cache.read_past_lens(), [3, 5, 8])
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+@pytest.fixture(scope="module")
+def small_model() -> TargetModel:
+    config, weights = _tiny()
+    return TargetModel(config, weights, batch_size=2, kv_capacity=16, max_rows=3)
+
+
+def _good_inputs() -> dict[str, np.ndarray]:
+    sizes = np.array([3, 1], dtype=np.int32)
+    return {"tokens": np.array([[1, 2, 3], [4, -1, -1]], np.int32),
+            "positions": np.array([[0, 1, 2], [0, 0, 0]], np.int32),
+            "sizes": sizes, "visibility": prefill_visibility(sizes, 3)}
+
+
+def _with(**change) -> dict[str, Any]:
+    return {**_good_inputs(), **change}
+
+
+BAD_FORWARD = [
+    (TypeError, "tokens", _with(tokens=np.zeros((2, 3), np.int64))),
+    (ValueError, "tokens", _with(tokens=np.zeros((2, 4), np.int32))),
+    (TypeError, "tokens", _with(tokens=[[1, 2, 3], [4, 5, 6]])),
+    (ValueError, "tokens", _with(tokens=np.array([[1, 2, 512], [4, 0, 0]], np.int32))),
+    (ValueError, "tokens", _with(tokens=np.array([[1, 2, 3], [-1, 0, 0]], np.int32))),
+    (ValueError, "positions", _with(positions=np.array([[0, 1, 16], [0, 0, 0]], np.int32))),
+    (ValueError, "positions", _with(positions=np.array([[0, 1, 2], [-3, 0, 0]], np.int32))),
+    (TypeError, "positions", _with(positions=np.zeros((2, 3), np.float32))),
+    (ValueError, "sizes", _with(sizes=np.array([4, 1], np.int32))),
+    (ValueError, "sizes", _with(sizes=np.array([3, 1, 0], np.int32))),
+    (TypeError, "visibility", _with(visibility=np.zeros((2, 3, 1), np.int32))),
+    (ValueError, "visibility", _with(visibility=np.zeros((2, 3, 1), np.uint32))),  # no diagonal
+    (ValueError, "visibility", _with(visibility=np.full((2, 3, 1), 7, np.uint32))),  # sees later rows
+    (ValueError, "visibility", _with(visibility=np.zeros((2, 3, 2), np.uint32))),
+    (ValueError, "visibility.*past column", _with(visibility=_good_inputs()["visibility"] | np.uint32(1 << 5))),
+]
+
+
+@pytest.mark.parametrize("error, name, kwargs", BAD_FORWARD)
+def test_bad_forward_inputs_raise_before_any_work(small_model, error, name, kwargs) -> None:
+    staged = small_model.buffers.tokens
+    before = _host(staged)
+    with pytest.raises(error, match=name):
+        small_model.forward(**kwargs)
+    np.testing.assert_array_equal(_host(staged), before)  # nothing staged
+
+
+def test_bad_constructor_arguments() -> None:
+    config, weights = _tiny()
+    kw = dict(batch_size=1, kv_capacity=8, max_rows=2)
+    with pytest.raises(ValueError, match="kv_capacity"):
+        TargetModel(config, weights, **{**kw, "kv_capacity": config.max_seq_len + 1})
+    with pytest.raises(ValueError, match="capture_layers"):
+        TargetModel(config, weights, **kw, capture_layers=(2,))
+    with pytest.raises(ValueError, match="capture_layers"):
+        TargetModel(config, weights, **kw, capture_layers=(1, 1))
+    with pytest.raises(TypeError, match="batch_size"):
+        TargetModel(config, weights, **{**kw, "batch_size": 1.0})
+    with pytest.raises(ValueError, match="max_rows"):
+        TargetModel(config, weights, **{**kw, "max_rows": 0})
+    broken = dict(weights)
+    del broken["lm_head.weight"]
+    with pytest.raises(ValueError, match="lm_head"):
+        TargetModel(config, broken, **kw)
+    with pytest.raises(TypeError, match="weights"):
+        TargetModel(config, [1, 2], **kw)
+    with pytest.raises(TypeError, match="config"):
+        TargetModel("tiny", weights, **kw)
+    with pytest.raises(ValueError, match="cache"):
+        TargetModel(config, weights, **kw, cache=KVCache(config, 2, 8))
+    with pytest.raises(ValueError, match="weights"):
+        TargetModel(dataclasses.replace(config, rms_norm_eps=1e-5), DeviceWeights.from_host(config, weights), **kw)
+
+
+# --------------------------------------------------------------------------- GPU: small, random weights
+
+
+def _small_reference_logits(config, weights, prompts, tree_tokens, tree_positions, tree_vis):
+    """float64 reference: prefill logits per prompt, then the tree's logits over the prompt cache."""
+    outs = [reference_forward(weights, config, p, np.arange(len(p))) for p in prompts]
+    trees = [reference_forward(weights, config, t, pos, o.new_cache, v)
+             for t, pos, o, v in zip(tree_tokens, tree_positions, outs, tree_vis)]
+    return [o.logits for o in outs], [t.logits for t in trees]
+
+
+@functools.cache
+def _small() -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    config = ModelConfig.from_name("small")
+    return config, init_weights(config, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [1, 4])
+def test_gpu_small_matches_reference_and_is_lossless(bs) -> None:
+    """``small`` (seed 0): ragged prefill + tree verify vs the float64 reference, a request alone vs
+    in the batch (bitwise), tree path vs AR replay (bitwise)."""
+    config, weights = _small()
+    rng = np.random.default_rng(bs)
+    lens = [int(n) for n in rng.integers(20, 60, bs)]
+    prompts = [rng.integers(0, config.vocab_size, n).astype(np.int32) for n in lens]
+    tc_pre, budget = 64, 15
+    prefill = TargetModel(config, weights, batch_size=bs, kv_capacity=256, max_rows=tc_pre, capture_layers=(1, 4))
+    common = dict(weights=prefill.weights, batch_size=bs, kv_capacity=256, capture_layers=(1, 4),
+                  cache=prefill.cache)
+    verify = TargetModel(config, max_rows=budget + 1, **common)
+    decode = TargetModel(config, max_rows=1, **common)
+    sizes = np.array(lens, dtype=np.int32)
+    tokens = np.zeros((bs, tc_pre), np.int32)
+    positions = np.zeros((bs, tc_pre), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)], positions[b, :len(p)] = p, np.arange(len(p))
+    pre_logits = _host(prefill.forward(tokens, positions, sizes, prefill_visibility(sizes, tc_pre)).logits)
+    prefill.advance(sizes)
+
+    trees = []
+    for b in range(bs):
+        lp, ids = topk_log_probs((rng.standard_normal((4, config.vocab_size)) * 3).astype(np.float32), 4)
+        trees.append(build_tree(lp, ids, budget, int(np.argmax(pre_logits[b, lens[b] - 1]))))
+    t_tokens = np.stack([t.tokens for t in trees]).astype(np.int32)
+    t_pos = np.stack([lens[b] + t.depths for b, t in enumerate(trees)]).astype(np.int32)
+    t_sizes = np.full(bs, budget + 1, np.int32)
+    vis = pack_visibility(np.stack([t.visibility for t in trees]))
+    tree_logits = _host(verify.forward(t_tokens, t_pos, t_sizes, vis).logits)
+
+    ref_pre, ref_tree = _small_reference_logits(config, weights, prompts, list(t_tokens), list(t_pos),
+                                                [t.visibility for t in trees])
+    for b in range(bs):
+        _assert_close(pre_logits[b, :lens[b]], ref_pre[b], LOGIT_TOL, f"prefill[{b}]")
+        _assert_close(tree_logits[b], ref_tree[b], LOGIT_TOL, f"tree[{b}]")
+
+    # AR replay of request 0's deepest path (the other requests idle: size 0).
+    path = _deepest_path(trees[0].parents, trees[0].depths)
+    for depth, node in enumerate(path):
+        step_sizes = np.zeros(bs, np.int32)
+        step_sizes[0] = 1
+        step_tokens = np.zeros((bs, 1), np.int32)
+        step_tokens[0, 0] = trees[0].tokens[node]
+        step_pos = np.zeros((bs, 1), np.int32)
+        step_pos[0, 0] = lens[0] + depth
+        logits = _host(decode.forward(step_tokens, step_pos, step_sizes, prefill_visibility(step_sizes, 1)).logits)
+        np.testing.assert_array_equal(logits[0, 0], tree_logits[0, node])
+        decode.advance(step_sizes)
+
+    # Request bs - 1 alone.
+    alone = TargetModel(config, prefill.weights, batch_size=1, kv_capacity=256, max_rows=tc_pre)
+    one = np.array([lens[-1]], np.int32)
+    logits = _host(alone.forward(tokens[-1:], positions[-1:], one, prefill_visibility(one, tc_pre)).logits)
+    np.testing.assert_array_equal(logits[0, :lens[-1]], pre_logits[-1, :lens[-1]])
+
+
+@pytest.mark.gpu
+def test_gpu_small_forward_allocates_nothing(monkeypatch) -> None:
+    config, weights = _small()
+    model = TargetModel(config, weights, batch_size=4, kv_capacity=128, max_rows=16)
+    sizes = np.array([16, 3, 0, 9], np.int32)
+    inputs = tuple(cuda.to_device(a) for a in (np.ones((4, 16), np.int32),
+                                               np.tile(np.arange(16, dtype=np.int32), (4, 1)), sizes,
+                                               prefill_visibility(sizes, 16)))
+    model.forward(*inputs)  # compiles outside the check
+    cuda.synchronize()
+    calls: list[str] = []
+    host_args: list[str] = []
+    _forbid_transfers(monkeypatch, calls)
+    _record_host_args(monkeypatch, host_args)
+    result = model.forward(*inputs)
+    assert calls == [] and host_args == [] and result.logits is model.buffers.logits
