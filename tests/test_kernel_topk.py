@@ -16,6 +16,7 @@ from ddtree_numba.kernels.topk import (
     MAX_K,
     VALUE_ATOL,
     VALUE_RTOL,
+    WARP_MAX_K,
     WORDS_PER_THREAD,
     TopKPlan,
     check_topk_errors,
@@ -121,24 +122,28 @@ def test_bf16_gaussian_ties_match_reference():
     _check(logits, 16, n_chunks=2)
 
 
+@pytest.mark.parametrize("warp_buffers", [True, False])
 @pytest.mark.parametrize("order", ["ascending", "descending"])
-def test_monotone_rows_force_compactions(order):
-    """Ascending rows make every element a new top-k (worst case: many compactions and retries)."""
+def test_monotone_rows_force_compactions(order, warp_buffers):
+    """Ascending rows make every element a new top-k (worst case: many compactions and retries),
+    with per-warp buffers (the default for k' <= WARP_MAX_K) and with the block buffer."""
     ramp = np.linspace(-4.0, 4.0, 192, dtype=np.float32)
     logits = np.stack([ramp if order == "ascending" else ramp[::-1], np.sin(ramp * 7.0)]).astype(np.float32)
-    _check(logits, 8, capacity=SIM_THREADS)  # smallest buffer: 32 entries, 4 k
+    plan = _check(float32_to_bf16(logits), 8, capacity=SIM_THREADS, warp_buffers=warp_buffers)  # 32 entries, 4 k
+    assert plan.warp_buffers == warp_buffers
 
 
-@pytest.mark.parametrize("dtype, vocab", [("f32", 600), ("bf16", 1100)])
-def test_several_full_iterations_then_a_partial_one(dtype, vocab):
+@pytest.mark.parametrize("dtype, vocab, warp_buffers", [("f32", 600, False), ("bf16", 1100, True), ("bf16", 1100, False)])
+def test_several_full_iterations_then_a_partial_one(dtype, vocab, warp_buffers):
     """Rows longer than two block iterations (32 threads x 4 words), so the prefetched words of
-    each iteration, the partial last one and buffer overflows in later iterations are all used."""
+    each iteration (both rings of the per-warp kernel), the partial last one and buffer overflows
+    in later iterations are all used."""
     rng = np.random.default_rng(vocab)
     ramp = np.linspace(-6.0, 6.0, vocab, dtype=np.float32)  # ascending: overflows every iteration
     logits = np.stack([ramp, _gaussian(rng, 1, vocab)[0]])
     if dtype == "bf16":
         logits = float32_to_bf16(logits)
-    plan = _check(logits, 8, capacity=SIM_THREADS, n_chunks=1)
+    plan = _check(logits, 8, capacity=SIM_THREADS, n_chunks=1, warp_buffers=warp_buffers)
     per_word = 4 if dtype == "bf16" else 2
     assert vocab > 2 * SIM_THREADS * WORDS_PER_THREAD * per_word  # >= 2 full iterations
     assert plan.n_chunks == 1
@@ -245,6 +250,9 @@ def test_non_finite_host_logits_raise_before_writing(dtype, bad):
         (dict(capacity=16), ValueError, "capacity"),
         (dict(capacity=96), ValueError, "capacity"),
         (dict(n_chunks=0), ValueError, "n_chunks"),
+        (dict(warp_buffers=1), TypeError, "warp_buffers"),
+        (dict(k=WARP_MAX_K + 1, vocab=4096, dtype=np.uint16, warp_buffers=True), ValueError, "warp_buffers"),
+        (dict(warp_buffers=True), ValueError, "warp_buffers"),  # float32: block buffer only
     ],
 )
 def test_plan_rejects_bad_arguments(kwargs, exc, name):
@@ -298,7 +306,12 @@ def test_run_rejects_a_non_plan():
 def test_plan_layout_for_kimi_shapes():
     """Many rows: one chunk (no merge); few rows: chunks fill the GPU; chunks tile V exactly."""
     big = plan_topk(1024, KIMI_VOCAB, 32, np.uint16)
-    assert big.n_chunks == 1 and big.capacity == 256
+    # k' <= WARP_MAX_K: per-warp buffers by default, 4 k' entries for each of the 8 warps.
+    assert big.n_chunks == 1 and big.warp_buffers and big.capacity == 8 * 4 * 32
+    block = plan_topk(1024, KIMI_VOCAB, 32, np.uint16, warp_buffers=False)
+    assert block.n_chunks == 1 and not block.warp_buffers and block.capacity == 256  # max(threads, 4 k')
+    assert not plan_topk(1024, KIMI_VOCAB, WARP_MAX_K + 1, np.uint16).warp_buffers
+    assert not plan_topk(1024, KIMI_VOCAB, 32, np.float32).warp_buffers
     small = plan_topk(16, KIMI_VOCAB, 32, np.uint16)
     assert small.n_chunks > 1
     for plan in (big, small):
@@ -311,7 +324,8 @@ def test_plan_layout_for_kimi_shapes():
 
 def test_kernels_are_registered_with_signatures():
     names = {spec.name for spec in registry.all_kernels()}
-    expected = {f"topk_chunk_{d}_{p}" for d in ("bf16", "f32") for p in ("packed", "scalar")} | {"topk_merge"}
+    expected = {f"topk_chunk_{d}_{p}" for d in ("bf16", "f32") for p in ("packed", "scalar")}
+    expected |= {"topk_merge", "topk_warp_bf16_packed"}
     assert expected <= names
     for name in expected:
         assert len(registry.get(name).signatures) == 1
@@ -357,13 +371,15 @@ def test_gpu_real_shapes(rows, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warp_buffers", [True, False])
 @pytest.mark.parametrize("n_chunks", [1, 7])
-def test_gpu_adversarial_rows(n_chunks):
-    """Ascending, constant and two-level rows at the real vocabulary, with and without a merge."""
+def test_gpu_adversarial_rows(n_chunks, warp_buffers):
+    """Ascending, constant and two-level rows at the real vocabulary, with and without a merge,
+    per-warp and block candidate buffers."""
     ramp = np.linspace(-30.0, 30.0, KIMI_VOCAB, dtype=np.float32)
     two_level = np.where(np.arange(KIMI_VOCAB) % 3 == 0, 2.0, 1.0).astype(np.float32)
     logits = float32_to_bf16(np.stack([ramp, np.zeros_like(ramp), two_level, ramp[::-1]]))
-    plan = plan_topk(4, KIMI_VOCAB, 64, np.uint16, n_chunks=n_chunks)
+    plan = plan_topk(4, KIMI_VOCAB, 64, np.uint16, n_chunks=n_chunks, warp_buffers=warp_buffers)
     values = np.zeros((4, 64), np.float32)
     ids = np.zeros((4, 64), np.int32)
     run_topk(plan, cuda.to_device(logits), values, ids)

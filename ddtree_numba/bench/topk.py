@@ -7,13 +7,16 @@ Timing: CUDA events around each ``run_topk(check=False)`` call, "queue-ahead": a
 keeps the stream busy while Python enqueues the call, so the events time the GPU work only (as in
 a CUDA graph; ddtree_numba/bench/accept_compact.py does the same). ``host_us`` is the Python wall time of
 one eager call (validation + launches) for reference. The floor is one read of the logits at the
-measured H200 copy bandwidth, 4.3 TB/s (limits §3, §6); ``x floor`` = median / floor.
-Target (issue 3): bf16, rows 1024 (bs 64 x L 16), k 32: <= 1.5 x floor (about 120 µs).
+active device profile's (measured) HBM bandwidth, sim.profiles.roofline (limits §3, §6);
+``x floor`` = median / floor. Target (issue 3): bf16, rows 1024 (bs 64 x L 16), k 32: <= 1.5 x floor
+(about 117 µs on the H200). ``--buffers warp,block`` times the per-warp candidate-buffer kernel and
+the block-buffer one side by side (``plan_topk(warp_buffers=...)``; warp: bf16 with k' <= WARP_MAX_K).
 ``--torch`` adds torch.topk + torch.logsumexp on the float32-upcast logits (the official path).
 ``--check`` compares the first call of every config with the reference semantics.
 
     ddtree-numba bench topk [--rows 16,128,1024] [--k 8,32,256,1024] [--dtype bf16,f32]
-                            [--reps 30] [--torch] [--check] [--out data/bench/h200.h5]
+                            [--buffers auto,warp,block] [--reps 30] [--torch] [--check]
+                            [--out data/bench/h200.h5]
 """
 from __future__ import annotations
 
@@ -29,14 +32,13 @@ import numpy as np
 from numba import cuda
 
 from ddtree_numba.bench.common import write_run
-from ddtree_numba.kernels.topk import VALUE_ATOL, VALUE_RTOL, plan_topk, run_topk
+from ddtree_numba.kernels.topk import VALUE_ATOL, VALUE_RTOL, WARP_MAX_K, plan_topk, run_topk
 from reference.topk import bf16_to_float32, float32_to_bf16, topk_log_probs
+from sim.profiles import active_profile, roofline
 
 VOCAB = 163840  # Kimi K2
 STD = 2.5  # logit scale: bf16-rounded, most adjacent top ranks tie (spec §1.2)
-COPY_BANDWIDTH = 4.3e12  # B/s, measured H200 device copy (limits §3)
-L2_BYTES = 60e6
-ROTATION_BYTES = 3 * L2_BYTES  # rotated inputs together exceed L2 3x
+ROTATION_L2_FACTOR = 3  # rotated inputs together exceed L2 3x
 MAX_INPUT_SETS = 32
 SLEEP_NS_PER_CALL = 1000
 
@@ -55,6 +57,7 @@ class Result:
     rows: int
     dtype: str
     k: int
+    buffers: str  # "warp" or "block": the candidate-buffer kernel the plan chose
     n_chunks: int
     times_us: list[float]
     host_us: float
@@ -68,7 +71,7 @@ class Result:
 
     @property
     def floor_us(self) -> float:
-        return 1e6 * self.nbytes / COPY_BANDWIDTH
+        return roofline(active_profile(), self.nbytes, 0.0).t_memory_s * 1e6
 
 
 def queue_ahead_times(call, stream, reps: int, warmup: int) -> list[float]:
@@ -97,7 +100,8 @@ def make_inputs(rows: int, dtype: str, rng: np.random.Generator, stream) -> tupl
     """Rotated device copies of one logit array (columns rolled per copy) and its float32 values."""
     x = (rng.standard_normal((rows, VOCAB), dtype=np.float32) * np.float32(STD))
     host = float32_to_bf16(x) if dtype == "bf16" else x
-    n_sets = int(min(MAX_INPUT_SETS, max(2, math.ceil(ROTATION_BYTES / host.nbytes))))
+    rotation_bytes = ROTATION_L2_FACTOR * active_profile().l2_bytes
+    n_sets = int(min(MAX_INPUT_SETS, max(2, math.ceil(rotation_bytes / host.nbytes))))
     sets = [cuda.to_device(np.roll(host, 977 * s, axis=1), stream=stream) for s in range(n_sets)]
     return sets, (bf16_to_float32(host) if dtype == "bf16" else host)
 
@@ -134,9 +138,11 @@ def run_config(rows: int, dtype: str, ks: list[int], args: argparse.Namespace, s
     rng = np.random.default_rng(rows)
     sets, as_float = make_inputs(rows, dtype, rng, stream)
     results = []
-    for k in ks:
+    modes = [(k, mode) for k in ks for mode in args.buffers
+             if not (mode == "warp" and (min(k, VOCAB) > WARP_MAX_K or dtype != "bf16"))]  # warp: bf16, small k
+    for k, mode in modes:
         plan = plan_topk(rows, VOCAB, k, np.uint16 if dtype == "bf16" else np.float32,
-                         threads=args.threads, n_chunks=args.n_chunks)
+                         threads=args.threads, n_chunks=args.n_chunks, warp_buffers=_WARP_BUFFERS[mode])
         values = cuda.device_array((rows, plan.k_out), np.float32, stream=stream)
         ids = cuda.device_array((rows, plan.k_out), np.int32, stream=stream)
 
@@ -163,12 +169,13 @@ def run_config(rows: int, dtype: str, ks: list[int], args: argparse.Namespace, s
                 torch_us = torch_times(sets, dtype, plan.k_out, args.reps, args.warmup)
             except Exception as exc:  # the baseline is optional: report and go on
                 print(f"torch baseline failed: {type(exc).__name__}: {exc}", flush=True)
-        results.append(Result(rows, dtype, plan.k_out, plan.n_chunks, times, host_us, torch_us, err, mismatches))
+        buffers = "warp" if plan.warp_buffers else "block"
+        results.append(Result(rows, dtype, plan.k_out, buffers, plan.n_chunks, times, host_us, torch_us, err, mismatches))
         print(format_row(results[-1]), flush=True)
     return results
 
 
-HEADER = (f"{'rows':>5} {'dtype':>5} {'k':>5} {'chunks':>6} {'median us':>10} {'min':>8} {'max':>8} "
+HEADER = (f"{'rows':>5} {'dtype':>5} {'k':>5} {'buf':>5} {'chunks':>6} {'median us':>10} {'min':>8} {'max':>8} "
           f"{'floor us':>9} {'x floor':>8} {'GB/s':>7} {'host us':>8} {'torch us':>9} {'check':>14}")
 
 
@@ -176,7 +183,7 @@ def format_row(r: Result) -> str:
     med = statistics.median(r.times_us)
     torch_med = f"{statistics.median(r.torch_us):9.1f}" if r.torch_us else f"{'-':>9}"
     check = "-" if r.id_mismatches < 0 else f"{r.id_mismatches} ids, {r.max_value_err:.1e}"
-    return (f"{r.rows:5d} {r.dtype:>5} {r.k:5d} {r.n_chunks:6d} {med:10.1f} {min(r.times_us):8.1f} "
+    return (f"{r.rows:5d} {r.dtype:>5} {r.k:5d} {r.buffers:>5} {r.n_chunks:6d} {med:10.1f} {min(r.times_us):8.1f} "
             f"{max(r.times_us):8.1f} {r.floor_us:9.1f} {med / r.floor_us:8.2f} {r.nbytes / med / 1e3:7.0f} "
             f"{r.host_us:8.1f} {torch_med} {check:>14}")
 
@@ -202,18 +209,22 @@ def write_dataset(path: str, results: list[Result], args: argparse.Namespace) ->
             "rows": (("case",), np.array([r.rows for r in results], np.int64)),
             "dtype": (("case",), [r.dtype for r in results]),
             "k": (("case",), np.array([r.k for r in results], np.int64)),
+            "buffers": (("case",), [r.buffers for r in results]),
             "n_chunks": (("case",), np.array([r.n_chunks for r in results], np.int64)),
         },
         attrs={
             "benchmark": "topk",
             "config": json.dumps({"vocab": VOCAB, "std": STD, "reps": args.reps, "warmup": args.warmup,
-                                  "threads": args.threads, "n_chunks": args.n_chunks,
+                                  "threads": args.threads, "n_chunks": args.n_chunks, "buffers": args.buffers,
                                   "value_atol": VALUE_ATOL, "value_rtol": VALUE_RTOL}),
             "timing": "CUDA events, queue-ahead behind a sleeper kernel (GPU time, no launch gaps)",
         },
     )
     group = write_run(path, ds)
     print(f"wrote {path}:{group}")
+
+
+_WARP_BUFFERS = {"auto": None, "warp": True, "block": False}  # --buffers -> plan_topk(warp_buffers=...)
 
 
 def _list(kind):
@@ -230,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=_list(int), default=[16, 128, 1024], help="rows = bs x L (default 16,128,1024)")
     parser.add_argument("--k", type=_list(int), default=[8, 32, 256, 1024], help="k (default 8,32,256,1024)")
     parser.add_argument("--dtype", type=_list(str), default=["bf16", "f32"], help="bf16 and/or f32")
+    parser.add_argument("--buffers", type=_list(str), default=["auto"],
+                        help="candidate buffers: auto (the plan's choice), warp and/or block (default auto)")
     parser.add_argument("--threads", type=int, default=256, help="block size (plan_topk threads)")
     parser.add_argument("--n-chunks", type=int, default=None, help="blocks per row (default: the plan's choice)")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions (>= 20)")
@@ -242,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--reps must be >= 20")
     if set(args.dtype) - {"bf16", "f32"}:
         parser.error("--dtype takes bf16 and/or f32")
+    if set(args.buffers) - set(_WARP_BUFFERS):
+        parser.error("--buffers takes auto, warp and/or block")
     if cuda.config.ENABLE_CUDASIM:
         parser.error("needs a CUDA GPU (NUMBA_ENABLE_CUDASIM is set)")
     if args.out:

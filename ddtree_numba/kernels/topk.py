@@ -34,6 +34,20 @@ Algorithm. A row is split into ``n_chunks`` chunks; one block per (chunk, row):
    ``(max, sum)`` to the workspace and a merge kernel (one block per row) combines the log-sum-exps
    and runs the same filter over the ``n_chunks * k'`` candidates.
 
+Per-warp buffers (the default for bf16 with k' <= WARP_MAX_K; the f32 and scalar variants still spill
+on sm_90 and are not registered; ``plan_topk(warp_buffers=...)``). The
+block-buffer kernel above pays a block barrier per iteration, so each block waits for its
+slowest warp's load (H200: ~1.56 TB/s for bf16, 2.76x one read at 1024 rows, k 32). The
+``topk_warp_*`` kernels give each warp its own segment of the buffer and its own threshold
+(seeded from the k'-th largest of its lanes' first maxima): slots come from a ballot, a full
+segment is sorted and cut by the warp alone, and the block meets only once, after the chunk, to
+merge the warps' sorted top-k' runs (one bitonic merge). The streaming loop keeps the next
+iteration's words in flight (a two-word-set ring); a compaction re-issues those loads instead of
+holding them across its sort, and word indices are int32, which keeps the loop at 80 registers
+without spills (3 blocks of 256 threads per SM). Each warp must find its own top k', so it sees
+~8x more candidates than the block would (~k' ln(n/k') per warp): cheap ballot rounds, mostly
+in the first iterations.
+
 Cost: one read of the logits plus ~7 instructions per element (unpack, subtract, scale, ex2,
 add, max, min) and ~60 per thread-iteration (loads, filter test, barrier), i.e. ~11 per bf16
 element in the sm_90 SASS; the compactions are amortised over the chunk. Launch bounds cap the
@@ -78,7 +92,8 @@ from sim.launch import launch
 from .registry import register
 
 __all__ = [
-    "TopKPlan", "plan_topk", "run_topk", "check_topk_errors", "VALUE_ATOL", "VALUE_RTOL", "MAX_K", "WORDS_PER_THREAD",
+    "TopKPlan", "plan_topk", "run_topk", "check_topk_errors", "VALUE_ATOL", "VALUE_RTOL", "MAX_K", "WARP_MAX_K",
+    "WORDS_PER_THREAD",
 ]
 
 # --- tolerances and limits --------------------------------------------------------------------
@@ -86,9 +101,11 @@ VALUE_ATOL = 2e-6  # log-sum-exp error budget (approximate exp, float32 terms)
 VALUE_RTOL = 2.5e-7  # ~2 ulp of float32: the reference rounds float64 -> float32 once too
 MAX_K = 1024  # largest k' = min(k, V) (issue: "K up to 1024")
 MAX_THREADS = 256  # launch bound and static reduction scratch; block sizes are powers of two up to this
+MAX_WARPS = MAX_THREADS // 32
 MIN_THREADS = 32
 WARP_SIZE = 32  # a thread's words in one iteration are WARP_SIZE apart (compile-time load offsets)
-MAX_REGISTERS = 64  # per thread in the chunk kernel (launch bounds)
+MAX_REGISTERS = 64  # per thread in the block-buffer chunk kernel (launch bounds)
+WARP_MAX_REGISTERS = 80  # per thread in the per-warp kernel
 REGISTER_FILE = 65536  # 32-bit registers per SM (sm_90, sm_120)
 DEFAULT_THREADS = 256
 MAX_CAPACITY = 4096  # candidate buffer entries: 32 KiB of uint64 (+ 4 KiB static) < 48 KiB (limits §4)
@@ -97,7 +114,11 @@ WORDS_PER_THREAD = 4  # uint64 words each thread loads per iteration (32 B; 8 wo
 SCALAR_ELEMS_PER_THREAD = 8  # elements per thread per iteration on the one-element-per-load path
 DEFAULT_SM_COUNT = 132  # H200; used when no GPU can be asked
 BLOCKS_PER_SM = 4  # resident 256-thread blocks per SM at <= 64 registers: one wave = SMs x 4
+WARP_BLOCKS_PER_SM = REGISTER_FILE // (MAX_THREADS * WARP_MAX_REGISTERS)  # 3 resident 256-thread blocks (per-warp kernel)
 MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
+FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in a vote
+WARP_MAX_K = 128  # per-warp candidate buffers up to this k': 8 warps x 4 k' x 8 B <= 32 KiB
+CONTIGUOUS = 30  # run_shift of a plain array in _physical (runs longer than any buffer)
 
 # --- composite keys and sentinels ----------------------------------------------------------------
 SIGN_BIT = uint32(0x80000000)
@@ -206,24 +227,71 @@ def _non_finite_f64(x):
     return (_f64_bits(x) & EXP_BITS_64) == EXP_BITS_64
 
 
+@cuda.jit(device=True, inline=True)
+def _exchange_desc(buf, lo, hi):
+    """Order ``buf[lo] >= buf[hi]`` (uint64 composites)."""
+    a = buf[lo]
+    b = buf[hi]
+    if a < b:
+        buf[lo] = b
+        buf[hi] = a
+
+
+@cuda.jit(device=True, inline=True)
+def _layer_pair(i, size, stride):
+    """(lo, hi) virtual indices of compare-exchange ``i`` of one layer of the descending sorter.
+
+    All runs are kept descending ("flip" form of the bitonic sorter): the first layer of a merge
+    of two runs of ``size // 2`` pairs element t with element size - 1 - t of its block
+    (``lo ^ (size - 1)``); the later layers are half-cleaners at ``stride``.
+    """
+    lo = 2 * i - (i & (stride - 1))  # first index of pair i at this stride
+    if 2 * stride == size:
+        return lo, lo ^ (size - 1)
+    return lo, lo + stride
+
+
+@cuda.jit(device=True, inline=True)
+def _physical(v, run_shift, seg):
+    """Buffer index of virtual index ``v``: runs of ``2^run_shift`` entries, ``seg`` entries apart."""
+    return (v >> run_shift) * seg + (v & ((1 << run_shift) - 1))
+
+
 @cuda.jit(device=True)
-def _bitonic_sort_desc(buf, n2, tid, nt):
-    """Sort ``buf[:n2]`` (uint64, n2 a power of two) descending; every thread of the block calls."""
-    size = 2
+def _bitonic_sort_desc(buf, n2, sorted_run, run_shift, seg, tid, nt):
+    """Sort ``n2`` entries (a power of two) of ``buf`` descending; every thread of the block calls.
+
+    The entries are runs of ``2^run_shift`` consecutive slots, ``seg`` slots apart (``seg =
+    2^run_shift``: one contiguous array). Runs of ``sorted_run`` entries (a power of two) are
+    already sorted descending: 1 for a full sort, the run length to merge per-warp results.
+    """
+    size = 2 * sorted_run
     while size <= n2:
         stride = size // 2
         while stride > 0:
             i = tid  # strided while loops: a range() with a runtime step costs a 64-bit division
             while i < n2 // 2:
-                lo = 2 * i - (i & (stride - 1))  # first index of pair i at this stride
-                hi = lo + stride
-                a = buf[lo]
-                b = buf[hi]
-                if (a < b) == ((lo & size) == 0):  # descending in even blocks, ascending in odd
-                    buf[lo] = b
-                    buf[hi] = a
+                lo, hi = _layer_pair(i, size, stride)
+                _exchange_desc(buf, _physical(lo, run_shift, seg), _physical(hi, run_shift, seg))
                 i += nt
             cuda.syncthreads()  # this compare-exchange layer is complete before the next reads it
+            stride //= 2
+        size *= 2
+
+
+@cuda.jit(device=True)
+def _warp_sort_desc(buf, seg0, n2, lane):
+    """Sort ``buf[seg0 : seg0 + n2]`` (n2 a power of two) descending; the 32 lanes of one warp call."""
+    size = 2
+    while size <= n2:
+        stride = size // 2
+        while stride > 0:
+            i = lane
+            while i < n2 // 2:
+                lo, hi = _layer_pair(i, size, stride)
+                _exchange_desc(buf, seg0 + lo, seg0 + hi)
+                i += WARP_SIZE
+            cuda.syncwarp(FULL_MASK)  # this layer's stores are visible to the warp before the next
             stride //= 2
         size *= 2
 
@@ -247,7 +315,7 @@ def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt):
         buf[i] = EMPTY  # padding sorts last
         i += nt
     cuda.syncthreads()  # padding is written before the sort reads it
-    _bitonic_sort_desc(buf, n2, tid, nt)
+    _bitonic_sort_desc(buf, n2, 1, CONTIGUOUS, 0, tid, nt)
     if tid == 0:
         count[0] = min(n, k)
         if k == 0:
@@ -328,12 +396,43 @@ def _write_row(buf, lse, row, out_values, out_ids, tid, nt):
         r += nt
 
 
+@cuda.jit(device=True)
+def _finish_chunk(buf, n_real, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
+                  row_flags, tid, nt):
+    """Combine the threads' log-sum-exp partials and emit the chunk's result; every thread calls.
+
+    ``buf[:n_real]`` holds the chunk's candidates sorted descending (its top k' first). With one
+    chunk per row the block writes the row's outputs; otherwise the chunk's candidates (EMPTY
+    beyond ``n_real``), reference, sum and non-finite flag go to the workspace.
+    """
+    # NaN and +inf make the sum NaN (exp(NaN), inf - inf); -inf shows in the minimum.
+    bad = _non_finite_f32(lo) or _non_finite_f32(m) or _non_finite_f64(s)
+    any_bad = cuda.syncthreads_or(int32(bad))  # barrier: OR of the threads' flags
+    big_m = _block_max(float64(m), scratch, tid, nt)
+    total = _block_sum(_rescaled(s, m, big_m), scratch, tid, nt)
+    if cuda.gridDim.x == 1:
+        _write_row(buf, big_m + math.log(total), row, out_values, out_ids, tid, nt)
+        if tid == 0:
+            row_flags[row] = 1 if any_bad else 0
+    else:
+        r = tid
+        while r < cand.shape[2]:
+            cand[row, chunk, r] = buf[r] if r < n_real else EMPTY
+            r += nt
+        if tid == 0:
+            cmax[row, chunk] = float32(big_m)
+            csum[row, chunk] = total
+            cflag[row, chunk] = 1 if any_bad else 0
+
+
 # --- kernels ----------------------------------------------------------------------------------
 
 # Registers: at most 64 per thread, so 4 blocks of 256 threads fit an SM. Uncapped,
 # ptxas spends a register per in-flight exp of the unrolled loop (92-184) and halves occupancy.
 # The simulator rejects launch_bounds.
 _BOUNDS = {} if simulator_active() else {"launch_bounds": (MAX_THREADS, REGISTER_FILE // (MAX_THREADS * MAX_REGISTERS))}
+_WARP_BOUNDS = {} if simulator_active() else {
+    "launch_bounds": (MAX_THREADS, REGISTER_FILE // (MAX_THREADS * WARP_MAX_REGISTERS))}
 
 def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
     """Chunk kernel for words of ``per_word`` packed elements of ``elem_bits`` bits, ``unroll`` words per thread.
@@ -548,26 +647,235 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
                             buf, count, thresh, thresh_val, k, cap, tid)
 
         _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
-        # NaN and +inf make the sum NaN (exp(NaN), inf - inf); -inf shows in the minimum.
-        bad = _non_finite_f32(lo) or _non_finite_f32(m) or _non_finite_f64(s)
-        any_bad = cuda.syncthreads_or(int32(bad))  # barrier: OR of the threads' flags
-        big_m = _block_max(float64(m), scratch, tid, nt)
-        total = _block_sum(_rescaled(s, m, big_m), scratch, tid, nt)
-        if cuda.gridDim.x == 1:
-            _write_row(buf, big_m + math.log(total), row, out_values, out_ids, tid, nt)
-            if tid == 0:
-                row_flags[row] = 1 if any_bad else 0
-        else:
-            r = tid
-            while r < cand.shape[2]:
-                cand[row, chunk, r] = buf[r] if r < count[0] else EMPTY
-                r += nt
-            if tid == 0:
-                cmax[row, chunk] = float32(big_m)
-                csum[row, chunk] = total
-                cflag[row, chunk] = 1 if any_bad else 0
+        _finish_chunk(buf, count[0], scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
+                      out_values, out_ids, row_flags, tid, nt)
 
-    return chunk_kernel
+    # --- per-warp mode: each warp filters into its own segment of the buffer, no block barrier
+    # until the chunk is read (limits §6: "keeps K candidates per warp").
+
+    @cuda.jit(device=True)
+    def warp_compact(buf, seg0, n, k, t_comp, t_val, lane):
+        """Sort the warp's candidates ``buf[seg0 : seg0 + n]`` descending and keep the k largest.
+
+        Returns ``(min(n, k), threshold, its logit)``: the threshold rises to the k-th largest when
+        that is above it (EMPTY entries, the seeds of lanes without elements, sort last and never
+        raise it). All 32 lanes call with the same n, k and threshold.
+        """
+        n2 = 1
+        while n2 < n:
+            n2 *= 2
+        i = n + lane
+        while i < n2:
+            buf[seg0 + i] = EMPTY  # padding sorts last
+            i += WARP_SIZE
+        cuda.syncwarp(FULL_MASK)  # candidates and padding are stored before the sort reads them
+        _warp_sort_desc(buf, seg0, n2, lane)
+        if k > 0 and n >= k:
+            t = buf[seg0 + k - 1]
+            if t > t_comp:
+                t_comp = t
+                t_val = _composite_value(t)
+        cuda.syncwarp(FULL_MASK)  # every lane has read the k-th before the segment is refilled
+        return min(n, k), t_comp, t_val
+
+    @cuda.jit(device=True)
+    def warp_seed(buf, seg0, bmax, k, t_val, lane):
+        """The logit threshold after the warp's first iteration: the k-th largest of the lanes'
+        maxima if k <= 32 (k elements are at least that large), else ``t_val`` unchanged.
+
+        A value bound only (the composite threshold stays): elements equal to it still compete.
+        Uses the warp's segment as scratch (it is empty before the first offer).
+        """
+        buf[seg0 + lane] = _composite(_f32_bits(bmax), 0)
+        cuda.syncwarp(FULL_MASK)  # every lane's maximum is stored before the sort reads them
+        _warp_sort_desc(buf, seg0, WARP_SIZE, lane)
+        if 0 < k <= WARP_SIZE:
+            t_val = max(t_val, _composite_value(buf[seg0 + k - 1]))
+        cuda.syncwarp(FULL_MASK)  # every lane has read it before the segment is refilled
+        return t_val
+
+    @cuda.jit(device=True)
+    def warp_offer(row_words, base, buf, seg0, seg_cap, lane, n, t_comp, todo):
+        """Append the elements of mask ``todo`` whose composite is >= ``t_comp`` to the warp's
+        segment (``n`` entries used) until it is full.
+
+        Warp-synchronous rounds: every lane with pending elements offers its lowest one and a
+        ballot hands out the slots (no atomics, no block barrier). The element's word is re-read
+        (an L1 hit: the lane loaded it just before); taking it from the registers would need a
+        dynamic index (local memory). Returns ``(n, todo)``: the elements left when the segment
+        filled up (the caller compacts and offers them again).
+        """
+        below = (uint32(1) << uint32(lane)) - uint32(1)  # the lanes before this one
+        while cuda.any_sync(FULL_MASK, todo != 0) and n < seg_cap:
+            c = EMPTY
+            bit = uint32(0)
+            if todo != 0:
+                b = cuda.ffs(todo) - 1  # lowest set bit
+                bit = uint32(1) << uint32(b)
+                u = b // per_word
+                e = b - u * per_word
+                j = base + u * WARP_SIZE
+                word = row_words[uint64(j)]
+                bits = uint32((uint64(word) >> uint64(e * elem_bits)) & uint64(elem_mask)) << widen
+                c = _composite(bits, j * per_word + e)
+                if c < t_comp:
+                    c = EMPTY  # beaten by the threshold (raised since the mask was made)
+            votes = uint32(cuda.ballot_sync(FULL_MASK, c != EMPTY))
+            slot = n + cuda.popc(votes & below)
+            if slot < seg_cap:
+                todo &= ~bit  # stored or dropped (bit is 0 for a lane with nothing pending)
+                if c != EMPTY:
+                    buf[seg0 + slot] = c
+            n = min(n + cuda.popc(votes), seg_cap)
+        return n, todo
+
+    @cuda.jit(device=True, inline=True)
+    def store_state(w_count, w_thresh, warp, lane, n, t_comp):
+        """Lane 0 stores the warp's entry count and threshold; all 32 lanes call."""
+        cuda.syncwarp(FULL_MASK)  # every lane has read the old state
+        if lane == 0:
+            w_count[warp] = n
+            w_thresh[warp] = t_comp
+        cuda.syncwarp(FULL_MASK)  # the new state is visible to the warp
+
+    @cuda.jit(device=True, inline=True)
+    def prefetch(row_words, ws, w, w_last):
+        """Issue this thread's loads of the full iteration at word ``min(w, w_last)``.
+
+        Unconditional: past the last full iteration the loads repeat it (L1/L2 hits, once per
+        chunk); a conditional load made the ring registers merge old and new values, and the
+        compiler then spilled them.
+        """
+        load_words(row_words, ws, min(w, w_last), w_last, False)
+
+    @cuda.jit(device=True, inline=True)
+    def warp_step(row_words, ws, base, w_end, check, first, m, s, lo, buf, seg_cap, k, w_count, w_thresh, t_val,
+                  nxt, nxt_w, w_last):
+        """One iteration of one warp on the words in ``ws``: online log-sum-exp, then the filter.
+
+        Returns the updated ``(m, s, lo, t_val)``. Block-barrier free; the warp votes once per
+        iteration whether any lane has an element at or above the threshold. The rare paths
+        recompute lane and warp from threadIdx (registers are the streaming loop's limit).
+
+        ``nxt`` holds the next iteration's words (in flight, from word ``nxt_w``; ``nxt_w < 0``
+        when there is none). A compaction (a sort: rare) re-issues those loads after it instead
+        of keeping them in registers across the sort, which made ptxas spill the streaming loop.
+        """
+        bmax, bsum, lo = reduce_words(ws, base, w_end, m, lo, check)
+        if bmax > m + REFERENCE_HEADROOM:  # the lane's first batch, then rarely
+            s = _rescaled(s, m, bmax)
+            m = bmax
+            bsum = sum_words(ws, base, w_end, m, check)
+        s += float64(bsum)
+        if first:
+            lane = cuda.threadIdx.x % WARP_SIZE
+            t_val = warp_seed(buf, (cuda.threadIdx.x // WARP_SIZE) * seg_cap, bmax, k, t_val, lane)
+        want = bmax >= t_val
+        if cuda.any_sync(FULL_MASK, want):  # uniform; a few times per warp and row (see module doc)
+            todo = uint32(above(ws, base, w_end, t_val, check)) if want else uint32(0)
+            lane = cuda.threadIdx.x % WARP_SIZE
+            warp = cuda.threadIdx.x // WARP_SIZE
+            seg0 = warp * seg_cap
+            n = w_count[warp]
+            t_comp = w_thresh[warp]
+            n, todo = warp_offer(row_words, base, buf, seg0, seg_cap, lane, n, t_comp, todo)
+            if cuda.any_sync(FULL_MASK, todo != 0):  # the segment is full: cut it, offer the rest (rare)
+                while True:
+                    n, t_comp, t_val = warp_compact(buf, seg0, n, k, t_comp, t_val, lane)
+                    n, todo = warp_offer(row_words, base, buf, seg0, seg_cap, lane, n, t_comp, todo)
+                    if not cuda.any_sync(FULL_MASK, todo != 0):
+                        break
+                if nxt_w >= 0:
+                    prefetch(row_words, nxt, nxt_w, w_last)  # the words in flight were not kept across the sort
+            store_state(w_count, w_thresh, warp, lane, n, t_comp)
+        return m, s, lo, t_val
+
+    @cuda.jit(fastmath=True, **_WARP_BOUNDS)
+    def warp_chunk_kernel(words, k, seg_cap, chunk_words, cand, cmax, csum, cflag, out_values, out_ids,
+                          row_flags):
+        """As ``chunk_kernel`` with per-warp segments of ``seg_cap`` entries (k' <= WARP_MAX_K).
+
+        Dynamic shared memory ``(nt / 32) * seg_cap * 8`` bytes, seg_cap a power of two >= 2 k'
+        and >= 32. Iteration i's words sit in ring (i % 2): the next iteration's words are in
+        flight while one is processed (32 B per thread with 4 uint64 words).
+        """
+        buf = cuda.shared.array(0, uint64)  # [n_warps, seg_cap] candidate composites (dynamic)
+        scratch = cuda.shared.array(MAX_THREADS, float64)  # block reductions
+        w_count = cuda.shared.array(MAX_WARPS, int32)  # entries in each warp's segment
+        w_thresh = cuda.shared.array(MAX_WARPS, uint64)  # each warp's composite threshold
+        ring0 = cuda.local.array(unroll, word_type)  # even iterations (registers: static indices)
+        ring1 = cuda.local.array(unroll, word_type)  # odd iterations
+        tail = cuda.local.array(unroll, word_type)  # the partial last iteration
+
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        chunk = cuda.blockIdx.x
+        row = cuda.blockIdx.y
+        lane = tid % WARP_SIZE
+        warp = tid // WARP_SIZE
+        seg0 = warp * seg_cap  # this warp's segment
+        # Word indices are int32 (a row has < 2^31 words): the streaming loop carries
+        # w, w_last, w_end and span in one register each instead of two (it was 3 short, and spilled).
+        w_begin = int32(chunk * chunk_words)
+        w_end = int32(min(w_begin + chunk_words, words.shape[1]))
+        span = int32(unroll * nt)
+        n_full = int32((w_end - w_begin) // span)  # iterations with every word in bounds
+        w_tail = int32(w_begin + n_full * span)  # the chunk's partial last iteration starts here (+ off)
+        row_words = words[row]  # [W] this row
+        off = int32((tid - lane) * unroll + lane)  # as chunk_kernel: coalesced, immediate offsets
+
+        m = LOWEST
+        s = 0.0
+        lo = HIGHEST
+        t_val = LOWEST if k > 0 else HIGHEST  # logit of the warp's threshold (uniform)
+        store_state(w_count, w_thresh, warp, lane, 0, EMPTY if k > 0 else REJECT_ALL)
+        first_word = int32(w_begin + off)
+        if n_full > 0:  # uniform
+            # One running word index (few registers: the rare paths need them). Past the last
+            # full iteration the prefetch repeats it (see prefetch).
+            w_last = int32(first_word + (n_full - 1) * span)
+            # The first iteration alone: its seed sort runs with no words in flight (once per chunk).
+            load_words(row_words, ring0, first_word, w_end, False)
+            m, s, lo, t_val = warp_step(row_words, ring0, first_word, w_end, False, True, m, s, lo, buf,
+                                        seg_cap, k, w_count, w_thresh, t_val, ring1, int32(-1), w_last)
+            w = int32(first_word + span)
+            prefetch(row_words, ring0, w, w_last)
+            while w <= w_last:  # two iterations per trip: the rings keep static register indices
+                w_next = int32(w + span)
+                prefetch(row_words, ring1, w_next, w_last)
+                m, s, lo, t_val = warp_step(row_words, ring0, w, w_end, False, False, m, s, lo, buf,
+                                            seg_cap, k, w_count, w_thresh, t_val, ring1, w_next, w_last)
+                w = w_next
+                if w <= w_last:
+                    w_next = int32(w + span)
+                    prefetch(row_words, ring0, w_next, w_last)
+                    m, s, lo, t_val = warp_step(row_words, ring1, w, w_end, False, False, m, s, lo, buf,
+                                                seg_cap, k, w_count, w_thresh, t_val, ring0, w_next, w_last)
+                    w = w_next
+        if w_tail < w_end:  # uniform; loaded only now (a chunk whose length is a multiple of span has none)
+            w = int32(w_tail + off)
+            load_words(row_words, tail, w, w_end, True)
+            m, s, lo, t_val = warp_step(row_words, tail, w, w_end, True, n_full == 0,
+                                        m, s, lo, buf, seg_cap, k, w_count, w_thresh, t_val, ring0, int32(-1), w_end)
+
+        # Each warp's top k' sorted at the head of its segment, EMPTY up to kp = pow2 >= k'; then
+        # one block merge of the n_warps sorted runs puts the chunk's top k' at buf[:k'].
+        n, t_comp, t_val = warp_compact(buf, seg0, w_count[warp], k, w_thresh[warp], t_val, lane)
+        kp = 1
+        run_shift = 0
+        while kp < k:
+            kp *= 2
+            run_shift += 1
+        i = n + lane
+        while i < kp:
+            buf[seg0 + i] = EMPTY  # beyond the warp's top k'
+            i += WARP_SIZE
+        cuda.syncthreads()  # every warp's run is final before the merge reads it
+        _bitonic_sort_desc(buf, (nt // WARP_SIZE) * kp, kp, run_shift, seg_cap, tid, nt)
+        _finish_chunk(buf, k, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
+                      out_values, out_ids, row_flags, tid, nt)
+
+    return chunk_kernel, warp_chunk_kernel
 
 
 @cuda.jit
@@ -653,19 +961,26 @@ def _chunk_signature(word_type) -> tuple:
 
 
 _CHUNK_KERNELS: dict[tuple[str, bool], Any] = {}
+_WARP_KERNELS: dict[tuple[str, bool], Any] = {}
 for _dtype, _elem_bits in _ELEM_BITS.items():
     for _packed in (True, False):
         _per_word = _WORD_BYTES * 8 // _elem_bits if _packed else 1
         _unroll = WORDS_PER_THREAD if _packed else SCALAR_ELEMS_PER_THREAD
         _word_type = uint64 if _packed else {16: uint16, 32: uint32}[_elem_bits]
-        _name = f"topk_chunk_{'bf16' if _elem_bits == 16 else 'f32'}_{'packed' if _packed else 'scalar'}"
+        _suffix = f"{'bf16' if _elem_bits == 16 else 'f32'}_{'packed' if _packed else 'scalar'}"
+        _loads = f"{'uint64 words of ' + str(_per_word) if _packed else 'one element per'} load"
+        _block_kernel, _warp_kernel = _make_chunk_kernel(_per_word, _elem_bits, _word_type, _unroll)
         _CHUNK_KERNELS[_dtype, _packed] = register(
-            _name,
-            _make_chunk_kernel(_per_word, _elem_bits, _word_type, _unroll),
-            (_chunk_signature(_word_type),),
-            f"fused log-softmax top-k, one (chunk, row) per block, {_dtype} logits read as "
-            f"{'uint64 words of ' + str(_per_word) if _packed else 'one element per'} load",
+            f"topk_chunk_{_suffix}", _block_kernel, (_chunk_signature(_word_type),),
+            f"fused log-softmax top-k, one (chunk, row) per block, block candidate buffer, {_dtype} logits "
+            f"read as {_loads}",
         )
+        if _dtype == "bfloat16" and _packed:  # the f32 and scalar variants still spill on sm_90 (see plan_topk)
+            _WARP_KERNELS[_dtype, _packed] = register(
+                f"topk_warp_{_suffix}", _warp_kernel, (_chunk_signature(_word_type),),
+                f"fused log-softmax top-k, one (chunk, row) per block, per-warp candidate buffers (k' <= "
+                f"{WARP_MAX_K}), {_dtype} logits read as {_loads}",
+            )
 
 register(
     "topk_merge",
@@ -687,7 +1002,10 @@ class TopKPlan:
         k_out: k' = min(k, vocab), the width of the outputs.
         dtype: "float32" or "bfloat16" (bf16 logits are passed as uint16 bit patterns).
         threads: block size (power of two).
-        capacity: candidate-buffer entries per block (power of two).
+        capacity: candidate-buffer entries per block (power of two); with per-warp buffers each
+            warp owns ``capacity / (threads / 32)`` of them.
+        warp_buffers: per-warp candidate buffers (no block barrier while streaming), else one
+            block buffer.
         n_chunks: blocks per row; 1 means no merge kernel.
         chunk_elems: vocabulary entries per chunk (a multiple of 4; the last chunk may be shorter).
         cand: uint64 [rows, n_chunks, max(k_out, 1)] per-chunk candidates (device).
@@ -702,6 +1020,7 @@ class TopKPlan:
     dtype: str
     threads: int
     capacity: int
+    warp_buffers: bool
     n_chunks: int
     chunk_elems: int
     cand: Any
@@ -768,6 +1087,7 @@ def plan_topk(
     threads: int = DEFAULT_THREADS,
     n_chunks: int | None = None,
     capacity: int | None = None,
+    warp_buffers: bool | None = None,
 ) -> TopKPlan:
     """Choose the chunking and allocate the workspace for :func:`run_topk` (once per shape).
 
@@ -779,8 +1099,12 @@ def plan_topk(
         threads: block size, a power of two in [32, 256] (the launch bound).
         n_chunks: blocks per row (default: as many as one wave of resident blocks holds, each
             chunk at least MIN_CHUNK_ITERS block-iterations long; 1 when rows alone fill a wave).
-        capacity: candidate-buffer entries, a power of two >= max(threads, 2 k') with
-            8 * capacity <= 32 KiB (default max(threads, 4 k') capped at 4096).
+        capacity: candidate-buffer entries per block, a power of two with 8 * capacity <= 32 KiB:
+            >= max(threads, 2 k') for one block buffer (default max(threads, 4 k') capped at
+            4096); >= n_warps * max(32, 2 k') for per-warp buffers (default n_warps *
+            max(32, 4 k'), i.e. 4 k' per warp).
+        warp_buffers: per-warp candidate buffers; default True for bf16 with k' <= WARP_MAX_K (the
+            only case they support; misaligned bf16 logits fall back to the block kernel).
 
     Returns:
         A :class:`TopKPlan` owning device workspace; reuse it for every call of this shape
@@ -797,14 +1121,30 @@ def plan_topk(
     k_out = min(k, vocab)
     if k_out > MAX_K:
         raise ValueError(f"k: min(k, vocab) must be <= {MAX_K}, got {k_out}")
-    if capacity is None:
-        capacity = min(MAX_CAPACITY, max(threads, _next_pow2(CAPACITY_PER_K * max(k_out, 1))))
+    if warp_buffers is None:
+        warp_buffers = k_out <= WARP_MAX_K and dtype == "bfloat16"
+    elif not isinstance(warp_buffers, (bool, np.bool_)):
+        raise TypeError(f"warp_buffers must be a bool, got {type(warp_buffers).__name__}")
+    elif warp_buffers and k_out > WARP_MAX_K:
+        raise ValueError(f"warp_buffers: per-warp buffers need min(k, vocab) <= {WARP_MAX_K}, got {k_out}")
+    elif warp_buffers and dtype != "bfloat16":
+        raise ValueError("warp_buffers: per-warp buffers are bf16 only (the float32 variant spills on sm_90)")
+    n_warps = threads // WARP_SIZE
+    if warp_buffers:
+        min_capacity = n_warps * max(WARP_SIZE, _next_pow2(2 * k_out))
+        default_capacity = n_warps * max(WARP_SIZE, _next_pow2(CAPACITY_PER_K * k_out))
     else:
-        capacity = _require_pow2(capacity, "capacity", max(threads, 2 * k_out, 1), MAX_CAPACITY)
+        min_capacity = max(threads, 2 * k_out, 1)
+        default_capacity = max(threads, _next_pow2(CAPACITY_PER_K * max(k_out, 1)))
+    if capacity is None:
+        capacity = min(MAX_CAPACITY, default_capacity)
+    else:
+        capacity = _require_pow2(capacity, "capacity", min_capacity, MAX_CAPACITY)
     per_block = WORDS_PER_THREAD * (_WORD_BYTES * 8 // _ELEM_BITS[dtype]) * threads  # elements per block iteration
     max_chunks = -(-vocab // (MIN_CHUNK_ITERS * per_block))
     if n_chunks is None:
-        wave = BLOCKS_PER_SM * _sm_count()  # split rows only as far as one wave of blocks holds
+        # split rows only as far as one wave of resident blocks holds
+        wave = (WARP_BLOCKS_PER_SM if warp_buffers else BLOCKS_PER_SM) * _sm_count()
         n_chunks = max(1, min(wave // rows, max_chunks))
     else:
         n_chunks = _require_int(n_chunks, "n_chunks", 1, vocab)
@@ -814,7 +1154,7 @@ def plan_topk(
     kc = max(k_out, 1)
     return TopKPlan(
         rows=rows, vocab=vocab, k=k, k_out=k_out, dtype=dtype, threads=threads, capacity=capacity,
-        n_chunks=n_chunks, chunk_elems=chunk_elems,
+        warp_buffers=bool(warp_buffers), n_chunks=n_chunks, chunk_elems=chunk_elems,
         cand=cuda.device_array((rows, n_chunks, kc), dtype=np.uint64),
         cmax=cuda.device_array((rows, n_chunks), dtype=np.float32),
         csum=cuda.device_array((rows, n_chunks), dtype=np.float64),
@@ -916,9 +1256,13 @@ def run_topk(
     else:
         words, chunk_words = logits.view(_NARROW_WORD[plan.dtype]), plan.chunk_elems
     k, cap = np.int32(plan.k_out), np.int32(plan.capacity)
+    if plan.warp_buffers and packed:  # unaligned logits: the block kernel (a warp plan's capacity suits it)
+        kernel, buffer = _WARP_KERNELS[plan.dtype, packed], np.int32(plan.capacity // (plan.threads // WARP_SIZE))
+    else:
+        kernel, buffer = _CHUNK_KERNELS[plan.dtype, packed], cap
     launch(
-        _CHUNK_KERNELS[plan.dtype, packed], (plan.n_chunks, plan.rows), plan.threads, stream, plan.shared_bytes,
-        words, k, cap, np.int32(chunk_words), plan.cand, plan.cmax, plan.csum, plan.cflag,
+        kernel, (plan.n_chunks, plan.rows), plan.threads, stream, plan.shared_bytes,
+        words, k, buffer, np.int32(chunk_words), plan.cand, plan.cmax, plan.csum, plan.cflag,
         out_values, out_ids, plan.row_flags,
     )
     if plan.n_chunks > 1:
