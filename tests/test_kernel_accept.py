@@ -162,6 +162,75 @@ def test_argmax_ties_go_to_the_lowest_id():
     assert got[0, 0] == 0 and got[1, 0] == 299 and got[1, 1] == 70
 
 
+# --- merged parts (the lm_head-fused argmax) -------------------------------------------------
+
+def _parts_of(logits: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, per column block of ``width``: (largest non-NaN value, its lowest id), or
+    (-inf, NO_INDEX) for an all-NaN block (what linear.linear_argmax writes)."""
+    rows, vocab = logits.shape
+    n_parts = -(-vocab // width)
+    val = np.full((rows, n_parts), -np.inf, np.float32)
+    idx = np.full((rows, n_parts), ka.NO_INDEX, np.int32)
+    for r in range(rows):
+        for p in range(n_parts):
+            block = logits[r, p * width:(p + 1) * width]
+            if not np.isnan(block).all():
+                best = np.nanmax(block)
+                val[r, p] = best
+                idx[r, p] = p * width + np.flatnonzero(block == best)[0]
+    return val, idx
+
+
+@pytest.mark.parametrize("vocab, width, threads", [(27, 6, 32), (40, 1, 64)])
+def test_argmax_parts_merge_is_posterior_argmax_of_the_full_rows(vocab, width, threads):
+    """Tie-heavy integer logits with NaN entries, -inf, an all-NaN block and an all-NaN row, cut
+    into parts; 40 parts of one column run the lanes' loop twice; 9 rows over 2-warp blocks
+    leave a warp idle. Padding rows hold junk parts that must not be read."""
+    rng = np.random.default_rng(vocab)
+    bs, n_cap = 3, 3
+    logits = rng.integers(-2, 3, (bs * n_cap, vocab)).astype(np.float32)
+    logits[rng.random(logits.shape) < 0.1] = np.nan
+    logits[0, :width] = np.nan                   # an all-NaN block
+    logits[1] = np.nan                           # an all-NaN row: NO_INDEX, as posterior_argmax
+    logits[2] = -np.inf
+    logits[2, [3, 5]] = np.nan                   # -inf is a real logit: the lowest id wins
+    sizes = np.array([3, 3, 2], np.int32)
+    val, idx = _parts_of(logits, width)
+    val[8], idx[8] = np.nan, -5                  # request 2, node 2: padding
+    out = cuda.device_array((bs, n_cap), np.int32)
+    ka.posterior_argmax_parts(cuda.to_device(val), cuda.to_device(idx), cuda.to_device(sizes), out,
+                              threads=threads)
+    want = _argmax(cuda.to_device(logits.reshape(bs, n_cap, vocab)), sizes)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+    assert want[0, 1] == ka.NO_INDEX and want[0, 2] == 0 and want[2, 2] == -1
+
+
+def _parts_args():
+    return dict(part_val=np.zeros((6, 4), np.float32), part_idx=np.zeros((6, 4), np.int32),
+                sizes=np.array([3, 1], np.int32), out=np.full((2, 3), 7, np.int32))
+
+
+@pytest.mark.parametrize("change, error, name", [
+    (dict(part_val=np.zeros((6, 4), np.float64)), TypeError, "part_val"),
+    (dict(part_val=np.zeros((6, 0), np.float32), part_idx=np.zeros((6, 0), np.int32)), ValueError,
+     "part_val"),
+    (dict(part_val=np.zeros((6, 8), np.float32)[:, ::2]), ValueError, "part_val"),
+    (dict(part_idx=np.zeros((6, 4), np.int64)), TypeError, "part_idx"),
+    (dict(part_idx=np.zeros((6, 3), np.int32)), ValueError, "part_idx"),
+    (dict(out=np.zeros((3, 3), np.int32)), ValueError, "out"),
+    (dict(out=np.zeros((2, 3), np.int64)), TypeError, "out"),
+    (dict(sizes=np.array([4, 1], np.int32)), ValueError, "sizes"),
+    (dict(sizes=np.array([3, 1, 1], np.int32)), ValueError, "sizes"),
+    (dict(threads=48), ValueError, "threads"),
+])
+def test_argmax_parts_rejects_bad_arguments_before_any_work(change, error, name):
+    args = _parts_args() | change
+    with pytest.raises(error, match=rf"^{name}\b"):
+        ka.posterior_argmax_parts(**args)
+    if "out" not in change:
+        assert np.all(args["out"] == 7)
+
+
 # --- sampled posterior -----------------------------------------------------------------------
 
 def test_sample_matches_reference_mixed_temperatures():
@@ -390,6 +459,7 @@ def test_block_sizes_are_capped_at_the_registered_block_threads():
     assert registry.get("posterior_argmax").block_threads == ka.MAX_ARGMAX_THREADS == 1024
     assert registry.get("posterior_sample").block_threads == ka.MAX_SAMPLE_THREADS
     assert registry.get("accept_walk").block_threads == ka.WALK_THREADS
+    assert registry.get("posterior_argmax_parts").block_threads == ka.MAX_MERGE_THREADS
     args = _sample_args()
     with pytest.raises(ValueError, match=r"^threads\b"):
         ka.posterior_sample(**args, threads=ka.MAX_SAMPLE_THREADS + 32)

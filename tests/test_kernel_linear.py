@@ -278,6 +278,14 @@ def test_plan_is_a_function_of_k_for_the_order():
         assert p.shared_bytes <= lin.XS_BUDGET_BYTES
 
 
+@pytest.mark.parametrize("kind,prologue,residual", [("argmax", "swiglu", False), ("argmax", "none", True),
+                                                     ("head", "rmsnorm", False), ("expert", "none", True),
+                                                     ("dense", "none", False)])
+def test_get_kernel_refuses_specialisations_that_do_not_exist(kind, prologue, residual):
+    with pytest.raises(ValueError, match="no linear kernel"):
+        lin.get_kernel(kind, prologue, residual, 1)
+
+
 def test_every_specialisation_is_registered():
     from ddtree_numba.kernels import registry
 
@@ -287,6 +295,7 @@ def test_every_specialisation_is_registered():
         for p in lin.PROLOGUES:
             assert {f"linear_{p}_mt{mt}", f"linear_{p}_residual_mt{mt}"} <= names
         assert {f"expert_linear_none_mt{mt}", f"expert_linear_swiglu_mt{mt}"} <= names
+        assert {f"linear_argmax_none_mt{mt}", f"linear_argmax_rmsnorm_mt{mt}"} <= names
 
 
 # --- GPU: small-preset shapes ----------------------------------------------------------------------

@@ -6,8 +6,10 @@ Two launches per round, results left on the device:
    float32 [bs, N, V]: greedy argmax (:func:`posterior_argmax`), or per request greedy below
    ``GREEDY_TEMPERATURE`` and Gumbel-max on Philox4x32-10 noise above it
    (:func:`posterior_sample`), exactly as ``reference.sampling.sample_posterior``. Engines
-   that fuse the argmax into the lm_head skip this launch and hand their int32 [bs, N]
-   posterior to the walk.
+   that fuse the argmax into the lm_head (:func:`.linear.linear_argmax`: per column block one
+   (max, lowest argmax) per row, never the full logits) merge those parts instead
+   (:func:`posterior_argmax_parts`, one warp per row, ~n_parts x 8 bytes read per row) and
+   hand the int32 [bs, N] posterior to the walk.
 2. The walk (:func:`accept_walk`), one block per request: the request's child CSR, tokens and
    posterior are staged in shared memory with coalesced loads, then warp 0 follows the
    posterior from the root (spec §1.4), scanning each node's children 32 at a time. Staging
@@ -20,8 +22,10 @@ an ulp of each other could ever be ordered differently from the reference.
 
 Tie rule everywhere: the largest score wins, equal scores go to the lower token id
 (docs/ARCHITECTURE.md). Logits must be finite: NumPy (host) logits are checked before any launch,
-as the reference does; device logits are not checked (that would cost a copy; a NaN never wins
-against a number).
+as the reference does; device logits are not checked (that would cost a copy). On the device a
+NaN is skipped (:func:`outranks` never lets it win, not even against -inf), so a row's token is
+the lowest id of its largest non-NaN logit, and an all-NaN row gives ``NO_INDEX`` (2**31 - 1, no
+token). The fused lm_head argmax and :func:`posterior_argmax_parts` keep exactly this rule.
 
 The host-side argument checks at the bottom are shared with :mod:`.compact`.
 """
@@ -45,10 +49,16 @@ __all__ = [
     "WALK_THREADS",
     "MAX_ARGMAX_THREADS",
     "MAX_SAMPLE_THREADS",
+    "NO_INDEX",
+    "MERGE_THREADS",
+    "MAX_MERGE_THREADS",
+    "outranks",
     "posterior_argmax_kernel",
+    "posterior_argmax_parts_kernel",
     "posterior_sample_kernel",
     "accept_walk_kernel",
     "posterior_argmax",
+    "posterior_argmax_parts",
     "posterior_sample",
     "accept_walk",
     "walk_shared_bytes",
@@ -61,6 +71,8 @@ ARGMAX_THREADS = 256  # default block size of the posterior kernels: 8 warps str
 MAX_ARGMAX_THREADS = MAX_WARPS * WARP_SIZE  # 32-40 registers: a 1024-thread block fits
 MAX_SAMPLE_THREADS = 512  # 66 registers on sm_120 allow 896 threads: cap at a power of two
 WALK_THREADS = 128  # threads that stage a request's tree; warp 0 then walks it
+MERGE_THREADS = 256  # posterior_argmax_parts default block: one warp per row, 8 rows per block
+MAX_MERGE_THREADS = MAX_WARPS * WARP_SIZE
 NO_INDEX = np.int32(2**31 - 1)  # "no candidate": loses every tie against a real index
 NEG_INF_F32 = np.float32(-np.inf)
 UNROLL = 8  # argmax: loads in flight per thread before the compares
@@ -103,8 +115,14 @@ def _gumbel(word):
 
 
 @cuda.jit(device=True)
-def _beats(value, index, best, best_index):
-    """(value, index) outranks (best, best_index): larger value, equal values -> lower index."""
+def outranks(value, index, best, best_index):
+    """(value, index) outranks (best, best_index): larger value, equal values -> lower index.
+
+    A NaN value never outranks anything (every comparison is false), and a NaN best is never
+    reached from a (-inf, NO_INDEX) start: NaN logits are skipped. The one ranking rule of every
+    argmax here and of :func:`.linear.linear_argmax` (order-free: merging candidates in any
+    grouping gives the same winner).
+    """
     return value > best or (value == best and index < best_index)
 
 
@@ -180,17 +198,50 @@ def posterior_argmax_kernel(logits, sizes, out):
         for k in range(UNROLL):  # all loads first: UNROLL requests in flight per thread
             staged[k] = logits[b, node, v + k * stride]
         for k in range(UNROLL):
-            if _beats(staged[k], int32(v + k * stride), best, best_index):
+            if outranks(staged[k], int32(v + k * stride), best, best_index):
                 best, best_index = staged[k], int32(v + k * stride)
         v += UNROLL * stride
     while v < vocab:
         x = logits[b, node, v]
-        if _beats(x, int32(v), best, best_index):
+        if outranks(x, int32(v), best, best_index):
             best, best_index = x, int32(v)
         v += stride
     best, best_index = _block_argmax_f32(best, best_index, sh_value, sh_index)
     if tid == 0:
         out[b, node] = best_index
+
+
+@cuda.jit
+def posterior_argmax_parts_kernel(part_val, part_idx, sizes, out):
+    """out[b, i] = the part winner of row b * N + i (ties -> lowest id) for i < sizes[b], else -1.
+
+    part_val float32 [bs * N, P], part_idx int32 [bs * N, P] (per row, per column block of the
+    lm_head: its largest logit and that logit's lowest id, :func:`.linear.linear_argmax`), sizes
+    int32 [bs], out int32 [bs, N]. One warp per row (grid-stride), lanes over the parts.
+    """
+    lane = cuda.threadIdx.x % WARP_SIZE
+    warps_per_block = cuda.blockDim.x // WARP_SIZE
+    n_cap = out.shape[1]
+    n_parts = part_val.shape[1]
+    row = cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP_SIZE
+    while row < part_val.shape[0]:  # row is per warp: the warp stays converged
+        b = row // n_cap
+        node = row - b * n_cap
+        if node >= sizes[b]:  # padding row: its parts are not read
+            if lane == 0:
+                out[b, node] = -1
+        else:
+            best = NEG_INF_F32
+            best_index = NO_INDEX
+            for p in range(lane, n_parts, WARP_SIZE):
+                value = part_val[row, p]
+                index = part_idx[row, p]
+                if outranks(value, index, best, best_index):
+                    best, best_index = value, index
+            best, best_index = warp_argmax_f32(best, best_index)
+            if lane == 0:
+                out[b, node] = best_index
+        row += cuda.gridDim.x * warps_per_block
 
 
 @cuda.jit
@@ -232,7 +283,7 @@ def posterior_sample_kernel(logits, sizes, temperatures, seeds, positions, out):
                 v = first + w
                 if v < vocab:
                     score = float64(logits[b, node, v])
-                    if _beats(score, int32(v), best, best_index):
+                    if outranks(score, int32(v), best, best_index):
                         best, best_index = score, int32(v)
         else:
             words = _philox4x32_10(uint64(group), c1, c2, ZERO64, k0, k1)
@@ -241,7 +292,7 @@ def posterior_sample_kernel(logits, sizes, temperatures, seeds, positions, out):
                 if v < vocab:
                     # same operations, same order as the reference: x / T + g, in float64
                     score = float64(logits[b, node, v]) / temperature + _gumbel(words[w])
-                    if _beats(score, int32(v), best, best_index):
+                    if outranks(score, int32(v), best, best_index):
                         best, best_index = score, int32(v)
         group += cuda.blockDim.x
     best, best_index = _block_argmax_f64(best, best_index, sh_value, sh_index)
@@ -320,6 +371,10 @@ register("posterior_argmax", posterior_argmax_kernel,
          ((_ROWS_F32, int32[::1], int32[:, ::1]),),
          "greedy posterior token per tree node: argmax over the vocabulary, one block per row",
          block_threads=MAX_ARGMAX_THREADS)
+register("posterior_argmax_parts", posterior_argmax_parts_kernel,
+         ((float32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1]),),
+         "greedy posterior token per tree node from the fused lm_head's per-block (max, argmax) "
+         "parts, one warp per row", block_threads=MAX_MERGE_THREADS)
 register("posterior_sample", posterior_sample_kernel,
          ((_ROWS_F32, int32[::1], float64[::1], uint64[::1], int32[:, ::1], int32[:, ::1]),
           (_ROWS_F32, int32[::1], float64[::1], uint64[::1], int64[:, ::1], int32[:, ::1])),
@@ -454,6 +509,50 @@ def posterior_argmax(logits: Any, sizes: Any, out: Any, *, stream: Any = 0,
     threads = check_threads(threads, maximum=MAX_ARGMAX_THREADS)
     if bs and n_cap:
         launch(posterior_argmax_kernel, (n_cap, bs), threads, stream, 0, logits, sizes, out)
+    return out
+
+
+def posterior_argmax_parts(part_val: Any, part_idx: Any, sizes: Any, out: Any, *,
+                           stream: Any = 0, threads: int = MERGE_THREADS) -> Any:
+    """Greedy posterior token of every tree node from the fused lm_head's parts.
+
+    ``out[b, i]`` is what :func:`posterior_argmax` gives on the full logits row b * N + i when
+    ``part_val`` / ``part_idx`` come from :func:`.linear.linear_argmax` on those rows: the
+    largest part value, equal values resolved by the lowest id (the parts of a row hold disjoint
+    column ranges, and the (value, id) ranking is order-free), NaN logits skipped, an all-NaN
+    row ``NO_INDEX``.
+
+    Args:
+        part_val: float32 [bs * N, P], C-contiguous: per row (node i of request b is row
+            b * N + i), per column block, the largest logit (P = ``linear.argmax_parts(V)``).
+        part_idx: int32 [bs * N, P], C-contiguous: the lowest token id holding it.
+        sizes: int32 [bs], tree sizes in [1, N]; rows i >= sizes[b] are not read.
+        out: int32 [bs, N], caller-owned; padding rows get -1.
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+        threads: block size (one row per warp), a multiple of 32 up to MAX_MERGE_THREADS.
+
+    Returns:
+        ``out``. Device values are not read on the host (graph-capturable).
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
+    """
+    part_val = check_array(part_val, "part_val", (np.float32,), 2)
+    rows, n_parts = part_val.shape
+    if n_parts < 1:
+        raise ValueError(f"part_val must have at least one part per row, got shape {(rows, n_parts)}")
+    part_idx = check_array(part_idx, "part_idx", (np.int32,), 2)
+    check_shape(part_idx, "part_idx", (rows, n_parts))
+    out = check_array(out, "out", (np.int32,), 2)
+    bs, n_cap = out.shape
+    if bs * n_cap != rows:
+        raise ValueError(f"out must have shape (bs, N) with bs * N = {rows} (the rows of "
+                         f"part_val), got {tuple(out.shape)}")
+    sizes = _check_sizes(sizes, bs, n_cap)
+    threads = check_threads(threads, maximum=MAX_MERGE_THREADS)
+    if rows:
+        launch(posterior_argmax_parts_kernel, -(-rows // (threads // WARP_SIZE)), threads, stream,
+               0, part_val, part_idx, sizes, out)
     return out
 
 

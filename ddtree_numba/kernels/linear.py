@@ -1,5 +1,6 @@
 """Batch-invariant FP32 matrix products with HF ``[out, in]`` weights: ``linear``,
-``head_linear`` (per-head groups) and ``expert_linear`` (MoE groups over a CSR routing).
+``head_linear`` (per-head groups), ``expert_linear`` (MoE groups over a CSR routing) and
+``linear_argmax`` (the lm_head fused with the greedy posterior's argmax).
 
 Numerics: one reduction order per K, whatever shares the launch.
     Output element ``(m, n)`` is the dot product of input row m (after the prologue) with weight
@@ -36,8 +37,22 @@ the GPU. The simulator (threads are Python threads, shuffles cost a thread barri
 one column group per block over a grid-stride loop and reduces through shared memory in the
 butterfly's exact tree (``SIM_TREE``), so its results are the same bits a shuffle gives.
 
+Fused argmax (``linear_argmax``, PERFORMANCE "Posterior, accept walk and KV compaction").
+    The full logits of a verify batch (bs 64 x 513 rows x V 163840 fp32 = 21.5 GB) cost 5 ms to
+    write and 5 ms to read back for the argmax. ``linear_argmax`` runs the SAME tile code as
+    ``linear`` (so every logit has ``linear``'s bits) but instead of storing a logit it ranks it:
+    the columns are cut into ``argmax_parts(N)`` parts of ``argmax_part_cols(N)`` contiguous
+    columns (a function of N only), one block per (part, row tile); the lane that owns an
+    output element keeps a running (max value, lowest column) over the part's column groups,
+    and the block reduces its lanes to one candidate per row: ``part_val`` float32 [M, P],
+    ``part_idx`` int32 [M, P]. :func:`.accept.posterior_argmax_parts` merges the P candidates of
+    a row. The ranking is :func:`.accept.outranks` (ties -> lower id, NaN logits skipped): the
+    merged token is bit for bit ``posterior_argmax(linear(...))``. P is ~96 on a GPU (8 bytes x
+    96 per row for the merge to read, and still ~96 blocks for a decode step), parts of 8
+    columns under the simulator (so tiny tests cross parts).
+
 Compile-time specialisations (closure factory, registered with real signatures): kind
-(linear / head / expert) x prologue (none / rmsnorm / swiglu) x residual epilogue x MT.
+(linear / head / expert / argmax) x prologue (none / rmsnorm / swiglu) x residual epilogue x MT.
 
 Device-side inputs (expert ``row_offsets`` / ``row_index``) are not checked on the host (no
 copy, graph-capturable); an entry whose row index is outside x gets a NaN output row, offsets
@@ -57,7 +72,7 @@ from numba import cuda, float32, int32, int64, types, uint64
 
 from sim.launch import launch
 
-from .accept import as_kernel_array, is_c_contiguous
+from .accept import NEG_INF_F32, NO_INDEX, as_kernel_array, check_array, is_c_contiguous, outranks
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_min_i32, warp_sum_f32
 
@@ -75,6 +90,9 @@ __all__ = [
     "linear",
     "head_linear",
     "expert_linear",
+    "argmax_part_cols",
+    "argmax_parts",
+    "linear_argmax",
     "get_kernel",
 ]
 
@@ -94,9 +112,15 @@ MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in share
 FULL_MASK = 0xFFFFFFFF
 NO_SLOT = np.int32(2**31 - 1)  # warp_min identity: "this lane holds no tile"
 PROLOGUES = ("none", "rmsnorm", "swiglu")
-KINDS = ("linear", "head", "expert")
+KINDS = ("linear", "head", "expert", "argmax")
 RED_ROW = WARP + 1           # simulator reduction rows, padded
 SIM_TREE = bool(cuda.config.ENABLE_CUDASIM)  # frozen: the GPU build keeps only the shuffles
+# linear_argmax parts: a multiple of every block's columns per pass (groups_per_block * C, at
+# most BLOCK_WARPS * C), so a part is whole passes; at most TARGET_PARTS parts and at most one
+# per MIN_PART_COLS columns (the simulator runs one group per block and wants small parts)
+PART_ALIGN = COLUMNS * (SIM_GROUPS if SIM_TREE else BLOCK_WARPS)
+MIN_PART_COLS = PART_ALIGN * (2 if SIM_TREE else 8)
+TARGET_PARTS = 96
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
 
@@ -194,15 +218,17 @@ def _jit_options(threads: int) -> dict[str, Any]:
 def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
-    kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]) or
-    "expert" (x [R, Kx], w [E, N, K], out [J, N], CSR routing); prologue: "none", "rmsnorm"
-    (linear only) or "swiglu" (linear, expert); residual: out = residual + x @ w.T (linear only);
-    mt: rows per tile, one of ROW_TILES.
+    kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
+    "expert" (x [R, Kx], w [E, N, K], out [J, N], CSR routing) or "argmax" (x [M, K] -> per-part
+    (max, argmax) part_val / part_idx [M, P]); prologue: "none", "rmsnorm" (linear, argmax) or
+    "swiglu" (linear, expert); residual: out = residual + x @ w.T (linear only); mt: rows per
+    tile, one of ROW_TILES.
     """
     if kind not in KINDS or prologue not in PROLOGUES or mt not in ROW_TILES:
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, mt={mt!r}")
     if (kind == "head" and (prologue != "none" or residual)) or \
-            (kind == "expert" and (prologue == "rmsnorm" or residual)):
+            (kind == "expert" and (prologue == "rmsnorm" or residual)) or \
+            (kind == "argmax" and (prologue == "swiglu" or residual)):
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, residual={residual}")
     MT = mt
     C = COLUMNS
@@ -211,9 +237,12 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
     RMS = prologue == "rmsnorm"
     SWIGLU = prologue == "swiglu"
     RESIDUAL = residual
+    ARGMAX = kind == "argmax"
     COMB = BLOCK_WARPS * MTC       # segment sums of every warp of a block
     RED = BLOCK_WARPS * MTC * RED_ROW if SIM_TREE else 1   # simulator only: lane partials
     OFFS = MAX_EXPERTS + 1
+    CAND = BLOCK_WARPS * MTC       # argmax: one candidate per (warp, owned element)
+    assert MTC <= WARP             # each tile element is owned by one lane (argmax candidates)
 
     # ---- per-kind row access: x value at (src row, group, k); output store ----
     if kind == "head":
@@ -231,12 +260,21 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
                 return _silu_mul(x[src, k], x[src, k_dim + k])
             return x[src, k]
 
-        @cuda.jit(device=True, inline="always")
-        def store(out, residual_arr, dst, g, col, value):
-            if RESIDUAL:
-                out[dst, col] = residual_arr[dst, col] + value
-            else:
-                out[dst, col] = value
+        if ARGMAX:
+            @cuda.jit(device=True, inline="always")
+            def store(best_v, best_i, dst, g, col, value):
+                """Rank the logit instead of storing it: best_v / best_i [1], this lane's
+                candidate (the same tile element every pass)."""
+                if outranks(value, int32(col), best_v[0], best_i[0]):
+                    best_v[0] = value
+                    best_i[0] = int32(col)
+        else:
+            @cuda.jit(device=True, inline="always")
+            def store(out, residual_arr, dst, g, col, value):
+                if RESIDUAL:
+                    out[dst, col] = residual_arr[dst, col] + value
+                else:
+                    out[dst, col] = value
 
     @cuda.jit(device=True, inline="always")
     def stage(x, xs, src_sh, inv_sh, norm_w, g, phase, k_dim, k_split_, seg_steps, phase_steps):
@@ -339,9 +377,29 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             comb[uint64(warp * MTC + a)] = total
 
     @cuda.jit(device=True, inline="always")
+    def tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps):
+        """Rows of tile blockIdx.y: src_sh / dst_sh [MT] (-1: past M) and, for RMSNorm, the
+        rows' 1 / rms in inv_sh [MT]. The caller syncs before reading them."""
+        row0 = cuda.blockIdx.y * MT
+        tid = cuda.threadIdx.x
+        if tid < MT:
+            row = row0 + tid
+            src_sh[tid] = row if row < x.shape[0] else -1
+            dst_sh[tid] = row if row < x.shape[0] else -1
+        if RMS:
+            lane = tid % WARP
+            for i in range(tid // WARP, MT, cuda.blockDim.x // WARP):
+                row = min(row0 + i, x.shape[0] - 1)
+                inv = _row_inv_rms(x, row, k_dim, eps, lane)
+                if lane == 0:
+                    inv_sh[i] = inv
+
+    @cuda.jit(device=True, inline="always")
     def tile(x, w, out, residual_arr, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, g, w_group,
-             n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps):
-        """The row tile (src_sh / dst_sh staged) times every column group of this block."""
+             n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols):
+        """The row tile (src_sh / dst_sh staged) times every column group of this block: a
+        grid-stride over the column-group passes, or (argmax) the passes of part blockIdx.x,
+        part_cols columns from column blockIdx.x * part_cols (unused otherwise)."""
         acc = cuda.local.array((MT, C), float32)
         wv = cuda.local.array((U, C, VEC), float32)
         ws = cuda.local.array(C, float32)
@@ -359,7 +417,15 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             cuda.syncthreads()  # staged rows visible to every warp
         n_groups = (n_cols + C - 1) // C
         n_group_blocks = (n_groups + groups_per_block - 1) // groups_per_block
-        for gb in range(cuda.blockIdx.x, n_group_blocks, cuda.gridDim.x):
+        gb_first = cuda.blockIdx.x
+        gb_end = n_group_blocks
+        gb_step = cuda.gridDim.x
+        if ARGMAX:          # the part's own passes (whole passes: PART_ALIGN divides part_cols)
+            passes = part_cols // (groups_per_block * C)
+            gb_first = cuda.blockIdx.x * passes
+            gb_end = min(gb_first + passes, n_group_blocks)
+            gb_step = 1
+        for gb in range(gb_first, gb_end, gb_step):
             col0 = (gb * groups_per_block + warp // k_split_) * C
             for c in range(C):
                 col = min(col0 + c, n_cols - 1)    # columns past N re-read the last row
@@ -419,22 +485,52 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             src_sh = cuda.shared.array(MT, int32)
             dst_sh = cuda.shared.array(MT, int32)
             inv_sh = cuda.shared.array(MT, float32)
-            row0 = cuda.blockIdx.y * MT
-            tid = cuda.threadIdx.x
-            if tid < MT:
-                row = row0 + tid
-                src_sh[tid] = row if row < x.shape[0] else -1
-                dst_sh[tid] = row if row < x.shape[0] else -1
-            if RMS:
-                lane = tid % WARP
-                for i in range(tid // WARP, MT, cuda.blockDim.x // WARP):
-                    row = min(row0 + i, x.shape[0] - 1)
-                    inv = _row_inv_rms(x, row, k_dim, eps, lane)
-                    if lane == 0:
-                        inv_sh[i] = inv
+            tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps)
             cuda.syncthreads()  # tile rows (and their rms) visible before staging
             tile(x, w, out, residual_arr, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, 0, 0,
-                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps)
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0)
+
+    elif ARGMAX:
+        @cuda.jit(**options)
+        def kernel(x, w, part_val, part_idx, norm_w, eps, n_cols, k_dim, k_split_, seg_steps,
+                   phase_steps, vec_steps, part_cols):
+            """part_val[m, p], part_idx[m, p] = max and lowest argmax over columns
+            [p * part_cols, min((p + 1) * part_cols, N)) of prologue(x[m]) @ w.T (the logits
+            ``linear`` computes, never stored). x [M, K], w flat [N * K], part_val float32 /
+            part_idx int32 [M, P], norm_w [K] (rmsnorm; else unused). Grid (P, ceil(M / MT))."""
+            xs = cuda.shared.array(0, float32)
+            comb = cuda.shared.array(COMB, float32)
+            red = cuda.shared.array(RED, float32)
+            src_sh = cuda.shared.array(MT, int32)
+            dst_sh = cuda.shared.array(MT, int32)
+            inv_sh = cuda.shared.array(MT, float32)
+            cand_v = cuda.shared.array(CAND, float32)
+            cand_i = cuda.shared.array(CAND, int32)
+            best_v = cuda.local.array(1, float32)   # this lane's candidate for its tile element
+            best_i = cuda.local.array(1, int32)
+            best_v[0] = NEG_INF_F32
+            best_i[0] = NO_INDEX
+            tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps)
+            cuda.syncthreads()  # tile rows (and their rms) visible before staging
+            tile(x, w, best_v, best_i, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, 0, 0,
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols)
+            tid = cuda.threadIdx.x
+            lane = tid % WARP
+            if lane < MTC:      # lane a ranked element a = i * C + c of its warp's groups
+                cand_v[(tid // WARP) * MTC + lane] = best_v[0]
+                cand_i[(tid // WARP) * MTC + lane] = best_i[0]
+            cuda.syncthreads()  # every lane's candidate visible to the row's reducer
+            if tid < MT and dst_sh[tid] >= 0:
+                value = NEG_INF_F32
+                index = NO_INDEX
+                for warp in range(cuda.blockDim.x // WARP):
+                    for c in range(C):
+                        slot = warp * MTC + tid * C + c
+                        if outranks(cand_v[slot], cand_i[slot], value, index):
+                            value = cand_v[slot]
+                            index = cand_i[slot]
+                part_val[dst_sh[tid], cuda.blockIdx.x] = value
+                part_idx[dst_sh[tid], cuda.blockIdx.x] = index
 
     elif kind == "head":
         @cuda.jit(**options)
@@ -455,7 +551,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
                 dst_sh[tid] = row if row < x.shape[0] else -1
             cuda.syncthreads()  # tile rows visible before staging
             tile(x, w, out, out, w, xs, comb, red, src_sh, dst_sh, comb, g, g * n_cols,
-                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps)
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0)
 
     else:
         @cuda.jit(**options)
@@ -514,7 +610,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
                 dst_sh[tid] = dst
             cuda.syncthreads()  # tile rows visible before staging
             tile(x, w, out, out, w, xs, comb, red, src_sh, dst_sh, comb, 0, expert * n_cols,
-                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps)
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0)
 
     return kernel
 
@@ -535,6 +631,12 @@ def _head_sigs() -> tuple:
             (float32[:, :, :], float32[::1], float32[:, :, :]) + _GEOMETRY)
 
 
+def _argmax_sigs() -> tuple:
+    c2, a2, w1, part_i = float32[:, ::1], float32[:, :], float32[::1], int32[:, ::1]
+    return ((c2, w1, c2, part_i, w1, float32) + _GEOMETRY + (int32,),   # + part_cols
+            (a2, w1, c2, part_i, w1, float32) + _GEOMETRY + (int32,))
+
+
 def _expert_sigs() -> tuple:
     return ((float32[:, ::1], float32[::1], float32[:, ::1], int32[::1], int32[::1]) + _GEOMETRY,
             (float32[:, :], float32[::1], float32[:, :], int32[::1], int32[::1]) + _GEOMETRY)
@@ -550,6 +652,11 @@ def _register_all() -> None:
                          f"batch-invariant x @ w.T, {prologue} prologue"
                          f"{', residual epilogue' if residual else ''}, {mt}-row tiles",
                          block_threads=threads)
+        for prologue in ("none", "rmsnorm"):
+            register(f"linear_argmax_{prologue}_mt{mt}", get_kernel("argmax", prologue, False, mt),
+                     _argmax_sigs(), f"lm_head x @ w.T ({prologue} prologue) ranked into per-part "
+                     f"(max, lowest argmax) per row, logits never stored, {mt}-row tiles",
+                     block_threads=threads)
         register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs(),
                  f"batch-invariant per-head x[:, g] @ w[g].T, {mt}-row tiles", block_threads=threads)
         for prologue in ("none", "swiglu"):
@@ -845,3 +952,93 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
            plan.shared_bytes, x, _flat(w), out, row_offsets, row_index,
            *plan.geometry(n_cols, k_dim))
     return out
+
+
+# --- the lm_head fused with the greedy posterior's argmax -----------------------------------------
+
+def _check_n_cols(n_cols: Any) -> int:
+    if isinstance(n_cols, bool) or not isinstance(n_cols, numbers.Integral):
+        raise TypeError(f"n_cols must be an int, got {type(n_cols).__name__}")
+    if n_cols < 1:
+        raise ValueError(f"n_cols must be >= 1, got {n_cols}")
+    return int(n_cols)
+
+
+def argmax_part_cols(n_cols: int) -> int:
+    """Columns per part of :func:`linear_argmax` for N = n_cols (the last part may be shorter):
+    about N / P for P = min(TARGET_PARTS, ceil(N / MIN_PART_COLS)) parts, rounded up to a
+    multiple of PART_ALIGN (whole column-group passes of every block shape).
+    A function of N only (and of the build: GPU or simulator)."""
+    n_cols = _check_n_cols(n_cols)
+    parts = max(1, min(TARGET_PARTS, -(-n_cols // MIN_PART_COLS)))
+    width = -(-n_cols // parts)
+    return -(-width // PART_ALIGN) * PART_ALIGN
+
+
+def argmax_parts(n_cols: int) -> int:
+    """P, the parts (column blocks) per row of :func:`linear_argmax` for N = n_cols: the width of
+    its ``part_val`` / ``part_idx`` buffers. 95 for V = 163840 on a GPU."""
+    return -(-_check_n_cols(n_cols) // argmax_part_cols(n_cols))
+
+
+def linear_argmax(x: Any, w: Any, part_val: Any, part_idx: Any, *, norm_weight: Any = None,
+                  eps: float = 1e-6, stream: Any = 0) -> tuple[Any, Any]:
+    """The lm_head ranked instead of stored: per row m and part p, the largest of the logits
+    ``linear(x, w, out, norm_weight=norm_weight, eps=eps)`` would write in columns
+    [p * W, min((p + 1) * W, N)), W = ``argmax_part_cols(N)``, and its lowest column.
+
+    Every logit is computed by ``linear``'s own tile code (bit-identical, batch-invariant); only
+    the store is replaced by :func:`.accept.outranks` (larger value, ties -> lower id, NaN
+    skipped). A part whose logits are all NaN gives (-inf, ``accept.NO_INDEX``).
+    :func:`.accept.posterior_argmax_parts` merges a row's parts into
+    ``posterior_argmax(logits)``'s token.
+
+    Args:
+        x: float32 [M, K], unit inner stride (a view is fine); the input row is x[m], or
+            rmsnorm(x[m]) * norm_weight when ``norm_weight`` is given.
+        w: float32 [N, K], C-contiguous (HF [out, in]).
+        part_val: float32 [M, P], C-contiguous, caller-owned; P = ``argmax_parts(N)``.
+        part_idx: int32 [M, P], C-contiguous, caller-owned.
+        norm_weight: float32 [K] or None.
+        eps: RMSNorm epsilon.
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+
+    Returns:
+        ``(part_val, part_idx)``. No host read of device data (graph-capturable).
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
+    """
+    x = _f32(x, "x", 2)
+    w = _weight(w, 2)
+    n_cols, k_dim = w.shape
+    m_rows = x.shape[0]
+    if x.shape[1] != k_dim:
+        raise ValueError(f"x must have {k_dim} columns (K from w), got shape {tuple(x.shape)}")
+    n_parts = argmax_parts(n_cols)
+    part_val = check_array(part_val, "part_val", (np.float32,), 2)
+    if tuple(part_val.shape) != (m_rows, n_parts):
+        raise ValueError(f"part_val must have shape ({m_rows}, {n_parts}) (M, argmax_parts(N = "
+                         f"{n_cols})), got {tuple(part_val.shape)}")
+    part_idx = check_array(part_idx, "part_idx", (np.int32,), 2)
+    if tuple(part_idx.shape) != (m_rows, n_parts):
+        raise ValueError(f"part_idx must have shape ({m_rows}, {n_parts}) (M, argmax_parts(N = "
+                         f"{n_cols})), got {tuple(part_idx.shape)}")
+    eps32 = _check_eps(eps)
+    prologue = "none"
+    norm = None
+    if norm_weight is not None:
+        norm = _f32(norm_weight, "norm_weight", 1)
+        if tuple(norm.shape) != (k_dim,):
+            raise ValueError(f"norm_weight must have shape ({k_dim},), got {tuple(norm.shape)}")
+        prologue = "rmsnorm"
+    _check_stride_limits((x, "x"), (w, "w"))
+    if m_rows == 0:
+        return part_val, part_idx
+    plan = plan_linear(m_rows, n_cols, k_dim, w=w)
+    kernel = get_kernel("argmax", prologue, False, plan.mt)
+    w_flat = _flat(w)
+    launch(kernel, (n_parts, -(-m_rows // plan.mt)), plan.threads, stream, plan.shared_bytes,
+           x, w_flat, part_val, part_idx, w_flat if norm is None else norm, eps32,
+           *plan.geometry(n_cols, k_dim), argmax_part_cols(n_cols))
+    return part_val, part_idx

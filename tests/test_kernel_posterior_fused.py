@@ -1,0 +1,267 @@
+"""The lm_head fused with the greedy posterior: linear_argmax + posterior_argmax_parts.
+
+The property: for every row, the merged token is bit for bit ``posterior_argmax(linear(...))``
+(ties -> lowest id, NaN logits skipped, an all-NaN row -> NO_INDEX, padding rows -1), and each
+part holds exactly the largest of ``linear``'s logits in its columns with that logit's lowest
+id (the logits are the same bits: the same tile code). Simulator shapes are tiny (parts of 8
+columns, one or two warps per block); ``gpu`` tests use the small preset's and Kimi K2's
+lm_head (V 32768 x D 2048, V 163840 x D 7168).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.kernels import accept as ka
+from ddtree_numba.kernels import linear as lin
+
+SIM_THREADS = 32  # posterior kernels: one warp per simulated block
+NO_INDEX = int(ka.NO_INDEX)
+
+
+def _dev(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def _logits(x, w, nw=None) -> np.ndarray:
+    """linear()'s logits [M, N] on the host."""
+    out = cuda.to_device(np.full((x.shape[0], w.shape[0]), np.nan, np.float32))
+    lin.linear(_dev(x), _dev(w), out, **({} if nw is None else {"norm_weight": _dev(nw)}))
+    return out.copy_to_host()
+
+
+def _parts(x, w, nw=None) -> tuple[np.ndarray, np.ndarray]:
+    """linear_argmax()'s (part_val, part_idx) [M, P] on the host (buffers pre-filled with junk:
+    every entry must be written)."""
+    n_parts = lin.argmax_parts(w.shape[0])
+    val = _dev(np.full((x.shape[0], n_parts), 7.5, np.float32))
+    idx = _dev(np.full((x.shape[0], n_parts), -9, np.int32))
+    lin.linear_argmax(_dev(x), _dev(w), val, idx, **({} if nw is None else {"norm_weight": _dev(nw)}))
+    return val.copy_to_host(), idx.copy_to_host()
+
+
+def _merge(val, idx, sizes, n_cap) -> np.ndarray:
+    out = _dev(np.full((len(sizes), n_cap), 99, np.int32))
+    ka.posterior_argmax_parts(_dev(val), _dev(idx), np.asarray(sizes, np.int32), out,
+                              threads=SIM_THREADS)
+    return out.copy_to_host()
+
+
+def _posterior(logits, sizes, n_cap) -> np.ndarray:
+    """posterior_argmax on DEVICE logits [bs * N, V] (device values: NaN is not rejected)."""
+    bs = len(sizes)
+    out = _dev(np.full((bs, n_cap), 99, np.int32))
+    ka.posterior_argmax(_dev(logits.reshape(bs, n_cap, -1)), np.asarray(sizes, np.int32), out,
+                        threads=SIM_THREADS)
+    return out.copy_to_host()
+
+
+def _rule(row: np.ndarray) -> tuple[np.float32, int]:
+    """(max, lowest id) over the non-NaN values of ``row``; (-inf, NO_INDEX) if there are none."""
+    ok = ~np.isnan(row)
+    if not ok.any():
+        return np.float32(-np.inf), NO_INDEX
+    best = row[ok].max()
+    return best, int(np.flatnonzero(row == best)[0])
+
+
+def _check_parts(val, idx, logits) -> None:
+    """Every part is exactly the rule over its columns of linear's logits."""
+    width = lin.argmax_part_cols(logits.shape[1])
+    for m in range(logits.shape[0]):
+        for p in range(val.shape[1]):
+            best, at = _rule(logits[m, p * width:(p + 1) * width])
+            assert idx[m, p] == (at if at == NO_INDEX else p * width + at), (m, p)
+            assert val[m, p] == best, (m, p)
+
+
+def _check_fused(x, w, nw=None, sizes=None) -> np.ndarray:
+    """Parts vs linear's logits, merged tokens vs posterior_argmax(linear): one request of M nodes
+    unless ``sizes`` splits the rows into requests of equal capacity. Returns the tokens."""
+    sizes = [x.shape[0]] if sizes is None else sizes
+    n_cap = x.shape[0] // len(sizes)
+    logits = _logits(x, w, nw)
+    val, idx = _parts(x, w, nw)
+    _check_parts(val, idx, logits)
+    got = _merge(val, idx, sizes, n_cap)
+    np.testing.assert_array_equal(got, _posterior(logits, sizes, n_cap))
+    return got
+
+
+# --- the property ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m_rows,n_cols,k_dim,norm", [
+    (3, 37, 70, False),     # 5 parts, the last one 5 columns, N not a multiple of C = 4
+    (9, 21, 130, True),     # 3 row tiles (MT 8), rmsnorm prologue, K past one 128-step
+    (2, 13, 2100, False),   # two K segments (k_split 2): the combine path
+    (1, 3, 5, True),        # one part narrower than a column group
+])
+def test_fused_is_posterior_argmax_of_linear(m_rows, n_cols, k_dim, norm):
+    rng = np.random.default_rng(1000 * n_cols + k_dim)
+    x = rng.standard_normal((m_rows, k_dim)).astype(np.float32)
+    w = rng.standard_normal((n_cols, k_dim)).astype(np.float32)
+    nw = rng.standard_normal(k_dim).astype(np.float32) if norm else None
+    _check_fused(x, w, nw)
+
+
+def test_ties_between_duplicate_weight_rows_go_to_the_lowest_id():
+    """Weight row 22 dominates every row's logits and is copied to ids 5, 9 and 13 (under the
+    simulator: part 0, and two column groups of part 1), 23 (22's column group) and 36 (the
+    last, narrow part): equal logits at 6 ids, the lowest wins: 5, then 9 once row 5 differs."""
+    rng = np.random.default_rng(5)
+    n_cols, k_dim = 37, 64
+    w = rng.standard_normal((n_cols, k_dim)).astype(np.float32)
+    x = (rng.standard_normal((4, k_dim)) * 0.1 + 3.0 * w[22]).astype(np.float32)
+    for dup in (5, 9, 13, 23, 36):
+        w[dup] = w[22]
+    assert np.all(_check_fused(x, w) == 5)
+    w[5] = -w[5]
+    assert np.all(_check_fused(x, w) == 9)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the simulator computes inf * 0
+def test_nan_and_infinite_logits_follow_posterior_argmax():
+    """Row 0: all-NaN x -> NaN logits -> NO_INDEX. Rows 1 and 2: x = (+-inf, 0, ...) gives logit
+    +-inf * w[n, 0]: ties at +inf (the lowest such id wins), -inf, and NaN where w[n, 0] == 0 or
+    the weight row holds a NaN (ids 8..15: a whole all-NaN part under the simulator). Row 3:
+    finite logits with NaN columns. Then one row whose logits are all -inf or NaN: the lowest
+    -inf id wins (a real -inf outranks the empty candidate)."""
+    rng = np.random.default_rng(9)
+    n_cols, k_dim = 29, 40
+    w = rng.standard_normal((n_cols, k_dim)).astype(np.float32)
+    w[[2, 4, 7], 0] = 0.0
+    w[8:16] = np.nan
+    w[20, 3] = np.nan
+    x = rng.standard_normal((4, k_dim)).astype(np.float32)
+    x[0] = np.nan
+    x[1:3] = 0.0
+    x[1, 0] = np.inf
+    x[2, 0] = -np.inf
+    got = _check_fused(x, w)[0]
+    clean = ~np.isnan(w).any(axis=1)
+    assert got[0] == NO_INDEX
+    assert got[1] == np.flatnonzero(clean & (w[:, 0] > 0))[0]
+    assert got[2] == np.flatnonzero(clean & (w[:, 0] < 0))[0]
+    w[:, 0] = -np.abs(w[:, 0])                  # inf * w[n, 0]: -inf, or NaN (0 and NaN rows)
+    logits = _logits(x[1:2], w)[0]
+    assert np.all(np.isneginf(logits) | np.isnan(logits)) and np.isneginf(logits).any()
+    assert _check_fused(x[1:2], w)[0, 0] == np.flatnonzero(np.isneginf(logits))[0]
+
+
+def test_padding_rows_get_minus_one_and_are_not_read():
+    """Two requests of 3 nodes, sizes (2, 3): node 2 of request 0 is padding."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((6, 48)).astype(np.float32)
+    w = rng.standard_normal((19, 48)).astype(np.float32)
+    got = _check_fused(x, w, sizes=[2, 3])
+    assert got[0, 2] == -1 and np.all(got[1] >= 0)
+
+
+def test_parts_are_batch_invariant():
+    """A row's parts are the same bits alone (MT 1), among 6 (MT 8) and among 11 (2 tiles)."""
+    rng = np.random.default_rng(21)
+    k_dim, n_cols = 150, 23
+    w = rng.standard_normal((n_cols, k_dim)).astype(np.float32)
+    nw = rng.standard_normal(k_dim).astype(np.float32)
+    row = rng.standard_normal((1, k_dim)).astype(np.float32)
+    alone = _parts(row, w, nw)
+    for batch, where in ((6, 4), (11, 9)):
+        x = (rng.standard_normal((batch, k_dim)) * rng.uniform(0.1, 10.0)).astype(np.float32)
+        x[where] = row[0]
+        val, idx = _parts(x, w, nw)
+        np.testing.assert_array_equal(val[where], alone[0][0])
+        np.testing.assert_array_equal(idx[where], alone[1][0])
+
+
+# --- part layout -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_cols", [1, 3, 4, 8, 9, 37, 255, 256, 257, 1000, 32768, 129280, 163840])
+def test_parts_tile_the_columns(n_cols):
+    width, parts = lin.argmax_part_cols(n_cols), lin.argmax_parts(n_cols)
+    assert width % lin.PART_ALIGN == 0
+    assert (parts - 1) * width < n_cols <= parts * width
+    assert 1 <= parts <= min(lin.TARGET_PARTS, -(-n_cols // lin.MIN_PART_COLS))
+
+
+@pytest.mark.parametrize("n_cols", [0, -3, 2.0, True])
+def test_part_helpers_reject_bad_n_cols(n_cols):
+    with pytest.raises(ValueError if isinstance(n_cols, int) and not isinstance(n_cols, bool)
+                       else TypeError, match="n_cols"):
+        lin.argmax_parts(n_cols)
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+def _good():
+    n_parts = lin.argmax_parts(12)
+    return dict(x=np.zeros((3, 8), np.float32), w=np.zeros((12, 8), np.float32),
+                part_val=np.full((3, n_parts), 7.0, np.float32),
+                part_idx=np.full((3, n_parts), 7, np.int32))
+
+
+@pytest.mark.parametrize("change,exc,name", [
+    (dict(x=np.zeros((3, 8), np.float64)), TypeError, "x"),
+    (dict(x=np.zeros((3, 9), np.float32)), ValueError, "x"),
+    (dict(x=np.zeros((3, 16), np.float32)[:, ::2]), ValueError, "x"),
+    (dict(w=np.zeros((8, 12), np.float32).T), ValueError, "w"),
+    (dict(w=np.zeros((12, 8), np.int32)), TypeError, "w"),
+    (dict(part_val=np.zeros((3, 99), np.float32)), ValueError, "part_val"),
+    (dict(part_val=np.zeros((2, 2), np.float32)), ValueError, "part_val"),
+    (dict(part_val=[[0.0]]), TypeError, "part_val"),
+    (dict(part_idx=np.zeros((3, 2), np.int64)), TypeError, "part_idx"),
+    (dict(part_idx=np.zeros((3, 5), np.int32)), ValueError, "part_idx"),
+    (dict(norm_weight=np.zeros(7, np.float32)), ValueError, "norm_weight"),
+    (dict(norm_weight=np.zeros(8, np.float32), eps=float("nan")), ValueError, "eps"),
+    (dict(eps="1e-6"), TypeError, "eps"),
+])
+def test_linear_argmax_rejects_bad_input_before_any_work(change, exc, name):
+    args = _good() | change
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        lin.linear_argmax(**args)
+    if "part_val" not in change:
+        assert np.all(args["part_val"] == 7.0)
+    if "part_idx" not in change:
+        assert np.all(args["part_idx"] == 7)
+
+
+# --- H200: the small preset's and Kimi K2's lm_head --------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cols,k_dim,rows", [(32768, 2048, (1, 64)), (163840, 7168, (1, 5))])
+def test_gpu_lm_head_shapes(n_cols, k_dim, rows):
+    """Fused vs posterior_argmax(linear) on device, rmsnorm prologue. The last row's logits peak
+    at weight row N - 1, copied to ids 5000, N // 3 and N // 3 + 2 (other parts, one column group
+    maybe): id 5000 must win. Its parts must be the same bits alone and among 63 or 4 rows."""
+    rng = np.random.default_rng(n_cols)
+    w = rng.standard_normal((n_cols, k_dim), dtype=np.float32)
+    top = n_cols - 1
+    for dup in (5000, n_cols // 3, n_cols // 3 + 2):
+        w[dup] = w[top]
+    d_w = _dev(w)
+    nw = _dev(np.abs(1.0 + 0.1 * rng.standard_normal(k_dim)).astype(np.float32))
+    x_all = rng.standard_normal((max(rows), k_dim), dtype=np.float32)
+    x_all[-1] += 0.5 * np.sqrt(k_dim) * w[top]
+    n_parts = lin.argmax_parts(n_cols)
+    first = None
+    for m_rows in rows:
+        x = _dev(x_all[-m_rows:])
+        sizes = np.array([m_rows], np.int32)
+        logits = cuda.device_array((m_rows, n_cols), np.float32)
+        lin.linear(x, d_w, logits, norm_weight=nw)
+        want = cuda.device_array((1, m_rows), np.int32)
+        ka.posterior_argmax(logits.reshape(1, m_rows, n_cols), sizes, want)
+        val = cuda.device_array((m_rows, n_parts), np.float32)
+        idx = cuda.device_array((m_rows, n_parts), np.int32)
+        lin.linear_argmax(x, d_w, val, idx, norm_weight=nw)
+        got = cuda.device_array((1, m_rows), np.int32)
+        ka.posterior_argmax_parts(val, idx, sizes, got)
+        np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
+        assert got.copy_to_host()[0, -1] == 5000
+        last = val.copy_to_host()[-1:], idx.copy_to_host()[-1:]
+        _check_parts(*last, logits.copy_to_host()[-1:])
+        if first is None:
+            first = last
+        else:
+            np.testing.assert_array_equal(last[0], first[0])
+            np.testing.assert_array_equal(last[1], first[1])
