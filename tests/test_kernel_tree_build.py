@@ -42,6 +42,23 @@ def _tie_rows(rng: np.random.Generator, bs: int, n_pos: int, k: int, levels: int
     return quantised.astype(np.float32), ids
 
 
+def _near_tie_rows(rng: np.random.Generator, bs: int, n_pos: int, k: int, levels: int = 3
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Tie rows moved down by 0-2 float32 ulps: exact ties next to ulp-level near ties (float64
+    scores a rounding step apart, where the sibling recurrence's rounding decides the order)."""
+    lp, ids = _tie_rows(rng, bs, n_pos, k, levels)
+    steps = rng.integers(0, 3, size=lp.shape).astype(np.float32)
+    near = lp - steps * np.spacing(np.abs(lp)).astype(np.float32)
+    return -np.sort(-near, axis=-1), ids
+
+
+def _flat_rows(rng: np.random.Generator, bs: int, n_pos: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Nearly flat rows (log-prob gaps ~1e-3 between ranks): long runs of sibling pops."""
+    lp, ids = _random_rows(rng, bs, n_pos, k)
+    gaps = rng.uniform(1e-4, 2e-3, size=lp.shape)
+    return (np.float32(-1.5) - np.cumsum(gaps, axis=-1)).astype(np.float32), ids
+
+
 def _build(lp, ids, budgets, *, past_lens=None, roots=None, capacity=None, threads=SIM_THREADS,
            on_device=False) -> dict[str, np.ndarray]:
     """Run the kernel on host or device inputs and return every output on the host."""
@@ -96,6 +113,59 @@ def test_tie_heavy_trees(seed):
     lp, ids = _tie_rows(rng, 2, 3 + seed % 2, 4)
     budgets = rng.integers(8, 17, size=2)
     _assert_matches_reference(_build(lp, ids, budgets), lp, ids, budgets)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_near_tie_trees(seed):
+    """Ulp-level near ties: a sibling run must stop at every score it cannot strictly beat."""
+    rng = np.random.default_rng(200 + seed)
+    lp, ids = _near_tie_rows(rng, 2, 3, 4 + seed)
+    budgets = rng.integers(10, 25, size=2)
+    _assert_matches_reference(_build(lp, ids, budgets), lp, ids, budgets)
+
+
+def test_long_sibling_runs_on_flat_rows():
+    """Flat rows: depth-1 siblings pop in runs longer than RUN_MAX, runs stop at the budget and
+    at K (no sibling left), children take over (the second request's depth 2 is sharp)."""
+    rng = np.random.default_rng(13)
+    lp, ids = _flat_rows(rng, 2, 2, 3 * tb.RUN_MAX // 2)
+    lp[1, 1] = np.float32(-0.001) - np.float32(1.0) * np.arange(lp.shape[2], dtype=np.float32)
+    budgets = np.array([2 * tb.RUN_MAX + 5, 3 * tb.RUN_MAX])
+    _assert_matches_reference(_build(lp, ids, budgets), lp, ids, budgets)
+
+
+def test_peaked_rows_pop_chains_and_the_runner_up():
+    """Peaked rows (top-1 near 0, the rest far below): deep chains of first children, runner-up
+    pops; the counting variant reports fewer rounds than nodes, and the same tree."""
+    rng = np.random.default_rng(17)
+    lp, ids = _random_rows(rng, 2, 4, 3)
+    lp[:, :, 0] = -rng.uniform(1e-3, 0.2, size=(2, 4)).astype(np.float32)
+    budgets = np.array([30, 23])
+    plan = tb.plan(2, 4, 3, 31, threads=SIM_THREADS)
+    out = tb.allocate_outputs(plan)
+    rounds = cuda.to_device(np.zeros(2, np.int32))
+    past, roots = np.array([3, 10], np.int32), np.array([40, 41], np.int32)
+    tb.run(plan, lp, ids, budgets.astype(np.int32), past, roots, out, rounds=rounds)
+    got = out.to_host() | {"past_lens": past, "roots": roots, "capacity": 31}
+    _assert_matches_reference(got, lp, ids, budgets)
+    n_rounds = rounds.copy_to_host()
+    assert (n_rounds >= 1).all() and (n_rounds < budgets // 2).all(), n_rounds
+
+
+def test_round_counter_on_flat_rows_and_ties():
+    """Rounds: at most one per node, fewer on flat rows (runs), and the tree is unchanged."""
+    rng = np.random.default_rng(19)
+    lp, ids = _flat_rows(rng, 2, 2, 8)
+    lp[1], _ = _tie_rows(rng, 1, 2, 8, levels=2)
+    budgets = np.array([20, 20], np.int32)
+    plan = tb.plan(2, 2, 8, 21, threads=SIM_THREADS)
+    out = tb.allocate_outputs(plan)
+    rounds = np.zeros(2, np.int32)
+    past, roots = np.array([0, 0], np.int32), np.array([1, 2], np.int32)
+    tb.run(plan, lp, ids, budgets, past, roots, out, rounds=rounds)
+    _assert_matches_reference(out.to_host() | {"past_lens": past, "roots": roots, "capacity": 21},
+                              lp, ids, budgets)
+    assert 1 <= rounds[0] <= 10 and 1 <= rounds[1] <= 20, rounds
 
 
 def test_many_slots_per_lane_with_ties():
@@ -246,6 +316,49 @@ def test_score_key_orders_like_the_float64_scores(monkeypatch):
     for a, ka in zip(values, keys):
         for b, kb in zip(values, keys):
             assert (ka < kb) == (a < b) and (ka == kb) == (a == b), (a, b)
+
+
+def test_score_from_key_inverts_score_key(monkeypatch):
+    """key -> score -> key is the identity; the score is the original one (+0.0 for -0.0)."""
+    for name in ("_f64_bits", "_f64_from_bits"):  # NumPy bit casts, as under the simulator
+        sim = getattr(tb, f"{name}_sim")
+        monkeypatch.setattr(tb, name, getattr(sim, "py_func", sim))
+    rng = np.random.default_rng(41)
+    base = -rng.exponential(8.0, size=30)
+    values = np.concatenate([base, np.nextafter(base, 0.0), [0.0, -0.0, -np.inf, -5e-324, 5e-324, 2.5]])
+    for v in values:
+        back = tb._score_from_key.py_func(*tb._score_key.py_func(float(v)))
+        assert back == v and (v != 0.0 or not np.signbit(back)), v
+
+
+def test_above_high_is_the_first_score_past_a_high_key_word(monkeypatch):
+    """x >= _above_high(h) iff the high key word of x is > h (the run's frontier bound)."""
+    for name in ("_f64_bits", "_f64_from_bits"):  # NumPy bit casts, as under the simulator
+        sim = getattr(tb, f"{name}_sim")
+        monkeypatch.setattr(tb, name, getattr(sim, "py_func", sim))
+    score_key, above_high = tb._score_key.py_func, tb._above_high.py_func
+    rng = np.random.default_rng(43)
+    base = -rng.exponential(8.0, size=40)
+    values = np.concatenate([base, np.nextafter(base, 0.0), [0.0, -0.0, -np.inf, -5e-324, -1.0, -2.0]])
+    for v in values:
+        thr = above_high(int(score_key(float(v))[0]))
+        assert thr > v and score_key(thr)[0] == score_key(float(v))[0] + 1, v
+        assert score_key(float(np.nextafter(thr, -np.inf)))[0] <= score_key(float(v))[0], v
+
+
+def test_top2_of_three_keeps_the_two_best():
+    """The local run's candidate merge: best, second (with their fields) and the third score."""
+    top2 = tb._top2_of_three.py_func
+    rng = np.random.default_rng(44)
+    for _ in range(200):
+        scores = -rng.integers(0, 3, size=3) * 0.5  # many exact ties
+        scores[rng.random(3) < 0.2] = -np.inf
+        cands = [(float(s), j, 10 + j, float(s) - 1, float(s) - 2) for j, s in enumerate(scores)]
+        out = top2(*cands[0], *cands[1], *cands[2])
+        first, second, third = out[:5], out[5:10], out[10]
+        assert first in cands and second in cands and first[1] != second[1]
+        assert sorted([first[0], second[0], third], reverse=True) == sorted(scores.tolist(), reverse=True)
+        assert first[0] >= second[0] >= third
 
 
 @pytest.mark.parametrize("n_slots", tb.SLOT_CLASSES)
@@ -430,7 +543,8 @@ def _sweep_case(seed: int):
     """Worker: one random batch of 64 and its reference outputs (pickled back to the test).
 
     L <= 32, K <= 1024, budgets <= 1024 (a quarter of the batches big, the rest <= 128, which
-    keeps the CPU reference cheap), a third tie-heavy (logits rounded to 0.5: equal log-probs).
+    keeps the CPU reference cheap), half tie-heavy (logits rounded to 0.5: equal log-probs), and
+    half of those also ulp-level near ties (log-probs 0-2 float32 ulps down).
     """
     rng = np.random.default_rng(seed)
     bs = 64
@@ -439,10 +553,14 @@ def _sweep_case(seed: int):
     k = int(rng.integers(1, min(1024, 2 * max_budget) + 1))
     vocab = max(2 * k, 64)
     logits = rng.normal(0.0, rng.choice([1.0, 2.5, 6.0]), size=(bs * n_pos, vocab))
-    if rng.random() < 1 / 3:
+    kind = rng.random()
+    if kind < 1 / 2:  # tie-heavy (equal log-probs); half of them near ties too
         logits = np.round(logits * 2) / 2
     lp, ids = topk_log_probs(logits, k)
     lp, ids = lp.reshape(bs, n_pos, k), ids.reshape(bs, n_pos, k).astype(np.int32)
+    if kind < 1 / 4:  # ulp-level near ties: move log-probs down by 0-2 float32 ulps, keep rows sorted
+        steps = rng.integers(0, 3, size=lp.shape).astype(np.float32)
+        lp = -np.sort(-(lp - steps * np.spacing(np.abs(lp)).astype(np.float32)), axis=-1)
     budgets = rng.integers(0, max_budget + 1, size=bs).astype(np.int32)
     roots = rng.integers(-1, vocab, size=bs).astype(np.int32)
     ref = build_tree_batch(lp, ids, budgets.astype(np.int64), roots.astype(np.int64), capacity=max_budget + 1)

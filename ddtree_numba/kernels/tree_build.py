@@ -10,7 +10,7 @@ opens slot ``i`` (the new node's first child). So the frontier is one slot per n
 than ``1 + budget`` entries. Warp 0 selects; lane ``l`` owns the slots ``q = l (mod 32)``, stored
 lane-major in shared memory (``slot_score[l * S + q // 32]``, ``S`` slots per lane).
 
-The loop is built for latency: one warp is all its SM runs, so a pop costs its chain of
+The loop is built for latency: one warp is all its SM runs, so a round costs its chain of
 dependent instructions (measured first version: ~2000-3000 cycles a pop, from 64-bit index
 arithmetic, a per-pop rescan, dependent loads after the selection). Now, per pop:
 
@@ -33,6 +33,18 @@ arithmetic, a per-pop rescan, dependent loads after the selection). Now, per pop
   differs). Otherwise a slow path compares rank paths by walking parent chains (lane-local,
   then a butterfly across lanes), moves the winning candidate into its lane's registers and
   pops it.
+
+Several pops per round (the serial chain is per round, not per pop), a local best-first run
+(:func:`_select_nodes`): after the top candidate p, the round's local candidates are the
+runner-up q (the frontier's second best, when one lane alone holds it: one more REDUX and a
+ballot) and the pushes of every node popped in the round (sibling and first child, so chains
+of first children as well as sibling runs). The best local candidate pops next while it is
+strictly above the rest of the frontier (a one-REDUX bound on the high key word with p and q
+taken out) and strictly above the other local candidates (the best two kept, the rest folded
+into a bound), at most RUN_MAX pops. Lane j records node n+1+j, lane (n+1+j) mod 32 opens its
+slot. Modelled on the benchmark's inputs (B 512, L 16): the runner-up doubles the pops per
+round of the slowest requests (1.2 -> 2.4 with logit scales 1-4, 1.0 -> 2.05 with 6-8); local
+runs without q hardly help there (the frontier's second best is the usual next pop).
 
 After the loop the whole block writes the outputs: per-node arrays, the packed visibility (one
 thread per (node, word) walks the node's ancestors down to the word), and the CSR child table
@@ -88,6 +100,9 @@ SEED_INFO = 1 << DEPTH_SHIFT  # rank 0, depth 1: node 0's first child (idle lane
 SLOT_MASK = 0xFFFF  # the shuffled slot word: slot <= MAX_NODES in the low bits...
 TIE_FLAG = 1 << 16  # ...and this bit when the lane's slice holds its best score twice
 CAND_RANK_SHIFT = 16  # slow path: a candidate as one word, slot | rank << 16
+# A round pops the warp's top candidate p and then up to RUN_MAX - 1 more nodes, each only when
+# provably the heap's next pop (see _select_nodes). <= WARP_SIZE: one lane per node.
+RUN_MAX = 16
 
 # Slots per lane of the kernel variants: 32 * S slots serve budgets up to 32 * S (node i's slot
 # is only needed while more pops follow, so nodes 0..budget-1). A smaller variant has shorter
@@ -102,6 +117,7 @@ MAX_THREADS = 512  # registers (< 128) allow 512; the other warps idle during se
 # --- device functions ------------------------------------------------------------------------
 
 ABS_MASK = 0x7FFFFFFFFFFFFFFF  # float64 bits without the sign
+SIGN_BIT = -0x8000000000000000  # float64 sign bit, as int64
 LOW_WORD = 0xFFFFFFFF
 HIGH_SHIFT = 32
 
@@ -138,10 +154,28 @@ def _f64_bits_gpu(typingctx, x):
     return types.int64(types.float64), codegen
 
 
+@intrinsic
+def _f64_from_bits_gpu(typingctx, bits):
+    """The float64 whose IEEE bits are int64 ``bits`` (a register move)."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
 @cuda.jit(device=True)
 def _f64_bits_sim(x):
     """Simulator stand-in for the bit cast."""
     return np.array([x], np.float64).view(np.int64)[0]
+
+
+@cuda.jit(device=True)
+def _f64_from_bits_sim(bits):
+    """Simulator stand-in for the inverse bit cast."""
+    return np.array([bits], np.int64).view(np.float64)[0]
 
 
 @cuda.jit(device=True)
@@ -175,10 +209,12 @@ def _warp_max_u32_sim(v):
 # butterflies, with the same results.
 if cuda.config.ENABLE_CUDASIM:
     _f64_bits = _f64_bits_sim
+    _f64_from_bits = _f64_from_bits_sim
     _warp_max_s32 = _warp_max_s32_sim
     _warp_max_u32 = _warp_max_u32_sim
 else:
     _f64_bits = _f64_bits_gpu
+    _f64_from_bits = _f64_from_bits_gpu
     _warp_max_s32 = _redux_intrinsic("s32", types.int32)
     _warp_max_u32 = _redux_intrinsic("u32", types.uint32)
 
@@ -210,6 +246,16 @@ def _warp_argmax_key(x):
         lo_in = lo
     lo_max = _warp_max_u32(lo_in)
     return cuda.ballot_sync(FULL_MASK, hi == hi_max and lo == lo_max)
+
+
+@cuda.jit(device=True)
+def _score_from_key(hi, lo):
+    """The inverse of :func:`_score_key`: the float64 of key (int32 ``hi``, uint32 ``lo``)
+    (``-0.0`` comes back as ``+0.0``, which compares the same)."""
+    key = (int64(hi) << HIGH_SHIFT) | int64(lo)
+    if key < 0:  # undo the negation of negative scores
+        key = (-key) | SIGN_BIT
+    return _f64_from_bits(key)
 
 
 @cuda.jit(device=True)
@@ -363,20 +409,83 @@ def _resolve_tie(top, lane, base, n_slots, best, best_slot, best_info,
 
 
 @cuda.jit(device=True)
+def _warp_max_high(x):
+    """The warp's largest high key word of float64 ``x`` (one REDUX): an upper bound that needs
+    no low-word pass; ties of the high word are left to the callers' strict compares."""
+    hi, lo = _score_key(x)
+    return _warp_max_s32(hi)
+
+
+@cuda.jit(device=True)
+def _above_high(hi_max):
+    """The smallest float64 whose key's high word exceeds ``hi_max``: ``x >= this`` iff x is
+    strictly above every score whose high word is <= ``hi_max``."""
+    return _score_from_key(int32(hi_max + 1), uint32(0))
+
+
+@cuda.jit(device=True)
+def _top2_of_three(c_score, c_info, c_slot, c_sib, c_child,
+                   s_score, s_info, s_slot, s_sib, s_child,
+                   k_score, k_info, k_slot, k_sib, k_child):
+    """The two best of candidates c, s, k (score, info, slot, sibling, child) and the third's
+    score. Equal scores in any order: the caller only pops a best strictly above the others."""
+    if k_score > s_score:  # hi1 >= lo1 among s, k
+        h_score, h_info, h_slot, h_sib, h_child = k_score, k_info, k_slot, k_sib, k_child
+        l_score, l_info, l_slot, l_sib, l_child = s_score, s_info, s_slot, s_sib, s_child
+    else:
+        h_score, h_info, h_slot, h_sib, h_child = s_score, s_info, s_slot, s_sib, s_child
+        l_score, l_info, l_slot, l_sib, l_child = k_score, k_info, k_slot, k_sib, k_child
+    if c_score > h_score:
+        return (c_score, c_info, c_slot, c_sib, c_child,
+                h_score, h_info, h_slot, h_sib, h_child, l_score)
+    if c_score > l_score:
+        return (h_score, h_info, h_slot, h_sib, h_child,
+                c_score, c_info, c_slot, c_sib, c_child, l_score)
+    return (h_score, h_info, h_slot, h_sib, h_child,
+            l_score, l_info, l_slot, l_sib, l_child, c_score)
+
+
+@cuda.jit(device=True)
 def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
                   slot_score, slot_info, node_parent, node_rank, node_depth):
-    """Warp 0: pop up to ``budget`` nodes in heap order; returns the number drafted.
+    """Warp 0: pop up to ``budget`` nodes in heap order; returns (nodes drafted, rounds).
 
     Fills node_parent/node_rank/node_depth [1..n] and scores[b, 1..n]; slot_info's rank field
     ends as each node's child count. Expects slot_score = -inf, slot_info = 0, the root record.
 
     Lane state, in registers: its best candidate (score, slot, rank | depth << 16; its shared
     slot reads -inf) and the best of its shared slots (``rest``, position ``rest_j``, info
-    ``rest_info``), kept exact by every update in O(1) except one: when the lane's best is popped and the sibling
-    replacing it is worse than ``rest``, ``rest`` becomes the best and the new ``rest`` needs a
-    rescan of the slice (``stale``), done at the top of the next pop by that lane alone.
-    Integers are kept int32 and indices unsigned: numba's default int64 arithmetic and negative-
-    index checks would lengthen the per-pop instruction chain.
+    ``rest_info``), kept exact by every update in O(1) except one: when the lane's best is popped
+    and the sibling replacing it is worse than ``rest``, ``rest`` becomes the best and the new
+    ``rest`` needs a rescan of the slice (``stale``), done at the top of the next round by that
+    lane alone. Integers are kept int32 and indices unsigned: numba's default int64 arithmetic
+    and negative-index checks would lengthen the per-round instruction chain.
+
+    A round (one warp argmax) pops several nodes, a local best-first run:
+
+    - p, the frontier's unique maximum (exact: two REDUX on the 64-bit keys and a ballot).
+    - q, the runner-up: the lanes offer their best (p's lane its ``rest``); one REDUX gives the
+      top high key word b1; if one lane alone reaches b1 with its best (not p's lane), q is that
+      best. The lanes offer again with q's lane on its ``rest``: one REDUX gives b2 >= the high
+      word of every frontier entry but p and q (b2 = b1 without a q), and ``thr`` is the
+      smallest float64 above high word b2.
+    - The local candidates: q and every push of this round's pops (sibling and first child of
+      each, with their own successors computed on creation). The best two are kept (``cand``,
+      ``carry``), the others only as a bound (``drop``). The best is popped next iff it is
+      >= ``thr``, > ``carry`` and > ``drop``, at most min(budget left, RUN_MAX) pops a round.
+
+    Proof of exactness: the official heap after this round's pops holds the frontier without
+    p, q (every score < ``thr``), the local candidates not popped (tracked, or <= ``drop``), and
+    nothing else; the scores are the official ones (same recurrences, same float64 order of
+    operations, :func:`_successors`). A candidate strictly above all of them has the smallest
+    key (-w, path) whatever the rank paths, so the heap pops it next. Exact ties never pass the
+    strict compares: they stop the run and go through the next round's tie check (-inf entries
+    never pass ``thr``). An exact tie for p takes the slow path and pops p alone.
+
+    Node i + j (i = n + 1) is the run's j-th pop, recorded by lane j. Slots change only where a
+    pop came from: a popped best (p on its lane, q on its lane) moves on to its next sibling
+    (``a_*``), and slot i + j opens on lane (i + j) mod 32 (j < RUN_MAX <= 32: one per lane)
+    with node i + j's first child, then moves on as its children are popped (``o_*``).
     """
     n_depth = int32(lp.shape[1])
     k = int32(lp.shape[2])
@@ -394,12 +503,13 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
         best = float64(lp_cache[0])
         slot_info[0] = SEED_INFO
     n = int32(0)
+    rounds = int32(0)
     while n < budget:
         if stale:
             rest, rest_j = _rescan(slot_score, base, n_slots)
             rest_info = int32(slot_info[uint32(base + rest_j)])  # read now, used after the selection
             stale = False
-        cuda.syncwarp()  # converged: no divergence checks split the shuffles below
+        cuda.syncwarp()  # converged, and the other lanes' shared writes of the last round visible
         sibling, child = _successors(lp, lp_cache, kc, b, n_depth, k, best, best_info)
         slot_word = best_slot
         if rest == best and best != NEG_INF:  # the lane's slice holds its best score twice
@@ -409,10 +519,29 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
         top = cuda.shfl_sync(FULL_MASK, best, win)
         slot_word = int32(cuda.shfl_sync(FULL_MASK, slot_word, win))
         info = int32(cuda.shfl_sync(FULL_MASK, best_info, win))  # popped: child `rank` of node p, depth d
-        child = cuda.shfl_sync(FULL_MASK, child, win)
+        child1 = cuda.shfl_sync(FULL_MASK, child, win)
+        sib1 = cuda.shfl_sync(FULL_MASK, sibling, win)
         if top == NEG_INF:  # frontier exhausted (V < budget, spec §1.2)
             break
+        rounds += 1
         p = int32(slot_word & SLOT_MASK)
+        limit = int32(min(budget - n, RUN_MAX))
+        offer = best  # the frontier without p: p's lane offers its slice's best instead
+        if lane == win:
+            offer = rest
+        offer_hi = _score_key(offer)[0]
+        b1 = _warp_max_s32(offer_hi)
+        q_lanes = cuda.ballot_sync(FULL_MASK, offer_hi == b1)
+        q_win = int32(cuda.ffs(q_lanes) - 1)
+        has_q = cuda.popc(q_lanes) == 1 and q_win != win
+        if has_q and lane == q_win:  # the frontier without p and q
+            offer = rest
+        b2 = _warp_max_high(offer)
+        q_score = cuda.shfl_sync(FULL_MASK, best, q_win)
+        q_slot = int32(cuda.shfl_sync(FULL_MASK, best_slot, q_win))
+        q_info = int32(cuda.shfl_sync(FULL_MASK, best_info, q_win))
+        q_sib = cuda.shfl_sync(FULL_MASK, sibling, q_win)
+        q_child = cuda.shfl_sync(FULL_MASK, child, q_win)
         if cuda.popc(holders) > 1 or slot_word & TIE_FLAG != 0:  # an exact tie: slow path
             p, best_slot, best_info = _resolve_tie(top, lane, base, n_slots, best, best_slot, best_info,
                                                    slot_score, slot_info, node_parent, node_rank,
@@ -423,44 +552,94 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
                 rest, rest_j = _rescan(slot_score, base, n_slots)
                 rest_info = int32(slot_info[uint32(base + rest_j)])
             info = int32(cuda.shfl_sync(FULL_MASK, best_info, win))
-            child = cuda.shfl_sync(FULL_MASK, child, win)
+            child1 = cuda.shfl_sync(FULL_MASK, child, win)
+            sib1 = cuda.shfl_sync(FULL_MASK, sibling, win)
+            limit = int32(1)  # the bounds assumed the other winner: pop p alone
+        if not has_q:  # no runner-up candidate (b2 = b1 bounds the frontier without p)
+            q_score = NEG_INF
+        thr = _above_high(b2)
         i = int32(n + 1)
-        node_parent[uint32(i)] = p  # same values from every lane: each lane reads its own write
-        node_rank[uint32(i)] = info & RANK_MASK
-        node_depth[uint32(i)] = info >> DEPTH_SHIFT
-        if lane == 0:
-            score_row[uint32(i)] = top
-        if lane == win:  # slot p moves on to sibling rank + 1; best = max(rest, sibling)
-            slot_info[uint32(base + (p >> LANE_BITS))] = info + 1
-            if sibling >= rest:  # the sibling stays in registers, slot p reads -inf
-                best = sibling
-                best_info = int32(info + 1)
-            else:  # the sibling goes to slot p, `rest` comes out of shared memory
-                slot_score[uint32(base + (p >> LANE_BITS))] = sibling
+        slot_lane = int32((lane - i) & LANE_MASK)  # this lane opens slot i + slot_lane
+        opened = int32(i + slot_lane)
+        # the local run: x is the node being popped, `carry` the second-best local candidate
+        x_score, x_info, x_slot, x_sib, x_child = top, info, p, sib1, child1
+        c_score, c_info, c_slot, c_sib, c_child = q_score, q_info, q_slot, q_sib, q_child
+        drop = NEG_INF
+        my_score = top  # the node this lane records (lane j: the j-th pop)
+        my_info = info
+        my_parent = p
+        popped_best = False  # this lane's best (p or q) was popped; a_*: its slot's next candidate
+        a_score = best
+        a_info = best_info
+        o_score = NEG_INF  # slot `opened`, once its node is popped: its next candidate
+        o_info = int32(0)
+        m = int32(0)
+        while True:
+            s_info = int32(x_info + 1)  # x's pushes: its next sibling and its first child
+            k_info = int32(((x_info >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT)
+            k_slot = int32(i + m)
+            if lane == m:
+                my_score = x_score
+                my_info = x_info
+                my_parent = x_slot
+            if x_slot == best_slot and x_slot < i:  # this lane's best popped (new slots are >= i)
+                popped_best = True
+                a_score = x_sib
+                a_info = s_info
+            if x_slot == opened:  # a child of this lane's new node popped
+                o_score = x_sib
+                o_info = s_info
+            if m == slot_lane:  # this lane's new node: its slot opens with its first child
+                o_score = x_child
+                o_info = k_info
+            m += 1
+            if m >= limit:
+                break
+            s_sib, s_child = _successors(lp, lp_cache, kc, b, n_depth, k, x_sib, s_info)
+            k_sib, k_child = _successors(lp, lp_cache, kc, b, n_depth, k, x_child, k_info)
+            (x_score, x_info, x_slot, x_sib, x_child, c_score, c_info, c_slot, c_sib, c_child,
+             third) = _top2_of_three(c_score, c_info, c_slot, c_sib, c_child,
+                                     x_sib, s_info, x_slot, s_sib, s_child,
+                                     x_child, k_info, k_slot, k_sib, k_child)
+            if third > drop:
+                drop = third
+            if not (x_score >= thr and x_score > c_score and x_score > drop):
+                break
+        if lane < m:  # node i + lane
+            node_parent[uint32(i + lane)] = my_parent
+            node_rank[uint32(i + lane)] = my_info & RANK_MASK
+            node_depth[uint32(i + lane)] = my_info >> DEPTH_SHIFT
+            score_row[uint32(i + lane)] = my_score
+        if popped_best:  # its slot moves on to the next sibling; best = max(rest, that sibling)
+            slot_info[uint32(base + (best_slot >> LANE_BITS))] = a_info
+            if a_score >= rest:  # the sibling stays in registers, the slot reads -inf
+                best = a_score
+                best_info = a_info
+            else:  # the sibling goes to the slot, `rest` comes out of shared memory
+                slot_score[uint32(base + (best_slot >> LANE_BITS))] = a_score
                 slot_score[uint32(base + rest_j)] = NEG_INF
                 best = rest
                 best_slot = int32(lane + (rest_j << LANE_BITS))
                 best_info = rest_info
                 stale = True
-        if lane == int32(i & LANE_MASK) and i < budget:  # slot i opens: node i's first child
-            child_info = int32(((info >> DEPTH_SHIFT) + 1) << DEPTH_SHIFT)
-            slot_info[uint32(base + (i >> LANE_BITS))] = child_info
-            if child > best:  # the held best goes to its shared slot and is the new `rest`
+        if slot_lane < m and opened < budget:  # slot `opened` opens (its node has a slot)
+            slot_info[uint32(base + (opened >> LANE_BITS))] = o_info
+            if o_score > best:  # the held best goes to its shared slot and is the new `rest`
                 slot_score[uint32(base + (best_slot >> LANE_BITS))] = best
                 rest = best
                 rest_j = int32(best_slot >> LANE_BITS)
                 rest_info = best_info
-                best = child
-                best_slot = i
-                best_info = child_info
+                best = o_score
+                best_slot = opened
+                best_info = o_info
             else:
-                slot_score[uint32(base + (i >> LANE_BITS))] = child
-                if child > rest:
-                    rest = child
-                    rest_j = int32(i >> LANE_BITS)
-                    rest_info = child_info
-        n = i
-    return n
+                slot_score[uint32(base + (opened >> LANE_BITS))] = o_score
+                if o_score > rest:
+                    rest = o_score
+                    rest_j = int32(opened >> LANE_BITS)
+                    rest_info = o_info
+        n = int32(n + m)
+    return n, rounds
 
 
 @cuda.jit(device=True)
@@ -570,11 +749,12 @@ def _lp_cache_words(n_slots: int) -> int:
     return (SHARED_BYTES - other) // 4 // WARP_SIZE * WARP_SIZE
 
 
-def _make_kernel(n_slots: int, lp_words: int | None = None):
+def _make_kernel(n_slots: int, lp_words: int | None = None, count_rounds: bool = False):
     """The tree-build kernel for ``n_slots`` frontier slots per lane (capacity <= 32 * n_slots + 1).
 
     ``lp_words``: lp cache size (default: all the shared memory left; tests shrink it to reach
-    the global-memory path).
+    the global-memory path). ``count_rounds``: the diagnostic variant that writes each request's
+    number of selection rounds to ``rounds[b]`` (the others never touch ``rounds``).
     """
     slot_words = WARP_SIZE * n_slots
     max_nodes = slot_words + 1
@@ -584,14 +764,15 @@ def _make_kernel(n_slots: int, lp_words: int | None = None):
     @cuda.jit
     def tree_build_kernel(lp, ids, budgets, past_lens, root_tokens,
                           sizes, tokens, parents, depths, ranks, scores, positions,
-                          visibility, child_ptr, child_index):
+                          visibility, child_ptr, child_index, rounds):
         """One block per request b: build its draft tree and write every output row b.
 
         Inputs: lp float32 [bs, L, K], ids int32 [bs, L, K], budgets / past_lens / root_tokens
         int32 [bs]. Outputs (capacity N <= 32 * n_slots + 1): sizes int32 [bs]; tokens, parents,
         depths, ranks, positions int32 [bs, N]; scores float64 [bs, N]; visibility uint32
-        [bs, N, ceil(N / 32)]; child_ptr int32 [bs, N + 1]; child_index int32 [bs, N].
-        Budgets are clamped to [0, N - 1].
+        [bs, N, ceil(N / 32)]; child_ptr int32 [bs, N + 1]; child_index int32 [bs, N];
+        rounds int32 [bs] (written by the ``count_rounds`` variant only). Budgets are clamped
+        to [0, N - 1].
         """
         slot_score = cuda.shared.array(slot_words, float64)  # [32, S] lane-major frontier scores
         slot_info = cuda.shared.array(slot_words, int32)  # [32, S] rank | depth << 16 per slot
@@ -626,10 +807,12 @@ def _make_kernel(n_slots: int, lp_words: int | None = None):
         cuda.syncthreads()  # empty frontier, root record and lp cache ready for warp 0
 
         if tid < WARP_SIZE:
-            n = _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
-                              slot_score, slot_info, node_parent, node_rank, node_depth)
+            n, n_rounds = _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
+                                        slot_score, slot_info, node_parent, node_rank, node_depth)
             if tid == 0:
                 tree_size[0] = n + 1
+                if count_rounds:  # compile-time: the plain kernels drop the counter
+                    rounds[b] = n_rounds
         cuda.syncthreads()  # the tree's topology is final
 
         size = tree_size[0]
@@ -655,7 +838,7 @@ def _make_kernel(n_slots: int, lp_words: int | None = None):
 _SIGNATURE = (
     float32[:, :, ::1], int32[:, :, ::1], int32[::1], int32[::1], int32[::1],
     int32[::1], int32[:, ::1], int32[:, ::1], int32[:, ::1], int32[:, ::1], float64[:, ::1],
-    int32[:, ::1], uint32[:, :, ::1], int32[:, ::1], int32[:, ::1],
+    int32[:, ::1], uint32[:, :, ::1], int32[:, ::1], int32[:, ::1], int32[::1],
 )
 
 
@@ -671,6 +854,14 @@ tree_build_kernels = {  # slots per lane -> kernel
                       block_threads=MAX_THREADS)
     for n_slots in SLOT_CLASSES
 }
+_counting_kernels: dict[int, Any] = {}  # slots per lane -> the count_rounds variant, built on first use
+
+
+def _counting_kernel(n_slots: int) -> Any:
+    """The ``count_rounds`` variant for ``n_slots`` (benchmark diagnostics; not graph-critical)."""
+    if n_slots not in _counting_kernels:
+        _counting_kernels[n_slots] = _make_kernel(n_slots, count_rounds=True)
+    return _counting_kernels[n_slots]
 
 
 # --- host side -------------------------------------------------------------------------------
@@ -847,7 +1038,7 @@ def _check_host_values(lp: Any, ids: Any, budgets: Any, past_lens: Any, roots: A
 
 
 def run(tree_plan: TreeBuildPlan, top_log_probs: Any, top_ids: Any, budgets: Any, past_lens: Any,
-        root_tokens: Any, out: TreeBuildOutputs, stream: Any = 0) -> TreeBuildOutputs:
+        root_tokens: Any, out: TreeBuildOutputs, stream: Any = 0, *, rounds: Any = None) -> TreeBuildOutputs:
     """Build every request's draft tree into ``out`` with one launch.
 
     Args:
@@ -859,6 +1050,8 @@ def run(tree_plan: TreeBuildPlan, top_log_probs: Any, top_ids: Any, budgets: Any
         root_tokens: int32 [bs], the previous bonus tokens (-1 if unknown).
         out: buffers from :func:`allocate_outputs` (or matching arrays).
         stream: 0 / None, a numba stream, or a cuda.core Stream / GraphBuilder.
+        rounds: optional int32 [bs]: runs the diagnostic variant, which also writes each
+            request's number of selection rounds (pops per round = drafted nodes / rounds).
 
     Values are checked only for NumPy inputs; device inputs are trusted (no host sync).
 
@@ -879,6 +1072,10 @@ def run(tree_plan: TreeBuildPlan, top_log_probs: Any, top_ids: Any, budgets: Any
     buffers = [_check_array(getattr(out, name), f"out.{name}", dtype, shape)
                for name, (shape, dtype) in tree_plan.output_shapes().items()]
     _check_host_values(lp, ids, budgets, past_lens, roots, tree_plan.capacity)
-    launch(tree_build_kernels[tree_plan.slots_per_lane], bs, tree_plan.threads, stream, 0,
-           lp, ids, budgets, past_lens, roots, *buffers)
+    if rounds is None:  # the plain kernel never touches its `rounds` argument (an unwritten int32 [bs])
+        kernel, counter = tree_build_kernels[tree_plan.slots_per_lane], budgets
+    else:
+        kernel = _counting_kernel(tree_plan.slots_per_lane)
+        counter = _check_array(rounds, "rounds", np.int32, (bs,))
+    launch(kernel, bs, tree_plan.threads, stream, 0, lp, ids, budgets, past_lens, roots, *buffers, counter)
     return out
