@@ -305,16 +305,16 @@ def test_run_rejects_a_non_plan():
 
 def test_plan_layout_for_kimi_shapes():
     """Many rows: one chunk (no merge); few rows: chunks fill the GPU; chunks tile V exactly."""
-    big = plan_topk(1024, KIMI_VOCAB, 32, np.uint16)
-    # k' <= WARP_MAX_K: per-warp buffers by default, 4 k' entries for each of the 8 warps.
-    assert big.n_chunks == 1 and big.warp_buffers and big.capacity == 8 * 4 * 32
-    block = plan_topk(1024, KIMI_VOCAB, 32, np.uint16, warp_buffers=False)
+    warp = plan_topk(1024, KIMI_VOCAB, 32, np.uint16, warp_buffers=True)
+    # per-warp buffers on request: 4 k' entries for each of the 8 warps.
+    assert warp.n_chunks == 1 and warp.warp_buffers and warp.capacity == 8 * 4 * 32
+    block = plan_topk(1024, KIMI_VOCAB, 32, np.uint16)  # the default: one block buffer
     assert block.n_chunks == 1 and not block.warp_buffers and block.capacity == 256  # max(threads, 4 k')
     assert not plan_topk(1024, KIMI_VOCAB, WARP_MAX_K + 1, np.uint16).warp_buffers
     assert not plan_topk(1024, KIMI_VOCAB, 32, np.float32).warp_buffers
     small = plan_topk(16, KIMI_VOCAB, 32, np.uint16)
     assert small.n_chunks > 1
-    for plan in (big, small):
+    for plan in (warp, block, small):
         assert plan.chunk_elems % 4 == 0
         assert (plan.n_chunks - 1) * plan.chunk_elems < KIMI_VOCAB <= plan.n_chunks * plan.chunk_elems
         assert plan.cand.shape == (plan.rows, plan.n_chunks, plan.k_out)

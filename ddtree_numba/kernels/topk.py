@@ -34,8 +34,9 @@ Algorithm. A row is split into ``n_chunks`` chunks; one block per (chunk, row):
    ``(max, sum)`` to the workspace and a merge kernel (one block per row) combines the log-sum-exps
    and runs the same filter over the ``n_chunks * k'`` candidates.
 
-Per-warp buffers (the default for bf16 with k' <= WARP_MAX_K; the f32 and scalar variants still spill
-on sm_90 and are not registered; ``plan_topk(warp_buffers=...)``). The
+Per-warp buffers (opt-in, ``plan_topk(warp_buffers=True)``; bf16 with k' <= WARP_MAX_K; the f32 and
+scalar variants still spill on sm_90 and are not registered). Measured slower than the block kernel
+on the H200 (413 vs 214 us, 1024 bf16 rows, k 32): the per-warp thresholds admit ~8x the candidates. The
 block-buffer kernel above pays a block barrier per iteration, so each block waits for its
 slowest warp's load (H200: ~1.56 TB/s for bf16, 2.76x one read at 1024 rows, k 32). The
 ``topk_warp_*`` kernels give each warp its own segment of the buffer and its own threshold
@@ -1103,8 +1104,10 @@ def plan_topk(
             >= max(threads, 2 k') for one block buffer (default max(threads, 4 k') capped at
             4096); >= n_warps * max(32, 2 k') for per-warp buffers (default n_warps *
             max(32, 4 k'), i.e. 4 k' per warp).
-        warp_buffers: per-warp candidate buffers; default True for bf16 with k' <= WARP_MAX_K (the
-            only case they support; misaligned bf16 logits fall back to the block kernel).
+        warp_buffers: per-warp candidate buffers (bf16 with k' <= WARP_MAX_K only; misaligned bf16
+            logits fall back to the block kernel). Default False: on the H200 the per-warp kernel
+            took 413 us for 1024 bf16 rows at k 32 against the block kernel's 214 us
+            (docs/PERFORMANCE.md), so it stays an opt-in experiment.
 
     Returns:
         A :class:`TopKPlan` owning device workspace; reuse it for every call of this shape
@@ -1122,7 +1125,7 @@ def plan_topk(
     if k_out > MAX_K:
         raise ValueError(f"k: min(k, vocab) must be <= {MAX_K}, got {k_out}")
     if warp_buffers is None:
-        warp_buffers = k_out <= WARP_MAX_K and dtype == "bfloat16"
+        warp_buffers = False
     elif not isinstance(warp_buffers, (bool, np.bool_)):
         raise TypeError(f"warp_buffers must be a bool, got {type(warp_buffers).__name__}")
     elif warp_buffers and k_out > WARP_MAX_K:
