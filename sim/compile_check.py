@@ -21,9 +21,11 @@ launches (cudadevrt), which numba links at launch.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import re
 import sys
@@ -300,49 +302,64 @@ def check_result(result: CompileResult) -> list[str]:
     return problems
 
 
+def _compile_one(task: tuple[str, int, str]) -> CompileResult:
+    """Compile registered kernel ``name``'s signature ``index`` for ``arch``; errors become results."""
+    from ddtree_numba.kernels import registry
+
+    name, index, arch = task
+    spec = registry.get(name)
+    sig = spec.signatures[index]
+    try:
+        return compile_kernel(spec, sig, arch)
+    except CompileCheckError as exc:
+        return CompileResult(
+            spec.name, _signature_str(sig), arch,
+            smem_opt_in=spec.smem_opt_in, block_threads=spec.block_threads, error=str(exc),
+        )
+
+
 def run(
     archs: Sequence[str] = DEFAULT_ARCHS,
     names: Iterable[str] | None = None,
     *,
     progress: bool = True,
+    jobs: int = 1,
 ) -> list[CompileResult]:
     """Compile every registered kernel (or those in ``names``) for each signature and arch.
 
     A failed compilation becomes a result with ``error`` set, so one bad kernel does not hide
-    the others. Prints one progress line per kernel x signature x arch to stderr.
+    the others. Prints one progress line per kernel x signature x arch to stderr. ``jobs`` > 1
+    compiles in that many forked worker processes (compilation is single-threaded and CPU-bound;
+    the results keep the registry's order).
 
     Raises:
         CompileCheckError: the simulator is on.
-        ValueError: an unknown arch or kernel name.
+        ValueError: an unknown arch or kernel name, or ``jobs`` < 1.
     """
     from ddtree_numba.kernels import registry
 
     _require_compiler()
     for arch in archs:
         _cc_and_arch(arch)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
     specs = registry.all_kernels() if names is None else [registry.get(n) for n in names]
-    results = []
-    for spec in specs:
-        for sig in spec.signatures:
-            for arch in archs:
-                start = time.perf_counter()
-                try:
-                    result = compile_kernel(spec, sig, arch)
-                except CompileCheckError as exc:
-                    result = CompileResult(
-                        spec.name, _signature_str(sig), arch,
-                        smem_opt_in=spec.smem_opt_in, block_threads=spec.block_threads, error=str(exc),
-                    )
-                if progress:
-                    status = "FAILED" if result.error else f"{result.registers} regs"
-                    print(
-                        f"compile-check: {spec.name} {result.signature} {arch}: {status} "
-                        f"({time.perf_counter() - start:.1f} s)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                results.append(result)
-    return results
+    tasks = [(spec.name, i, arch) for spec in specs for i in range(len(spec.signatures)) for arch in archs]
+    start = time.perf_counter()
+
+    def report(result: CompileResult) -> CompileResult:
+        if progress:
+            status = "FAILED" if result.error else f"{result.registers} regs"
+            print(f"compile-check: {result.name} {result.signature} {result.arch}: {status} "
+                  f"({time.perf_counter() - start:.1f} s elapsed)", file=sys.stderr, flush=True)
+        return result
+
+    if jobs == 1 or len(tasks) < 2:
+        return [report(_compile_one(task)) for task in tasks]
+    # fork: the workers inherit the imported, registered kernels (no CUDA context is involved)
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        return [report(result) for result in pool.map(_compile_one, tasks)]
 
 
 _COLUMNS = ("kernel", "signature", "arch", "regs", "max tpb", "smem", "stack", "spills", "check")
@@ -426,6 +443,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kernel", action="append", metavar="NAME", help="only this registered kernel (repeatable)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (atomically)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                        help="compile in N worker processes (default: the number of CPUs)")
     return parser
 
 
@@ -437,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--json: directory of {args.json!r} does not exist")
     archs = tuple(dict.fromkeys(args.arch)) if args.arch else DEFAULT_ARCHS
     try:
-        results = run(archs, args.kernel)
+        results = run(archs, args.kernel, jobs=args.jobs)
     except (CompileCheckError, ValueError) as exc:
         print(f"compile-check: {exc}", file=sys.stderr)
         return 2
