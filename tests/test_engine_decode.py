@@ -24,6 +24,7 @@ from ddtree_numba.engine import decode
 from ddtree_numba.engine.cache import KVCache
 from ddtree_numba.engine.decode import GenerateResult, generate_ar, generate_ddtree, required_kv_capacity
 from ddtree_numba.engine.drafters import TOP_SCORE, Drafter, OracleDrafter, oracle_logits_reference
+from ddtree_numba.engine.graphs import GraphCaptureError, StepGraph
 from reference.sampling import sample_posterior
 from sim.install import simulator_active
 from sim.launch import launch
@@ -174,6 +175,12 @@ def check_statistics(result: GenerateResult, block_size: int) -> None:
     assert hist.shape == (block_size + 1,) and hist[0] == 0 and hist.sum() == (acc > 0).sum()
     assert set(result.stage_s) == set(decode.DDTREE_STAGES if result.method == "ddtree" else decode.AR_STAGES)
     assert all(v >= 0 for v in result.stage_s.values()) and result.decode_s >= 0
+    assert result.step_s.shape == (result.rounds,) and np.all(result.step_s >= 0) and result.capture_s >= 0
+    assert result.stage_rounds in (min(result.rounds, 1), result.rounds)  # calibration step, or every step
+    if result.graphs:
+        assert result.stage_rounds == 1 and result.replay_s.size == result.rounds - 1 and result.capture_s > 0
+    else:
+        assert result.replay_s.size == 0
 
 
 # --- oracle drafter ---------------------------------------------------------------------------
@@ -373,6 +380,76 @@ def test_no_device_allocation_inside_the_loop(monkeypatch):
             cuda.device_array(4, np.int32)
 
 
+# --- CUDA graphs ------------------------------------------------------------------------------
+
+@cuda.jit
+def _add_kernel(counter, amount):
+    """counter[i] += amount[i] (one thread per element)."""
+    i = cuda.grid(1)
+    if i < counter.shape[0]:
+        counter[i] += amount[i]
+
+
+def test_step_graph_replays_the_step():
+    """Warm-up, then replays: the device sees every step once; Python runs the step each time
+    under the simulator, and only for the warm-up and the capture with graphs."""
+    counter = cuda.to_device(np.zeros(4, np.int32))
+    amount = cuda.to_device(np.arange(1, 5, dtype=np.int32))
+    calls = []
+
+    def step(stream, tag="captured"):
+        calls.append(tag)
+        launch(_add_kernel, 1, 32, stream, 0, counter, amount)
+
+    with StepGraph(step, 0) as graph:
+        assert graph.uses_graph is not SIMULATED and not graph.warm and not graph.captured
+        graph.warm_up("eager")
+        assert graph.warm and calls == ["eager"]
+        for _ in range(3):
+            graph.replay()
+        assert graph.replays == 3 and graph.captured is not SIMULATED
+    assert not graph.captured  # closed
+    np.testing.assert_array_equal(counter.copy_to_host(), 4 * np.arange(1, 5))
+    assert calls == ["eager"] + (["captured"] * 3 if SIMULATED else ["captured"])
+
+    disabled = StepGraph(step, 0, enabled=False)
+    disabled()  # the first call warms up, later calls replay
+    disabled()
+    assert not disabled.uses_graph and not disabled.captured and disabled.replays == 1
+    np.testing.assert_array_equal(counter.copy_to_host(), 6 * np.arange(1, 5))
+    with pytest.raises(TypeError, match="fn"):
+        StepGraph(None)
+    with pytest.raises(ValueError, match="mode"):
+        StepGraph(step, mode="loose")
+    with pytest.raises(TypeError, match="enabled"):
+        StepGraph(step, enabled=1)
+
+
+def test_graphs_flag_gives_the_same_tokens():
+    """graphs=True (calibration step, then the replay path; eager under the simulator) and
+    graphs=False produce the same sampled tokens and consistent statistics (greedy graphs=True
+    runs are the default of every other loop test)."""
+    salt, n, temperature = 6, 5, 0.7
+    want = [toy_generate(p, salt, n, temperature=temperature, seed=3 + b) for b, p in enumerate(PROMPTS)]
+    model = toy_model(salt)
+    results = {}
+    for graphs in (True, False):
+        ar = generate_ar(model, PROMPTS, max_new_tokens=n, temperature=temperature, seed=3, graphs=graphs)
+        drafter = OracleDrafter(reference_matrix(want, n), TOY_VOCAB, 2, accuracy=0.6, entropy=0.5, seed=4)
+        tree = generate_ddtree(model, drafter, PROMPTS, budget=3, block_size=3, max_new_tokens=n,
+                               temperature=temperature, seed=3, graphs=graphs)
+        for result in (ar, tree):
+            assert result.tokens == want
+            check_statistics(result, result.max_acceptance)
+            assert result.graphs is (graphs and not SIMULATED)
+            assert result.stage_rounds == (1 if graphs else result.rounds)
+            summary = result.summary()
+            assert summary["graphs"] == result.graphs and len(summary["step_s"]) == result.rounds
+        results[graphs] = tree
+    np.testing.assert_array_equal(results[True].acceptance, results[False].acceptance)
+    assert results[True].forward_passes == results[False].forward_passes
+
+
 def test_argument_errors():
     model = toy_model(0, kv_capacity=16)
     drafter = OracleDrafter(np.zeros((2, 4), np.int64), TOY_VOCAB, 3)
@@ -404,6 +481,10 @@ def test_argument_errors():
         generate_ar(model, PROMPTS, max_new_tokens=2, stop_tokens=[TOY_VOCAB])
     with pytest.raises(TypeError, match="model"):
         generate_ar(object(), PROMPTS, max_new_tokens=2)
+    with pytest.raises(TypeError, match="graphs"):
+        generate_ar(model, PROMPTS, max_new_tokens=2, graphs="yes")
+    with pytest.raises(TypeError, match="graphs"):
+        generate_ddtree(model, drafter, PROMPTS, **ok, graphs=None)
 
 
 # --- GPU: the small preset --------------------------------------------------------------------
@@ -488,5 +569,65 @@ def test_gpu_no_device_allocation_inside_the_loop(small_model, monkeypatch):
     calls: list[str] = []
     _guard_loop(monkeypatch, calls)
     tree = generate_ddtree(model, drafter, prompts, budget=32, block_size=8, max_new_tokens=16, temperature=0.7)
-    generate_ar(model, prompts, max_new_tokens=4)
-    assert calls == [] and tree.rounds >= 1
+    replayed = generate_ar(model, prompts, max_new_tokens=16, graphs=True)  # capture + replays guarded too
+    eager = generate_ar(model, prompts, max_new_tokens=4, graphs=False)
+    assert calls == [] and tree.rounds >= 2 and tree.graphs and replayed.graphs and not eager.graphs
+    assert replayed.tokens == ar.tokens and tree.tokens == ar.tokens
+
+
+@pytest.mark.gpu
+def test_gpu_step_graph_capture_records_without_running():
+    counter = cuda.to_device(np.zeros(4, np.int32))
+    amount = cuda.to_device(np.ones(4, dtype=np.int32))
+    graph = StepGraph(lambda stream: launch(_add_kernel, 1, 32, stream, 0, counter, amount), cuda.stream())
+    with pytest.raises(RuntimeError, match="warm_up"):
+        graph.capture()
+    graph.warm_up()
+    graph.capture()  # records only
+    graph.stream.synchronize()
+    np.testing.assert_array_equal(counter.copy_to_host(), 1)
+    graph.replay()
+    graph.replay()
+    graph.stream.synchronize()
+    np.testing.assert_array_equal(counter.copy_to_host(), 3)
+    graph.close()
+
+    def syncing_step(stream):  # a host copy inside a step must fail the capture, not be recorded
+        launch(_add_kernel, 1, 32, stream, 0, counter, amount)
+        counter.copy_to_host()
+
+    bad = StepGraph(syncing_step, 0)
+    bad.warm_up()
+    with pytest.raises(GraphCaptureError, match="syncing_step"):
+        bad.capture()
+    assert not bad.captured
+    np.testing.assert_array_equal(counter.copy_to_host(), 4)  # the failed capture ran nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gpu_small_graph_replay_equals_eager(small_model, temperature):
+    """small, batch 1 and 4: graph-replayed AR steps and DDTree rounds (B = 32, b = 16) give the
+    eager tokens, token for token; on the caller's numba stream too."""
+    from ddtree_numba.engine.model import TargetModel
+
+    config, base = small_model
+    one = TargetModel(config, base.weights, batch_size=1, kv_capacity=1024, max_rows=64)
+    n = 64
+    for model, seed in ((one, 2), (base, 3)):
+        prompts = _small_prompts(model.batch_size, seed, config.vocab_size)
+        eager = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=seed, graphs=False)
+        replayed = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=seed, graphs=True)
+        assert replayed.graphs and replayed.replay_s.size == replayed.rounds - 1
+        assert replayed.tokens == eager.tokens
+        ref = reference_matrix(eager.tokens, n)
+        trees = []
+        for graphs, stream in ((False, 0), (True, 0), (True, cuda.stream())):
+            drafter = OracleDrafter(ref, config.vocab_size, 15, accuracy=0.8, entropy=0.5, seed=seed)
+            tree = generate_ddtree(model, drafter, prompts, budget=32, block_size=16, max_new_tokens=n,
+                                   temperature=temperature, seed=seed, stream=stream, graphs=graphs)
+            assert tree.tokens == eager.tokens and tree.graphs is graphs
+            check_statistics(tree, 16)
+            trees.append(tree)
+        for tree in trees[1:]:
+            np.testing.assert_array_equal(tree.acceptance, trees[0].acceptance)

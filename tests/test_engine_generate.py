@@ -25,7 +25,8 @@ def test_help_explains_the_options(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--preset", "--weights", "--prompt-lens", "--max-new-tokens", "--budget", "--block-size",
-                   "--drafter", "--accuracy", "--entropy", "--temperature", "--seed", "--json", "{oracle,dflash}"):
+                   "--drafter", "--accuracy", "--entropy", "--temperature", "--seed", "--json", "{oracle,dflash}",
+                   "--no-graphs"):
         assert option in text
     assert "simulator" in text and "must reproduce AR" in text
 
@@ -62,10 +63,11 @@ def test_tiny_run_side_by_side_with_json(tmp_path, capsys):
     out = tmp_path / "runs" / "run.json"
     status = _run(["--weights", str(checkpoint), "--batch", "1", "--prompt-len", "2", "--max-new-tokens", "3",
                    "--budget", "2", "--block-size", "3", "--accuracy", "1", "--entropy", "0.3", "--quiet",
-                   "--json", str(out)])
+                   "--no-graphs", "--json", str(out)])
     text = capsys.readouterr().out
     assert status == 0
     assert "identical tokens" in text and "yes" in text and "target forwards" in text and "verify ms" in text
+    assert "step ms (median)" in text and "eager steps" in text
     data = json.loads(out.read_text())
     assert sorted(p.name for p in out.parent.iterdir()) == ["run.json"]  # atomic: no temp file left
     assert data["identical"] is True and data["preset"] == "checkpoint tiny.h5"
@@ -75,6 +77,8 @@ def test_tiny_run_side_by_side_with_json(tmp_path, capsys):
     assert tree["acceptance_histogram"] == [0, 0, 0, 1] and tree["mean_acceptance"] == 3.0
     assert set(tree["stage_s"]) == {"draft", "topk", "build", "verify", "accept", "compact"}
     assert data["budget"] == 2 and data["block_size"] == 3 and data["max_new_tokens"] == 3
+    assert data["graphs"] is False and ar["graphs"] is False and ar["stage_rounds"] == ar["rounds"] == 2
+    assert len(ar["step_s"]) == 2 and tree["stage_rounds"] == 1
 
 
 def test_tiny_run_with_the_dflash_drafter_sampled(capsys):

@@ -22,8 +22,14 @@ tokens, tree sizes) from device buffers and launches with fixed shapes, so there
 host work and no device allocation inside the loop. The only host traffic per step is one copy of
 a small status array (tokens generated and finished flags, int32 [2, bs]) that decides when to
 stop. Requests that finish early (stop token, max_new_tokens) stay in the batch but commit nothing
-(budget 0, root token and past length frozen). Not yet done: capturing a step / round in a CUDA
-graph (the shapes and device-resident inputs allow it; the Python loop launches each kernel).
+(budget 0, root token and past length frozen).
+
+CUDA graphs (``graphs=True``, the default; limits §4, stack §4): the first step / round after the
+prefill runs eagerly (it compiles and loads every kernel and runs the wrappers' host checks: the
+warm-up a capture needs); then the step is captured ONCE into a CUDA graph
+(:class:`~ddtree_numba.engine.graphs.StepGraph`, a cuda.core GraphBuilder as the launch stream)
+and every later step is one graph launch followed by the status copy, which stays outside the
+graph. Under the simulator, which has no graphs, every step runs eagerly through the same code.
 
 Exactness (issue 4): the target's rows are batch-invariant and a tree node's attention sees
 exactly its root path, so the verify logits of the accepted path are bit-identical to the AR
@@ -35,9 +41,13 @@ Output semantics: the first token comes from the prefill; a request stops after 
 token (which is kept) or after ``max_new_tokens`` tokens, whichever comes first (spec §1.1
 step 6). Request b samples with seed ``(seed + b) mod 2^64``.
 
-Timing: stage times come from CUDA events on a GPU (read after each step's status copy, which
-synchronises anyway) and from the wall clock under the simulator (which runs every launch
-synchronously).
+Timing: every step / round is bracketed by two CUDA events (the wall clock under the simulator,
+which runs every launch synchronously), read after the step's status copy, which synchronises
+anyway: ``GenerateResult.step_s``. Stage times need events between the kernels of a step, which a
+replayed graph does not have: without graphs they are summed over every step; with graphs they
+come from the one eager, event-timed calibration step (the first), and ``stage_rounds`` says how
+many steps they cover. ``decode_s`` is the synchronised wall clock of the steps, the one-off
+capture excluded (``capture_s``).
 """
 from __future__ import annotations
 
@@ -51,6 +61,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ddtree_numba.engine.drafters import Drafter
+from ddtree_numba.engine.graphs import StepGraph
 from ddtree_numba.kernels import tree_build
 from ddtree_numba.kernels.accept import GREEDY_TEMPERATURE, accept_walk, posterior_argmax, posterior_sample
 from ddtree_numba.kernels.compact import plan_compaction, run_compaction
@@ -211,9 +222,18 @@ class GenerateResult:
             each request in each step / round after the prefill; 0 where the request had finished.
         max_acceptance: the largest possible m (1 for AR, block_size for DDTree).
         prefill_s: seconds of the prefill (forward, first token, drafter context).
-        decode_s: seconds of the steps / rounds after the prefill (synchronised wall clock).
-        stage_s: seconds per stage, summed over the steps / rounds (AR_STAGES or DDTREE_STAGES).
-        timing: "cuda-events" or "wall-clock" (where stage_s comes from).
+        decode_s: seconds of the steps / rounds after the prefill (synchronised wall clock, the
+            one-off graph capture excluded: see capture_s).
+        stage_s: seconds per stage (AR_STAGES or DDTREE_STAGES), summed over the first
+            ``stage_rounds`` steps / rounds, which ran eagerly with an event between stages.
+        timing: "cuda-events" or "wall-clock" (where stage_s and step_s come from).
+        step_s: float64 [rounds], the time of each step / round (events around the eager step or
+            the graph launch; the status copy excluded).
+        stage_rounds: steps / rounds stage_s covers: all of them without graphs, 1 (the eager
+            calibration step) with graphs.
+        graphs: whether the steps after the first were CUDA-graph replays (False under the
+            simulator, which degrades graphs=True to eager steps).
+        capture_s: host seconds spent capturing the graph (0 without).
         budget, block_size: the DDTree settings (None for AR).
     """
 
@@ -227,6 +247,10 @@ class GenerateResult:
     decode_s: float
     stage_s: dict[str, float]
     timing: str
+    step_s: np.ndarray
+    stage_rounds: int
+    graphs: bool
+    capture_s: float
     budget: int | None = None
     block_size: int | None = None
 
@@ -261,6 +285,23 @@ class GenerateResult:
         """Decode throughput: tokens committed by the steps / rounds per second of decode_s."""
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
+    @property
+    def replay_s(self) -> np.ndarray:
+        """float64 [rounds - 1]: times of the graph replays (empty without graphs)."""
+        return self.step_s[self.stage_rounds:] if self.graphs else self.step_s[:0]
+
+    @property
+    def step_median_s(self) -> float:
+        """Median step / round time of the mode that ran: graph replays with graphs (the eager
+        calibration step excluded), every eager step without; 0 if there was none."""
+        steps = self.replay_s if self.graphs else self.step_s
+        return float(np.median(steps)) if steps.size else 0.0
+
+    @property
+    def stage_per_round_s(self) -> dict[str, float]:
+        """Seconds per stage per eager step / round (stage_s / stage_rounds)."""
+        return {k: v / self.stage_rounds if self.stage_rounds else 0.0 for k, v in self.stage_s.items()}
+
     def summary(self) -> dict[str, Any]:
         """JSON-friendly numbers (tokens included)."""
         return {
@@ -271,7 +312,9 @@ class GenerateResult:
             "acceptance_histogram": self.histogram.tolist(),
             "acceptance": self.acceptance.tolist(),
             "prefill_s": self.prefill_s, "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
-            "stage_s": dict(self.stage_s), "timing": self.timing,
+            "stage_s": dict(self.stage_s), "timing": self.timing, "stage_rounds": self.stage_rounds,
+            "graphs": self.graphs, "capture_s": self.capture_s, "step_s": self.step_s.tolist(),
+            "step_median_s": self.step_median_s,
         }
 
 
@@ -320,6 +363,39 @@ class _StageClock:
                 self.totals[stage] += self._walls[i + 1] - self._walls[i]
             else:
                 self.totals[stage] += cuda.event_elapsed_time(self._events[i], self._events[i + 1]) / 1e3
+
+
+def _no_mark(stage: str) -> None:
+    """The stage mark of a captured step: a replayed graph has no events between its stages."""
+
+
+class _StepTimer:
+    """Time of each whole step: two CUDA events (created once) around it, or the wall clock
+    under the simulator; :meth:`collect` after the step's synchronising status copy."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._events = None if simulator_active() else (cuda.event(timing=True), cuda.event(timing=True))
+        self._wall = 0.0
+        self.times: list[float] = []
+
+    def start(self) -> None:
+        if self._events is None:
+            self._wall = time.perf_counter()
+        else:
+            self._events[0].record(stream=self._stream)
+
+    def stop(self) -> None:
+        if self._events is None:
+            self._wall = time.perf_counter() - self._wall
+        else:
+            self._events[1].record(stream=self._stream)
+
+    def collect(self) -> None:
+        if self._events is None:
+            self.times.append(self._wall)
+        else:
+            self.times.append(cuda.event_elapsed_time(*self._events) / 1e3)
 
 
 # --- set-up -----------------------------------------------------------------------------------
@@ -458,9 +534,10 @@ class _Session:
         tokens = np.zeros((bs, rows), dtype=np.int32)  # padding rows: token 0 (not cached)
         for b, prompt in enumerate(self.prompts):
             tokens[b, :len(prompt)] = prompt
-        positions = np.broadcast_to(np.arange(rows, dtype=np.int32), (bs, rows))
+        # np.tile, not broadcast_to: a broadcast row has stride 0, which a device array keeps
+        positions = np.tile(np.arange(rows, dtype=np.int32), (bs, 1))  # [bs, rows]
         self.prefill_tokens = cuda.to_device(tokens, stream=stream)
-        self.prefill_positions = cuda.to_device(np.ascontiguousarray(positions), stream=stream)
+        self.prefill_positions = cuda.to_device(positions, stream=stream)
         self.prefill_visibility = cuda.to_device(_causal_visibility(self.prompt_lens, rows), stream=stream)
         self.prompt_lens_dev = cuda.to_device(np.array(self.prompt_lens, dtype=np.int32), stream=stream)
         self.ones = cuda.to_device(np.ones(bs, dtype=np.int32), stream=stream)  # [bs] one row per request
@@ -486,18 +563,14 @@ class _Session:
         self.posterior_threads = _threads(POSTERIOR_THREADS)
         self.commit_threads = min(COMMIT_THREADS, WARP_SIZE * -(-bs // WARP_SIZE))  # the commit: one block
 
-    # -- the pieces of a step --
-    def forward(self, model: Any, tokens: Any, positions: Any, sizes: Any, visibility: Any) -> Any:
-        self.forward_passes += 1
-        return model.forward(tokens, positions, sizes, visibility, stream=self.stream)
-
-    def posterior(self, logits: Any, sizes: Any, positions: Any, out: Any) -> None:
+    # -- the pieces of a step (``stream``: the session's, or a GraphBuilder while capturing) --
+    def posterior(self, logits: Any, sizes: Any, positions: Any, out: Any, stream: Any) -> None:
         """Greedy argmax, or the Philox Gumbel-max sample keyed by (seed + b, position)."""
         if self.greedy:
-            posterior_argmax(logits, sizes, out, stream=self.stream, threads=self.posterior_threads)
+            posterior_argmax(logits, sizes, out, stream=stream, threads=self.posterior_threads)
         else:
             posterior_sample(logits, sizes, self.temperatures, self.seeds, positions, out,
-                             stream=self.stream, threads=self.posterior_threads)
+                             stream=stream, threads=self.posterior_threads)
 
     def prefill(self) -> Any:
         """Prefill forward + first token + past_lens = prompt lengths; returns the ForwardOut.
@@ -505,18 +578,19 @@ class _Session:
         The first token is the posterior of each request's last prompt row at its position
         P - 1, as an AR step would draw it.
         """
-        out = self.forward(self.prefill_model, self.prefill_tokens, self.prefill_positions, self.prompt_lens_dev,
-                           self.prefill_visibility)
+        self.forward_passes += 1
+        out = self.prefill_model.forward(self.prefill_tokens, self.prefill_positions, self.prompt_lens_dev,
+                                         self.prefill_visibility, stream=self.stream)
         launch(last_row_kernel, (1, self.bs), _threads(GATHER_THREADS), self.stream, 0,
                out.logits, self.prompt_lens_dev, self.last_logits)
-        self.posterior(self.last_logits, self.ones, self.last_positions, self.first_token)
+        self.posterior(self.last_logits, self.ones, self.last_positions, self.first_token, self.stream)
         launch(prefill_commit_kernel, -(-self.bs // self.commit_threads), self.commit_threads, self.stream, 0,
                self.first_token, self.prompt_lens_dev, self.stop_tokens, np.int32(self.max_new),
                self.out_tokens, self.n_gen, self.done, self.past_lens, self.bonus, self.budgets)
         return out
 
-    def commit(self, tree_tokens: Any, accepted: Any, lengths: Any, new_bonus: Any) -> None:
-        launch(commit_kernel, 1, self.commit_threads, self.stream, 0,
+    def commit(self, tree_tokens: Any, accepted: Any, lengths: Any, new_bonus: Any, stream: Any) -> None:
+        launch(commit_kernel, 1, self.commit_threads, stream, 0,
                tree_tokens, accepted, lengths, new_bonus, self.stop_tokens, np.int32(self.max_new),
                self.out_tokens, self.n_gen, self.done, self.past_lens, self.bonus, self.budgets,
                self.round_lengths, self.round_counter)
@@ -527,9 +601,24 @@ class _Session:
         _synchronize(self.stream)
         return int(self.host_status[0].sum()), bool(self.host_status[1].all())
 
-    def run(self, step: Callable[[], None], clock: _StageClock, progress: Callable[[int], None] | None,
-            begin: Callable[[Any], None] | None = None) -> tuple[float, float]:
-        """Prefill, then ``step`` until every request is done; returns (prefill_s, decode_s)."""
+    def run(self, step: Callable[[Any, Callable[[str], None]], None], stages: Sequence[str],
+            progress: Callable[[int], None] | None, begin: Callable[[Any], None] | None = None, *,
+            graphs: bool) -> dict[str, Any]:
+        """Prefill, then ``step(stream, mark)`` until every request is done.
+
+        ``mark(stage)`` ends a stage (in ``stages`` order; it defaults to a no-op, which is what a
+        captured step gets). Without graphs every step runs eagerly with the stage clock. With
+        graphs the first step is the eager calibration (stage clock) and the capture's warm-up;
+        the step is then captured once and replayed.
+
+        Returns the timing fields of :class:`GenerateResult` (prefill_s, decode_s, stage_s, timing,
+        step_s, stage_rounds, graphs, capture_s).
+        """
+        clock = _StageClock(stages, self.stream)
+        timer = _StepTimer(self.stream)
+        graph = StepGraph(step, self.stream, enabled=graphs) if graphs else None
+        stage_rounds = 0
+        capture_s = 0.0
         t0 = time.perf_counter()
         out = self.prefill()
         if begin is not None:
@@ -538,19 +627,43 @@ class _Session:
         t1 = time.perf_counter()
         if progress is not None:
             progress(generated)
-        for _ in range(self.max_new - 1):  # every step commits >= 1 token per unfinished request
-            if finished:
-                break
-            clock.start()
-            step()
-            generated, finished = self.sync_status()
-            clock.collect()
-            if progress is not None:
-                progress(generated)
-        return t1 - t0, time.perf_counter() - t1
+        try:
+            for _ in range(self.max_new - 1):  # every step commits >= 1 token per unfinished request
+                if finished:
+                    break
+                eager = graph is None or not graph.warm
+                if not eager and graph.uses_graph and not graph.captured:
+                    t_capture = time.perf_counter()
+                    graph.capture()  # records only: the device state is the calibration step's
+                    capture_s += time.perf_counter() - t_capture
+                timer.start()
+                if eager:
+                    clock.start()
+                    if graph is None:
+                        step(self.stream, clock.mark)
+                    else:
+                        graph.warm_up(clock.mark)
+                else:
+                    graph.replay()
+                timer.stop()
+                self.forward_passes += 1
+                generated, finished = self.sync_status()
+                if eager:
+                    clock.collect()
+                    stage_rounds += 1
+                timer.collect()
+                if progress is not None:
+                    progress(generated)
+            decode_s = time.perf_counter() - t1 - capture_s
+            replayed = graph is not None and graph.captured
+        finally:
+            if graph is not None:
+                graph.close()
+        return {"prefill_s": t1 - t0, "decode_s": decode_s, "stage_s": dict(clock.totals), "timing": clock.source,
+                "step_s": np.array(timer.times, dtype=np.float64), "stage_rounds": stage_rounds,
+                "graphs": replayed, "capture_s": capture_s}
 
-    def result(self, method: str, max_acceptance: int, times: tuple[float, float], clock: _StageClock,
-               **settings: Any) -> GenerateResult:
+    def result(self, method: str, max_acceptance: int, times: dict[str, Any], **settings: Any) -> GenerateResult:
         """Copy the tokens and statistics to the host (once, after the loop)."""
         out = self.out_tokens.copy_to_host(stream=self.stream)
         rounds = self.round_counter.copy_to_host(stream=self.stream)
@@ -563,9 +676,13 @@ class _Session:
             prompt_lens=list(self.prompt_lens),
             forward_passes=self.forward_passes,
             acceptance=lengths[:min(int(rounds[0]), lengths.shape[0])].copy(),
-            max_acceptance=max_acceptance,
-            prefill_s=times[0], decode_s=times[1], stage_s=dict(clock.totals), timing=clock.source,
-            **settings)
+            max_acceptance=max_acceptance, **times, **settings)
+
+
+def _check_graphs(graphs: Any) -> bool:
+    if not isinstance(graphs, (bool, np.bool_)):
+        raise TypeError(f"graphs must be a bool, got {type(graphs).__name__}")
+    return bool(graphs)
 
 
 def _synchronize(stream: Any) -> None:
@@ -579,7 +696,7 @@ def _synchronize(stream: Any) -> None:
 
 def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                 seed: int = 0, stop_tokens: Iterable[int] | None = None, stream: Any = 0,
-                progress: Callable[[int], None] | None = None) -> GenerateResult:
+                progress: Callable[[int], None] | None = None, graphs: bool = True) -> GenerateResult:
     """Autoregressive generation: prefill, then one T = 1 target forward per token.
 
     Args:
@@ -592,9 +709,12 @@ def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens:
         temperature: 0 (< 1e-5) for greedy, else Gumbel-max sampling at this temperature.
         seed: int in [0, 2^64); request b samples with seed + b.
         stop_tokens: ids that end a request (kept in its output).
-        stream: 0 or a numba stream; every launch and copy goes on it.
+        stream: 0, a numba stream or a cuda.core Stream; every launch, copy and replay goes on it.
         progress: called after the prefill and after each step with the tokens generated so far
             (summed over the batch).
+        graphs: capture the step (forward T = 1 -> posterior -> commit) once after the first,
+            eager step and replay it (module docstring); False: every step eager. Ignored (eager)
+            under the simulator.
 
     Returns:
         :class:`GenerateResult` with method "ar" (acceptance 1 per step).
@@ -603,6 +723,7 @@ def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens:
         TypeError / ValueError naming the argument, before any launch.
     """
     _check_model(model)
+    graphs = _check_graphs(graphs)
     session = _Session(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                        stop_tokens=stop_tokens, budget=0, step_rows=1, capture_layers=model.capture_layers,
                        stream=stream)
@@ -614,17 +735,17 @@ def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     step_tokens = session.bonus.reshape(bs, 1)  # the last token is the next input ...
     step_positions = session.past_lens.reshape(bs, 1)  # ... at position past_len
     new_tokens = posterior.reshape(bs)
-    clock = _StageClock(AR_STAGES, stream)
 
-    def step() -> None:
-        out = session.forward(session.step_model, step_tokens, step_positions, ones, visibility)
-        clock.mark("verify")
-        session.posterior(out.logits, ones, step_positions, posterior)
-        session.commit(step_tokens, roots, ones, new_tokens)
-        clock.mark("accept")
+    def step(s: Any, mark: Callable[[str], None] = _no_mark) -> None:
+        """One AR step on stream ``s`` (the session's, or the graph builder while capturing)."""
+        out = session.step_model.forward(step_tokens, step_positions, ones, visibility, stream=s)
+        mark("verify")
+        session.posterior(out.logits, ones, step_positions, posterior, s)
+        session.commit(step_tokens, roots, ones, new_tokens, s)
+        mark("accept")
 
-    times = session.run(step, clock, progress)
-    return session.result("ar", 1, times, clock)
+    times = session.run(step, AR_STAGES, progress, graphs=graphs)
+    return session.result("ar", 1, times)
 
 
 # --- DDTree -----------------------------------------------------------------------------------
@@ -649,7 +770,7 @@ def _check_drafter(drafter: Any, horizon: int, vocab: int, batch_size: int) -> N
 def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int]], *, budget: int, block_size: int,
                     max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                     stop_tokens: Iterable[int] | None = None, stream: Any = 0,
-                    progress: Callable[[int], None] | None = None) -> GenerateResult:
+                    progress: Callable[[int], None] | None = None, graphs: bool = True) -> GenerateResult:
     """DDTree speculative generation: prefill, then one draft-tree round per target forward.
 
     A round (spec §1.1): the drafter's logits [bs, L, V] (L = block_size - 1) -> top-k with
@@ -667,6 +788,9 @@ def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int
         prompts, max_new_tokens, temperature, seed, stop_tokens, stream, progress: as :func:`generate_ar`.
         budget: drafted nodes per tree, in [0, 1024].
         block_size: b >= 1 (L = b - 1 drafted positions).
+        graphs: capture the whole round (draft -> top-k -> build -> verify -> posterior -> accept ->
+            compaction -> drafter commit -> commit) once after the first, eager round and replay
+            it; False: every round eager. Ignored (eager) under the simulator.
 
     Returns:
         :class:`GenerateResult` with method "ddtree"; acceptance lengths in [1, block_size].
@@ -678,6 +802,7 @@ def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int
     block_size = require_int(block_size, "block_size", minimum=1, maximum=tree_build.MAX_HORIZON + 1)
     horizon = block_size - 1
     _check_model(model)
+    graphs = _check_graphs(graphs)
     vocab = int(model.config.vocab_size)
     _check_drafter(drafter, horizon, vocab, int(model.batch_size))
     drafting = budget > 0 and horizon > 0
@@ -703,34 +828,34 @@ def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int
     accepted = cuda.device_array((bs, depth + 1), dtype=np.int32, stream=stream)  # W = 1 + max depth
     lengths = cuda.device_array(bs, dtype=np.int32, stream=stream)
     compaction = plan_compaction(model.cache.buffers(), threads=_threads(COMPACT_THREADS))
-    clock = _StageClock(DDTREE_STAGES, stream)
 
     def begin(prefill_out: Any) -> None:
         if drafting:
             drafter.begin(prefill_out.features, session.prompt_lens_dev, stream)
 
-    def step() -> None:
+    def step(s: Any, mark: Callable[[str], None] = _no_mark) -> None:
+        """One round on stream ``s`` (the session's, or the graph builder while capturing)."""
         if drafting:
-            logits = drafter.draft(session.bonus, session.past_lens, stream)  # [bs, L, V]
-            clock.mark("draft")
-            run_topk(topk_plan, logits.reshape(bs * depth, vocab), top_lp_rows, top_ids_rows, stream, check=False)
-            clock.mark("topk")
+            logits = drafter.draft(session.bonus, session.past_lens, s)  # [bs, L, V]
+            mark("draft")
+            run_topk(topk_plan, logits.reshape(bs * depth, vocab), top_lp_rows, top_ids_rows, s, check=False)
+            mark("topk")
         else:
-            clock.mark("draft")
-            clock.mark("topk")
-        tree_build.run(tree_plan, top_lp, top_ids, session.budgets, session.past_lens, session.bonus, tree, stream)
-        clock.mark("build")
-        out = session.forward(session.step_model, tree.tokens, tree.positions, tree.sizes, tree.visibility)
-        clock.mark("verify")
-        session.posterior(out.logits, tree.sizes, tree.positions, posterior)
+            mark("draft")
+            mark("topk")
+        tree_build.run(tree_plan, top_lp, top_ids, session.budgets, session.past_lens, session.bonus, tree, s)
+        mark("build")
+        out = session.step_model.forward(tree.tokens, tree.positions, tree.sizes, tree.visibility, stream=s)
+        mark("verify")
+        session.posterior(out.logits, tree.sizes, tree.positions, posterior, s)
         accept_walk(posterior, tree.child_ptr, tree.child_index, tree.tokens, accepted, lengths, walk_bonus,
-                    stream=stream)
-        clock.mark("accept")
-        run_compaction(compaction, session.past_lens, accepted, lengths, stream=stream)
+                    stream=s)
+        mark("accept")
+        run_compaction(compaction, session.past_lens, accepted, lengths, stream=s)
         if drafting:
-            drafter.commit(out.features, accepted, lengths, stream)
-        session.commit(tree.tokens, accepted, lengths, walk_bonus)
-        clock.mark("compact")
+            drafter.commit(out.features, accepted, lengths, s)
+        session.commit(tree.tokens, accepted, lengths, walk_bonus, s)
+        mark("compact")
 
-    times = session.run(step, clock, progress, begin)
-    return session.result("ddtree", block_size, times, clock, budget=budget, block_size=block_size)
+    times = session.run(step, DDTREE_STAGES, progress, begin, graphs=graphs)
+    return session.result("ddtree", block_size, times, budget=budget, block_size=block_size)

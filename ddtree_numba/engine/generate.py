@@ -7,7 +7,9 @@ target forward passes, the acceptance histogram, tokens/s and the time per stage
 writes the numbers atomically.
 
 Without a GPU the kernels run on numba-cuda's simulator and the default preset is ``tiny``; on a
-GPU it is ``small``. ``NUMBA_ENABLE_CUDASIM`` is read once, when numba.cuda is first imported
+GPU it is ``small``, and each step / round after the first is a CUDA-graph replay (``--no-graphs``:
+every step eager; stage times then sum every step, with graphs they come from the first, eager
+calibration step). ``NUMBA_ENABLE_CUDASIM`` is read once, when numba.cuda is first imported
 (stack §1), and importing ``ddtree_numba`` already imports it; so when numba.cuda came up without
 the simulator and ``sim.detect`` finds no GPU, the command restarts itself with the variable set.
 
@@ -107,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(default: %(default)s)")
     tree.add_argument("--entropy", type=float, default=0.5,
                       help="oracle: temperature of its distributions; small = confident (default: %(default)s)")
+    tree.add_argument("--no-graphs", action="store_true",
+                      help="launch every step / round eagerly instead of replaying a CUDA graph captured "
+                           "after the first (graphs are off anyway under the simulator)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, default=None, help="write the numbers to this JSON file (atomically)")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -169,6 +174,9 @@ def _format(ar: Any, tree: Any) -> str:
         h = result.histogram
         return " ".join(f"{m}:{int(c)}" for m, c in enumerate(h) if m and c) or "-"
 
+    def mode(result: Any) -> str:
+        return "(graph)" if result.graphs else "(eager)"
+
     rows = [
         ("identical tokens", "yes" if ar.tokens == tree.tokens else "NO", ""),
         ("tokens generated", str(ar.new_tokens), str(tree.new_tokens)),
@@ -178,10 +186,12 @@ def _format(ar: Any, tree: Any) -> str:
         ("prefill s", f"{ar.prefill_s:.3f}", f"{tree.prefill_s:.3f}"),
         ("decode s", f"{ar.decode_s:.3f}", f"{tree.decode_s:.3f}"),
         ("decode tokens/s", f"{ar.tokens_per_s:.1f}", f"{tree.tokens_per_s:.1f}"),
+        ("step ms (median)", f"{1e3 * ar.step_median_s:.3f} {mode(ar)}", f"{1e3 * tree.step_median_s:.3f} {mode(tree)}"),
+        ("graph capture s", f"{ar.capture_s:.3f}", f"{tree.capture_s:.3f}"),
     ]
     for stage in ("draft", "topk", "build", "verify", "accept", "compact"):
-        left = f"{1e3 * ar.stage_s[stage]:.2f}" if stage in ar.stage_s else ""
-        rows.append((f"{stage} ms ({tree.timing})", left, f"{1e3 * tree.stage_s[stage]:.2f}"))
+        left = f"{1e3 * ar.stage_per_round_s[stage]:.3f}" if stage in ar.stage_s else ""
+        rows.append((f"{stage} ms/step ({tree.timing}, eager)", left, f"{1e3 * tree.stage_per_round_s[stage]:.3f}"))
     label = f"DDTree B={tree.budget} b={tree.block_size}"
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':{width}}  {'AR':>22}  {label:>22}"]
@@ -273,10 +283,13 @@ def _run(args: argparse.Namespace) -> int:
     prompts = [rng.integers(0, config.vocab_size, size=p).tolist() for p in lens]
     model = TargetModel(config, weights, batch_size=bs, kv_capacity=required_kv_capacity(lens, n, budget),
                         max_rows=max(lens), capture_layers=capture)
-    common = dict(max_new_tokens=n, temperature=args.temperature, seed=args.seed, stop_tokens=args.stop)
+    graphs = not args.no_graphs and not simulated
+    common = dict(max_new_tokens=n, temperature=args.temperature, seed=args.seed, stop_tokens=args.stop,
+                  graphs=graphs)
     print(f"ddtree-numba generate: preset {preset} on {'the CUDA simulator' if simulated else 'the GPU'}, "
           f"batch {bs}, prompt lengths {lens}, {n} new tokens, temperature {args.temperature}, "
-          f"drafter {args.drafter}, budget {budget}, block size {block}", flush=True)
+          f"drafter {args.drafter}, budget {budget}, block size {block}, "
+          f"{'CUDA graphs' if graphs else 'eager steps'}", flush=True)
 
     progress = _Progress(bs * n, "AR", args.quiet)
     try:
@@ -307,7 +320,7 @@ def _run(args: argparse.Namespace) -> int:
             "accuracy": args.accuracy if args.drafter == "oracle" else None,
             "entropy": args.entropy if args.drafter == "oracle" else None,
             "temperature": args.temperature, "stop_tokens": args.stop or [], "prompts": prompts,
-            "max_new_tokens": n, "budget": budget, "block_size": block,
+            "max_new_tokens": n, "budget": budget, "block_size": block, "graphs": graphs,
             "identical": identical, "ar": ar.summary(), "ddtree": tree.summary(),
         })
         print(f"wrote {args.json}")

@@ -1,0 +1,347 @@
+"""Benchmark the engine's decode step: AR bandwidth and DDTree speed-up (issue 4's speed targets).
+
+Through the engine's own loops (``engine.decode.generate_ar`` / ``generate_ddtree`` with CUDA
+graphs: the first step eager, then one captured graph replayed per step):
+
+1. **AR step** at each batch size (default 1 and 8): the time of every graph-replayed step from
+   CUDA events (median over >= 50 steps; the status copy that follows each step is excluded),
+   beside the eager step (every kernel launched from Python) for comparison. The bytes a step
+   must read (:func:`step_bytes`: every weight of attention, dense FFN, norms and lm_head; per MoE
+   layer the gate, the *active* routed experts and the shared experts; one embedding row per
+   request; the KV rows attended) at the device profile's HBM bandwidth (``sim.profiles``
+   roofline, measured ceiling where known) give the floor; ``fraction`` = floor / step time.
+   Target (batch 1): fraction >= 0.5, i.e. the step takes at most twice the weights' read time.
+2. **DDTree** at batch 1, budget B = 32, block 16, oracle drafter (fed the AR continuation) at
+   accuracy 0.9 and 1.0: tokens/s of the graph-replayed rounds (tokens they committed / their
+   summed event time), tau = mean acceptance length, and ``ratio`` = DDTree tokens/s /
+   (tau x AR tokens/s), AR tokens/s = batch / median AR replay step. Target: ratio >= 0.5.
+   Stage times come from the first round, which runs eagerly with events between stages.
+
+    python -m ddtree_numba.bench.decode_step --preset small [--batch 1 8] [--out data/bench/h200.h5]
+
+The DDTree tokens must equal the AR tokens (greedy, lossless); the exit status is 1 if not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+F32 = 4
+MIN_STEPS = 50  # replayed steps the AR median is taken over (issue 4: median of >= 50 steps)
+RATIO_TARGET = 0.5  # DDTree tokens/s >= 0.5 tau AR tokens/s
+FRACTION_TARGET = 0.5  # AR step at >= 50% of HBM bandwidth
+FIRST_TOKEN = 3  # prompt ids avoid the low special ids (bos 1, eos 2)
+
+
+# --- bytes a step must read ------------------------------------------------------------------
+
+def step_bytes(config: Any, batch: int, kv_rows: float, *, experts: int | None = None) -> dict[str, float]:
+    """Bytes one AR step of ``batch`` requests must read from DRAM, by component (FP32 weights).
+
+    Args:
+        config: a ModelConfig.
+        batch: requests (one new row each).
+        kv_rows: cached rows each request's attention reads per layer (past length + the new row).
+        experts: distinct routed experts read per MoE layer; default min(E, batch * k): k at
+            batch 1, an upper bound for larger batches (every routed row a different expert).
+
+    Returns:
+        dict with "attention" (q/kv projections, absorbed W_UK / W_UV, o_proj), "norms" (every
+        RMSNorm weight), "dense_ffn", "moe" (gate + bias, routed experts read, shared experts),
+        "lm_head", "embedding" (one row per request), "kv" (latent + RoPE rows read) and "total".
+    """
+    c = config
+    if batch < 1 or kv_rows < 0:
+        raise ValueError(f"batch must be >= 1 and kv_rows >= 0, got {batch}, {kv_rows}")
+    k = c.n_activated_experts
+    experts = min(c.n_routed_experts, batch * k) if experts is None else experts
+    if not 0 <= experts <= c.n_routed_experts:
+        raise ValueError(f"experts must lie in [0, {c.n_routed_experts}], got {experts}")
+    h, d = c.n_heads, c.hidden_size
+    qk = c.qk_nope_dim + c.qk_rope_dim
+    if c.q_lora_rank:
+        q_path = c.q_lora_rank * d + h * qk * c.q_lora_rank  # q_a rows of w_a, q_b_proj
+    else:
+        q_path = h * qk * d  # q_proj
+    attention = (q_path + c.kv_cache_dim * d  # kv_a rows of w_a
+                 + h * c.kv_lora_rank * c.qk_nope_dim  # W_UK^T [H, C, nope]
+                 + h * c.v_head_dim * c.kv_lora_rank  # W_UV [H, v, C]
+                 + d * h * c.v_head_dim)  # o_proj
+    layer_norms = 2 * d + c.q_lora_rank + c.kv_lora_rank  # input, post-attention, q_a, kv_a norms
+    n_moe = sum(c.is_moe_layer(i) for i in range(c.n_layers))
+    n_dense = c.n_layers - n_moe
+    swiglu = 3 * d  # per intermediate unit: a gate row, an up row, a down column
+    moe = (c.n_routed_experts * d + (c.n_routed_experts if c.has_gate_bias else 0)
+           + (experts + c.n_shared_experts) * c.moe_intermediate * swiglu)
+    out = {
+        "attention": float(F32 * c.n_layers * attention),
+        "norms": float(F32 * (c.n_layers * layer_norms + d)),  # + final norm
+        "dense_ffn": float(F32 * n_dense * c.dense_intermediate * swiglu),
+        "moe": float(F32 * n_moe * moe),
+        "lm_head": float(F32 * c.vocab_size * d),
+        "embedding": float(F32 * batch * d),
+        "kv": float(F32 * c.n_layers * batch * kv_rows * c.kv_cache_dim),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# --- measurements ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArPoint:
+    """One batch size's AR step: graph replay vs eager, against the bandwidth floor."""
+
+    batch: int
+    graph_us: float  # median replayed step
+    graph_min_us: float
+    eager_us: float  # median eager step
+    steps: int  # replayed steps in the median
+    bytes: float  # mean over the replayed steps
+    floor_us: float  # bytes at the profile's bandwidth
+    tokens: list[list[int]]
+
+    @property
+    def fraction(self) -> float:
+        return self.floor_us / self.graph_us if self.graph_us > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / (self.graph_us * 1e-6) if self.graph_us > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TreePoint:
+    """One DDTree run (batch 1): replayed rounds, acceptance, and the ratio to tau x AR."""
+
+    accuracy: float
+    round_us: float  # median replayed round
+    eager_round_us: float
+    tau: float
+    tokens_per_s: float  # tokens committed by the replayed rounds / their summed time
+    ratio: float  # tokens_per_s / (tau * AR tokens/s)
+    rounds: int
+    forward_passes: int
+    identical: bool
+    stage_us: dict[str, float]  # eager calibration round
+
+
+def replay_rate(result: Any) -> tuple[float, int]:
+    """(tokens per second of replay time, replayed rounds) of a graph-replayed GenerateResult:
+    the tokens the replayed rounds committed (acceptance lengths, summed over the batch) over
+    their summed step time."""
+    replay = result.replay_s
+    if replay.size == 0 or replay.sum() <= 0:
+        return 0.0, 0
+    committed = int(result.acceptance[result.stage_rounds:].sum())
+    return committed / float(replay.sum()), int(replay.size)
+
+
+def mean_kv_rows(prompt_len: int, first_step: int, steps: int) -> float:
+    """Mean rows attended per layer over AR steps first_step .. first_step + steps - 1 (step r
+    after the prefill reads the prompt, r earlier tokens and its own new row)."""
+    return prompt_len + 1 + first_step + (steps - 1) / 2.0
+
+
+def _prompts(rng: np.random.Generator, batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    return [rng.integers(FIRST_TOKEN, vocab, size=prompt_len).tolist() for _ in range(batch)]
+
+
+def measure_ar(config: Any, model: Any, prompts: list[list[int]], n_new: int, eager_new: int,
+               bandwidth: float) -> ArPoint:
+    """AR with graphs (n_new tokens) and eager (eager_new tokens) on ``model``."""
+    from ddtree_numba.engine.decode import generate_ar
+
+    replayed = generate_ar(model, prompts, max_new_tokens=n_new, graphs=True)
+    eager = generate_ar(model, prompts, max_new_tokens=eager_new, graphs=False)
+    times = replayed.replay_s if replayed.graphs else replayed.step_s  # the simulator has no graphs
+    first = replayed.stage_rounds if replayed.graphs else 0
+    nbytes = step_bytes(config, len(prompts), mean_kv_rows(len(prompts[0]), first, times.size))["total"]
+    return ArPoint(batch=len(prompts), graph_us=1e6 * float(np.median(times)), graph_min_us=1e6 * float(times.min()),
+                   eager_us=1e6 * float(np.median(eager.step_s)), steps=int(times.size), bytes=nbytes,
+                   floor_us=1e6 * nbytes / bandwidth, tokens=replayed.tokens)
+
+
+def measure_tree(config: Any, model: Any, prompts: list[list[int]], ar: ArPoint, n_new: int, eager_new: int,
+                 accuracy: float, *, budget: int, block: int, entropy: float, seed: int) -> TreePoint:
+    """DDTree with the oracle fed ``ar``'s tokens: graph-replayed run + a short eager run."""
+    from ddtree_numba.engine.decode import generate_ddtree
+    from ddtree_numba.engine.drafters import OracleDrafter
+
+    ref = np.full((len(prompts), n_new), -1, dtype=np.int64)
+    for b, tokens in enumerate(ar.tokens):
+        ref[b, :len(tokens)] = tokens[:n_new]
+
+    def run(n: int, graphs: bool) -> Any:
+        drafter = OracleDrafter(ref, config.vocab_size, block - 1, accuracy=accuracy, entropy=entropy, seed=seed)
+        return generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, max_new_tokens=n,
+                               graphs=graphs)
+
+    tree = run(n_new, True)
+    eager = run(eager_new, False)
+    rate, rounds = replay_rate(tree)
+    if not tree.graphs:  # the simulator: every round is eager, rate over all of them
+        rate = tree.decode_tokens / float(tree.step_s.sum()) if tree.step_s.sum() > 0 else 0.0
+        rounds = tree.rounds
+    times = tree.replay_s if tree.graphs else tree.step_s
+    tau = tree.mean_acceptance
+    ar_rate = ar.tokens_per_s
+    return TreePoint(accuracy=accuracy, round_us=1e6 * float(np.median(times)) if times.size else float("nan"),
+                     eager_round_us=1e6 * float(np.median(eager.step_s)) if eager.rounds else float("nan"),
+                     tau=tau, tokens_per_s=rate, ratio=rate / (tau * ar_rate) if tau > 0 and ar_rate > 0 else 0.0,
+                     rounds=rounds, forward_passes=tree.forward_passes,
+                     identical=tree.tokens == [t[:n_new] for t in ar.tokens],
+                     stage_us={k: 1e6 * v for k, v in tree.stage_per_round_s.items()})
+
+
+# --- report ----------------------------------------------------------------------------------
+
+def format_table(ar_points: list[ArPoint], trees: list[TreePoint], bandwidth: float, profile: str) -> str:
+    """The printed report."""
+    lines = [f"AR step (CUDA-graph replay, CUDA events; floor = bytes at {bandwidth / 1e12:.2f} TB/s, {profile})",
+             f"{'batch':>5} {'steps':>5} {'graph us':>9} {'min':>8} {'eager us':>9} {'GB read':>8} "
+             f"{'floor us':>8} {'fraction':>8} {'tok/s':>8}  target"]
+    for p in ar_points:
+        target = f">= {FRACTION_TARGET:.2f} {'ok' if p.fraction >= FRACTION_TARGET else 'MISSED'}" if p.batch == 1 \
+            else "(experts: upper bound)"
+        lines.append(f"{p.batch:>5} {p.steps:>5} {p.graph_us:9.1f} {p.graph_min_us:8.1f} {p.eager_us:9.1f} "
+                     f"{p.bytes / 1e9:8.3f} {p.floor_us:8.1f} {p.fraction:8.3f} {p.tokens_per_s:8.1f}  {target}")
+    if trees:
+        lines.append("DDTree batch 1 (graph replay; stages from the eager calibration round)")
+        lines.append(f"{'acc':>5} {'rounds':>6} {'round us':>9} {'eager us':>9} {'tau':>6} {'tok/s':>9} "
+                     f"{'ratio':>6} {'same':>5}  target  stages us (draft topk build verify accept compact)")
+        for t in trees:
+            ok = "ok" if t.ratio >= RATIO_TARGET else "MISSED"
+            stages = " ".join(f"{v:.0f}" for v in t.stage_us.values())
+            lines.append(f"{t.accuracy:5.2f} {t.rounds:>6} {t.round_us:9.1f} {t.eager_round_us:9.1f} {t.tau:6.2f} "
+                         f"{t.tokens_per_s:9.1f} {t.ratio:6.3f} {'yes' if t.identical else 'NO':>5}  "
+                         f">= {RATIO_TARGET} {ok}  {stages}")
+    return "\n".join(lines)
+
+
+def build_dataset(ar_points: list[ArPoint], trees: list[TreePoint], attrs: dict[str, Any]) -> Any:
+    """An xarray Dataset: AR variables over ``batch``, DDTree variables over ``accuracy``."""
+    import xarray as xr
+
+    data = {
+        "ar_graph_us": (("batch",), [p.graph_us for p in ar_points]),
+        "ar_graph_min_us": (("batch",), [p.graph_min_us for p in ar_points]),
+        "ar_eager_us": (("batch",), [p.eager_us for p in ar_points]),
+        "ar_steps": (("batch",), [p.steps for p in ar_points]),
+        "ar_bytes": (("batch",), [p.bytes for p in ar_points]),
+        "ar_floor_us": (("batch",), [p.floor_us for p in ar_points]),
+        "ar_fraction": (("batch",), [p.fraction for p in ar_points]),
+        "ar_tokens_per_s": (("batch",), [p.tokens_per_s for p in ar_points]),
+    }
+    coords: dict[str, Any] = {"batch": [p.batch for p in ar_points]}
+    if trees:
+        stages = list(trees[0].stage_us)
+        data.update({
+            "tree_round_us": (("accuracy",), [t.round_us for t in trees]),
+            "tree_eager_round_us": (("accuracy",), [t.eager_round_us for t in trees]),
+            "tree_tau": (("accuracy",), [t.tau for t in trees]),
+            "tree_tokens_per_s": (("accuracy",), [t.tokens_per_s for t in trees]),
+            "tree_ratio": (("accuracy",), [t.ratio for t in trees]),
+            "tree_rounds": (("accuracy",), [t.rounds for t in trees]),
+            "tree_forward_passes": (("accuracy",), [t.forward_passes for t in trees]),
+            "tree_identical": (("accuracy",), [int(t.identical) for t in trees]),  # 0/1 (stack §9)
+            "tree_stage_us": (("accuracy", "stage"), [[t.stage_us[s] for s in stages] for t in trees]),
+        })
+        coords.update({"accuracy": [t.accuracy for t in trees], "stage": stages})
+    return xr.Dataset(data, coords=coords, attrs={"benchmark": "decode_step", "units": "us; bytes; tokens/s",
+                                                  **attrs})
+
+
+# --- command line ----------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ddtree_numba.bench.decode_step",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="small", help="model preset (default: %(default)s)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="AR batch sizes (default: 1 8)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128,
+                        help=f"tokens per request of the graph runs (AR: new-tokens - 2 replayed steps, "
+                             f">= {MIN_STEPS} for the median; default: %(default)s)")
+    parser.add_argument("--eager-tokens", type=int, default=12, help="tokens of the eager comparison runs")
+    parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--accuracy", type=float, nargs="*", default=[0.9, 1.0],
+                        help="oracle accuracies of the DDTree runs (none: skip DDTree)")
+    parser.add_argument("--entropy", type=float, default=0.5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if min(args.batch) < 1 or args.prompt_len < 1 or args.eager_tokens < 2 or args.new_tokens < 3:
+        raise SystemExit("error: --batch and --prompt-len must be >= 1, --eager-tokens >= 2, --new-tokens >= 3")
+    if args.budget < 1 or args.block < 2 or any(not 0.0 <= a <= 1.0 for a in args.accuracy):
+        raise SystemExit("error: --budget >= 1, --block >= 2, --accuracy in [0, 1]")
+    from ddtree_numba.config import ModelConfig
+    from ddtree_numba.engine.decode import required_kv_capacity
+    from ddtree_numba.engine.model import TargetModel
+    from reference.weights import init_weights
+    from sim.install import simulator_active
+    from sim.profiles import active_profile, roofline
+
+    t_start = time.perf_counter()
+    config = ModelConfig.from_name(args.preset)
+    profile = active_profile()
+    bandwidth = roofline(profile, 1.0, 0.0).bandwidth
+    if args.new_tokens - 2 < MIN_STEPS and not simulator_active():
+        print(f"warning: {args.new_tokens - 2} replayed AR steps < {MIN_STEPS}", file=sys.stderr)
+    host_weights = init_weights(config, args.seed)
+    rng = np.random.default_rng(args.seed)
+    n, ne = args.new_tokens, min(args.eager_tokens, args.new_tokens)
+    weights: Any = host_weights
+    ar_points: list[ArPoint] = []
+    trees: list[TreePoint] = []
+    for bs in args.batch:
+        prompts = _prompts(rng, bs, args.prompt_len, config.vocab_size)
+        drafting = bs == 1 and args.accuracy
+        capacity = required_kv_capacity([args.prompt_len], n, args.budget if drafting else 0)
+        model = TargetModel(config, weights, batch_size=bs, kv_capacity=capacity, max_rows=args.prompt_len)
+        weights = model.weights  # uploaded once, shared by the next models
+        point = measure_ar(config, model, prompts, n, ne, bandwidth)
+        ar_points.append(point)
+        print(f"[{time.perf_counter() - t_start:.0f} s] AR batch {bs}: {point.graph_us:.1f} us/step", file=sys.stderr)
+        if drafting:
+            for accuracy in args.accuracy:
+                trees.append(measure_tree(config, model, prompts, point, n, ne, accuracy, budget=args.budget,
+                                          block=args.block, entropy=args.entropy, seed=args.seed))
+                print(f"[{time.perf_counter() - t_start:.0f} s] DDTree accuracy {accuracy}", file=sys.stderr)
+        del model
+    del host_weights
+    print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
+          f"block {args.block}, oracle entropy {args.entropy}"
+          + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
+    print(format_table(ar_points, trees, bandwidth, profile.name))
+    if args.out:
+        from ddtree_numba.bench.common import write_run
+
+        config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
+                                                      "budget", "block", "accuracy", "entropy", "seed")}
+        ds = build_dataset(ar_points, trees, {
+            "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
+            "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),
+            "notes": "AR / DDTree times: CUDA events around each graph replay (status copy excluded); stage "
+                     "times: the first, eager round; MoE bytes at batch > 1 assume min(E, batch * k) experts",
+        })
+        group = write_run(args.out, ds)
+        print(f"wrote {args.out}:{group}")
+    print(f"total {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    return 0 if all(t.identical for t in trees) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
