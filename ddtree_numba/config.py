@@ -18,17 +18,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "data" / "presets"
 SCORE_FUNCS = ("sigmoid", "softmax")
 ROPE_LAYOUTS = ("interleaved", "neox")
+T = TypeVar("T")
 
 
-def _int_field(name: str, value: Any, minimum: int) -> None:
+def int_field(name: str, value: Any, minimum: int) -> None:
     """An int (bool rejected) >= minimum."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -36,7 +37,7 @@ def _int_field(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _float_field(name: str, value: Any, minimum: float, strict: bool) -> None:
+def float_field(name: str, value: Any, minimum: float, strict: bool) -> None:
     """A finite real (bool rejected) > minimum (strict) or >= minimum."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
@@ -44,13 +45,59 @@ def _float_field(name: str, value: Any, minimum: float, strict: bool) -> None:
         raise ValueError(f"{name} must be finite and {'>' if strict else '>='} {minimum}, got {value}")
 
 
-def _choice_field(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def choice_field(name: str, value: Any, choices: tuple[str, ...]) -> None:
     """One of ``choices``."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
+
+def parse_json(text: str | bytes) -> Any:
+    """The value of JSON ``text`` (TypeError: not str / bytes; ValueError: not valid JSON)."""
+    if not isinstance(text, (str, bytes)):
+        raise TypeError(f"text must be str, got {type(text).__name__}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"text is not valid JSON: {exc}") from None
+
+
+def fields_from_dict(cls: type[T], data: Mapping[str, Any],
+                     fill: Callable[[dict[str, Any]], None] | None = None) -> T:
+    """A config dataclass ``cls`` (with a ``notes`` field) from a dict of field values.
+
+    ``_``-prefixed keys are comments (``_notes`` is kept as notes); unknown or missing keys raise
+    ValueError naming them. ``fill(values)``, if given, fills derived defaults in place once every
+    required key is known to be there.
+    """
+    if not isinstance(data, Mapping):
+        raise TypeError(f"config must be a JSON object / mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)} - {"notes"}
+    values = {k: v for k, v in data.items() if not k.startswith("_")}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"config has unknown key(s) {unknown}")
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing = sorted(required - set(values))
+    if missing:
+        raise ValueError(f"config is missing key(s) {missing}")
+    if fill is not None:
+        fill(values)
+    notes = data.get("_notes", {})
+    if not isinstance(notes, Mapping):
+        raise TypeError(f"_notes must be a JSON object, got {type(notes).__name__}")
+    return cls(**values, notes=dict(notes))
+
+
+
+def fields_to_dict(config: Any, convert: Callable[[Any], Any]) -> dict[str, Any]:
+    """JSON-able dict of a config dataclass's fields, each through ``convert`` (notes as ``_notes``)."""
+    out = {f.name: convert(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name != "notes"}
+    if config.notes:
+        out["_notes"] = dict(config.notes)
+    return out
 
 def yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN attention-temperature factor m = 0.1 · mscale · ln(factor) + 1, or 1 for factor <= 1.
@@ -74,13 +121,13 @@ class RopeScaling:
 
     def validate(self) -> None:
         """Raise ValueError / TypeError naming the first bad field (``rope_scaling.<field>``)."""
-        _choice_field("rope_scaling.type", self.type, ("yarn",))
-        _float_field("rope_scaling.factor", self.factor, 1.0, strict=False)
-        _int_field("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings, 1)
-        _float_field("rope_scaling.beta_fast", self.beta_fast, 0.0, strict=True)
-        _float_field("rope_scaling.beta_slow", self.beta_slow, 0.0, strict=True)
-        _float_field("rope_scaling.mscale", self.mscale, 0.0, strict=False)
-        _float_field("rope_scaling.mscale_all_dim", self.mscale_all_dim, 0.0, strict=False)
+        choice_field("rope_scaling.type", self.type, ("yarn",))
+        float_field("rope_scaling.factor", self.factor, 1.0, strict=False)
+        int_field("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings, 1)
+        float_field("rope_scaling.beta_fast", self.beta_fast, 0.0, strict=True)
+        float_field("rope_scaling.beta_slow", self.beta_slow, 0.0, strict=True)
+        float_field("rope_scaling.mscale", self.mscale, 0.0, strict=False)
+        float_field("rope_scaling.mscale_all_dim", self.mscale_all_dim, 0.0, strict=False)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RopeScaling:
@@ -168,26 +215,26 @@ class ModelConfig:
                      "n_heads", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim",
                      "n_routed_experts", "n_activated_experts", "n_expert_groups", "n_limited_groups",
                      "max_seq_len"):
-            _int_field(name, getattr(self, name), 1)
+            int_field(name, getattr(self, name), 1)
         for name in ("n_dense_layers", "q_lora_rank", "n_shared_experts"):
-            _int_field(name, getattr(self, name), 0)
+            int_field(name, getattr(self, name), 0)
         if self.n_dense_layers > self.n_layers:
             raise ValueError(f"n_dense_layers must be <= n_layers = {self.n_layers}, got {self.n_dense_layers}")
         if self.qk_rope_dim % 2:
             raise ValueError(f"qk_rope_dim must be even (RoPE rotates pairs), got {self.qk_rope_dim}")
         self._validate_routing()
-        _float_field("rope_theta", self.rope_theta, 1.0, strict=True)
-        _choice_field("rope_layout", self.rope_layout, ROPE_LAYOUTS)
+        float_field("rope_theta", self.rope_theta, 1.0, strict=True)
+        choice_field("rope_layout", self.rope_layout, ROPE_LAYOUTS)
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, RopeScaling):
                 kind = type(self.rope_scaling).__name__
                 raise TypeError(f"rope_scaling must be None, a dict or RopeScaling, got {kind}")
             self.rope_scaling.validate()
-        _float_field("rms_norm_eps", self.rms_norm_eps, 0.0, strict=True)
+        float_field("rms_norm_eps", self.rms_norm_eps, 0.0, strict=True)
         for name in ("bos_token_id", "eos_token_id", "mask_token_id"):
             value = getattr(self, name)
             if value is not None:
-                _int_field(name, value, 0)
+                int_field(name, value, 0)
                 if value >= self.vocab_size:
                     raise ValueError(f"{name} must be < vocab_size = {self.vocab_size}, got {value}")
 
@@ -206,11 +253,11 @@ class ModelConfig:
         if self.n_activated_experts > candidates:
             raise ValueError(f"n_activated_experts must be <= n_limited_groups * experts per group = {candidates}, "
                              f"got {self.n_activated_experts}")
-        _choice_field("score_func", self.score_func, SCORE_FUNCS)
+        choice_field("score_func", self.score_func, SCORE_FUNCS)
         if self.score_func == "sigmoid" and self.n_expert_groups > 1 and self.experts_per_group < 2:
             raise ValueError("n_expert_groups: sigmoid routing scores a group by its top-2 experts, "
                              f"so groups need >= 2 experts, got {self.experts_per_group}")
-        _float_field("route_scale", self.route_scale, 0.0, strict=True)
+        float_field("route_scale", self.route_scale, 0.0, strict=True)
         if not isinstance(self.norm_topk_prob, bool):
             raise TypeError(f"norm_topk_prob must be a bool, got {type(self.norm_topk_prob).__name__}")
 
@@ -291,15 +338,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of the fields (``rope_scaling`` as the HF dict; notes as ``_notes``)."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name == "notes":
-                continue
-            value = getattr(self, f.name)
-            out[f.name] = dataclasses.asdict(value) if isinstance(value, RopeScaling) else value
-        if self.notes:
-            out["_notes"] = dict(self.notes)
-        return out
+        return fields_to_dict(self, lambda v: dataclasses.asdict(v) if isinstance(v, RopeScaling) else v)
 
     def to_json(self) -> str:
         """JSON text of :meth:`to_dict` (indented, field order)."""
@@ -311,33 +350,12 @@ class ModelConfig:
 
         Unknown or missing keys raise ValueError naming them.
         """
-        if not isinstance(data, Mapping):
-            raise TypeError(f"config must be a JSON object / mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"notes"}
-        values = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"config has unknown key(s) {unknown}")
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-        missing = sorted(required - set(values))
-        if missing:
-            raise ValueError(f"config is missing key(s) {missing}")
-        notes = data.get("_notes", {})
-        if not isinstance(notes, Mapping):
-            raise TypeError(f"_notes must be a JSON object, got {type(notes).__name__}")
-        return cls(**values, notes=dict(notes))
+        return fields_from_dict(cls, data)
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         """From JSON text (see :meth:`from_dict`)."""
-        if not isinstance(text, (str, bytes)):
-            raise TypeError(f"text must be str, got {type(text).__name__}")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"text is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text))
 
     @classmethod
     def from_name(cls, name: str) -> ModelConfig:

@@ -82,12 +82,23 @@ def _provenance(ds: Any) -> str:
     return f"{ds.attrs.get('gpu', '?')}, {str(ds.attrs.get('git_sha', '?'))[:12]}, {ds.attrs.get('date', '?')}"
 
 
-def _loglog(ax: Any, xlabel: str, ylabel: str) -> None:
+def _single() -> tuple[Any, Any]:
+    """A one-axes figure: (figure, axes)."""
+    fig, axes = _figure()
+    return fig, axes[0, 0]
+
+
+def _finish(ax: Any, xlabel: str, ylabel: str, title: str, *, ylog: bool = True, legend_size: int = 7,
+            ncol: int = 1) -> None:
+    """The axes every figure shares: log2 x (log y unless ``ylog`` is false), labels, grid, title, legend."""
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if ylog:
+        ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=legend_size, ncol=ncol)
 
 
 def _largest(ds: Any, dim: str) -> Any:
@@ -95,17 +106,15 @@ def _largest(ds: Any, dim: str) -> Any:
 
 
 def _time_vs_budget(ds: Any, title: str, select: dict) -> Any:
-    fig, axes = _figure()
-    ax = axes[0, 0]
+    fig, ax = _single()
     sub = ds.sel(select) if select else ds
     for i, batch in enumerate(sub["batch"].values):
         row = sub.sel(batch=batch)
         line, = ax.plot(row["budget"], row["median_us"], "o-", label=f"bs {batch}")
         ax.plot(row["budget"], row["bound_us"], "--", color=line.get_color(), alpha=0.7,
                 label="roofline bound" if i == 0 else None)
-    _loglog(ax, "budget B", "time (us)")
-    ax.set_title(f"{title} ({', '.join(f'{k} {v}' for k, v in select.items())})\n{_provenance(ds)}", fontsize=9)
-    ax.legend(fontsize=8)
+    _finish(ax, "budget B", "time (us)",
+            f"{title} ({', '.join(f'{k} {v}' for k, v in select.items())})\n{_provenance(ds)}", legend_size=8)
     return fig
 
 
@@ -115,8 +124,7 @@ def fig_topk_vs_budget(ds: Any) -> Any:
 
 
 def fig_topk_vs_rows(ds: Any) -> Any:
-    fig, axes = _figure()
-    ax = axes[0, 0]
+    fig, ax = _single()
     budget = 32 if 32 in ds["budget"].values else ds["budget"].values[0]
     for dtype in ds["dtype"].values:
         sub = ds.sel(budget=budget, dtype=dtype).stack(case=("batch", "block"))
@@ -125,10 +133,9 @@ def fig_topk_vs_rows(ds: Any) -> Any:
         line, = ax.plot(rows, sub["median_us"].values[order], "o-", label=f"{dtype}")
         ax.plot(rows, sub["memory_bound_us"].values[order], "--", color=line.get_color(), alpha=0.7,
                 label=f"one read, {dtype}")
-    _loglog(ax, "rows (batch x L)", "time (us)")
-    ax.set_title(f"fused top-k, k = {min(int(budget), int(ds.attrs.get('vocab', budget)))}\n{_provenance(ds)}",
-                 fontsize=9)
-    ax.legend(fontsize=8)
+    _finish(ax, "rows (batch x L)", "time (us)",
+            f"fused top-k, k = {min(int(budget), int(ds.attrs.get('vocab', budget)))}\n{_provenance(ds)}",
+            legend_size=8)
     return fig
 
 
@@ -137,8 +144,7 @@ def fig_tree_build_vs_budget(ds: Any) -> Any:
 
 
 def fig_tree_build_speedup(ds: Any) -> Any:
-    fig, axes = _figure()
-    ax = axes[0, 0]
+    fig, ax = _single()
     sub = ds.sel(block=_largest(ds, "block"))
     for batch in sub["batch"].values:
         row = sub.sel(batch=batch)
@@ -146,16 +152,13 @@ def fig_tree_build_speedup(ds: Any) -> Any:
         ax.plot(row["budget"], row["speedup_build"], "s--", color=line.get_color(), alpha=0.6,
                 label=f"bs {batch}: heap build only")
     ax.axhline(1.0, color="k", lw=0.8)
-    _loglog(ax, "budget B", "speedup of the GPU over the CPU path (x)")
-    ax.set_title(f"GPU top-k + tree build vs the official CPU path (block {int(sub['block'])})\n"
-                 f"{_provenance(ds)}", fontsize=9)
-    ax.legend(fontsize=7)
+    _finish(ax, "budget B", "speedup of the GPU over the CPU path (x)",
+            f"GPU top-k + tree build vs the official CPU path (block {int(sub['block'])})\n{_provenance(ds)}")
     return fig
 
 
 def fig_verify_tflops(ds: Any) -> Any:
-    fig, axes = _figure()
-    ax = axes[0, 0]
+    fig, ax = _single()
     for batch in ds["batch"].values:
         for budget in ds["budget"].values:
             row = ds.sel(batch=batch, budget=budget)
@@ -164,18 +167,13 @@ def fig_verify_tflops(ds: Any) -> Any:
             ax.plot(row["n_cached"], row["tflops"], "o-", label=f"bs {batch}, T {int(row['tree'])}")
     peak = float(ds.attrs.get("fp32_peak_flops", np.nan)) / 1e12
     ax.axhline(peak, color="k", ls="--", label=f"FP32 peak {peak:.0f} TFLOP/s")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("cached length N")
-    ax.set_ylabel("effective TFLOP/s")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(f"tree-verify MLA attention, FP32, H 64\n{_provenance(ds)}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    _finish(ax, "cached length N", "effective TFLOP/s", f"tree-verify MLA attention, FP32, H 64\n{_provenance(ds)}",
+            ylog=False, ncol=2)
     return fig
 
 
 def fig_accept_compact(ds: Any) -> Any:
-    fig, axes = _figure()
-    ax = axes[0, 0]
+    fig, ax = _single()
     sub = ds.sel(batch=_largest(ds, "batch"))
     for step in sub["step"].values:
         row = sub.sel(step=step)
@@ -184,10 +182,8 @@ def fig_accept_compact(ds: Any) -> Any:
         line, = ax.plot(row["budget"], row["median_us"], "o-", label=str(step))
         if np.isfinite(row["bound_us"].values).any():
             ax.plot(row["budget"], row["bound_us"], "--", color=line.get_color(), alpha=0.6)
-    _loglog(ax, "budget B", "time (us)")
-    ax.set_title(f"posterior, accept walk, KV compaction (bs {int(sub['batch'])}; dashed: bounds)\n"
-                 f"{_provenance(ds)}", fontsize=9)
-    ax.legend(fontsize=7)
+    _finish(ax, "budget B", "time (us)",
+            f"posterior, accept walk, KV compaction (bs {int(sub['batch'])}; dashed: bounds)\n{_provenance(ds)}")
     return fig
 
 
@@ -202,12 +198,7 @@ def fig_budget_tradeoff(ds: Any) -> Any:
             for accuracy in sub["accuracy"].values:
                 ax.plot(sub["budget"], sub[var].sel(accuracy=accuracy), "o-", label=f"DDTree, accuracy {accuracy:g}")
             ax.axhline(float(sub[ar_var]), color="k", ls="--", label="AR")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("budget B")
-            ax.set_ylabel(label)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.set_title(f"bs {batch}: {label}", fontsize=9)
-            ax.legend(fontsize=7)
+            _finish(ax, "budget B", label, f"bs {batch}: {label}", ylog=False)
     fig.suptitle(f"budget trade-off, preset {ds.attrs.get('preset', '?')} ({_provenance(ds)})", fontsize=9)
     return fig
 

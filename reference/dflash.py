@@ -26,28 +26,21 @@ then per round the verify features gathered at the accepted node indices (spec �
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import os
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-import h5py
 import numpy as np
 
-from ddtree_numba.atomic import atomic_path
-from ddtree_numba.config import PRESET_DIR, ModelConfig
+from ddtree_numba.config import PRESET_DIR, ModelConfig, fields_from_dict, fields_to_dict, float_field, parse_json
 from reference._checks import as_int64, require_array, require_finite, require_int, require_shape
 from reference.model import apply_rope, rms_norm, softmax, swiglu_ffn
-from reference.weights import NORM_JITTER
+from reference.weights import (PathLike, check_parameters, check_seed_and_dtype, init_parameter, load_checkpoint,
+                               save_checkpoint)
 
-CONFIG_ATTR = "config"
 PRESETS = ("dflash-tiny", "dflash-small")
-PathLike = str | os.PathLike
 
 
 # --------------------------------------------------------------------------- configuration
@@ -65,6 +58,12 @@ def default_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
     if n_d == 1:
         return [n_t // 2]
     return [int(round(1 + i * (n_t - 4) / (n_d - 1))) for i in range(n_d)]
+
+
+def _fill_layer_ids(values: dict[str, Any]) -> None:
+    """A JSON ``target_layer_ids: null`` means :func:`default_layer_ids`."""
+    if values["target_layer_ids"] is None:
+        values["target_layer_ids"] = default_layer_ids(values["n_target_layers"], values["n_layers"])
 
 
 @dataclass(frozen=True)
@@ -128,12 +127,8 @@ class DFlashConfig:
             require_int(i, "target_layer_ids", 0, self.n_target_layers - 1)
         if len(set(ids)) != len(ids):
             raise ValueError(f"target_layer_ids must be distinct, got {list(ids)}")
-        for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-            if not (math.isfinite(value) and value > (1.0 if name == "rope_theta" else 0.0)):
-                raise ValueError(f"{name} must be finite and > {1 if name == 'rope_theta' else 0}, got {value}")
+        float_field("rope_theta", self.rope_theta, 1, strict=True)
+        float_field("rms_norm_eps", self.rms_norm_eps, 0, strict=True)
 
     # ----------------------------------------------------------------------------- derived sizes
 
@@ -177,11 +172,7 @@ class DFlashConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of the fields (notes as ``_notes``)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "notes"}
-        out["target_layer_ids"] = list(self.target_layer_ids)
-        if self.notes:
-            out["_notes"] = dict(self.notes)
-        return out
+        return fields_to_dict(self, lambda v: list(v) if isinstance(v, tuple) else v)  # target_layer_ids
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -189,34 +180,11 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DFlashConfig:
         """From field values; ``_``-prefixed keys are comments; ``target_layer_ids: null`` means the default."""
-        if not isinstance(data, Mapping):
-            raise TypeError(f"config must be a JSON object / mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"notes"}
-        values = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"config has unknown key(s) {unknown}")
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-        missing = sorted(required - set(values))
-        if missing:
-            raise ValueError(f"config is missing key(s) {missing}")
-        if values["target_layer_ids"] is None:
-            values["target_layer_ids"] = default_layer_ids(values["n_target_layers"], values["n_layers"])
-        notes = data.get("_notes", {})
-        if not isinstance(notes, Mapping):
-            raise TypeError(f"_notes must be a JSON object, got {type(notes).__name__}")
-        return cls(**values, notes=dict(notes))
+        return fields_from_dict(cls, data, fill=_fill_layer_ids)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> DFlashConfig:
-        if not isinstance(text, (str, bytes)):
-            raise TypeError(f"text must be str, got {type(text).__name__}")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"text is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text))
 
     @classmethod
     def from_name(cls, name: str) -> DFlashConfig:
@@ -259,45 +227,17 @@ def parameter_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 def check_weights(weights: Mapping[str, np.ndarray], config: DFlashConfig) -> None:
     """Exactly the parameters of ``config``, floating ndarrays of the right shapes (errors name them)."""
-    if not isinstance(weights, Mapping):
-        raise TypeError(f"weights must be a mapping of name -> ndarray, got {type(weights).__name__}")
-    expected = parameter_shapes(config)
-    missing = [name for name in expected if name not in weights]
-    if missing:
-        raise ValueError(f"weights: missing parameter {missing[0]!r} ({len(missing)} missing in all)")
-    extra = sorted(set(weights) - set(expected))
-    if extra:
-        raise ValueError(f"weights: unexpected parameter {extra[0]!r} ({len(extra)} unexpected in all)")
-    for name, shape in expected.items():
-        arr = weights[name]
-        if not isinstance(arr, np.ndarray) or arr.dtype.kind != "f":
-            kind = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
-            raise TypeError(f"weights[{name!r}] must be a floating ndarray, got {kind}")
-        if arr.shape != shape:
-            raise ValueError(f"weights[{name!r}] must have shape {shape}, got {arr.shape}")
-
-
-def _init_one(name: str, shape: tuple[int, ...], config: DFlashConfig, seed: int, dtype: type) -> np.ndarray:
-    """One parameter from its own stream keyed by (seed, crc32(name)), scaled like the target's
-    (``reference.weights``): norm gains 1 + N(0, 0.1²); matrices N(0, 1/fan_in), residual
-    projections (o_proj, down_proj) further divided by sqrt(2 · n_layers)."""
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    if name.endswith("norm.weight"):
-        return (1.0 + NORM_JITTER * rng.standard_normal(shape)).astype(dtype)
-    std = shape[1] ** -0.5
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        std /= (2 * config.n_layers) ** 0.5
-    return (std * rng.standard_normal(shape)).astype(dtype)
+    check_parameters(weights, parameter_shapes(config))
 
 
 def init_weights(config: DFlashConfig, seed: int, dtype: type = np.float32) -> dict[str, np.ndarray]:
     """Deterministic random drafter weights (see :func:`parameter_shapes`); dtype float32 or float64."""
     if not isinstance(config, DFlashConfig):
         raise TypeError(f"config must be a DFlashConfig, got {type(config).__name__}")
-    seed = require_int(seed, "seed", 0)
-    if dtype not in (np.float32, np.float64):
-        raise TypeError(f"dtype must be np.float32 or np.float64, got {dtype!r}")
-    return {name: _init_one(name, shape, config, seed, dtype) for name, shape in parameter_shapes(config).items()}
+    seed = check_seed_and_dtype(seed, dtype)
+    # Scaled like the target's; matrices drawn in float64 then cast (this drafter's stream).
+    return {name: init_parameter(name, shape, config.n_layers, seed, dtype, float64_draw=True)
+            for name, shape in parameter_shapes(config).items()}
 
 
 def save_weights(path: PathLike, weights: Mapping[str, np.ndarray], config: DFlashConfig) -> Path:
@@ -305,45 +245,12 @@ def save_weights(path: PathLike, weights: Mapping[str, np.ndarray], config: DFla
 
     Everything is checked first (names, shapes, finite values); on error the old file is untouched.
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be str or os.PathLike, got {type(path).__name__}")
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise ValueError(f"path: directory {path.parent} does not exist")
-    if not isinstance(config, DFlashConfig):
-        raise TypeError(f"config must be a DFlashConfig, got {type(config).__name__}")
-    check_weights(weights, config)
-    for name, arr in weights.items():
-        require_finite(arr, f"weights[{name!r}]")
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
-        f.attrs[CONFIG_ATTR] = config.to_json()
-        for name in parameter_shapes(config):
-            f.create_dataset(name, data=weights[name])
-    return path
+    return save_checkpoint(path, weights, config, DFlashConfig, parameter_shapes)
 
 
 def load_weights(path: PathLike) -> tuple[dict[str, np.ndarray], DFlashConfig]:
     """Read a checkpoint written by :func:`save_weights`: (weights in the stored dtype, config)."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be str or os.PathLike, got {type(path).__name__}")
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"path: {path} does not exist")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise ValueError(f"path: {path} is not a readable HDF5 file ({exc})") from None
-    with f:
-        if CONFIG_ATTR not in f.attrs:
-            raise ValueError(f"path: {path} has no {CONFIG_ATTR!r} attribute (the drafter config as JSON)")
-        config = DFlashConfig.from_json(f.attrs[CONFIG_ATTR])
-        weights: dict[str, np.ndarray] = {}
-        for name, item in f.items():
-            if not isinstance(item, h5py.Dataset):
-                raise ValueError(f"path: {path} entry {name!r} is not a dataset (parameters are root datasets)")
-            weights[name] = item[()]
-    check_weights(weights, config)
-    return weights, config
+    return load_checkpoint(path, DFlashConfig, parameter_shapes, "drafter")
 
 
 # --------------------------------------------------------------------------- forward

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
 
 from ddtree_numba.atomic import atomic_path
 from ddtree_numba.config import ModelConfig
+from reference._checks import require_finite, require_int
 
 CONFIG_ATTR = "config"
 # Refuse to materialize more than this (8 GB in fp32): kimi-k2's ~1.03e12 parameters never are.
@@ -89,8 +91,8 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig) -> None:
-    """Exactly the parameters of ``config``, floating, with the right shapes.
+def check_parameters(weights: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Exactly the parameters ``expected`` (name -> shape), floating ndarrays of those shapes.
 
     Raises:
         ValueError: a missing, unexpected or wrong-shape parameter (named).
@@ -98,7 +100,6 @@ def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig) -> Non
     """
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must be a mapping of name -> ndarray, got {type(weights).__name__}")
-    expected = parameter_shapes(config)
     missing = [name for name in expected if name not in weights]
     if missing:
         raise ValueError(f"weights: missing parameter {missing[0]!r} ({len(missing)} missing in all)")
@@ -114,25 +115,45 @@ def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig) -> Non
             raise ValueError(f"weights[{name!r}] must have shape {shape}, got {arr.shape}")
 
 
-def _init_std(name: str, shape: tuple[int, ...], config: ModelConfig) -> float:
+def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig) -> None:
+    """Exactly the parameters of ``config``, floating, with the right shapes (:func:`check_parameters`)."""
+    check_parameters(weights, parameter_shapes(config))
+
+
+def _init_std(name: str, shape: tuple[int, ...], n_layers: int) -> float:
     """Std of a matrix: 1 for embeddings; 1/sqrt(fan_in) otherwise, divided by sqrt(2 · n_layers) on
     projections into the residual stream (GPT-2 style) so the stream stays O(1) through the layers."""
     if name == "model.embed_tokens.weight":
         return 1.0
     std = shape[1] ** -0.5
     if name.endswith(_RESIDUAL_OUT):
-        std /= (2 * config.n_layers) ** 0.5
+        std /= (2 * n_layers) ** 0.5
     return std
 
 
-def _init_one(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int, dtype) -> np.ndarray:
-    """One parameter from its own stream, keyed by (seed, crc32(name)): independent of the others' order."""
+def init_parameter(name: str, shape: tuple[int, ...], n_layers: int, seed: int, dtype: type, *,
+                   float64_draw: bool = False) -> np.ndarray:
+    """One parameter from its own stream, keyed by (seed, crc32(name)): independent of the others' order.
+
+    Norm gains are 1 + N(0, NORM_JITTER²), ``e_score_correction_bias`` N(0, BIAS_STD²), matrices
+    N(0, :func:`_init_std`²). Matrices are drawn in ``dtype``, or in float64 then cast where
+    ``float64_draw`` (the DFlash drafter's stream, ``reference.dflash``).
+    """
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     if name.endswith("norm.weight"):  # RMSNorm gains: q_a / kv_a / input / post_attention layernorms, model.norm
         return (1.0 + NORM_JITTER * rng.standard_normal(shape)).astype(dtype)
     if name.endswith("e_score_correction_bias"):
         return (BIAS_STD * rng.standard_normal(shape)).astype(dtype)
-    return (_init_std(name, shape, config) * rng.standard_normal(shape, dtype=dtype)).astype(dtype, copy=False)
+    draws = rng.standard_normal(shape, dtype=np.float64 if float64_draw else dtype)
+    return (_init_std(name, shape, n_layers) * draws).astype(dtype, copy=False)
+
+
+def check_seed_and_dtype(seed: int, dtype: type) -> int:
+    """``seed`` an int >= 0 (returned as int) and ``dtype`` np.float32 or np.float64."""
+    seed = require_int(seed, "seed", 0)
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"dtype must be np.float32 or np.float64, got {dtype!r}")
+    return seed
 
 
 def init_weights(config: ModelConfig, seed: int, dtype: type = np.float32) -> dict[str, np.ndarray]:
@@ -150,17 +171,12 @@ def init_weights(config: ModelConfig, seed: int, dtype: type = np.float32) -> di
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
-    if dtype not in (np.float32, np.float64):
-        raise TypeError(f"dtype must be np.float32 or np.float64, got {dtype!r}")
+    seed = check_seed_and_dtype(seed, dtype)
     total = config.param_count().total
     if total > MAX_INIT_PARAMS:
         raise ValueError(f"config: {total:,} parameters ({total * 4 / 1e9:,.0f} GB in fp32); weights of this size "
                          f"are never materialized (limit {MAX_INIT_PARAMS:,}); use param_count() and the shapes")
-    return {name: _init_one(name, shape, config, int(seed), dtype)
+    return {name: init_parameter(name, shape, config.n_layers, seed, dtype)
             for name, shape in parameter_shapes(config).items()}
 
 
@@ -173,23 +189,7 @@ def save_weights(path: PathLike, weights: Mapping[str, np.ndarray], config: Mode
     Returns:
         The written path.
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be str or os.PathLike, got {type(path).__name__}")
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise ValueError(f"path: directory {path.parent} does not exist")
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-    check_weights(weights, config)
-    for name, arr in weights.items():
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"weights[{name!r}] must be finite (found NaN or infinity)")
-
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
-        f.attrs[CONFIG_ATTR] = config.to_json()
-        for name in parameter_shapes(config):
-            f.create_dataset(name, data=weights[name])
-    return path
+    return save_checkpoint(path, weights, config, ModelConfig, parameter_shapes)
 
 
 def load_weights(path: PathLike) -> tuple[dict[str, np.ndarray], ModelConfig]:
@@ -203,6 +203,37 @@ def load_weights(path: PathLike) -> tuple[dict[str, np.ndarray], ModelConfig]:
             missing / unexpected / wrong-shape parameter (named).
         TypeError: a parameter with a non-floating dtype (named).
     """
+    return load_checkpoint(path, ModelConfig, parameter_shapes, "model")
+
+
+def save_checkpoint(path: PathLike, weights: Mapping[str, np.ndarray], config: Any, config_type: type,
+                    shapes: Callable[[Any], dict[str, tuple[int, ...]]]) -> Path:
+    """Write the parameters ``shapes(config)`` (checked, finite) and ``config.to_json()`` (root
+    attribute ``config``) to HDF5 atomically; on any error the old file is untouched."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be str or os.PathLike, got {type(path).__name__}")
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"path: directory {path.parent} does not exist")
+    if not isinstance(config, config_type):
+        raise TypeError(f"config must be a {config_type.__name__}, got {type(config).__name__}")
+    expected = shapes(config)
+    check_parameters(weights, expected)
+    for name, arr in weights.items():
+        require_finite(arr, f"weights[{name!r}]")
+
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs[CONFIG_ATTR] = config.to_json()
+        for name in expected:
+            f.create_dataset(name, data=weights[name])
+    return path
+
+
+def load_checkpoint(path: PathLike, config_type: Any, shapes: Callable[[Any], dict[str, tuple[int, ...]]],
+                    what: str) -> tuple[dict[str, np.ndarray], Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`: (weights in the stored dtype, config
+    from ``config_type.from_json``), checked against ``shapes(config)``; ``what`` names the config
+    in the missing-attribute error."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be str or os.PathLike, got {type(path).__name__}")
     path = Path(path)
@@ -214,13 +245,13 @@ def load_weights(path: PathLike) -> tuple[dict[str, np.ndarray], ModelConfig]:
         raise ValueError(f"path: {path} is not a readable HDF5 file ({exc})") from None
     with f:
         if CONFIG_ATTR not in f.attrs:
-            raise ValueError(f"path: {path} has no {CONFIG_ATTR!r} attribute (the model config as JSON)")
+            raise ValueError(f"path: {path} has no {CONFIG_ATTR!r} attribute (the {what} config as JSON)")
         text = f.attrs[CONFIG_ATTR]
-        config = ModelConfig.from_json(text.decode() if isinstance(text, bytes) else str(text))
+        config = config_type.from_json(text.decode() if isinstance(text, bytes) else str(text))
         weights: dict[str, np.ndarray] = {}
         for name, item in f.items():
             if not isinstance(item, h5py.Dataset):
                 raise ValueError(f"path: {path} entry {name!r} is not a dataset (parameters are root datasets)")
             weights[name] = item[()]
-    check_weights(weights, config)
+    check_parameters(weights, shapes(config))
     return weights, config

@@ -29,9 +29,11 @@ def test_golden_check_on_a_missing_directory_names_the_file_and_the_fix(tmp_path
     assert "topk.h5" in err and "ddtree-numba golden regen" in err
 
 
-def test_unknown_golden_family_is_a_usage_error():
+@pytest.mark.parametrize("argv", [["golden", "check", "--only", "nope"],  # unknown golden family
+                                  ["bench", "sweep", "--kernel", "nope"]])  # unknown sweep kernel
+def test_unknown_choice_is_a_usage_error(argv):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["golden", "check", "--only", "nope"])
+        cli.main(argv)
     assert exc.value.code == 2
 
 
@@ -54,25 +56,16 @@ def test_cpu_tree_benchmark_runs_on_the_host(tmp_path, capsys):
         assert float(ds["heap_ms"][0]) > 0.0
 
 
-def test_bench_sweep_help_lists_the_kernels(capsys):
+@pytest.mark.parametrize("argv, expected", [
+    (["bench", "sweep", "--help"], ["{topk,tree_build,verify_attention,accept_compact,e2e,all}", "--quick"]),
+    (["--help"], ["plot", "generate"]),
+])
+def test_help_lists_the_choices(argv, expected, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "sweep", "--help"])
+        cli.main(argv)
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert "{topk,tree_build,verify_attention,accept_compact,e2e,all}" in out and "--quick" in out
-
-
-def test_bench_sweep_rejects_an_unknown_kernel():
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "sweep", "--kernel", "nope"])
-    assert exc.value.code == 2
-
-
-def test_plot_and_generate_are_listed(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["--help"])
-    out = capsys.readouterr().out
-    assert "plot" in out and "generate" in out
+    assert all(text in out for text in expected), expected
 
 
 def test_generate_without_the_engine_module_is_a_clear_error(monkeypatch, capsys):

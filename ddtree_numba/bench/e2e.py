@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ddtree_numba.bench.sweep import check_positive_ints, comma_separated
+
 DEFAULT_BUDGETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_ACCURACIES = (0.5, 0.7, 0.9)
 FIRST_TOKEN = 3  # prompt ids avoid the low special ids (bos 1, eos 2)
@@ -46,10 +48,7 @@ class E2EGrid:
     preset: str = "small"
 
     def __post_init__(self) -> None:
-        for name in ("batch", "budget"):
-            values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{name} must be a non-empty tuple of positive ints, got {values!r}")
+        check_positive_ints(self, ("batch", "budget"))
         if not self.accuracy or any(not 0.0 <= a <= 1.0 for a in self.accuracy):
             raise ValueError(f"accuracy must be a non-empty tuple of values in [0, 1], got {self.accuracy!r}")
         if self.block < 2 or self.prompt_len < 1 or self.max_new_tokens < 1:
@@ -182,20 +181,11 @@ def run_e2e(grid: E2EGrid, engine: Engine, config: Any, weights: Any,
     return xr.Dataset(data, coords=coords, attrs=attrs)
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
-    return values
-
-
 def add_arguments(group: Any) -> None:
     """The e2e options (``--batch``, ``--budget`` and ``--block`` come from the sweep's parser)."""
     group.add_argument("--preset", default=None, help="model preset (default: small on a GPU, tiny in the simulator)")
-    group.add_argument("--accuracy", type=_floats, help=f"oracle accuracies (default {DEFAULT_ACCURACIES})")
+    group.add_argument("--accuracy", type=comma_separated(float, "numbers"),
+                       help=f"oracle accuracies (default {DEFAULT_ACCURACIES})")
     group.add_argument("--entropy", type=float, help="oracle entropy (default 0.5)")
     group.add_argument("--max-new-tokens", type=int, help="new tokens per request (default 128)")
     group.add_argument("--prompt-len", type=int, help="prompt length (default 64)")

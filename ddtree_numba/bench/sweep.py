@@ -52,6 +52,14 @@ ACCEPT_STEPS = ("accept_walk", "compact_61x576_one_buffer", "compact_61_layer_bu
                 "posterior_argmax", "argmax+walk+compact", "posterior_sample_T1")
 
 
+def check_positive_ints(grid: Any, names: Sequence[str]) -> None:
+    """Each field ``names`` of ``grid`` a non-empty tuple of positive ints (ValueError naming it)."""
+    for name in names:
+        values = getattr(grid, name)
+        if not values or any(not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"{name} must be a non-empty tuple of positive ints, got {values!r}")
+
+
 @dataclass(frozen=True)
 class Grid:
     """One sweep's grid and repetition counts (dimensions a kernel does not use are ignored)."""
@@ -68,10 +76,7 @@ class Grid:
     max_call_ms: float = 60.0  # verify attention: cases predicted slower than this per call are skipped
 
     def __post_init__(self) -> None:
-        for name in ("batch", "budget", "block", "n_cached"):
-            values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{name} must be a non-empty tuple of positive ints, got {values!r}")
+        check_positive_ints(self, ("batch", "budget", "block", "n_cached"))
         if min(self.block) < 2:
             raise ValueError(f"block must be >= 2 (L = block - 1 drafted positions), got {self.block}")
         if max(self.budget) > 1024:
@@ -555,14 +560,21 @@ def summary(ds: Any) -> str:
     return f"{ds.attrs['benchmark']}\n{frame.to_string(float_format=lambda x: f'{x:.4g}')}"
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
-    return values
+def comma_separated(convert: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
+    """An argparse type: comma-separated values, each through ``convert`` (``what`` names them in errors)."""
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(convert(v) for v in text.split(",") if v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        return values
+
+    return parse
+
+
+_ints = comma_separated(int, "ints")
 
 
 def _dtypes(text: str) -> tuple[str, ...]:

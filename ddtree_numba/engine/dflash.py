@@ -38,7 +38,7 @@ from numba import cuda
 
 from ddtree_numba.config import ModelConfig
 from ddtree_numba.kernels import draft_attention as da
-from ddtree_numba.kernels.accept import as_kernel_array, host_values, is_c_contiguous
+from ddtree_numba.kernels._args import as_kernel_array, check_array, host_values, is_c_contiguous
 from ddtree_numba.kernels.linear import linear
 from ddtree_numba.kernels.model_ops import rms_norm
 from reference._checks import require_int
@@ -91,18 +91,6 @@ def _device_table(arr: Any, name: str, hidden: int, vocab: int | None = None) ->
     if len(arr.shape) != 2 or tuple(arr.shape) != (rows, hidden) or rows < 1:
         raise ValueError(f"{name} must have shape ({'V' if vocab is None else vocab}, {hidden}), "
                          f"got {tuple(arr.shape)}")
-    if not is_c_contiguous(arr):
-        raise ValueError(f"{name} must be C-contiguous")
-    return arr
-
-
-def _input(arr: Any, name: str, dtype: type, ndim: int) -> Any:
-    """A kernel array (NumPy or device) of ``dtype`` and rank ``ndim``, C-contiguous."""
-    arr = as_kernel_array(arr, name)
-    if np.dtype(arr.dtype) != np.dtype(dtype):
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(arr.dtype).name}")
-    if len(arr.shape) != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
     if not is_c_contiguous(arr):
         raise ValueError(f"{name} must be C-contiguous")
     return arr
@@ -245,12 +233,12 @@ class DFlashDrafter:
         prompt_lens[b] are padding), prompt_lens int32 [bs] in [1, min(P, S)]. Resets the request
         state: the cache holds the prompt's context rows at positions 0 .. prompt_lens[b] - 1."""
         c, bs = self.config, self.batch_size
-        features = _input(features, "features", np.float32, 3)
+        features = check_array(features, "features", np.float32, 3)
         n_rows = features.shape[1]
         if features.shape[0] != bs or features.shape[2] != c.feature_dim or not 1 <= n_rows <= self.prompt_capacity:
             raise ValueError(f"features must have shape ({bs}, P, {c.feature_dim}) with 1 <= P <= "
                              f"{self.prompt_capacity}, got {tuple(features.shape)}")
-        prompt_lens = _input(prompt_lens, "prompt_lens", np.int32, 1)
+        prompt_lens = check_array(prompt_lens, "prompt_lens", np.int32, 1)
         if tuple(prompt_lens.shape) != (bs,):
             raise ValueError(f"prompt_lens must have shape ({bs},), got {tuple(prompt_lens.shape)}")
         lens = host_values(prompt_lens)
@@ -271,8 +259,8 @@ class DFlashDrafter:
         must equal the context ingested so far (a request where it does not gets NaN logits).
         """
         c, bs = self.config, self.batch_size
-        bonus = _input(bonus, "bonus", np.int32, 1)
-        start = _input(start, "start", np.int32, 1)
+        bonus = check_array(bonus, "bonus", np.int32, 1)
+        start = check_array(start, "start", np.int32, 1)
         for name, arr in (("bonus", bonus), ("start", start)):
             if tuple(arr.shape) != (bs,):
                 raise ValueError(f"{name} must have shape ({bs},), got {tuple(arr.shape)}")
@@ -320,12 +308,12 @@ class DFlashDrafter:
         request: its next draft gives NaN logits).
         """
         c, bs = self.config, self.batch_size
-        features = _input(features, "features", np.float32, 3)
+        features = check_array(features, "features", np.float32, 3)
         if features.shape[0] != bs or features.shape[2] != c.feature_dim or features.shape[1] < 1:
             raise ValueError(f"features must have shape ({bs}, N, {c.feature_dim}) with N >= 1, "
                              f"got {tuple(features.shape)}")
-        accepted = _input(accepted, "accepted", np.int32, 2)
-        lengths = _input(lengths, "lengths", np.int32, 1)
+        accepted = check_array(accepted, "accepted", np.int32, 2)
+        lengths = check_array(lengths, "lengths", np.int32, 1)
         n_host = host_values(lengths)
         if n_host is not None and n_host.shape == (bs,) and np.any(n_host < 1):
             raise ValueError("lengths must be >= 1 (the root is always accepted)")

@@ -48,7 +48,7 @@ from ddtree_numba.config import ModelConfig
 from ddtree_numba.engine.cache import KVCache, LayerKV
 from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
 from ddtree_numba.kernels import verify_attention as va
-from ddtree_numba.kernels.accept import as_kernel_array, is_c_contiguous
+from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.linear import expert_linear, head_linear, linear
 from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, moe_combine, moe_route, rms_norm,
                                             rope_tables)
@@ -189,10 +189,7 @@ def prefill_visibility(sizes: np.ndarray, tree_capacity: int) -> np.ndarray:
         uint32 [bs, Tc, ceil(Tc / 32)]: row i < sizes[b] sees rows 0..i; padding rows see only
         themselves (docs/ARCHITECTURE.md).
     """
-    if isinstance(tree_capacity, (bool, np.bool_)) or not isinstance(tree_capacity, (int, np.integer)):
-        raise TypeError(f"tree_capacity must be an int, got {type(tree_capacity).__name__}")
-    if tree_capacity < 1:
-        raise ValueError(f"tree_capacity must be >= 1, got {tree_capacity}")
+    tree_capacity = int_arg(tree_capacity, "tree_capacity", 1)
     sizes = np.asarray(sizes)
     if sizes.dtype.kind not in "iu":
         raise TypeError(f"sizes must be integers, got {sizes.dtype}")
@@ -317,19 +314,11 @@ class _Views(NamedTuple):
 # --------------------------------------------------------------------------- the model
 
 
-def _int_arg(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_capture(capture_layers: Any, n_layers: int) -> tuple[int, ...]:
     """Distinct layer ids in [0, n_layers), in the given order (the feature column order)."""
     if isinstance(capture_layers, (str, bytes)) or not isinstance(capture_layers, Sequence):
         raise TypeError(f"capture_layers must be a sequence of ints, got {type(capture_layers).__name__}")
-    ids = tuple(_int_arg(v, "capture_layers", 0) for v in capture_layers)
+    ids = tuple(int_arg(v, "capture_layers", 0) for v in capture_layers)
     if any(v >= n_layers for v in ids):
         raise ValueError(f"capture_layers must lie in [0, {n_layers}), got {list(ids)}")
     if len(set(ids)) != len(ids):
@@ -361,12 +350,12 @@ class TargetModel:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.config = config
-        self.batch_size = _int_arg(batch_size, "batch_size", 1)
-        self.kv_capacity = _int_arg(kv_capacity, "kv_capacity", 1)
+        self.batch_size = int_arg(batch_size, "batch_size", 1)
+        self.kv_capacity = int_arg(kv_capacity, "kv_capacity", 1)
         if self.kv_capacity > config.max_seq_len:
             raise ValueError(f"kv_capacity must be <= config.max_seq_len = {config.max_seq_len}, "
                              f"got {self.kv_capacity}")
-        self.max_rows = _int_arg(max_rows, "max_rows", 1)
+        self.max_rows = int_arg(max_rows, "max_rows", 1)
         self.capture_layers = _check_capture(capture_layers, config.n_layers)
         self.stream = stream
         if isinstance(weights, DeviceWeights):
@@ -400,18 +389,6 @@ class TargetModel:
         self._kv_rows = tuple(kv.flat() for kv in self.cache.layers)  # per layer [bs * S, C], [bs * S, R]
 
     # ------------------------------------------------------------------ inputs
-
-    @staticmethod
-    def _check_input(arr: Any, name: str, dtype: type, shape: tuple[int, ...]) -> Any:
-        """A NumPy or device array of ``dtype`` / ``shape``, C-contiguous (TypeError / ValueError)."""
-        arr = as_kernel_array(arr, name)
-        if np.dtype(arr.dtype) != np.dtype(dtype):
-            raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(arr.dtype).name}")
-        if tuple(arr.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(arr.shape)}")
-        if not is_c_contiguous(arr):
-            raise ValueError(f"{name} must be C-contiguous")
-        return arr
 
     @staticmethod
     def _stage(arr: Any, staging: Any, stream: Any) -> Any:
@@ -472,10 +449,10 @@ class TargetModel:
         """
         stream = self.stream if stream is None else stream
         bs, tc, b = self.batch_size, self.max_rows, self.buffers
-        tokens = self._check_input(tokens, "tokens", np.int32, (bs, tc))
-        positions = self._check_input(positions, "positions", np.int32, (bs, tc))
-        sizes = self._check_input(sizes, "sizes", np.int32, (bs,))
-        visibility = self._check_input(visibility, "visibility", np.uint32, (bs, tc, -(-tc // 32)))
+        tokens = check_array(tokens, "tokens", np.int32, shape=(bs, tc))
+        positions = check_array(positions, "positions", np.int32, shape=(bs, tc))
+        sizes = check_array(sizes, "sizes", np.int32, shape=(bs,))
+        visibility = check_array(visibility, "visibility", np.uint32, shape=(bs, tc, -(-tc // 32)))
         self._check_host_values(tokens, positions, sizes, visibility)
         # Host inputs are staged only once every check has passed (nothing half-written).
         tokens = self._stage(tokens, b.tokens, stream)

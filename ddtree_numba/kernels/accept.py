@@ -27,7 +27,7 @@ NaN is skipped (:func:`outranks` never lets it win, not even against -inf), so a
 the lowest id of its largest non-NaN logit, and an all-NaN row gives ``NO_INDEX`` (2**31 - 1, no
 token). The fused lm_head argmax and :func:`posterior_argmax_parts` keep exactly this rule.
 
-The host-side argument checks at the bottom are shared with :mod:`.compact`.
+The host-side array checks come from :mod:`._args` (shared with the other kernel modules).
 """
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ from numba import cuda, float32, float64, int32, int64, uint64
 
 from sim.launch import launch
 
+# as_kernel_array, is_c_contiguous, is_device_array: re-exported (.compact, .linear, .model_ops and
+# engine.cache import the array checks from here)
+from ._args import (as_kernel_array, check_array, check_shape, host_values,  # noqa: F401
+                    is_c_contiguous, is_device_array)
 from .registry import register
 from .warp import warp_argmax_f32, warp_argmax_f64, warp_min_i32
 
@@ -386,56 +390,7 @@ register("accept_walk", accept_walk_kernel,
          block_threads=WALK_THREADS)
 
 
-# --- host-side argument checks (shared with .compact) ----------------------------------------
-
-def is_device_array(x: Any) -> bool:
-    """A numba device array (a simulator FakeCUDAArray under the simulator)."""
-    return cuda.devicearray.is_cuda_ndarray(x)
-
-
-def as_kernel_array(x: Any, name: str) -> Any:
-    """``x`` as something a kernel takes: a NumPy array, a numba device array, or any object
-    with ``__cuda_array_interface__`` (wrapped without copying)."""
-    if isinstance(x, np.ndarray) or is_device_array(x):
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(x)
-    raise TypeError(f"{name} must be a NumPy array or a CUDA device array, got {type(x).__name__}")
-
-
-def is_c_contiguous(x: Any) -> bool:
-    """C-contiguity of a NumPy or numba device array."""
-    return x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_c_contiguous()
-
-
-def check_array(x: Any, name: str, dtypes: tuple[type, ...], ndim: int) -> Any:
-    """``x`` (see :func:`as_kernel_array`) with a dtype in ``dtypes``, rank ``ndim``, C-contiguous.
-
-    Raises:
-        TypeError: not an array, or a wrong dtype.
-        ValueError: a wrong rank, or not C-contiguous.
-    """
-    x = as_kernel_array(x, name)
-    if np.dtype(x.dtype) not in tuple(np.dtype(d) for d in dtypes):
-        wanted = " or ".join(np.dtype(d).name for d in dtypes)
-        raise TypeError(f"{name} must have dtype {wanted}, got {np.dtype(x.dtype).name}")
-    if len(x.shape) != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
-    if not is_c_contiguous(x):
-        raise ValueError(f"{name} must be C-contiguous")
-    return x
-
-
-def check_shape(x: Any, name: str, shape: tuple[int, ...]) -> None:
-    """``x.shape == shape``, else ValueError naming ``name``."""
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-
-
-def host_values(x: Any) -> np.ndarray | None:
-    """The values of a host (NumPy) array, None for a device array (not read: no sync)."""
-    return x if isinstance(x, np.ndarray) else None
-
+# --- host-side argument checks (the array checks live in ._args) -----------------------------
 
 def check_threads(threads: Any, name: str = "threads", maximum: int = MAX_WARPS * WARP_SIZE) -> int:
     """A block size: an int multiple of 32 in [32, maximum] (the kernel's registered

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from numba import cuda, float32, int32
 
-from ddtree_numba.kernels.accept import as_kernel_array, check_shape, host_values, is_c_contiguous
+from ddtree_numba.kernels._args import check_array, check_shape, host_values, int_arg, positive_real
 from ddtree_numba.kernels.registry import register
 from sim.launch import launch
 
@@ -276,14 +276,6 @@ class DraftAttentionPlan:
         return (self.n_kv_heads * self.n_tiles, self.batch_size)
 
 
-def _int_arg(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if int(value) < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {int(value)}")
-    return int(value)
-
-
 def plan(batch_size: int, block_rows: int, n_heads: int, n_kv_heads: int, head_dim: int, kv_capacity: int,
          *, config: AttentionConfig | None = None) -> DraftAttentionPlan:
     """Work layout of the block attention (host only, once per shape).
@@ -293,12 +285,12 @@ def plan(batch_size: int, block_rows: int, n_heads: int, n_kv_heads: int, head_d
         kv_capacity: S, rows of the context cache per request (>= 0).
         config: the specialisation; default :func:`default_config` of ``head_dim``.
     """
-    batch_size = _int_arg(batch_size, "batch_size")
-    block_rows = _int_arg(block_rows, "block_rows")
-    n_heads = _int_arg(n_heads, "n_heads")
-    n_kv_heads = _int_arg(n_kv_heads, "n_kv_heads")
-    head_dim = _int_arg(head_dim, "head_dim")
-    kv_capacity = _int_arg(kv_capacity, "kv_capacity", 0)
+    batch_size = int_arg(batch_size, "batch_size")
+    block_rows = int_arg(block_rows, "block_rows")
+    n_heads = int_arg(n_heads, "n_heads")
+    n_kv_heads = int_arg(n_kv_heads, "n_kv_heads")
+    head_dim = int_arg(head_dim, "head_dim")
+    kv_capacity = int_arg(kv_capacity, "kv_capacity", 0)
     if n_heads % n_kv_heads:
         raise ValueError(f"n_kv_heads must divide n_heads = {n_heads}, got {n_kv_heads}")
     if config is None:
@@ -314,30 +306,11 @@ def plan(batch_size: int, block_rows: int, n_heads: int, n_kv_heads: int, head_d
     return DraftAttentionPlan(config, batch_size, block_rows, n_heads, n_kv_heads, kv_capacity, n_tiles)
 
 
-def _array(arr: Any, name: str, dtype: type, shape: tuple[int, ...]) -> Any:
-    """``arr`` as a kernel array of ``dtype`` (TypeError) and ``shape``, C-contiguous (ValueError)."""
-    arr = as_kernel_array(arr, name)
-    if np.dtype(arr.dtype) != np.dtype(dtype):
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(arr.dtype).name}")
-    check_shape(arr, name, shape)
-    if not is_c_contiguous(arr):
-        raise ValueError(f"{name} must be C-contiguous")
-    return arr
-
-
 def _finite(arr: Any, name: str) -> None:
     """NumPy float inputs must be finite (the reference rejects NaN / inf); device arrays are not read."""
     values = host_values(arr)
     if values is not None and not np.all(np.isfinite(values)):
         raise ValueError(f"{name} must be finite (found NaN or infinity)")
-
-
-def _scale_arg(scale: Any) -> np.float32:
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not (math.isfinite(float(scale)) and float(scale) > 0.0):
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
-    return np.float32(scale)
 
 
 def run(p: DraftAttentionPlan, q: Any, kv_block: Any, cache_k: Any, cache_v: Any, cache_lens: Any,
@@ -360,13 +333,13 @@ def run(p: DraftAttentionPlan, q: Any, kv_block: Any, cache_k: Any, cache_v: Any
     if not isinstance(p, DraftAttentionPlan):
         raise TypeError(f"p must be a DraftAttentionPlan, got {type(p).__name__}")
     bs, t, h, hkv, s, hd = p.batch_size, p.block_rows, p.n_heads, p.n_kv_heads, p.kv_capacity, p.config.head_dim
-    q = _array(q, "q", np.float32, (bs, t, h, hd))
-    kv_block = _array(kv_block, "kv_block", np.float32, (bs, t, 2, hkv, hd))
-    cache_k = _array(cache_k, "cache_k", np.float32, (bs, s, hkv, hd))
-    cache_v = _array(cache_v, "cache_v", np.float32, (bs, s, hkv, hd))
-    cache_lens = _array(cache_lens, "cache_lens", np.int32, (bs,))
-    out = _array(out, "out", np.float32, (bs, t, h, hd))
-    scale = _scale_arg(scale)
+    q = check_array(q, "q", np.float32, shape=(bs, t, h, hd))
+    kv_block = check_array(kv_block, "kv_block", np.float32, shape=(bs, t, 2, hkv, hd))
+    cache_k = check_array(cache_k, "cache_k", np.float32, shape=(bs, s, hkv, hd))
+    cache_v = check_array(cache_v, "cache_v", np.float32, shape=(bs, s, hkv, hd))
+    cache_lens = check_array(cache_lens, "cache_lens", np.int32, shape=(bs,))
+    out = check_array(out, "out", np.float32, shape=(bs, t, h, hd))
+    scale = positive_real(scale, "scale")
     lens = host_values(cache_lens)
     if lens is not None and np.any((lens < 0) | (lens > s)):
         raise ValueError(f"cache_lens must lie in [0, {s}]")
@@ -516,31 +489,11 @@ def _context_lengths_kernel(cache_lens, base, counts, capacity, clear):
 # Host wrappers of the input kernels
 # ----------------------------------------------------------------------------------------------
 
-def _eps_arg(eps: Any) -> np.float32:
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
-    if not (math.isfinite(float(eps)) and float(eps) > 0.0):
-        raise ValueError(f"eps must be finite and > 0, got {eps}")
-    return np.float32(eps)
-
-
-def _rank(arr: Any, name: str, dtype: type, ndim: int) -> Any:
-    """A kernel array of ``dtype`` and rank ``ndim``, C-contiguous."""
-    arr = as_kernel_array(arr, name)
-    if np.dtype(arr.dtype) != np.dtype(dtype):
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(arr.dtype).name}")
-    if len(arr.shape) != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
-    if not is_c_contiguous(arr):
-        raise ValueError(f"{name} must be C-contiguous")
-    return arr
-
-
 def _rope_tables(cos: Any, sin: Any, head_dim: int) -> tuple[Any, Any]:
-    cos = _rank(cos, "cos", np.float32, 2)
+    cos = check_array(cos, "cos", np.float32, 2)
     if cos.shape[1] != head_dim // 2 or cos.shape[0] < 1:
         raise ValueError(f"cos must have shape (P, {head_dim // 2}) with P >= 1, got {tuple(cos.shape)}")
-    sin = _array(sin, "sin", np.float32, tuple(cos.shape))
+    sin = check_array(sin, "sin", np.float32, shape=tuple(cos.shape))
     return cos, sin
 
 
@@ -558,16 +511,16 @@ def norm_rope(q: Any, kv_block: Any, q_weight: Any, k_weight: Any, cos: Any, sin
         start: int32 [bs]; row r of request b sits at position start[b] + r (outside [0, P): NaN).
         eps: RMSNorm epsilon.
     """
-    q = _rank(q, "q", np.float32, 4)
+    q = check_array(q, "q", np.float32, 4)
     bs, t, h, hd = q.shape
-    kv_block = _rank(kv_block, "kv_block", np.float32, 5)
+    kv_block = check_array(kv_block, "kv_block", np.float32, 5)
     if tuple(kv_block.shape[:3]) != (bs, t, 2) or kv_block.shape[4] != hd:
         raise ValueError(f"kv_block must have shape ({bs}, {t}, 2, Hkv, {hd}), got {tuple(kv_block.shape)}")
-    q_weight = _array(q_weight, "q_weight", np.float32, (hd,))
-    k_weight = _array(k_weight, "k_weight", np.float32, (hd,))
+    q_weight = check_array(q_weight, "q_weight", np.float32, shape=(hd,))
+    k_weight = check_array(k_weight, "k_weight", np.float32, shape=(hd,))
     cos, sin = _rope_tables(cos, sin, hd)
-    start = _array(start, "start", np.int32, (bs,))
-    eps = _eps_arg(eps)
+    start = check_array(start, "start", np.int32, shape=(bs,))
+    eps = positive_real(eps, "eps")
     values = host_values(start)
     if values is not None and np.any((values < 0) | (values.astype(np.int64) + t > cos.shape[0])):
         raise ValueError(f"start: positions start .. start + {t - 1} must lie in [0, {cos.shape[0]})")
@@ -589,19 +542,19 @@ def context_kv_write(kv_ctx: Any, k_weight: Any, cos: Any, sin: Any, base: Any, 
         cache_k, cache_v: float32 [n_layers, bs, S, Hkv, hd].
         eps: RMSNorm epsilon.
     """
-    kv_ctx = _rank(kv_ctx, "kv_ctx", np.float32, 6)
+    kv_ctx = check_array(kv_ctx, "kv_ctx", np.float32, 6)
     bs, n_rows, n_layers, two, hkv, hd = kv_ctx.shape
     if two != 2:
         raise ValueError(f"kv_ctx must have shape (bs, R, n_layers, 2, Hkv, hd), got {tuple(kv_ctx.shape)}")
-    k_weight = _array(k_weight, "k_weight", np.float32, (n_layers, hd))
+    k_weight = check_array(k_weight, "k_weight", np.float32, shape=(n_layers, hd))
     cos, sin = _rope_tables(cos, sin, hd)
-    base = _array(base, "base", np.int32, (bs,))
-    counts = _array(counts, "counts", np.int32, (bs,))
-    cache_k = _rank(cache_k, "cache_k", np.float32, 5)
+    base = check_array(base, "base", np.int32, shape=(bs,))
+    counts = check_array(counts, "counts", np.int32, shape=(bs,))
+    cache_k = check_array(cache_k, "cache_k", np.float32, 5)
     s = cache_k.shape[2]
     check_shape(cache_k, "cache_k", (n_layers, bs, s, hkv, hd))
-    cache_v = _array(cache_v, "cache_v", np.float32, (n_layers, bs, s, hkv, hd))
-    eps = _eps_arg(eps)
+    cache_v = check_array(cache_v, "cache_v", np.float32, shape=(n_layers, bs, s, hkv, hd))
+    eps = positive_real(eps, "eps")
     b_host, n_host = host_values(base), host_values(counts)
     if n_host is not None and np.any((n_host < 0) | (n_host > n_rows)):
         raise ValueError(f"counts must lie in [0, {n_rows}]")
@@ -623,15 +576,15 @@ def block_embed(table: Any, bonus: Any, start: Any, cache_lens: Any, mask_token:
             mask_token: int in [0, V). A request with start[b] != cache_lens[b] or a bonus
             outside [0, V) gets NaN rows (checked on the host for NumPy inputs).
     """
-    table = _rank(table, "table", np.float32, 2)
-    out = _rank(out, "out", np.float32, 3)
+    table = check_array(table, "table", np.float32, 2)
+    out = check_array(out, "out", np.float32, 3)
     bs, t, d = out.shape
     if table.shape[1] != d:
         raise ValueError(f"table must have shape (V, {d}), got {tuple(table.shape)}")
-    bonus = _array(bonus, "bonus", np.int32, (bs,))
-    start = _array(start, "start", np.int32, (bs,))
-    cache_lens = _array(cache_lens, "cache_lens", np.int32, (bs,))
-    mask_token = _int_arg(mask_token, "mask_token", 0)
+    bonus = check_array(bonus, "bonus", np.int32, shape=(bs,))
+    start = check_array(start, "start", np.int32, shape=(bs,))
+    cache_lens = check_array(cache_lens, "cache_lens", np.int32, shape=(bs,))
+    mask_token = int_arg(mask_token, "mask_token", 0)
     vocab = table.shape[0]
     if mask_token >= vocab:
         raise ValueError(f"mask_token must be < V = {vocab}, got {mask_token}")
@@ -654,17 +607,17 @@ def gather_rows(src: Any, index: Any, counts: Any, dst: Any, counts_out: Any, *,
         counts[b] must lie in [0, min(J, W)] and an index in [0, N) (checked on the host for NumPy
         inputs; on the device a bad count gives counts_out -1, a bad index a NaN row).
     """
-    src = _rank(src, "src", np.float32, 3)
-    dst = _rank(dst, "dst", np.float32, 3)
+    src = check_array(src, "src", np.float32, 3)
+    dst = check_array(dst, "dst", np.float32, 3)
     bs, n, f = src.shape
     j_cap = dst.shape[1]
     if dst.shape[0] != bs or dst.shape[2] != f:
         raise ValueError(f"dst must have shape ({bs}, J, {f}), got {tuple(dst.shape)}")
-    index = _rank(index, "index", np.int32, 2)
+    index = check_array(index, "index", np.int32, 2)
     if index.shape[0] != bs or index.shape[1] < 1:
         raise ValueError(f"index must have shape ({bs}, W) with W >= 1, got {tuple(index.shape)}")
-    counts = _array(counts, "counts", np.int32, (bs,))
-    counts_out = _array(counts_out, "counts_out", np.int32, (bs,))
+    counts = check_array(counts, "counts", np.int32, shape=(bs,))
+    counts_out = check_array(counts_out, "counts_out", np.int32, shape=(bs,))
     i_host, n_host = host_values(index), host_values(counts)
     limit = min(j_cap, index.shape[1])
     if n_host is not None and np.any((n_host < 0) | (n_host > limit)):
@@ -686,11 +639,11 @@ def context_lengths(cache_lens: Any, base: Any, counts: Any, capacity: int, *, c
 
     cache_lens, base, counts: int32 [bs] (cache_lens may be base itself).
     """
-    cache_lens = _rank(cache_lens, "cache_lens", np.int32, 1)
+    cache_lens = check_array(cache_lens, "cache_lens", np.int32, 1)
     bs = cache_lens.shape[0]
-    base = _array(base, "base", np.int32, (bs,))
-    counts = _array(counts, "counts", np.int32, (bs,))
-    capacity = _int_arg(capacity, "capacity", 0)
+    base = check_array(base, "base", np.int32, shape=(bs,))
+    counts = check_array(counts, "counts", np.int32, shape=(bs,))
+    capacity = int_arg(capacity, "capacity", 0)
     if not isinstance(clear, (bool, np.bool_)):
         raise TypeError(f"clear must be a bool, got {type(clear).__name__}")
     threads = _helper_threads()

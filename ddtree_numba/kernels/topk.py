@@ -90,6 +90,7 @@ from numba import cuda, float32, float64, int32, int64, uint16, uint32, uint64
 from sim.install import simulator_active
 from sim.launch import launch
 
+from ._args import check_array, int_arg
 from .registry import register
 
 __all__ = [
@@ -534,6 +535,17 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
                         mask |= int64(1) << (u * per_word + e)
         return mask
 
+    @cuda.jit(device=True, inline=True)
+    def element_composite(row_words, base, b):
+        """Composite of element ``b`` of a candidate mask made at word ``base`` (word ``base + (b //
+        per_word) * 32``, element ``b % per_word``): the word is re-read, an L1 hit."""
+        u = b // per_word
+        e = b - u * per_word
+        j = base + u * WARP_SIZE
+        word = row_words[uint64(j)]
+        bits = uint32((uint64(word) >> uint64(e * elem_bits)) & uint64(elem_mask)) << widen
+        return _composite(bits, j * per_word + e)
+
     @cuda.jit(device=True)
     def offer(row_words, base, t_comp, buf, count, cap, todo):
         """Push the elements of mask ``todo`` whose composite is >= ``t_comp``;
@@ -548,12 +560,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             b = cuda.ffs(uint32(todo)) - 1  # lowest set bit (masks have <= 32 bits)
             bit = int64(1) << b
             todo ^= bit
-            u = b // per_word
-            e = b - u * per_word
-            j = base + u * WARP_SIZE
-            word = row_words[uint64(j)]
-            bits = uint32((uint64(word) >> uint64(e * elem_bits)) & uint64(elem_mask)) << widen
-            c = _composite(bits, j * per_word + e)
+            c = element_composite(row_words, base, b)
             if c >= t_comp and not _push(buf, count, cap, c):
                 left |= bit
         return left
@@ -713,12 +720,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             if todo != 0:
                 b = cuda.ffs(todo) - 1  # lowest set bit
                 bit = uint32(1) << uint32(b)
-                u = b // per_word
-                e = b - u * per_word
-                j = base + u * WARP_SIZE
-                word = row_words[uint64(j)]
-                bits = uint32((uint64(word) >> uint64(e * elem_bits)) & uint64(elem_mask)) << widen
-                c = _composite(bits, j * per_word + e)
+                c = element_composite(row_words, base, b)
                 if c < t_comp:
                     c = EMPTY  # beaten by the threshold (raised since the mask was made)
             votes = uint32(cuda.ballot_sync(FULL_MASK, c != EMPTY))
@@ -1036,18 +1038,8 @@ class TopKPlan:
         return self.capacity * 8
 
 
-def _require_int(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
 def _require_pow2(value: Any, name: str, minimum: int, maximum: int) -> int:
-    value = _require_int(value, name, minimum, maximum)
+    value = int_arg(value, name, minimum, maximum)
     if value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")
     return value
@@ -1116,9 +1108,9 @@ def plan_topk(
     Raises:
         TypeError / ValueError naming the argument.
     """
-    rows = _require_int(rows, "rows", 1, 65535)
-    vocab = _require_int(vocab, "vocab", 1, 2**31 - 1)
-    k = _require_int(k, "k", 0)
+    rows = int_arg(rows, "rows", 1, 65535)
+    vocab = int_arg(vocab, "vocab", 1, 2**31 - 1)
+    k = int_arg(k, "k", 0)
     dtype = _dtype_name(dtype)
     threads = _require_pow2(threads, "threads", MIN_THREADS, MAX_THREADS)
     k_out = min(k, vocab)
@@ -1150,7 +1142,7 @@ def plan_topk(
         wave = (WARP_BLOCKS_PER_SM if warp_buffers else BLOCKS_PER_SM) * _sm_count()
         n_chunks = max(1, min(wave // rows, max_chunks))
     else:
-        n_chunks = _require_int(n_chunks, "n_chunks", 1, vocab)
+        n_chunks = int_arg(n_chunks, "n_chunks", 1, vocab)
     chunk_elems = -(-vocab // n_chunks)
     chunk_elems = -(-chunk_elems // 4) * 4  # whole uint64 words for both dtypes
     n_chunks = -(-vocab // chunk_elems)  # rounding may leave fewer, all non-empty
@@ -1164,25 +1156,6 @@ def plan_topk(
         cflag=cuda.device_array((rows, n_chunks), dtype=np.int32),
         row_flags=cuda.device_array(rows, dtype=np.int32),
     )
-
-
-def _as_array(x: Any, name: str) -> Any:
-    """A NumPy array, a numba device array, or a CUDA-array-interface object (converted)."""
-    if isinstance(x, np.ndarray) or hasattr(x, "copy_to_host"):
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(x)
-    raise TypeError(f"{name} must be a NumPy array or a CUDA device array, got {type(x).__name__}")
-
-
-def _check_array(x: Any, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
-    if np.dtype(x.dtype) != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {np.dtype(x.dtype)}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    contiguous = x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_c_contiguous()
-    if not contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
 
 
 _BF16_EXP_MASK = 0x7F80  # bf16 exponent bits: all ones is infinity or NaN
@@ -1243,12 +1216,9 @@ def run_topk(
     """
     if not isinstance(plan, TopKPlan):
         raise TypeError(f"plan must be a TopKPlan (from plan_topk), got {type(plan).__name__}")
-    logits = _as_array(logits, "logits")
-    out_values = _as_array(out_values, "out_values")
-    out_ids = _as_array(out_ids, "out_ids")
-    _check_array(logits, "logits", _ELEM_DTYPE[plan.dtype], (plan.rows, plan.vocab))
-    _check_array(out_values, "out_values", np.dtype(np.float32), (plan.rows, plan.k_out))
-    _check_array(out_ids, "out_ids", np.dtype(np.int32), (plan.rows, plan.k_out))
+    logits = check_array(logits, "logits", _ELEM_DTYPE[plan.dtype], shape=(plan.rows, plan.vocab))
+    out_values = check_array(out_values, "out_values", np.float32, shape=(plan.rows, plan.k_out))
+    out_ids = check_array(out_ids, "out_ids", np.int32, shape=(plan.rows, plan.k_out))
     if isinstance(logits, np.ndarray):
         _check_host_finite(logits, plan.dtype)
 

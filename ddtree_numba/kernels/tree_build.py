@@ -73,6 +73,7 @@ from numba.core.extending import intrinsic
 
 from sim.launch import launch
 
+from ._args import check_array, int_arg
 from .registry import register
 from .warp import warp_inclusive_scan_i32
 
@@ -866,24 +867,6 @@ def _counting_kernel(n_slots: int) -> Any:
 
 # --- host side -------------------------------------------------------------------------------
 
-def _device_array_types() -> tuple[type, ...]:
-    """numba's device-array class (the simulator's FakeCUDAArray under the simulator)."""
-    module = cuda.devicearray
-    return tuple(getattr(module, name) for name in ("DeviceNDArray", "FakeCUDAArray") if hasattr(module, name))
-
-
-_DEVICE_ARRAYS = _device_array_types()
-
-
-def _require_positive_int(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class TreeBuildPlan:
     """Shapes and launch configuration of one batch shape (from :func:`plan`).
@@ -949,11 +932,11 @@ def plan(batch_size: int, horizon: int, top_k: int, capacity: int, *,
     Raises:
         TypeError / ValueError naming the argument.
     """
-    batch_size = _require_positive_int(batch_size, "batch_size", 1)
-    horizon = _require_positive_int(horizon, "horizon", 0, MAX_HORIZON)
-    top_k = _require_positive_int(top_k, "top_k", 0)
-    capacity = _require_positive_int(capacity, "capacity", 1, MAX_NODES)
-    threads = _require_positive_int(threads, "threads", WARP_SIZE, MAX_THREADS)
+    batch_size = int_arg(batch_size, "batch_size", 1)
+    horizon = int_arg(horizon, "horizon", 0, MAX_HORIZON)
+    top_k = int_arg(top_k, "top_k", 0)
+    capacity = int_arg(capacity, "capacity", 1, MAX_NODES)
+    threads = int_arg(threads, "threads", WARP_SIZE, MAX_THREADS)
     if threads % WARP_SIZE:
         raise ValueError(f"threads must be a multiple of {WARP_SIZE}, got {threads}")
     return TreeBuildPlan(batch_size, horizon, top_k, capacity, threads)
@@ -995,29 +978,6 @@ def allocate_outputs(tree_plan: TreeBuildPlan, stream: Any = 0) -> TreeBuildOutp
         name: cuda.device_array(shape, dtype, stream=stream)
         for name, (shape, dtype) in tree_plan.output_shapes().items()
     })
-
-
-def _as_kernel_array(value: Any, name: str) -> Any:
-    """A NumPy or numba device array as is; another CUDA-array-interface object as a numba view."""
-    if isinstance(value, (np.ndarray,) + _DEVICE_ARRAYS):
-        return value
-    if hasattr(value, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(value)
-    raise TypeError(f"{name} must be a NumPy array or a CUDA device array, got {type(value).__name__}")
-
-
-def _check_array(value: Any, name: str, dtype: type, shape: tuple[int, ...]) -> Any:
-    """``value`` as a kernel argument with exactly ``dtype`` and ``shape``, C-contiguous."""
-    array = _as_kernel_array(value, name)
-    if np.dtype(array.dtype) != np.dtype(dtype):
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(array.dtype)}")
-    if tuple(array.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(array.shape)}")
-    itemsize = np.dtype(dtype).itemsize
-    for axis, extent in enumerate(shape):  # axes of extent 1 may have any stride, as in NumPy
-        if extent > 1 and math.prod(shape) > 0 and array.strides[axis] != itemsize * math.prod(shape[axis + 1:]):
-            raise ValueError(f"{name} must be C-contiguous")
-    return array
 
 
 def _check_host_values(lp: Any, ids: Any, budgets: Any, past_lens: Any, roots: Any, capacity: int) -> None:
@@ -1064,18 +1024,18 @@ def run(tree_plan: TreeBuildPlan, top_log_probs: Any, top_ids: Any, budgets: Any
     if not isinstance(out, TreeBuildOutputs):
         raise TypeError(f"out must be a TreeBuildOutputs, got {type(out).__name__}")
     bs, n_depth, k = tree_plan.batch_size, tree_plan.horizon, tree_plan.top_k
-    lp = _check_array(top_log_probs, "top_log_probs", np.float32, (bs, n_depth, k))
-    ids = _check_array(top_ids, "top_ids", np.int32, (bs, n_depth, k))
-    budgets = _check_array(budgets, "budgets", np.int32, (bs,))
-    past_lens = _check_array(past_lens, "past_lens", np.int32, (bs,))
-    roots = _check_array(root_tokens, "root_tokens", np.int32, (bs,))
-    buffers = [_check_array(getattr(out, name), f"out.{name}", dtype, shape)
+    lp = check_array(top_log_probs, "top_log_probs", np.float32, shape=(bs, n_depth, k))
+    ids = check_array(top_ids, "top_ids", np.int32, shape=(bs, n_depth, k))
+    budgets = check_array(budgets, "budgets", np.int32, shape=(bs,))
+    past_lens = check_array(past_lens, "past_lens", np.int32, shape=(bs,))
+    roots = check_array(root_tokens, "root_tokens", np.int32, shape=(bs,))
+    buffers = [check_array(getattr(out, name), f"out.{name}", dtype, shape=shape)
                for name, (shape, dtype) in tree_plan.output_shapes().items()]
     _check_host_values(lp, ids, budgets, past_lens, roots, tree_plan.capacity)
     if rounds is None:  # the plain kernel never touches its `rounds` argument (an unwritten int32 [bs])
         kernel, counter = tree_build_kernels[tree_plan.slots_per_lane], budgets
     else:
         kernel = _counting_kernel(tree_plan.slots_per_lane)
-        counter = _check_array(rounds, "rounds", np.int32, (bs,))
+        counter = check_array(rounds, "rounds", np.int32, shape=(bs,))
     launch(kernel, bs, tree_plan.threads, stream, 0, lp, ids, budgets, past_lens, roots, *buffers, counter)
     return out

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from ddtree_numba.kernels.accept import as_kernel_array, is_c_contiguous
+from ddtree_numba.kernels._args import check_array, int_arg, positive_real
 from ddtree_numba.kernels.registry import register
 from sim.launch import launch
 
@@ -696,14 +696,6 @@ class VerifyPlan:
         return cuda.device_array(self.workspace_shape, dtype=np.float32)
 
 
-def _positive_int(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if int(value) < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {int(value)}")
-    return int(value)
-
-
 def plan(batch_size: int, tree_capacity: int, num_heads: int, kv_capacity: int, *,
          latent_dim: int = 512, rope_dim: int = 64, max_kv_len: int | None = None,
          split_size: int = DEFAULT_SPLIT_SIZE, config: TileConfig | None = None) -> VerifyPlan:
@@ -717,14 +709,14 @@ def plan(batch_size: int, tree_capacity: int, num_heads: int, kv_capacity: int, 
         split_size: keys per segment, a multiple of ``config.chunk``; fixed per model.
         config: the specialisation; default :func:`default_config` of ``(Dl, Dr, H)``.
     """
-    batch_size = _positive_int(batch_size, "batch_size")
-    tree_capacity = _positive_int(tree_capacity, "tree_capacity")
-    num_heads = _positive_int(num_heads, "num_heads")
-    kv_capacity = _positive_int(kv_capacity, "kv_capacity")
-    latent_dim = _positive_int(latent_dim, "latent_dim")
-    rope_dim = _positive_int(rope_dim, "rope_dim")
-    split_size = _positive_int(split_size, "split_size")
-    max_kv_len = kv_capacity if max_kv_len is None else _positive_int(max_kv_len, "max_kv_len")
+    batch_size = int_arg(batch_size, "batch_size")
+    tree_capacity = int_arg(tree_capacity, "tree_capacity")
+    num_heads = int_arg(num_heads, "num_heads")
+    kv_capacity = int_arg(kv_capacity, "kv_capacity")
+    latent_dim = int_arg(latent_dim, "latent_dim")
+    rope_dim = int_arg(rope_dim, "rope_dim")
+    split_size = int_arg(split_size, "split_size")
+    max_kv_len = kv_capacity if max_kv_len is None else int_arg(max_kv_len, "max_kv_len")
     if config is None:
         config = default_config(latent_dim, rope_dim, num_heads)
     elif not isinstance(config, TileConfig):
@@ -748,20 +740,6 @@ def plan(batch_size: int, tree_capacity: int, num_heads: int, kv_capacity: int, 
                          f"{batch_size}) exceed the grid limit {grid_y_limit}")
     return VerifyPlan(config, batch_size, tree_capacity, num_heads, kv_capacity, split_size,
                       num_splits)
-
-
-def _check_array(arr: Any, name: str, dtype: type, shape: tuple[int, ...]) -> Any:
-    """``arr`` as a NumPy or numba device array (``__cuda_array_interface__`` objects wrapped
-    without a copy; anything else: TypeError), checked for dtype (TypeError), shape and
-    C-contiguity (ValueError)."""
-    arr = as_kernel_array(arr, name)
-    if np.dtype(arr.dtype) != np.dtype(dtype):
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {arr.dtype}")
-    if tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
-    if not is_c_contiguous(arr):
-        raise ValueError(f"{name} must be C-contiguous")
-    return arr
 
 
 def _check_host_values(p: VerifyPlan, past_lens: np.ndarray, tree_sizes: np.ndarray,
@@ -837,20 +815,17 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
         raise TypeError(f"p must be a VerifyPlan, got {type(p).__name__}")
     cfg = p.config
     bs, tc, h, s = p.batch_size, p.tree_capacity, p.num_heads, p.kv_capacity
-    q_latent = _check_array(q_latent, "q_latent", np.float32, (bs, tc, h, cfg.latent_dim))
-    q_rope = _check_array(q_rope, "q_rope", np.float32, (bs, tc, h, cfg.rope_dim))
-    kv_latent = _check_array(kv_latent, "kv_latent", np.float32, (bs, s, cfg.latent_dim))
-    k_rope = _check_array(k_rope, "k_rope", np.float32, (bs, s, cfg.rope_dim))
-    past_lens = _check_array(past_lens, "past_lens", np.int32, (bs,))
-    tree_sizes = _check_array(tree_sizes, "tree_sizes", np.int32, (bs,))
-    visibility = _check_array(visibility, "visibility", np.uint32, (bs, tc, -(-tc // 32)))
-    out = _check_array(out, "out", np.float32, (bs, tc, h, cfg.latent_dim))
-    lse = _check_array(lse, "lse", np.float32, (bs, tc, h))
-    workspace = _check_array(workspace, "workspace", np.float32, p.workspace_shape)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not (math.isfinite(float(scale)) and float(scale) > 0.0):
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    q_latent = check_array(q_latent, "q_latent", np.float32, shape=(bs, tc, h, cfg.latent_dim))
+    q_rope = check_array(q_rope, "q_rope", np.float32, shape=(bs, tc, h, cfg.rope_dim))
+    kv_latent = check_array(kv_latent, "kv_latent", np.float32, shape=(bs, s, cfg.latent_dim))
+    k_rope = check_array(k_rope, "k_rope", np.float32, shape=(bs, s, cfg.rope_dim))
+    past_lens = check_array(past_lens, "past_lens", np.int32, shape=(bs,))
+    tree_sizes = check_array(tree_sizes, "tree_sizes", np.int32, shape=(bs,))
+    visibility = check_array(visibility, "visibility", np.uint32, shape=(bs, tc, -(-tc // 32)))
+    out = check_array(out, "out", np.float32, shape=(bs, tc, h, cfg.latent_dim))
+    lse = check_array(lse, "lse", np.float32, shape=(bs, tc, h))
+    workspace = check_array(workspace, "workspace", np.float32, shape=p.workspace_shape)
+    scale = positive_real(scale, "scale")
     _check_host_values(p, past_lens, tree_sizes, visibility)
     _check_host_finite(dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope),
                        past_lens, tree_sizes)
@@ -861,7 +836,7 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
     q_lat, q_rp, kv_lat, k_rp, vis, ws, out_flat, lse_flat = flat
     dims = (np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)))
     launch(attention, p.attention_grid, cfg.threads, stream, 0, q_lat, q_rp, kv_lat, k_rp,
-           past_lens, tree_sizes, vis, *dims, np.float32(scale), np.int32(p.split_size), ws)
+           past_lens, tree_sizes, vis, *dims, scale, np.int32(p.split_size), ws)
     launch(merge, p.merge_grid, cfg.merge_threads, stream, 0, past_lens, tree_sizes, vis, *dims,
            np.int32(p.split_size), np.int32(p.num_splits), ws, out_flat, lse_flat)
 
