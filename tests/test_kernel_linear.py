@@ -80,10 +80,35 @@ def _emulate(inp, w):
 
 
 @pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
-@pytest.mark.parametrize("m_rows,n_cols,k_dim", [(3, 5, 300), (2, 4, 2100), (1, 3, 126)])
+@pytest.mark.parametrize("m_rows,n_cols,k_dim", [(3, 5, 300), (2, 4, 2100), (1, 3, 126), (9, 11, 300)])
 def test_reduction_order_is_the_documented_one(m_rows, n_cols, k_dim):
+    """(9, 11, 300): two 8-row tiles of the 8 x 8 register tile, N not a multiple of C."""
     x, w = _rand(m_rows, k_dim), _rand(n_cols, k_dim)
     np.testing.assert_array_equal(_run_linear(x, w), _emulate(x, w))
+
+
+def _shuffle_linear(x, w, kind_prologue="none"):
+    """linear() through the GPU build's reduction (the transposed shuffle butterfly), launched
+    directly under the simulator: grid (row tiles, 1 column block looping over all)."""
+    m_rows, n_cols, k_dim = x.shape[0], w.shape[0], w.shape[1]
+    plan = lin.plan_linear(m_rows, n_cols, k_dim)
+    kernel = lin.get_kernel("linear", kind_prologue, False, plan.mt, shuffles=True)
+    out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
+    kernel[(-(-m_rows // plan.mt), 1, 1), plan.threads, 0, plan.shared_bytes](
+        _dev(x), _dev(w.ravel()), out, out, _dev(np.ones(1, np.float32)), np.float32(1e-6),
+        *plan.geometry(n_cols, k_dim))
+    return out.copy_to_host()
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
+@pytest.mark.parametrize("m_rows,n_cols,k_dim", [(9, 11, 300), (1, 5, 260), (3, 6, 2100), (2, 3, 40)])
+def test_shuffle_butterfly_gives_the_tree_bits(m_rows, n_cols, k_dim):
+    """The GPU's transposed butterfly (MT x C partials traded across lanes: 64 with the 8 x 8
+    tile, 4 with one row) sums the same pairs as the shared-memory tree: the same bits, every
+    element stored once (poisoned output). (3, 6, 2100): two K segments, the combine path."""
+    rng = np.random.default_rng(m_rows * 1000 + k_dim)
+    x, w = _rand(m_rows, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng)
+    np.testing.assert_array_equal(_shuffle_linear(x, w), _run_linear(x, w))
 
 
 # --- accuracy -------------------------------------------------------------------------------------
@@ -269,6 +294,15 @@ def test_bad_input_names_the_argument_and_writes_nothing(case, exc, name):
     assert np.all(out.copy_to_host() == 0.0)
 
 
+def test_columns_and_cached_plans():
+    """The 8-row tile is 8 x 8 (argmax keeps 4 columns); plans are cached per shape."""
+    assert [lin.columns("linear", mt) for mt in lin.ROW_TILES] == [4, 4, 4, 8]
+    assert lin.columns("argmax", 8) == 4 and lin.columns("expert", 8) == 8
+    assert lin.plan_linear(1056, 32768, 2048) is lin.plan_linear(1056, 32768, 2048)
+    assert lin.plan_linear(1056, 32768, 2048).columns == 8
+    assert lin.plan_linear(1056, 32768, 2048, kind="argmax").columns == 4
+
+
 def test_plan_is_a_function_of_k_for_the_order():
     assert [lin.k_split(k) for k in (1, 128, 2048, 2049, 4096, 8192, 18432, 100000)] == \
         [1, 1, 1, 2, 2, 4, 8, 8]
@@ -286,11 +320,12 @@ def test_get_kernel_refuses_specialisations_that_do_not_exist(kind, prologue, re
         lin.get_kernel(kind, prologue, residual, 1)
 
 
-def test_every_specialisation_is_registered():
+def test_every_kind_is_registered_at_its_extreme_row_tiles():
     from ddtree_numba.kernels import registry
 
     names = {s.name for s in registry.all_kernels()}
-    for mt in lin.ROW_TILES:
+    assert lin.CHECKED_ROW_TILES == (min(lin.ROW_TILES), max(lin.ROW_TILES))
+    for mt in lin.CHECKED_ROW_TILES:
         assert f"head_linear_mt{mt}" in names
         for p in lin.PROLOGUES:
             assert {f"linear_{p}_mt{mt}", f"linear_{p}_residual_mt{mt}"} <= names

@@ -174,6 +174,30 @@ def test_parts_are_batch_invariant():
         np.testing.assert_array_equal(idx[where], alone[1][0])
 
 
+@pytest.mark.skipif(not cuda.config.ENABLE_CUDASIM, reason="the tree reduction exists only under the simulator")
+@pytest.mark.parametrize("m_rows,norm", [(9, True), (1, False)])
+def test_shuffle_butterfly_ranks_the_same_elements(m_rows, norm):
+    """The GPU build's transposed butterfly leaves element a of a warp's tile on a lane other
+    than a (1 row: lanes 0, 8, 16, 24 own the 4 elements); the parts it ranks are the tree's, bit
+    for bit, and every entry is written (poisoned buffers)."""
+    rng = np.random.default_rng(40 + m_rows)
+    n_cols, k_dim = 37, 70
+    x = rng.standard_normal((m_rows, k_dim)).astype(np.float32)
+    w = rng.standard_normal((n_cols, k_dim)).astype(np.float32)
+    nw = rng.standard_normal(k_dim).astype(np.float32)
+    want = _parts(x, w, nw if norm else None)
+    plan = lin.plan_linear(m_rows, n_cols, k_dim, kind="argmax")
+    kernel = lin.get_kernel("argmax", "rmsnorm" if norm else "none", False, plan.mt, shuffles=True)
+    n_parts = lin.argmax_parts(n_cols)
+    val = _dev(np.full((m_rows, n_parts), 7.5, np.float32))
+    idx = _dev(np.full((m_rows, n_parts), -9, np.int32))
+    kernel[(-(-m_rows // plan.mt), n_parts, 1), plan.threads, 0, plan.shared_bytes](
+        _dev(x), _dev(w.ravel()), val, idx, _dev(nw if norm else np.ones(1, np.float32)),
+        np.float32(1e-6), *plan.geometry(n_cols, k_dim), lin.argmax_part_cols(n_cols))
+    np.testing.assert_array_equal(val.copy_to_host(), want[0])
+    np.testing.assert_array_equal(idx.copy_to_host(), want[1])
+
+
 # --- part layout -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_cols", [1, 3, 4, 8, 9, 37, 255, 256, 257, 1000, 32768, 129280, 163840])

@@ -2,23 +2,64 @@
 
 For each weight shape N x K (lm_head 32768 x 2048, q_b 12288 x 768, o_proj 2048 x 8192, dense
 gate|up 11264 x 2048) and each row count M (1, 4, 16 decode; 64, 256, 1056 tree verify): random
-inputs, warm-up, then ``--reps`` timed calls with CUDA events, rotating over enough weight copies
-that together exceed the L2 (``--l2-mb``, 50 MB by default) so no call finds its weights cached.
-Bytes = W + x + out once each (the fewest a product must move); GB/s is compared with the H200
-profile's HBM bandwidth (``sim.profiles.H200``: 4.8 TB/s spec, 4.3 TB/s measured copy). Decode
-target: >= 70 % of the spec bandwidth at M = 1..16. TFLOP/s (2 M N K) is printed for the
-compute-bound large-M rows (FP32 peak 67 TFLOP/s).
+inputs (never zeros), enough rotated weight copies that together they exceed the L2 3x (so no
+call finds its weights cached), then ``--reps`` timed calls.
 
-    python -m ddtree_numba.bench.linear                       # default sweep (< 60 s)
-    python -m ddtree_numba.bench.linear --shape 32768,2048 --rows 1,16 --out data/bench/h200.h5
+Timing (as ddtree_numba/bench/topk.py): "queue-ahead": a sleeper kernel keeps the stream busy
+while Python enqueues the call, so the CUDA events around it time the GPU work only (what a
+captured CUDA graph replays). ``host_us`` is the median wall time of one eager call (argument
+checks + launch, no sync): the Python cost per call outside a graph.
+
+Bounds come from the active device profile (sim.profiles.active_profile, limits §3): bytes = W +
+x + out once each (the fewest a product must move) at the profile's HBM bandwidth (``% HBM``
+against the datasheet rate, the decode target: >= 70 % at M = 1), FLOPs = 2 M N K at its FP32
+peak (``% FP32``; target >= 10 TFLOP/s from M = 256). ``floor`` is the larger of the two times
+(measured bandwidth where the profile has it).
+
+Checks on the first call of each M (output poisoned with NaN first): every element finite, and
+row 0 bit for bit the M = 1 row 0 (batch invariance on the real build); ``--check`` also
+compares rows 0 and M - 1 with float64 on the host (slow for big shapes).
+
+Model (H200: 132 SMs at 1.98 GHz, 4 FP32 warp-FMAs per SM-clock, 128 B/clk shared/L1 per SM,
+HBM 4.3 TB/s measured, L2 read ~5-7 TB/s assumed) and the prediction per change, 32768 x 2048:
+  * Per warp-step (128 k) a lane issues C LDG.128 (W), MT LDS.128 (x) and 4 MT C FMAs: shared/L1
+    pipe 4 (MT + C) clk vs FMA MT C clk per warp per SM quarter; W bytes per FLOP = 1 / (2 MT).
+  * Run 2's 1056-row time (57.8 ms) is neither HBM (132 x 268 MB = 35 GB: 8 ms) nor FMA (2.1 ms):
+    staging, one scalar load in flight per thread (64 KB per block, ~20 round trips) and two
+    phases per block with one block per SM, dominated.
+  1. Queue-ahead timing: M = 1 drops from 286 us (host inside) to the GPU time; host_us ~ 30-60.
+  2. Host: cached plans and launch checks, no reshape / NumPy / profile query per call: the
+     simulator-measured Python cost fell from ~69 to ~27 us per call (launch stubbed).
+  3a. Row tiles fastest in the grid: W from HBM once (268 MB, not 35 GB); the 132 row tiles of a
+     column block read it from L2.
+  3b. Staging with 8 loads in flight per thread (SU positions x MT rows): a phase's staging from
+     ~10 round trips to ~2 (MT 8) and o_proj M = 1 (32 KB of x per block) from 32 to 4.
+  3c. One-phase tiles (M <= 4 at K 2048, q_b at any M) loop over column blocks on a grid of one
+     block per SM: x staged once per SM, no 7.8-wave tail. Prediction M = 1: 70-85 us GPU (64 KB
+     of W loads in flight per SM, 4 round trips per column block per warp) = 3.2-3.8 TB/s,
+     67-80 % of the 4.8 TB/s spec; M = 4 about the same.
+  3d. 8 x 8 register tile (C 8 at MT 8): shared/L1 pipe 64 clk = FMA 64 clk per warp-step
+     (C 4: 48 vs 32, pipe-bound at <= 67 %); 251 registers, no spill.
+  3e. Transposed butterfly: MT C - 1 shuffles per pass instead of 5 MT C (64 partials: 63 vs
+     320 shuffles + adds per 4096 FMAs at K 2048).
+     Prediction M = 1056: per block (64 columns, 2 phases) ~2 x (1.5 us staging + 3-4 us FMA at
+     60-80 % issue) ~ 10-12 us, 512 blocks per SM: 5-6 ms if L2 keeps up; 512 KB of W per block
+     is ~5.6 TB/s of L2 reads at that rate, so 6-9 ms = 16-24 TFLOP/s (target >= 10); M = 256
+     the same rate (1.5-2.3 ms); M = 16 (two 8-row tiles, 2 phases): ~100 us.
+
+    python -m ddtree_numba.bench.linear                       # default sweep (< 90 s on an H200)
+    python -m ddtree_numba.bench.linear --shape 32768,2048 --rows 1,1056 --out data/bench/h200.h5
 
 Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarray Dataset (dims
-case; values n, k, m, mt, median/min/max latency, gbps, pct_hbm, tflops) to an HDF5 file.
+case; values n, k, m, mt, median/min/max GPU latency, host_us, gbps, pct_hbm, tflops, pct_fp32,
+x_floor) to an HDF5 file.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
 from pathlib import Path
 
@@ -26,49 +67,84 @@ import numpy as np
 from numba import cuda
 
 from ddtree_numba.bench.common import write_run
+from ddtree_numba.bench.topk import queue_ahead_times
 from ddtree_numba.kernels import linear as lin
-from sim.profiles import H200
+from sim.profiles import active_profile, roofline
 
 DEFAULT_SHAPES = ((32768, 2048), (12288, 768), (2048, 8192), (11264, 2048))
 DEFAULT_ROWS = (1, 4, 16, 64, 256, 1056)
+ROTATION_L2_FACTOR = 3   # rotated weights together exceed L2 3x
+MAX_WEIGHT_SETS = 16
+HOST_CALLS = 20          # eager calls timed for host_us
+KEYS = ("n", "k", "m", "mt", "median_us", "min_us", "max_us", "host_us", "gbps", "pct_hbm",
+        "tflops", "pct_fp32", "x_floor")
 
 
-def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], reps: int, warmup: int,
-                l2_mb: float, seed: int) -> list[dict]:
-    """Median/min/max latency of linear() per M for one weight shape."""
-    rng = np.random.default_rng(seed)
-    w_bytes = 4 * n_cols * k_dim
-    sets = max(1, int(np.ceil(l2_mb * 1e6 / w_bytes)) + 1)  # rotated copies exceed the L2
-    weights = [cuda.to_device(rng.standard_normal((n_cols, k_dim), np.float32)) for _ in range(sets)]
+def _host_us(call, stream) -> float:
+    """Median wall time of one eager call (enqueue only), the queue drained in between."""
+    times = []
+    for rep in range(HOST_CALLS):
+        stream.synchronize()
+        t0 = time.perf_counter()
+        call(rep)
+        times.append(1e6 * (time.perf_counter() - t0))
+    stream.synchronize()
+    return statistics.median(times)
+
+
+def _check_rows(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    """Rows 0 and M - 1 against float64 within 1e-5 of |x| @ |w|.T (tests/test_kernel_linear.py)."""
+    for m in sorted({0, got.shape[0] - 1}):
+        ref = w.astype(np.float64) @ x[m].astype(np.float64)
+        bound = 1e-5 * (np.abs(w).astype(np.float64) @ np.abs(x[m]).astype(np.float64))
+        err = np.abs(got[m] - ref)
+        if not np.all(err <= bound):
+            raise AssertionError(f"row {m}: max error {err.max():.3g} over the bound")
+
+
+def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.Namespace) -> list[dict]:
+    """GPU latency (queue-ahead), host time and checks of linear() per M for one weight shape."""
+    profile = active_profile()
+    rng = np.random.default_rng(args.seed)
+    w_host = rng.standard_normal((n_cols, k_dim), np.float32)
+    w_bytes = w_host.nbytes
+    sets = int(min(MAX_WEIGHT_SETS, max(2, math.ceil(ROTATION_L2_FACTOR * profile.l2_bytes / w_bytes))))
+    weights = [cuda.to_device(np.roll(w_host, 7 * s, axis=1)) for s in range(sets)]
+    x_host = rng.standard_normal((max(rows), k_dim), np.float32)
+    x_sets = [cuda.to_device(np.roll(x_host, s, axis=1)) for s in range(2)]
     stream = cuda.stream()
-    results = []
+    results, first_row = [], None
     for m_rows in rows:
-        xs = [cuda.to_device(rng.standard_normal((m_rows, k_dim), np.float32)) for _ in range(2)]
-        out = cuda.device_array((m_rows, n_cols), np.float32)
+        xs = [x[:m_rows] for x in x_sets]
+        out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
+        lin.linear(xs[0], weights[0], out, stream=stream)
+        got = out.copy_to_host(stream=stream)
+        stream.synchronize()
+        if not np.isfinite(got).all():
+            raise AssertionError(f"N {n_cols} K {k_dim} M {m_rows}: non-finite or unwritten output")
+        if first_row is None:
+            first_row = got[0].copy()
+        elif not np.array_equal(got[0], first_row):
+            raise AssertionError(f"N {n_cols} K {k_dim} M {m_rows}: row 0 differs from M = 1's")
+        if args.check:
+            _check_rows(got, x_host[:m_rows], w_host)
 
         def call(i: int) -> None:
             lin.linear(xs[i % 2], weights[i % sets], out, stream=stream)
 
-        for i in range(warmup):
-            call(i)
-        stream.synchronize()
-        times = []
-        for i in range(reps):
-            start, end = cuda.event(timing=True), cuda.event(timing=True)
-            start.record(stream)
-            call(i)
-            end.record(stream)
-            end.synchronize()
-            times.append(cuda.event_elapsed_time(start, end) * 1e3)
-        med = float(np.median(times))
+        times = queue_ahead_times(call, stream, args.reps, args.warmup)
+        med = statistics.median(times)
         moved = w_bytes + 4 * m_rows * (k_dim + n_cols)
+        flops = 2.0 * m_rows * n_cols * k_dim
+        floor = roofline(profile, moved, flops).t_floor_s * 1e6
         gbps = moved / (med * 1e-6) / 1e9
+        tflops = flops / (med * 1e-6) / 1e12
         results.append(dict(
             n=n_cols, k=k_dim, m=m_rows, mt=lin.row_tile(m_rows), median_us=med,
-            min_us=float(np.min(times)), max_us=float(np.max(times)), gbps=gbps,
-            pct_hbm=100.0 * gbps * 1e9 / H200.hbm_bandwidth_spec,
-            tflops=2.0 * m_rows * n_cols * k_dim / (med * 1e-6) / 1e12,
-            finite=bool(np.isfinite(out.copy_to_host()).all())))
+            min_us=min(times), max_us=max(times), host_us=_host_us(call, stream), gbps=gbps,
+            pct_hbm=100.0 * gbps * 1e9 / profile.hbm_bandwidth_spec,
+            tflops=tflops, pct_fp32=100.0 * tflops * 1e12 / profile.fp32_peak,
+            x_floor=med / floor))
     return results
 
 
@@ -76,10 +152,13 @@ def _write(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
     """Append the results as one group linear/<timestamp>_<sha> (temp file, then rename)."""
     import xarray as xr
 
-    keys = ("n", "k", "m", "mt", "median_us", "min_us", "max_us", "gbps", "pct_hbm", "tflops")
-    ds = xr.Dataset({key: ("case", np.array([r[key] for r in rows])) for key in keys},
+    profile = active_profile()
+    ds = xr.Dataset({key: ("case", np.array([r[key] for r in rows])) for key in KEYS},
                     attrs=dict(benchmark="linear", config=json.dumps(vars(args), default=str),
-                               hbm_bandwidth_spec=H200.hbm_bandwidth_spec))
+                               timing="queue-ahead CUDA events (GPU only); host_us: eager call",
+                               profile=profile.name,
+                               hbm_bandwidth_spec=profile.hbm_bandwidth_spec,
+                               fp32_peak=profile.fp32_peak))
     group = write_run(path, ds)
     print(f"wrote {path}:{group}")
 
@@ -94,24 +173,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)), help="M values, comma-separated")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--l2-mb", type=float, default=50.0, help="weights rotated per shape exceed this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", action="store_true", help="rows 0 and M-1 vs float64 too")
     parser.add_argument("--out", type=Path, help="HDF5 file to append the results to")
     args = parser.parse_args(argv)
-    if args.reps < 50:
-        parser.error("--reps must be >= 50")
+    if args.reps < 20:
+        parser.error("--reps must be >= 20")
     shapes = [_ints(s) for s in args.shape] if args.shape else DEFAULT_SHAPES
     rows = _ints(args.rows)
+    print(f"profile {active_profile().describe()}; GPU times queue-ahead (no host time inside)")
+    header = (f"{'N':>6} {'K':>5} {'M':>5} {'MT':>3} {'GPU us':>9} {'min':>8} {'max':>8} "
+              f"{'host us':>8} {'GB/s':>6} {'% HBM':>6} {'TFLOP/s':>8} {'% FP32':>6} {'x floor':>7}")
+    print(header)
     results = []
-    print(f"{'N':>6} {'K':>5} {'M':>5} {'MT':>3} {'median us':>10} {'min':>8} {'max':>8} "
-          f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8}")
     for n_cols, k_dim in shapes:
         t0 = time.perf_counter()
-        for r in bench_shape(n_cols, k_dim, rows, args.reps, args.warmup, args.l2_mb, args.seed):
+        for r in bench_shape(n_cols, k_dim, rows, args):
             results.append(r)
-            print(f"{r['n']:>6} {r['k']:>5} {r['m']:>5} {r['mt']:>3} {r['median_us']:>10.1f} "
-                  f"{r['min_us']:>8.1f} {r['max_us']:>8.1f} {r['gbps']:>7.0f} {r['pct_hbm']:>5.1f}% "
-                  f"{r['tflops']:>8.2f}{'' if r['finite'] else '  NON-FINITE OUTPUT'}", flush=True)
+            print(f"{r['n']:>6} {r['k']:>5} {r['m']:>5} {r['mt']:>3} {r['median_us']:>9.1f} "
+                  f"{r['min_us']:>8.1f} {r['max_us']:>8.1f} {r['host_us']:>8.1f} {r['gbps']:>6.0f} "
+                  f"{r['pct_hbm']:>5.1f}% {r['tflops']:>8.2f} {r['pct_fp32']:>5.1f}% "
+                  f"{r['x_floor']:>7.2f}", flush=True)
         print(f"   ({n_cols} x {k_dim}: {time.perf_counter() - t0:.0f} s)", flush=True)
     if args.out:
         _write(results, args.out, args)

@@ -18,31 +18,43 @@ Numerics: one reduction order per K, whatever shares the launch.
 
 Work layout (limits §3, §7).
     A block computes an ``MT x (C * groups)`` output tile: MT rows (compile-time row tile, 1 to
-    8, row tiles along grid y) by column groups of C adjacent columns, one column group per
-    ``k_split`` warps (one warp per K segment). The MT input rows are staged in dynamic shared
-    memory ``[MT, k_split, phase_steps * 128]`` with the prologue applied (none, RMSNorm with the
-    row's rms, or SwiGLU), in phases when they do not fit (``XS_BUDGET_BYTES``), so a weight
-    row is streamed once per row tile (not per row) and each staged value is reused by all C
-    columns. The weight stream is the hot path: each lane issues ``U x C`` 16-byte loads
-    (``ld.global.nc.v4.f32``) before their ``4 * MT * C`` FMAs, lanes covering 512 contiguous
-    bytes of a weight row per load. Columns past N (odd N) load the last row and are not
-    stored; rows past M are staged as zeros and not stored. With one phase the rows are staged
-    once and the block loops over column groups (grid-stride), so a small grid (the simulator)
-    covers every column.
+    8) by column groups of C adjacent columns (C = 8 for the 8-row tile, else 4:
+    :func:`columns`), one column group per ``k_split`` warps (one warp per K segment). Grid:
+    (row tiles, column blocks[, heads]): blockIdx.x, the fastest, is the row tile, so the row
+    tiles of one column block run side by side and its weight rows come from HBM once and from
+    L2 for the others (column-fastest, a 1056-row launch streamed W 132 times). The MT input
+    rows are staged in dynamic shared memory ``[MT, k_split, phase_steps * 128]`` with the
+    prologue applied (none, RMSNorm with the row's rms, or SwiGLU), in phases when they do not
+    fit (``XS_BUDGET_BYTES``); a thread stages one k for all MT rows (MT loads in flight). When
+    they fit in one phase a block stages them once and loops over column blocks (grid-stride,
+    about one block per SM: decode streams W with no tail wave). The weight stream is the hot
+    path: each lane issues ``U x C`` 16-byte loads (``ld.global.nc.v4.f32``, addressed from the
+    weight's data pointer) before their ``4 * MT * C`` FMAs, lanes covering 512 contiguous bytes
+    of a weight row per load; each staged float4 (one 16-byte shared load) feeds ``4 * C`` FMAs.
+    Columns past N load the last row and are not stored; rows past M are staged as zeros and
+    not stored. The lane partials are reduced by a transposed butterfly: at each xor offset a
+    lane trades half of its MT x C partials with its partner, so the same pairs are summed as
+    in warp_sum_f32 (bit-identical, a + b == b + a) with MT * C - 1 shuffles instead of
+    5 * MT * C; lane l then owns fixed elements (:func:`get_kernel`'s ``owned_element``).
 
 Decode (M = 1..16) streams W at HBM bandwidth when enough loads are in flight: C = 4 columns
-and U = 1-2 steps per lane (LLVM unrolls the step loop further), 8 warps per block. Large K is
-split over up to 8 warps (``k_split``) so that narrow outputs (N = 2048, K = 8192) still fill
-the GPU. The simulator (threads are Python threads, shuffles cost a thread barrier each) runs
-one column group per block over a grid-stride loop and reduces through shared memory in the
-butterfly's exact tree (``SIM_TREE``), so its results are the same bits a shuffle gives.
+and U = 2-4 steps per lane, 8 warps per block. Large K is split over up to 8 warps
+(``k_split``) so that narrow outputs (N = 2048, K = 8192) still fill the GPU. The simulator
+(threads are Python threads, shuffles cost a thread barrier each) runs one column group per
+block over a grid-stride loop and reduces through shared memory in the butterfly's exact tree
+(``shuffles=False``), so its results are the same bits the shuffles give (tested both ways).
+
+Host cost: launch plans and checked launch configurations are cached per shape
+(``functools.lru_cache``); a call reads each argument's dtype, shape and strides once and
+launches the cached kernel directly (its configuration was checked against the device profile
+when the plan was made, sim.launch.check_launch); no NumPy work, no reshaped views.
 
 Fused argmax (``linear_argmax``, PERFORMANCE "Posterior, accept walk and KV compaction").
     The full logits of a verify batch (bs 64 x 513 rows x V 163840 fp32 = 21.5 GB) cost 5 ms to
     write and 5 ms to read back for the argmax. ``linear_argmax`` runs the SAME tile code as
     ``linear`` (so every logit has ``linear``'s bits) but instead of storing a logit it ranks it:
     the columns are cut into ``argmax_parts(N)`` parts of ``argmax_part_cols(N)`` contiguous
-    columns (a function of N only), one block per (part, row tile); the lane that owns an
+    columns (a function of N only), one block per (row tile, part); the lane that owns an
     output element keeps a running (max value, lowest column) over the part's column groups,
     and the block reduces its lanes to one candidate per row: ``part_val`` float32 [M, P],
     ``part_idx`` int32 [M, P]. :func:`.accept.posterior_argmax_parts` merges the P candidates of
@@ -70,9 +82,11 @@ import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint64
 
-from sim.launch import launch
+from sim.launch import check_launch
+from sim.profiles import active_profile
 
-from .accept import NEG_INF_F32, NO_INDEX, as_kernel_array, check_array, is_c_contiguous, outranks
+from .accept import (NEG_INF_F32, NO_INDEX, as_kernel_array, is_c_contiguous,
+                     is_device_array, outranks)
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_min_i32, warp_sum_f32
 
@@ -103,11 +117,15 @@ SPLIT_STEPS = 16             # a segment of K per warp holds at least ~2048 valu
 MAX_K_SPLIT = 8              # K segments (one warp each) per column group, at most
 BLOCK_WARPS = MAX_K_SPLIT    # warps per block on a GPU (k_split divides it)
 SIM_GROUPS = 1               # column groups per block under the simulator (threads are costly)
-SIM_GRID_X = 1               # column-group blocks under the simulator (grid-stride loop)
+SIM_GRID_COLS = 1            # column-group blocks under the simulator (grid-stride loop)
 COLUMNS = 4                  # C: adjacent output columns per warp (16 FMAs per staged float4)
+WIDE_COLUMNS = 8             # C of the 8-row tile (8 x 8 accumulators; not for argmax)
 ROW_TILES = (1, 2, 4, 8)     # 16 rows: LLVM leaves the row loop rolled, acc goes to local memory
 MAX_ROW_TILE = ROW_TILES[-1]
 XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
+STAGE_LOADS = 8              # staging: loads in flight per thread (SU positions x MT rows)
+PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks (x staged once)
+MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
 MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in shared memory
 FULL_MASK = 0xFFFFFFFF
 NO_SLOT = np.int32(2**31 - 1)  # warp_min identity: "this lane holds no tile"
@@ -123,39 +141,59 @@ MIN_PART_COLS = PART_ALIGN * (2 if SIM_TREE else 8)
 TARGET_PARTS = 96
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+MAX_DIM = np.iinfo(np.int32).max // 2   # int32 geometry with room for offsets
 
 
-def _unroll(mt: int) -> int:
+def columns(kind: str, mt: int) -> int:
+    """C, the adjacent output columns per warp: 8 for the 8-row tile (64 accumulators per lane,
+    so each staged float4 feeds 32 FMAs and each weight float4 8 rows x 4), else 4. The argmax
+    kind keeps 4 (one ranked element per lane). C never changes the order of a reduction."""
+    return WIDE_COLUMNS if mt == MAX_ROW_TILE and kind != "argmax" else COLUMNS
+
+
+def _unroll(mt: int, c: int) -> int:
     """Weight steps loaded before their FMAs (U x C float4 loads in flight per lane)."""
-    return 4 if mt <= 2 else 2
+    return 4 if mt * c <= 8 else 2
 
 
 # --- the 16-byte weight load --------------------------------------------------------------------
 
-def _make_load_f32x4() -> Any:
-    """``load_f32x4(w, i) -> (w[i], w[i+1], w[i+2], w[i+3])`` for a 1-D C-contiguous float32 array
-    whose element i is 16-byte aligned: one ``ld.global.nc.v4.f32`` on a GPU (numba-cuda has no
-    vector load, stack §1), four element reads under the simulator (a plain Python function)."""
+def _make_loads() -> tuple[Any, Any]:
+    """``load_f32x4(w, i) -> (w.flat[i], ..., w.flat[i + 3])`` and ``load_f32(w, i) -> w.flat[i]``
+    for a C-contiguous float32 weight of any rank, element i 16-byte aligned for the vector load:
+    ``ld.global.nc.v4.f32`` / ``ld.global.nc.f32`` at the data pointer plus i on a GPU (numba-cuda
+    has no vector load, stack §1; a flat index needs no reshaped view, one host call less per
+    launch), plain element reads of the flat view the wrappers pass under the simulator."""
     if cuda.config.ENABLE_CUDASIM:
         def load_f32x4(w, i):
             return w[i], w[i + 1], w[i + 2], w[i + 3]
-        return load_f32x4
 
-    from numba.cuda import cgutils
+        def load_f32(w, i):
+            return w[i]
+        return load_f32x4, load_f32
+
     from numba.cuda.extending import intrinsic
+
+    def _pointer(context, builder, signature, args):
+        array_type, index_type = signature.args
+        ary = context.make_array(array_type)(context, builder, value=args[0])
+        idx = context.cast(builder, args[1], index_type, types.intp)
+        return builder.gep(ary.data, [idx])
+
+    def _accepts(array, index) -> bool:
+        return (isinstance(array, types.Array) and array.layout == "C"
+                and array.dtype == types.float32 and isinstance(index, types.Integer))
 
     @intrinsic
     def load_f32x4(typingctx, array, index):
-        if not (isinstance(array, types.Array) and array.ndim == 1 and array.dtype == types.float32
-                and isinstance(index, types.Integer)):
+        if not _accepts(array, index):
             return None
         sig = types.UniTuple(types.float32, 4)(array, index)
 
         def codegen(context, builder, signature, args):
-            array_type, index_type = signature.args
-            ary = context.make_array(array_type)(context, builder, value=args[0])
-            idx = context.cast(builder, args[1], index_type, types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, array_type, ary, [idx], wraparound=False)
+            ptr = _pointer(context, builder, signature, args)
             f32 = ir.FloatType()
             result = ir.LiteralStructType([f32, f32, f32, f32])
             # Weights are read-only for the kernel's lifetime: the non-coherent path is safe.
@@ -167,10 +205,24 @@ def _make_load_f32x4() -> Any:
 
         return sig, codegen
 
-    return load_f32x4
+    @intrinsic
+    def load_f32(typingctx, array, index):
+        if not _accepts(array, index):
+            return None
+        sig = types.float32(array, index)
+
+        def codegen(context, builder, signature, args):
+            ptr = _pointer(context, builder, signature, args)
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ptr.type]),
+                               "ld.global.nc.f32 $0, [$1];", "=f,l")
+            return builder.call(asm, [ptr])
+
+        return sig, codegen
+
+    return load_f32x4, load_f32
 
 
-load_f32x4 = _make_load_f32x4()
+load_f32x4, load_f32 = _make_loads()
 
 
 # --- device helpers shared by every specialisation ----------------------------------------------
@@ -215,14 +267,17 @@ def _jit_options(threads: int) -> dict[str, Any]:
 
 
 @functools.cache
-def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
+def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *,
+               shuffles: bool = not SIM_TREE) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
     kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
     "expert" (x [R, Kx], w [E, N, K], out [J, N], CSR routing) or "argmax" (x [M, K] -> per-part
     (max, argmax) part_val / part_idx [M, P]); prologue: "none", "rmsnorm" (linear, argmax) or
     "swiglu" (linear, expert); residual: out = residual + x @ w.T (linear only); mt: rows per
-    tile, one of ROW_TILES.
+    tile, one of ROW_TILES; shuffles: reduce the lane partials with the transposed shuffle
+    butterfly (the GPU build) rather than its tree in shared memory (the simulator's default,
+    same bits; tests run the shuffles under the simulator too).
     """
     if kind not in KINDS or prologue not in PROLOGUES or mt not in ROW_TILES:
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, mt={mt!r}")
@@ -231,18 +286,30 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             (kind == "argmax" and (prologue == "swiglu" or residual)):
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, residual={residual}")
     MT = mt
-    C = COLUMNS
-    U = _unroll(mt)
+    C = columns(kind, mt)
+    U = _unroll(mt, C)
     MTC = MT * C
     RMS = prologue == "rmsnorm"
     SWIGLU = prologue == "swiglu"
     RESIDUAL = residual
     ARGMAX = kind == "argmax"
     COMB = BLOCK_WARPS * MTC       # segment sums of every warp of a block
-    RED = BLOCK_WARPS * MTC * RED_ROW if SIM_TREE else 1   # simulator only: lane partials
+    TREE = not shuffles
+    SU = max(1, STAGE_LOADS // MT)  # staging positions per thread and round
+    SU_MT = SU * MT                 # their values (a compile-time local array size)
+    RED = BLOCK_WARPS * MTC * RED_ROW if TREE else 1   # the tree's lane partials
     OFFS = MAX_EXPERTS + 1
     CAND = BLOCK_WARPS * MTC       # argmax: one candidate per (warp, owned element)
-    assert MTC <= WARP             # each tile element is owned by one lane (argmax candidates)
+    assert not ARGMAX or MTC <= WARP   # argmax: each tile element ranked by one lane
+    # The transposed butterfly (GPU): at xor offset 16 >> t, t < XT, a lane keeps half of its
+    # partials (the upper half of the slots where lane bit 4 - t is set) and trades the other
+    # half with its partner, so the same pairs are summed as in warp_sum_f32 (a + b == b + a
+    # exactly) with MTC - 1 shuffles instead of 5 MTC. HALF[t]: slots traded at stage t (0: a
+    # plain butterfly step on the R_SLOTS left).
+    XT = min(5, MTC.bit_length() - 1)
+    H0, H1, H2, H3, H4 = [MTC >> (t + 1) if t < XT else 0 for t in range(5)]
+    R_SLOTS = max(1, MTC >> 5)     # reduced elements per lane: a0 + r, r < R_SLOTS
+    OWNER_MASK = (WARP >> XT) - 1  # lanes holding a copy of the same elements: the lowest stores
 
     # ---- per-kind row access: x value at (src row, group, k); output store ----
     if kind == "head":
@@ -280,28 +347,41 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
     def stage(x, xs, src_sh, inv_sh, norm_w, g, phase, k_dim, k_split_, seg_steps, phase_steps):
         """Input rows of the tile -> xs [MT, k_split, phase_steps * STEP] for one phase: segment s,
         offset kk holds k = (s * seg_steps + phase * phase_steps) * STEP + kk, prologue applied;
-        zeros past K, past the segment and for absent rows, NaN for invalid source rows."""
+        zeros past K, past the segment and for absent rows, NaN for invalid source rows. A thread
+        takes SU positions for all MT rows per round: SU * MT loads into registers, then the
+        stores (loads first, so all are in flight: a round costs one latency, not SU * MT)."""
+        vals = cuda.local.array(SU_MT, float32)
         kcw = phase_steps * STEP
         row_floats = k_split_ * kcw
         total_steps = (k_dim + STEP - 1) // STEP
-        for idx in range(cuda.threadIdx.x, MT * row_floats, cuda.blockDim.x):
-            i = idx // row_floats
-            rem = idx - i * row_floats
-            s = rem // kcw
-            kk = rem - s * kcw
-            j = s * seg_steps + phase * phase_steps + kk // STEP
-            k = j * STEP + kk % STEP
-            seg_end = min((s + 1) * seg_steps, total_steps)
-            src = src_sh[i]
-            value = ZERO
-            if j < seg_end and k < k_dim and src != -1:
-                if src < 0:          # -2: an invalid source row (expert routing)
-                    value = float32(math.nan)
-                elif RMS:
-                    value = x_value(x, src, g, k, k_dim) * inv_sh[i] * norm_w[k]
-                else:
-                    value = x_value(x, src, g, k, k_dim)
-            xs[uint64(idx)] = value
+        stride = cuda.blockDim.x
+        for base in range(cuda.threadIdx.x, row_floats, stride * SU):
+            for q in range(SU):
+                pos = base + q * stride
+                s = pos // kcw
+                j = s * seg_steps + phase * phase_steps + (pos - s * kcw) // STEP
+                k = j * STEP + pos % STEP
+                inside = (pos < row_floats and j < min((s + 1) * seg_steps, total_steps)
+                          and k < k_dim)
+                scale = ONE
+                if RMS and inside:
+                    scale = load_f32(norm_w, k)
+                for i in range(MT):
+                    src = src_sh[i]
+                    value = ZERO
+                    if inside and src != -1:
+                        if src < 0:      # -2: an invalid source row (expert routing)
+                            value = float32(math.nan)
+                        elif RMS:
+                            value = x_value(x, src, g, k, k_dim) * inv_sh[i] * scale
+                        else:
+                            value = x_value(x, src, g, k, k_dim)
+                    vals[q * MT + i] = value
+            for q in range(SU):
+                pos = base + q * stride
+                if pos < row_floats:
+                    for i in range(MT):
+                        xs[uint64(i * row_floats + pos)] = vals[q * MT + i]
 
     @cuda.jit(device=True, inline="always")
     def load_step(w, wbase, j, wv, u):
@@ -315,7 +395,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
 
     @cuda.jit(device=True, inline="always")
     def fma_step(xs, xo, row_floats, wv, u, acc):
-        """acc[i, c] += x[i, 4l + e] * w[c, 4l + e], e ascending (xs offset xo of row 0)."""
+        """acc[i * C + c] += x[i, 4l + e] * w[c, 4l + e], e ascending (xs offset xo of row 0)."""
         for i in range(MT):
             base = uint64(xo + i * row_floats)
             x0 = xs[base]
@@ -323,13 +403,13 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             x2 = xs[base + uint64(2)]
             x3 = xs[base + uint64(3)]
             for c in range(C):
-                a = cuda.fma(x0, wv[u, c, 0], acc[i, c])
+                a = cuda.fma(x0, wv[u, c, 0], acc[i * C + c])
                 a = cuda.fma(x1, wv[u, c, 1], a)
                 a = cuda.fma(x2, wv[u, c, 2], a)
-                acc[i, c] = cuda.fma(x3, wv[u, c, 3], a)
+                acc[i * C + c] = cuda.fma(x3, wv[u, c, 3], a)
 
     @cuda.jit(device=True, inline="always")
-    def accumulate(xs, w, wbase, acc, wv, ws, lane, seg, j0, j1, vec_steps, k_dim, k_split_,
+    def accumulate(xs, w, wbase, acc, wv, lane, seg, j0, j1, vec_steps, k_dim, k_split_,
                    phase_steps):
         """Steps [j0, j1) of this warp's segment (staged from step j0 on) into acc."""
         kcw = phase_steps * STEP
@@ -352,12 +432,38 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
                 k = j * STEP + VEC * lane + e
                 if k < k_dim:
                     for c in range(C):
-                        ws[c] = w[wbase[c] - VEC * lane + k]
+                        wv[0, c, 0] = load_f32(w, wbase[c] - VEC * lane + k)
                     for i in range(MT):
                         xv = xs[uint64(xo0 + j * STEP + e + i * row_floats)]
                         for c in range(C):
-                            acc[i, c] = cuda.fma(xv, ws[c], acc[i, c])
+                            acc[i * C + c] = cuda.fma(xv, wv[0, c, 0], acc[i * C + c])
             j += 1
+
+    @cuda.jit(device=True, inline="always")
+    def xpose_stage(acc, lane, half, offset):
+        """One butterfly level at xor ``offset`` (compile-time ``half``, see XT above)."""
+        if half > 0:
+            upper = (lane & offset) != 0
+            for p in range(half):
+                lo = acc[p]
+                hi = acc[p + half]
+                keep = hi if upper else lo
+                send = lo if upper else hi
+                acc[p] = keep + cuda.shfl_xor_sync(FULL_MASK, send, offset)
+        else:
+            for r in range(R_SLOTS):
+                acc[r] += cuda.shfl_xor_sync(FULL_MASK, acc[r], offset)
+
+    @cuda.jit(device=True, inline="always")
+    def owned_element(lane):
+        """The first tile element a (a = i * C + c) whose reduced sum this lane stores (elements
+        a .. a + R_SLOTS - 1), or -1 when another lane stores its copy."""
+        if TREE:
+            return lane if lane < MTC else -1
+        if lane & OWNER_MASK:
+            return -1
+        return (((lane >> 4) & 1) * H0 + ((lane >> 3) & 1) * H1 + ((lane >> 2) & 1) * H2
+                + ((lane >> 1) & 1) * H3 + (lane & 1) * H4)
 
     @cuda.jit(device=True, inline="always")
     def put(out, residual_arr, dst_sh, g, col0, n_cols, a, total):
@@ -378,9 +484,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
 
     @cuda.jit(device=True, inline="always")
     def tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps):
-        """Rows of tile blockIdx.y: src_sh / dst_sh [MT] (-1: past M) and, for RMSNorm, the
+        """Rows of tile blockIdx.x: src_sh / dst_sh [MT] (-1: past M) and, for RMSNorm, the
         rows' 1 / rms in inv_sh [MT]. The caller syncs before reading them."""
-        row0 = cuda.blockIdx.y * MT
+        row0 = cuda.blockIdx.x * MT
         tid = cuda.threadIdx.x
         if tid < MT:
             row = row0 + tid
@@ -397,12 +503,11 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
     @cuda.jit(device=True, inline="always")
     def tile(x, w, out, residual_arr, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, g, w_group,
              n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols):
-        """The row tile (src_sh / dst_sh staged) times every column group of this block: a
-        grid-stride over the column-group passes, or (argmax) the passes of part blockIdx.x,
-        part_cols columns from column blockIdx.x * part_cols (unused otherwise)."""
-        acc = cuda.local.array((MT, C), float32)
+        """The row tile (src_sh / dst_sh staged) times column blocks blockIdx.y, + gridDim.y, ...
+        (a grid-stride: the tile is staged once when K fits in one phase), or (argmax) the
+        passes of part blockIdx.y, part_cols columns from column blockIdx.y * part_cols."""
+        acc = cuda.local.array(MTC, float32)
         wv = cuda.local.array((U, C, VEC), float32)
-        ws = cuda.local.array(C, float32)
         wbase = cuda.local.array(C, int64)
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
@@ -417,12 +522,12 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             cuda.syncthreads()  # staged rows visible to every warp
         n_groups = (n_cols + C - 1) // C
         n_group_blocks = (n_groups + groups_per_block - 1) // groups_per_block
-        gb_first = cuda.blockIdx.x
+        gb_first = cuda.blockIdx.y
         gb_end = n_group_blocks
-        gb_step = cuda.gridDim.x
+        gb_step = cuda.gridDim.y
         if ARGMAX:          # the part's own passes (whole passes: PART_ALIGN divides part_cols)
             passes = part_cols // (groups_per_block * C)
-            gb_first = cuda.blockIdx.x * passes
+            gb_first = cuda.blockIdx.y * passes
             gb_end = min(gb_first + passes, n_group_blocks)
             gb_step = 1
         for gb in range(gb_first, gb_end, gb_step):
@@ -430,9 +535,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             for c in range(C):
                 col = min(col0 + c, n_cols - 1)    # columns past N re-read the last row
                 wbase[c] = (w_group + col) * k_dim + VEC * lane
-            for i in range(MT):
-                for c in range(C):
-                    acc[i, c] = ZERO
+            for a in range(MTC):
+                acc[a] = ZERO
             for phase in range(n_phases):
                 j0 = min(j_seg + phase * phase_steps, j_seg_end)
                 j1 = min(j0 + phase_steps, j_seg_end)
@@ -441,25 +545,28 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
                     stage(x, xs, src_sh, inv_sh, norm_w, g, phase, k_dim, k_split_, seg_steps,
                           phase_steps)
                     cuda.syncthreads()  # this phase's rows staged
-                accumulate(xs, w, wbase, acc, wv, ws, lane, seg, j0, j1, vec_steps, k_dim,
+                accumulate(xs, w, wbase, acc, wv, lane, seg, j0, j1, vec_steps, k_dim,
                            k_split_, phase_steps)
-            if SIM_TREE:    # the butterfly's tree through shared memory (simulated shuffles are slow)
+            if TREE:        # the butterfly's tree through shared memory (simulated shuffles are slow)
                 red_base = warp * MTC * RED_ROW
-                for i in range(MT):
-                    for c in range(C):
-                        red[red_base + (i * C + c) * RED_ROW + lane] = acc[i, c]
+                for a in range(MTC):
+                    red[red_base + a * RED_ROW + lane] = acc[a]
                 cuda.syncwarp()  # the warp's partials visible to the lane that reduces each
                 for a in range(lane, MTC, WARP):
                     emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_, a,
                          _tree_sum(red, red_base + a * RED_ROW))
                 cuda.syncwarp()  # red read before the next column group rewrites it
-            else:
-                for i in range(MT):
-                    for c in range(C):
-                        total = warp_sum_f32(acc[i, c])
-                        if lane == (i * C + c) % WARP:
-                            emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_,
-                                 i * C + c, total)
+            else:           # the transposed butterfly: offsets 16, 8, 4, 2, 1
+                xpose_stage(acc, lane, H0, 16)
+                xpose_stage(acc, lane, H1, 8)
+                xpose_stage(acc, lane, H2, 4)
+                xpose_stage(acc, lane, H3, 2)
+                xpose_stage(acc, lane, H4, 1)
+                a0 = owned_element(lane)
+                if a0 >= 0:
+                    for r in range(R_SLOTS):
+                        emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_,
+                             a0 + r, acc[r])
             if k_split_ > 1:
                 cuda.syncthreads()  # every segment's sums in comb
                 if seg == 0:
@@ -477,8 +584,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
         def kernel(x, w, out, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps,
                    phase_steps, vec_steps):
             """out[m] = (residual[m] +) prologue(x[m]) @ w.T. x [M, Kx], w flat [N * K],
-            out / residual [M, N], norm_w [K] (rmsnorm; else unused). Grid (column-group blocks,
-            ceil(M / MT)), dynamic shared xs."""
+            out / residual [M, N], norm_w [K] (rmsnorm; else unused). Grid (ceil(M / MT),
+            column blocks): the row tiles of one column block run together and share its weight
+            rows through L2. Dynamic shared xs."""
             xs = cuda.shared.array(0, float32)
             comb = cuda.shared.array(COMB, float32)
             red = cuda.shared.array(RED, float32)
@@ -497,7 +605,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             """part_val[m, p], part_idx[m, p] = max and lowest argmax over columns
             [p * part_cols, min((p + 1) * part_cols, N)) of prologue(x[m]) @ w.T (the logits
             ``linear`` computes, never stored). x [M, K], w flat [N * K], part_val float32 /
-            part_idx int32 [M, P], norm_w [K] (rmsnorm; else unused). Grid (P, ceil(M / MT))."""
+            part_idx int32 [M, P], norm_w [K] (rmsnorm; else unused). Grid (ceil(M / MT), P)."""
             xs = cuda.shared.array(0, float32)
             comb = cuda.shared.array(COMB, float32)
             red = cuda.shared.array(RED, float32)
@@ -515,10 +623,10 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
             tile(x, w, best_v, best_i, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, 0, 0,
                  n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols)
             tid = cuda.threadIdx.x
-            lane = tid % WARP
-            if lane < MTC:      # lane a ranked element a = i * C + c of its warp's groups
-                cand_v[(tid // WARP) * MTC + lane] = best_v[0]
-                cand_i[(tid // WARP) * MTC + lane] = best_i[0]
+            a = owned_element(tid % WARP)
+            if a >= 0:          # this lane ranked element a = i * C + c of its warp's groups
+                cand_v[(tid // WARP) * MTC + a] = best_v[0]
+                cand_i[(tid // WARP) * MTC + a] = best_i[0]
             cuda.syncthreads()  # every lane's candidate visible to the row's reducer
             if tid < MT and dst_sh[tid] >= 0:
                 value = NEG_INF_F32
@@ -529,20 +637,20 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
                         if outranks(cand_v[slot], cand_i[slot], value, index):
                             value = cand_v[slot]
                             index = cand_i[slot]
-                part_val[dst_sh[tid], cuda.blockIdx.x] = value
-                part_idx[dst_sh[tid], cuda.blockIdx.x] = index
+                part_val[dst_sh[tid], cuda.blockIdx.y] = value
+                part_idx[dst_sh[tid], cuda.blockIdx.y] = index
 
     elif kind == "head":
         @cuda.jit(**options)
         def kernel(x, w, out, n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps):
             """out[m, g] = x[m, g] @ w[g].T. x [M, G, K], w flat [G * N * K], out [M, G, N].
-            Grid (column-group blocks, ceil(M / MT), G)."""
+            Grid (ceil(M / MT), column blocks, G)."""
             xs = cuda.shared.array(0, float32)
             comb = cuda.shared.array(COMB, float32)
             red = cuda.shared.array(RED, float32)
             src_sh = cuda.shared.array(MT, int32)
             dst_sh = cuda.shared.array(MT, int32)
-            row0 = cuda.blockIdx.y * MT
+            row0 = cuda.blockIdx.x * MT
             g = cuda.blockIdx.z
             tid = cuda.threadIdx.x
             if tid < MT:
@@ -559,8 +667,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
                    phase_steps, vec_steps):
             """out[j] = prologue(x[row_index[j]]) @ w[e].T for CSR entries j of expert e.
             x [R, Kx], w flat [E * N * K], out [J, N], row_offsets int32 [E + 1], row_index int32
-            [J]. Grid (column-group blocks, tile slots): slot t is the t-th non-empty MT-row tile
-            in expert order; slots past the last tile exit."""
+            [J]. Grid (tile slots, column blocks): slot t is the t-th non-empty MT-row tile in
+            expert order; slots past the last tile exit."""
             xs = cuda.shared.array(0, float32)
             comb = cuda.shared.array(COMB, float32)
             red = cuda.shared.array(RED, float32)
@@ -575,7 +683,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
                 offs[e] = min(max(row_offsets[e], 0), n_entries)   # clamped: never out of bounds
             cuda.syncthreads()  # offsets staged
             if tid < WARP:     # warp 0: which expert and which of its tiles is this slot?
-                slot = cuda.blockIdx.y
+                slot = cuda.blockIdx.x
                 carry = 0
                 best = NO_SLOT
                 best_tile = NO_SLOT
@@ -615,60 +723,73 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int) -> Any:
     return kernel
 
 
-# --- registration (real signatures: all C-contiguous, and views where the contract allows) ------
+# --- registration (real signatures; the contiguous and view variants are both launched) ---------
 
 _GEOMETRY = (int32, int32, int32, int32, int32, int32)   # n_cols, k_dim, k_split, seg, phase, vec
 
 
-def _linear_sigs() -> tuple:
-    c2, a2, w1 = float32[:, ::1], float32[:, :], float32[::1]
-    return ((c2, w1, c2, c2, w1, float32) + _GEOMETRY,
-            (a2, w1, a2, a2, w1, float32) + _GEOMETRY)
+def _norm_sig(prologue: str) -> Any:
+    """norm_w's type: the norm weight [K], or (no RMSNorm) the weight itself as a placeholder."""
+    return float32[::1] if prologue == "rmsnorm" else float32[:, ::1]
+
+
+def _linear_sigs(prologue: str) -> tuple:
+    c2, a2, nw = float32[:, ::1], float32[:, :], _norm_sig(prologue)
+    return ((c2, c2, c2, c2, nw, float32) + _GEOMETRY,
+            (a2, c2, a2, a2, nw, float32) + _GEOMETRY)
 
 
 def _head_sigs() -> tuple:
-    return ((float32[:, :, ::1], float32[::1], float32[:, :, ::1]) + _GEOMETRY,
-            (float32[:, :, :], float32[::1], float32[:, :, :]) + _GEOMETRY)
+    c3 = float32[:, :, ::1]
+    return ((c3, c3, c3) + _GEOMETRY,
+            (float32[:, :, :], c3, float32[:, :, :]) + _GEOMETRY)
 
 
-def _argmax_sigs() -> tuple:
-    c2, a2, w1, part_i = float32[:, ::1], float32[:, :], float32[::1], int32[:, ::1]
-    return ((c2, w1, c2, part_i, w1, float32) + _GEOMETRY + (int32,),   # + part_cols
-            (a2, w1, c2, part_i, w1, float32) + _GEOMETRY + (int32,))
+def _argmax_sigs(prologue: str) -> tuple:
+    c2, a2, nw, part_i = float32[:, ::1], float32[:, :], _norm_sig(prologue), int32[:, ::1]
+    return ((c2, c2, c2, part_i, nw, float32) + _GEOMETRY + (int32,),   # + part_cols
+            (a2, c2, c2, part_i, nw, float32) + _GEOMETRY + (int32,))
 
 
 def _expert_sigs() -> tuple:
-    return ((float32[:, ::1], float32[::1], float32[:, ::1], int32[::1], int32[::1]) + _GEOMETRY,
-            (float32[:, :], float32[::1], float32[:, :], int32[::1], int32[::1]) + _GEOMETRY)
+    c3, ix = float32[:, :, ::1], int32[::1]
+    return ((float32[:, ::1], c3, float32[:, ::1], ix, ix) + _GEOMETRY,
+            (float32[:, :], c3, float32[:, :], ix, ix) + _GEOMETRY)
+
+
+# The compile check covers every kernel kind at its smallest and largest row tile, with the strided
+# (view) signature: the intermediate tiles are the same source between those register footprints, the
+# contiguous signature is the view's special case, and each specialisation costs 10-25 s of CI time.
+CHECKED_ROW_TILES = (ROW_TILES[0], ROW_TILES[-1])
 
 
 def _register_all() -> None:
     threads = BLOCK_WARPS * WARP
-    for mt in ROW_TILES:
+    for mt in CHECKED_ROW_TILES:
         for prologue in PROLOGUES:
             for residual in (False, True):
                 name = f"linear_{prologue}{'_residual' if residual else ''}_mt{mt}"
-                register(name, get_kernel("linear", prologue, residual, mt), _linear_sigs(),
+                register(name, get_kernel("linear", prologue, residual, mt), _linear_sigs(prologue)[1:],
                          f"batch-invariant x @ w.T, {prologue} prologue"
                          f"{', residual epilogue' if residual else ''}, {mt}-row tiles",
                          block_threads=threads)
         for prologue in ("none", "rmsnorm"):
             register(f"linear_argmax_{prologue}_mt{mt}", get_kernel("argmax", prologue, False, mt),
-                     _argmax_sigs(), f"lm_head x @ w.T ({prologue} prologue) ranked into per-part "
+                     _argmax_sigs(prologue)[1:], f"lm_head x @ w.T ({prologue} prologue) ranked into per-part "
                      f"(max, lowest argmax) per row, logits never stored, {mt}-row tiles",
                      block_threads=threads)
-        register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs(),
+        register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs()[1:],
                  f"batch-invariant per-head x[:, g] @ w[g].T, {mt}-row tiles", block_threads=threads)
         for prologue in ("none", "swiglu"):
             register(f"expert_linear_{prologue}_mt{mt}", get_kernel("expert", prologue, False, mt),
-                     _expert_sigs(), f"batch-invariant MoE expert products over a CSR routing, "
+                     _expert_sigs()[1:], f"batch-invariant MoE expert products over a CSR routing, "
                      f"{prologue} prologue, {mt}-row tiles", block_threads=threads)
 
 
 _register_all()
 
 
-# --- host side -------------------------------------------------------------------------------------
+# --- host side: plans (functions of the shapes, cached) --------------------------------------------
 
 def k_split(k_dim: int) -> int:
     """K segments (warps) per column group: the smallest power of two giving segments of at
@@ -693,95 +814,161 @@ class LinearPlan:
     """Launch geometry of one product (a function of the shapes only; numerics depend on K only).
 
     Attributes:
-        mt: rows per tile; k_split, seg_steps: the K segmentation (from K); phase_steps: steps
-        staged per phase; vec_steps: steps read with 16-byte loads (K // 128 when the weight rows
-        are 16-byte aligned, else 0: scalar loads, same order); threads: block size;
-        grid_x: column-group blocks; shared_bytes: dynamic shared memory.
+        mt: rows per tile; columns: C, columns per warp (:func:`columns`); k_split, seg_steps:
+        the K segmentation (from K); phase_steps: steps staged per phase; vec_steps: steps read
+        with 16-byte loads (K // 128 when the weight rows are 16-byte aligned, else 0: scalar
+        loads, same order); threads: block size; col_blocks: column blocks covering N;
+        shared_bytes: dynamic shared memory.
     """
 
     mt: int
+    columns: int
     k_split: int
     seg_steps: int
     phase_steps: int
     vec_steps: int
     threads: int
-    grid_x: int
+    col_blocks: int
     shared_bytes: int
+
+    @property
+    def one_phase(self) -> bool:
+        """The tile's rows are staged once for every column block (a grid-stride pays)."""
+        return self.phase_steps >= self.seg_steps
 
     def geometry(self, n_cols: int, k_dim: int) -> tuple[int, ...]:
         """The kernels' trailing scalar arguments."""
         return (n_cols, k_dim, self.k_split, self.seg_steps, self.phase_steps, self.vec_steps)
 
 
+@functools.lru_cache(maxsize=1024)
+def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> LinearPlan:
+    mt = row_tile(rows)
+    c = columns(kind, mt)
+    split = k_split(k_dim)
+    total_steps = -(-k_dim // STEP)
+    seg_steps = -(-total_steps // split)
+    phase_steps = max(1, min(seg_steps, XS_BUDGET_BYTES // (4 * mt * split * STEP)))
+    groups = SIM_GROUPS if SIM_TREE else max(1, BLOCK_WARPS // split)
+    col_blocks = -(-(-(-n_cols // c)) // groups)
+    return LinearPlan(mt, c, split, seg_steps, phase_steps, k_dim // STEP if aligned else 0,
+                      groups * split * WARP, col_blocks, 4 * mt * split * phase_steps * STEP)
+
+
 def _address(x: Any) -> int:
+    """The data address: a numba device array's pointer (cheaper than building its
+    ``__cuda_array_interface__``), else the interface's, else a NumPy array's."""
+    pointer = getattr(x, "device_ctypes_pointer", None)
+    if pointer is not None:
+        return pointer.value or 0
     interface = getattr(x, "__cuda_array_interface__", None)
     if interface is not None:
         return int(interface["data"][0])
     return int(x.ctypes.data)
 
 
-def plan_linear(rows: int, n_cols: int, k_dim: int, *, w: Any = None) -> LinearPlan:
+def _aligned(w: Any, k_dim: int) -> bool:
+    """Every weight row starts on 16 bytes (the vector loads' requirement)."""
+    return k_dim % VEC == 0 and _address(w) % (4 * VEC) == 0
+
+
+def plan_linear(rows: int, n_cols: int, k_dim: int, *, w: Any = None,
+                kind: str = "linear") -> LinearPlan:
     """Launch geometry for ``rows`` rows per tile group, N = n_cols, K = k_dim (``w``: the weight,
-    for the 16-byte alignment check)."""
-    mt = row_tile(rows)
-    split = k_split(k_dim)
-    total_steps = -(-k_dim // STEP)
-    seg_steps = -(-total_steps // split)
-    phase_steps = max(1, min(seg_steps, XS_BUDGET_BYTES // (4 * mt * split * STEP)))
-    aligned = k_dim % VEC == 0 and (w is None or _address(w) % (4 * VEC) == 0)
-    vec_steps = k_dim // STEP if aligned else 0
-    groups = SIM_GROUPS if cuda.config.ENABLE_CUDASIM else max(1, BLOCK_WARPS // split)
-    n_groups = -(-n_cols // COLUMNS)
-    grid_x = SIM_GRID_X if cuda.config.ENABLE_CUDASIM else -(-n_groups // groups)
-    return LinearPlan(mt, split, seg_steps, phase_steps, vec_steps, groups * split * WARP,
-                      max(1, grid_x), 4 * mt * split * phase_steps * STEP)
+    for the 16-byte alignment check; ``kind`` as :func:`get_kernel`)."""
+    return _plan(kind, rows, n_cols, k_dim, k_dim % VEC == 0 if w is None else _aligned(w, k_dim))
 
 
-# --- argument checks -------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1024)
+def _grid_cols(plan: LinearPlan, blocks_per_col: int) -> int:
+    """Column blocks launched along grid y. One phase: about PERSIST_BLOCKS_PER_SM blocks per SM
+    in all, each looping over column blocks with its rows staged once (M = 1: a 132-block grid
+    streams W without a tail wave); else one block per column block (each restages anyway).
+    ``blocks_per_col``: the blocks along x and z (row tiles x groups)."""
+    if SIM_TREE:
+        return SIM_GRID_COLS
+    cols = plan.col_blocks
+    if plan.one_phase:
+        resident = PERSIST_BLOCKS_PER_SM * active_profile().sm_count
+        cols = min(cols, max(1, -(-resident // blocks_per_col)))
+    return min(cols, MAX_GRID_Y)
+
+
+@functools.lru_cache(maxsize=4096)
+def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_dim: int,
+           aligned: bool, tiles: int, groups: int = 1, grid_y: int = 0) -> tuple:
+    """(kernel, grid, threads, shared bytes, geometry) of one launch shape, its configuration
+    checked once against the device profile (sim.launch.check_launch). ``tiles``: blocks along
+    x (row tiles or expert slots); ``groups``: along z; ``grid_y``: 0 for the column blocks of
+    :func:`_grid_cols`, else that many (the argmax parts)."""
+    plan = _plan(kind, rows, n_cols, k_dim, aligned)
+    grid = (tiles, grid_y or _grid_cols(plan, tiles * groups), groups)
+    check_launch(grid, plan.threads, plan.shared_bytes)
+    return (get_kernel(kind, prologue, residual, plan.mt), grid, plan.threads, plan.shared_bytes,
+            plan.geometry(n_cols, k_dim))
+
+
+# --- argument checks (shapes, dtypes and strides read once per call) -------------------------------
 
 def _f32(x: Any, name: str, ndim: int) -> Any:
-    """A float32 array of rank ndim with unit inner stride (views allowed)."""
-    x = as_kernel_array(x, name)
-    if np.dtype(x.dtype) != np.float32:
+    """A float32 array of rank ndim with unit inner stride (views allowed), no dimension over
+    2**30 (the kernels' int32 geometry)."""
+    if not (isinstance(x, np.ndarray) or is_device_array(x)):
+        x = as_kernel_array(x, name)
+    if x.dtype != F32:
         raise TypeError(f"{name} must have dtype float32, got {np.dtype(x.dtype).name}")
-    shape, strides = tuple(x.shape), tuple(x.strides)
+    shape, strides = tuple(x.shape), tuple(x.strides)   # the simulator's shape has no [-1]
     if len(shape) != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {shape}")
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(shape)}")
     if shape[-1] > 1 and strides[-1] != 4:
         raise ValueError(f"{name} must have a unit inner stride (a view of whole rows or a "
-                         f"column slice), got strides {strides}")
-    if any(s < 0 for s in strides):
+                         f"column slice), got strides {tuple(strides)}")
+    if min(strides) < 0:
         raise ValueError(f"{name} must not have negative strides")
+    if max(shape) > MAX_DIM:
+        raise ValueError(f"{name} is too large (a dimension over 2**30)")
     return x
 
 
 def _weight(w: Any, ndim: int) -> Any:
-    """w float32, rank ndim, C-contiguous, K >= 1."""
+    """w float32, rank ndim, C-contiguous, N >= 1 and K >= 1."""
     w = _f32(w, "w", ndim)
     if not is_c_contiguous(w):
         raise ValueError("w must be C-contiguous")
-    if tuple(w.shape)[-1] < 1 or tuple(w.shape)[-2] < 1:
+    if min(tuple(w.shape)[ndim - 2:]) < 1:
         raise ValueError(f"w must have N >= 1 and K >= 1, got shape {tuple(w.shape)}")
     return w
 
 
 def _check_out(out: Any, name: str, shape: tuple[int, ...]) -> Any:
     out = _f32(out, name, len(shape))
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(out.shape)}")
     return out
 
 
-def _check_stride_limits(*arrays: tuple[Any, str]) -> None:
-    """Element counts and offsets fit the kernels' int32 geometry and int64 indices."""
-    for x, name in arrays:
-        if x.size and max(x.shape) > np.iinfo(np.int32).max // 2:
-            raise ValueError(f"{name} is too large (a dimension over 2**30)")
+def _check_prologue_args(x: Any, k_dim: int, swiglu: Any, norm_weight: Any) -> tuple[str, Any]:
+    """(prologue, norm_weight or None) after the checks of x's width, swiglu and norm_weight."""
+    if swiglu is not True and swiglu is not False:
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    if norm_weight is not None and swiglu:
+        raise ValueError("norm_weight and swiglu cannot be combined (one prologue)")
+    want = 2 * k_dim if swiglu else k_dim
+    if x.shape[1] != want:
+        raise ValueError(f"x must have {want} columns ({'2K, swiglu' if swiglu else 'K'} with "
+                         f"K = {k_dim} from w), got shape {tuple(x.shape)}")
+    if norm_weight is None:
+        return ("swiglu" if swiglu else "none"), None
+    norm = _f32(norm_weight, "norm_weight", 1)
+    if tuple(norm.shape) != (k_dim,):
+        raise ValueError(f"norm_weight must have shape ({k_dim},), got {tuple(norm.shape)}")
+    return "rmsnorm", norm
 
 
-def _flat(w: Any) -> Any:
-    """A 1-D view of a C-contiguous weight."""
-    return w.reshape(int(np.prod(w.shape, dtype=np.int64)))
+def _kernel_weight(w: Any) -> Any:
+    """The weight as the kernels take it: as is on a GPU (flat addressing through the data
+    pointer), a flat view under the simulator (plain element reads)."""
+    return w.reshape(w.size) if SIM_TREE else w
 
 
 def _check_eps(eps: Any) -> np.float32:
@@ -790,6 +977,10 @@ def _check_eps(eps: Any) -> np.float32:
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return np.float32(eps)
+
+
+def _stream(stream: Any) -> Any:
+    return 0 if stream is None else stream
 
 
 # --- host wrappers ---------------------------------------------------------------------------------
@@ -821,34 +1012,21 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
     w = _weight(w, 2)
     n_cols, k_dim = w.shape
     m_rows = x.shape[0]
-    if not isinstance(swiglu, bool):
-        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
-    if norm_weight is not None and swiglu:
-        raise ValueError("norm_weight and swiglu cannot be combined (one prologue)")
-    want = 2 * k_dim if swiglu else k_dim
-    if x.shape[1] != want:
-        raise ValueError(f"x must have {want} columns ({'2K, swiglu' if swiglu else 'K'} with "
-                         f"K = {k_dim} from w), got shape {tuple(x.shape)}")
+    prologue, norm = _check_prologue_args(x, k_dim, swiglu, norm_weight)
     out = _check_out(out, "out", (m_rows, n_cols))
     eps32 = _check_eps(eps)
-    prologue = "swiglu" if swiglu else "none"
-    norm = None
-    if norm_weight is not None:
-        norm = _f32(norm_weight, "norm_weight", 1)
-        if tuple(norm.shape) != (k_dim,):
-            raise ValueError(f"norm_weight must have shape ({k_dim},), got {tuple(norm.shape)}")
-        prologue = "rmsnorm"
     if residual is not None:
         residual = _check_out(residual, "residual", (m_rows, n_cols))
-    _check_stride_limits((x, "x"), (w, "w"), (out, "out"))
     if m_rows == 0:
         return out
-    plan = plan_linear(m_rows, n_cols, k_dim, w=w)
-    kernel = get_kernel("linear", prologue, residual is not None, plan.mt)
-    w_flat = _flat(w)
-    launch(kernel, (plan.grid_x, -(-m_rows // plan.mt)), plan.threads, stream, plan.shared_bytes,
-           x, w_flat, out, out if residual is None else residual, w_flat if norm is None else norm,
-           eps32, *plan.geometry(n_cols, k_dim))
+    mt = row_tile(m_rows)
+    kernel, grid, threads, smem, geometry = _setup(
+        "linear", prologue, residual is not None, mt, n_cols, k_dim, _aligned(w, k_dim),
+        -(-m_rows // mt))
+    w_k = _kernel_weight(w)
+    kernel[grid, threads, _stream(stream), smem](
+        x, w_k, out, out if residual is None else residual, w_k if norm is None else norm, eps32,
+        *geometry)
     return out
 
 
@@ -872,13 +1050,12 @@ def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
         raise ValueError(f"x must have shape (M, {groups}, {k_dim}) (G and K from w), got "
                          f"{tuple(x.shape)}")
     out = _check_out(out, "out", (m_rows, groups, n_cols))
-    _check_stride_limits((x, "x"), (w, "w"), (out, "out"))
     if m_rows == 0 or groups == 0:
         return out
-    plan = plan_linear(m_rows, n_cols, k_dim, w=w)
-    kernel = get_kernel("head", "none", False, plan.mt)
-    launch(kernel, (plan.grid_x, -(-m_rows // plan.mt), groups), plan.threads, stream,
-           plan.shared_bytes, x, _flat(w), out, *plan.geometry(n_cols, k_dim))
+    mt = row_tile(m_rows)
+    kernel, grid, threads, smem, geometry = _setup(
+        "head", "none", False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), groups)
+    kernel[grid, threads, _stream(stream), smem](x, _kernel_weight(w), out, *geometry)
     return out
 
 
@@ -886,6 +1063,32 @@ def expert_slots(entries: int, experts: int, mt: int) -> int:
     """Tile slots launched for ``entries`` CSR entries over ``experts`` groups: an upper bound of
     sum_e ceil(count_e / mt) (each non-empty expert wastes at most one partial tile)."""
     return -(-entries // mt) + min(experts, entries)
+
+
+def _check_routing(row_offsets: Any, row_index: Any, experts: int, entries: int,
+                   x_rows: int) -> tuple[Any, Any]:
+    """row_offsets int32 [E + 1] and row_index int32 [J], contiguous; their values are checked
+    only when they are host arrays (device values are never read: graph-capturable)."""
+    row_offsets = as_kernel_array(row_offsets, "row_offsets")
+    if row_offsets.dtype != I32:
+        raise TypeError(f"row_offsets must have dtype int32, got {np.dtype(row_offsets.dtype).name}")
+    if tuple(row_offsets.shape) != (experts + 1,) or not is_c_contiguous(row_offsets):
+        raise ValueError(f"row_offsets must be a contiguous ({experts + 1},) array, got shape "
+                         f"{tuple(row_offsets.shape)}")
+    row_index = as_kernel_array(row_index, "row_index")
+    if row_index.dtype != I32:
+        raise TypeError(f"row_index must have dtype int32, got {np.dtype(row_index.dtype).name}")
+    if tuple(row_index.shape) != (entries,) or not is_c_contiguous(row_index):
+        raise ValueError(f"row_index must be a contiguous ({entries},) array (J from out), got "
+                         f"shape {tuple(row_index.shape)}")
+    if isinstance(row_offsets, np.ndarray):
+        if row_offsets[0] < 0 or row_offsets[-1] > entries or np.any(np.diff(row_offsets) < 0):
+            raise ValueError(f"row_offsets must be non-decreasing within [0, {entries}]")
+        if isinstance(row_index, np.ndarray):
+            used = row_index[row_offsets[0]:row_offsets[-1]]
+            if used.size and (used.min() < 0 or used.max() >= x_rows):
+                raise ValueError(f"row_index must be in [0, {x_rows}) on routed entries")
+    return row_offsets, row_index
 
 
 def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
@@ -912,45 +1115,23 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
     x = _f32(x, "x", 2)
     w = _weight(w, 3)
     experts, n_cols, k_dim = w.shape
-    if not isinstance(swiglu, bool):
-        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
     if experts > MAX_EXPERTS:
         raise ValueError(f"w has {experts} experts, at most {MAX_EXPERTS} are supported")
-    want = 2 * k_dim if swiglu else k_dim
-    if x.shape[1] != want:
-        raise ValueError(f"x must have {want} columns ({'2K, swiglu' if swiglu else 'K'} with "
-                         f"K = {k_dim} from w), got shape {tuple(x.shape)}")
+    prologue, _ = _check_prologue_args(x, k_dim, swiglu, None)
     out = _f32(out, "out", 2)
     if out.shape[1] != n_cols:
         raise ValueError(f"out must have shape (J, {n_cols}) (N from w), got {tuple(out.shape)}")
     entries = out.shape[0]
-    row_offsets = as_kernel_array(row_offsets, "row_offsets")
-    if np.dtype(row_offsets.dtype) != np.int32:
-        raise TypeError(f"row_offsets must have dtype int32, got {np.dtype(row_offsets.dtype).name}")
-    if tuple(row_offsets.shape) != (experts + 1,) or not is_c_contiguous(row_offsets):
-        raise ValueError(f"row_offsets must be a contiguous ({experts + 1},) array, got shape "
-                         f"{tuple(row_offsets.shape)}")
-    row_index = as_kernel_array(row_index, "row_index")
-    if np.dtype(row_index.dtype) != np.int32:
-        raise TypeError(f"row_index must have dtype int32, got {np.dtype(row_index.dtype).name}")
-    if tuple(row_index.shape) != (entries,) or not is_c_contiguous(row_index):
-        raise ValueError(f"row_index must be a contiguous ({entries},) array (J from out), got "
-                         f"shape {tuple(row_index.shape)}")
-    if isinstance(row_offsets, np.ndarray):
-        if row_offsets[0] < 0 or row_offsets[-1] > entries or np.any(np.diff(row_offsets) < 0):
-            raise ValueError(f"row_offsets must be non-decreasing within [0, {entries}]")
-        if isinstance(row_index, np.ndarray):
-            used = row_index[row_offsets[0]:row_offsets[-1]]
-            if used.size and (used.min() < 0 or used.max() >= x.shape[0]):
-                raise ValueError(f"row_index must be in [0, {x.shape[0]}) on routed entries")
-    _check_stride_limits((x, "x"), (w, "w"), (out, "out"))
+    row_offsets, row_index = _check_routing(row_offsets, row_index, experts, entries, x.shape[0])
     if entries == 0 or x.shape[0] == 0:
         return out
-    plan = plan_linear(min(x.shape[0], entries), n_cols, k_dim, w=w)
-    kernel = get_kernel("expert", "swiglu" if swiglu else "none", False, plan.mt)
-    launch(kernel, (plan.grid_x, expert_slots(entries, experts, plan.mt)), plan.threads, stream,
-           plan.shared_bytes, x, _flat(w), out, row_offsets, row_index,
-           *plan.geometry(n_cols, k_dim))
+    rows = min(x.shape[0], entries)
+    mt = row_tile(rows)
+    kernel, grid, threads, smem, geometry = _setup(
+        "expert", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim),
+        expert_slots(entries, experts, mt))
+    kernel[grid, threads, _stream(stream), smem](x, _kernel_weight(w), out, row_offsets,
+                                                  row_index, *geometry)
     return out
 
 
@@ -964,21 +1145,42 @@ def _check_n_cols(n_cols: Any) -> int:
     return int(n_cols)
 
 
-def argmax_part_cols(n_cols: int) -> int:
-    """Columns per part of :func:`linear_argmax` for N = n_cols (the last part may be shorter):
-    about N / P for P = min(TARGET_PARTS, ceil(N / MIN_PART_COLS)) parts, rounded up to a
-    multiple of PART_ALIGN (whole column-group passes of every block shape).
-    A function of N only (and of the build: GPU or simulator)."""
-    n_cols = _check_n_cols(n_cols)
+@functools.lru_cache(maxsize=256)
+def _part_cols(n_cols: int) -> int:
     parts = max(1, min(TARGET_PARTS, -(-n_cols // MIN_PART_COLS)))
     width = -(-n_cols // parts)
     return -(-width // PART_ALIGN) * PART_ALIGN
 
 
+def argmax_part_cols(n_cols: int) -> int:
+    """Columns per part of :func:`linear_argmax` for N = n_cols (the last part may be shorter):
+    about N / P for P = min(TARGET_PARTS, ceil(N / MIN_PART_COLS)) parts, rounded up to a
+    multiple of PART_ALIGN (whole column-group passes of every block shape).
+    A function of N only (and of the build: GPU or simulator)."""
+    return _part_cols(_check_n_cols(n_cols))
+
+
 def argmax_parts(n_cols: int) -> int:
     """P, the parts (column blocks) per row of :func:`linear_argmax` for N = n_cols: the width of
     its ``part_val`` / ``part_idx`` buffers. 95 for V = 163840 on a GPU."""
-    return -(-_check_n_cols(n_cols) // argmax_part_cols(n_cols))
+    n_cols = _check_n_cols(n_cols)
+    return -(-n_cols // _part_cols(n_cols))
+
+
+def _check_parts(a: Any, name: str, dtype: np.dtype, shape: tuple[int, int], n_cols: int) -> Any:
+    """A C-contiguous [M, P] part buffer of ``dtype``."""
+    if not (isinstance(a, np.ndarray) or is_device_array(a)):
+        a = as_kernel_array(a, name)
+    if a.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype.name}, got {np.dtype(a.dtype).name}")
+    if len(a.shape) != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(a.shape)}")
+    if not is_c_contiguous(a):
+        raise ValueError(f"{name} must be C-contiguous")
+    if tuple(a.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} (M, argmax_parts(N = {n_cols})), got "
+                         f"{tuple(a.shape)}")
+    return a
 
 
 def linear_argmax(x: Any, w: Any, part_val: Any, part_idx: Any, *, norm_weight: Any = None,
@@ -1015,30 +1217,19 @@ def linear_argmax(x: Any, w: Any, part_val: Any, part_idx: Any, *, norm_weight: 
     m_rows = x.shape[0]
     if x.shape[1] != k_dim:
         raise ValueError(f"x must have {k_dim} columns (K from w), got shape {tuple(x.shape)}")
-    n_parts = argmax_parts(n_cols)
-    part_val = check_array(part_val, "part_val", (np.float32,), 2)
-    if tuple(part_val.shape) != (m_rows, n_parts):
-        raise ValueError(f"part_val must have shape ({m_rows}, {n_parts}) (M, argmax_parts(N = "
-                         f"{n_cols})), got {tuple(part_val.shape)}")
-    part_idx = check_array(part_idx, "part_idx", (np.int32,), 2)
-    if tuple(part_idx.shape) != (m_rows, n_parts):
-        raise ValueError(f"part_idx must have shape ({m_rows}, {n_parts}) (M, argmax_parts(N = "
-                         f"{n_cols})), got {tuple(part_idx.shape)}")
+    n_parts = -(-n_cols // _part_cols(n_cols))
+    part_val = _check_parts(part_val, "part_val", F32, (m_rows, n_parts), n_cols)
+    part_idx = _check_parts(part_idx, "part_idx", I32, (m_rows, n_parts), n_cols)
     eps32 = _check_eps(eps)
-    prologue = "none"
-    norm = None
-    if norm_weight is not None:
-        norm = _f32(norm_weight, "norm_weight", 1)
-        if tuple(norm.shape) != (k_dim,):
-            raise ValueError(f"norm_weight must have shape ({k_dim},), got {tuple(norm.shape)}")
-        prologue = "rmsnorm"
-    _check_stride_limits((x, "x"), (w, "w"))
+    prologue, norm = _check_prologue_args(x, k_dim, False, norm_weight)
     if m_rows == 0:
         return part_val, part_idx
-    plan = plan_linear(m_rows, n_cols, k_dim, w=w)
-    kernel = get_kernel("argmax", prologue, False, plan.mt)
-    w_flat = _flat(w)
-    launch(kernel, (n_parts, -(-m_rows // plan.mt)), plan.threads, stream, plan.shared_bytes,
-           x, w_flat, part_val, part_idx, w_flat if norm is None else norm, eps32,
-           *plan.geometry(n_cols, k_dim), argmax_part_cols(n_cols))
+    mt = row_tile(m_rows)
+    kernel, grid, threads, smem, geometry = _setup(
+        "argmax", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), 1,
+        n_parts)
+    w_k = _kernel_weight(w)
+    kernel[grid, threads, _stream(stream), smem](
+        x, w_k, part_val, part_idx, w_k if norm is None else norm, eps32, *geometry,
+        _part_cols(n_cols))
     return part_val, part_idx
