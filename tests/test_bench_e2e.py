@@ -11,9 +11,11 @@ from ddtree_numba.bench import e2e, sweep
 
 @dataclass
 class FakeResult:
+    """The fields of engine.decode.GenerateResult that the e2e sweep reads."""
+
     tokens: list
     forward_passes: int
-    acceptance_lengths: list
+    mean_acceptance: float
 
 
 class FakeEngine:
@@ -38,7 +40,7 @@ class FakeEngine:
         assert len(prompts) == model["batch"] and temperature == 0.0 and stop_tokens == ()
         self.calls.append(("ar", max_new_tokens))
         tokens = [[(int(p.sum()) + i) % self.vocab for i in range(max_new_tokens)] for p in prompts]
-        return FakeResult(tokens, max_new_tokens + 1, [])
+        return FakeResult(tokens, max_new_tokens + 1, 1.0)
 
     def generate_ddtree(self, model, drafter, prompts, *, budget, block_size, max_new_tokens, temperature,
                         seed, stop_tokens):
@@ -51,7 +53,7 @@ class FakeEngine:
             tokens[0][0] += 1
         tau = 1.0 + drafter["accuracy"] * drafter["horizon"]
         rounds = int(np.ceil(n / tau))
-        return FakeResult(tokens, rounds + 1, [[tau] * rounds for _ in prompts])
+        return FakeResult(tokens, rounds + 1, tau)
 
 
 @dataclass

@@ -70,7 +70,7 @@ class Engine:
     - ``generate_ddtree(model, drafter, prompts, *, budget, block_size, max_new_tokens, temperature,
       seed, stop_tokens)`` -> result
     A result has ``tokens`` (per request, host sequences) and ``forward_passes`` (int), and
-    optionally ``acceptance_lengths`` (per round per request).
+    ``mean_acceptance`` (tau over the (request, round) pairs).
     """
 
     make_model: Callable
@@ -115,10 +115,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def _metrics(result: Any, wall_s: float) -> dict[str, float]:
     """tokens/s over the wall time, forward passes and mean acceptance of one generate result."""
     tokens = sum(len(t) for t in result.tokens)
-    lengths = getattr(result, "acceptance_lengths", None)
-    flat = [float(x) for rounds in lengths for x in np.ravel(rounds)] if lengths is not None else []
     return {"tokens": float(tokens), "tokens_per_s": tokens / wall_s, "forward_passes": float(result.forward_passes),
-            "mean_acceptance": float(np.mean(flat)) if flat else float("nan")}
+            "mean_acceptance": float(result.mean_acceptance)}
 
 
 def run_e2e(grid: E2EGrid, engine: Engine, config: Any, weights: Any,

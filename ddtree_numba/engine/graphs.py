@@ -13,9 +13,11 @@ capture and each replay costs ~1-3 µs per kernel.
 1. :meth:`StepGraph.warm_up` runs it eagerly once (compiles and loads every kernel, runs every
    host check; a capture must not trigger either);
 2. :meth:`StepGraph.capture` records it into a graph (nothing executes) under
-   ``thread_local`` capture mode, so an implicit synchronisation, a synchronous copy or an
-   allocation inside the step fails the capture instead of being recorded silently, with numba's
-   deallocations deferred (a ``cuMemFree`` would be such a call);
+   ``thread_local`` capture mode, with numba's deallocations deferred (a ``cuMemFree`` would be
+   an unsafe call). CUDA rejects unsafe calls on the capturing stream, but NOT a synchronous copy
+   on the legacy default stream (on the H200 a ``copy_to_host()`` inside the step was neither
+   rejected nor recorded): the engine's steps never copy to the host, and the no-allocation tests
+   check that, so keep step functions free of host copies;
 3. :meth:`StepGraph.replay` launches the graph on the stream (capturing first if needed).
 
 Under the numba-cuda simulator (no graphs) or with ``enabled=False``, :meth:`replay` just calls
