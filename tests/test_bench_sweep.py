@@ -174,7 +174,8 @@ def test_run_sweeps_writes_one_group_per_sweep_with_provenance(tmp_path):
     assert list(done) == ["topk", "tree_build", "accept_compact"]
     assert list(done["topk"]["dtype"].values) == ["fp32"]  # the tree build's own top-k sweep
     with xr.open_datatree(out, engine="h5netcdf") as tree:
-        assert sorted(tree.children) == ["sweep_accept_compact", "sweep_topk", "sweep_tree_build"]
+        # the tree build's own fp32 top-k stays inside its Dataset: no second sweep_topk group
+        assert sorted(tree.children) == ["sweep_accept_compact", "sweep_tree_build"]
         (name,) = tree["sweep_tree_build"].children
         ds = tree[f"sweep_tree_build/{name}"].to_dataset()
         for key in ("git_sha", "gpu", "driver", "cuda_driver_api", "packages", "date", "command", "grid"):
