@@ -82,7 +82,7 @@ def _emulate(inp, w):
 @pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
 @pytest.mark.parametrize("m_rows,n_cols,k_dim", [(3, 5, 300), (2, 4, 2100), (1, 3, 126), (9, 11, 300)])
 def test_reduction_order_is_the_documented_one(m_rows, n_cols, k_dim):
-    """(9, 11, 300): two 8-row tiles of the 8 x 8 register tile, N not a multiple of C."""
+    """(9, 11, 300): two 8-row tiles of the 8 x 4 register tile, N not a multiple of C."""
     x, w = _rand(m_rows, k_dim), _rand(n_cols, k_dim)
     np.testing.assert_array_equal(_run_linear(x, w), _emulate(x, w))
 
@@ -103,7 +103,7 @@ def _shuffle_linear(x, w, kind_prologue="none"):
 @pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
 @pytest.mark.parametrize("m_rows,n_cols,k_dim", [(9, 11, 300), (1, 5, 260), (3, 6, 2100), (2, 3, 40)])
 def test_shuffle_butterfly_gives_the_tree_bits(m_rows, n_cols, k_dim):
-    """The GPU's transposed butterfly (MT x C partials traded across lanes: 64 with the 8 x 8
+    """The GPU's transposed butterfly (MT x C partials traded across lanes: 32 with the 8 x 4
     tile, 4 with one row) sums the same pairs as the shared-memory tree: the same bits, every
     element stored once (poisoned output). (3, 6, 2100): two K segments, the combine path."""
     rng = np.random.default_rng(m_rows * 1000 + k_dim)
@@ -295,11 +295,9 @@ def test_bad_input_names_the_argument_and_writes_nothing(case, exc, name):
 
 
 def test_columns_and_cached_plans():
-    """The 8-row tile is 8 x 8 (argmax keeps 4 columns); plans are cached per shape."""
-    assert [lin.columns("linear", mt) for mt in lin.ROW_TILES] == [4, 4, 4, 8]
-    assert lin.columns("argmax", 8) == 4 and lin.columns("expert", 8) == 8
+    """Every tile is MT x 4 columns; plans are cached per shape."""
     assert lin.plan_linear(1056, 32768, 2048) is lin.plan_linear(1056, 32768, 2048)
-    assert lin.plan_linear(1056, 32768, 2048).columns == 8
+    assert lin.plan_linear(1056, 32768, 2048).columns == lin.COLUMNS == 4
     assert lin.plan_linear(1056, 32768, 2048, kind="argmax").columns == 4
 
 

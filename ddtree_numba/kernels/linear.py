@@ -18,8 +18,8 @@ Numerics: one reduction order per K, whatever shares the launch.
 
 Work layout (limits §3, §7).
     A block computes an ``MT x (C * groups)`` output tile: MT rows (compile-time row tile, 1 to
-    8) by column groups of C adjacent columns (C = 8 for the 8-row tile, else 4:
-    :func:`columns`), one column group per ``k_split`` warps (one warp per K segment). Grid:
+    8) by column groups of C = 4 adjacent columns (``COLUMNS``), one column group per
+    ``k_split`` warps (one warp per K segment). Grid:
     (row tiles, column blocks[, heads]): blockIdx.x, the fastest, is the row tile, so the row
     tiles of one column block run side by side and its weight rows come from HBM once and from
     L2 for the others (column-fastest, a 1056-row launch streamed W 132 times). The MT input
@@ -118,8 +118,10 @@ MAX_K_SPLIT = 8              # K segments (one warp each) per column group, at m
 BLOCK_WARPS = MAX_K_SPLIT    # warps per block on a GPU (k_split divides it)
 SIM_GROUPS = 1               # column groups per block under the simulator (threads are costly)
 SIM_GRID_COLS = 1            # column-group blocks under the simulator (grid-stride loop)
-COLUMNS = 4                  # C: adjacent output columns per warp (16 FMAs per staged float4)
-WIDE_COLUMNS = 8             # C of the 8-row tile (8 x 8 accumulators; not for argmax)
+# C: adjacent output columns per warp (16 FMAs per staged float4). An 8 x 8 tile for the 8-row
+# kernels (measured on the H200 at 13-15 TFLOP/s for M >= 64, run 18774bc) spills 128-188 B on
+# sm_120 at the 255-register cap, so every tile keeps 4 columns.
+COLUMNS = 4
 ROW_TILES = (1, 2, 4, 8)     # 16 rows: LLVM leaves the row loop rolled, acc goes to local memory
 MAX_ROW_TILE = ROW_TILES[-1]
 XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
@@ -144,13 +146,6 @@ ONE = np.float32(1.0)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 MAX_DIM = np.iinfo(np.int32).max // 2   # int32 geometry with room for offsets
-
-
-def columns(kind: str, mt: int) -> int:
-    """C, the adjacent output columns per warp: 8 for the 8-row tile (64 accumulators per lane,
-    so each staged float4 feeds 32 FMAs and each weight float4 8 rows x 4), else 4. The argmax
-    kind keeps 4 (one ranked element per lane). C never changes the order of a reduction."""
-    return WIDE_COLUMNS if mt == MAX_ROW_TILE and kind != "argmax" else COLUMNS
 
 
 def _unroll(mt: int, c: int) -> int:
@@ -286,7 +281,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *,
             (kind == "argmax" and (prologue == "swiglu" or residual)):
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, residual={residual}")
     MT = mt
-    C = columns(kind, mt)
+    C = COLUMNS
     U = _unroll(mt, C)
     MTC = MT * C
     RMS = prologue == "rmsnorm"
@@ -844,7 +839,7 @@ class LinearPlan:
 @functools.lru_cache(maxsize=1024)
 def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> LinearPlan:
     mt = row_tile(rows)
-    c = columns(kind, mt)
+    c = COLUMNS
     split = k_split(k_dim)
     total_steps = -(-k_dim // STEP)
     seg_steps = -(-total_steps // split)
