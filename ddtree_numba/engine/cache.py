@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda, int32
 
 from ddtree_numba.config import ModelConfig
-from ddtree_numba.kernels.accept import check_array, check_shape, host_values
+from ddtree_numba.kernels._args import check_array, check_shape, host_values
 from ddtree_numba.kernels.registry import register
 from sim.launch import launch
 

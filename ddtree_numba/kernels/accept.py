@@ -40,10 +40,7 @@ from numba import cuda, float32, float64, int32, int64, uint64
 
 from sim.launch import launch
 
-# as_kernel_array, is_c_contiguous, is_device_array: re-exported (.compact, .linear, .model_ops and
-# engine.cache import the array checks from here)
-from ._args import (as_kernel_array, check_array, check_shape, host_values,  # noqa: F401
-                    is_c_contiguous, is_device_array)
+from ._args import check_array, check_shape, host_values
 from .registry import register
 from .warp import warp_argmax_f32, warp_argmax_f64, warp_min_i32
 

@@ -30,8 +30,8 @@ from numba import cuda, int32, int64, uint8, uint16, uint32, uint64
 
 from sim.launch import launch
 
-from .accept import (as_kernel_array, check_array, check_shape, check_threads, host_values,
-                     is_c_contiguous)
+from ._args import as_kernel_array, check_array, check_shape, host_values, is_c_contiguous
+from .accept import check_threads
 from .registry import register
 
 __all__ = [

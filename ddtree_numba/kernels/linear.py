@@ -85,8 +85,8 @@ from numba import cuda, float32, int32, int64, types, uint64
 from sim.launch import check_launch
 from sim.profiles import active_profile
 
-from .accept import (NEG_INF_F32, NO_INDEX, as_kernel_array, is_c_contiguous,
-                     is_device_array, outranks)
+from ._args import as_kernel_array, is_c_contiguous, is_device_array
+from .accept import NEG_INF_F32, NO_INDEX, outranks
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_min_i32, warp_sum_f32
 

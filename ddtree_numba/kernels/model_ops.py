@@ -53,7 +53,7 @@ from reference.model import rope_cos_sin
 from sim.install import simulator_active
 from sim.launch import launch
 
-from .accept import as_kernel_array, check_array, check_shape, host_values
+from ._args import as_kernel_array, check_array, check_shape, host_values
 from .registry import register
 from .warp import warp_inclusive_scan_i32
 
