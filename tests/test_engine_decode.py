@@ -565,14 +565,15 @@ def test_gpu_no_device_allocation_inside_the_loop(small_model, monkeypatch):
     config, model = small_model
     prompts = _small_prompts(4, 8, config.vocab_size)
     ar = generate_ar(model, prompts, max_new_tokens=16)
-    drafter = OracleDrafter(reference_matrix(ar.tokens, 16), config.vocab_size, 7, accuracy=0.8)
+    sampled = generate_ar(model, prompts, max_new_tokens=16, temperature=0.7)  # what the sampled tree must give
+    drafter = OracleDrafter(reference_matrix(sampled.tokens, 16), config.vocab_size, 7, accuracy=0.8)
     calls: list[str] = []
     _guard_loop(monkeypatch, calls)
     tree = generate_ddtree(model, drafter, prompts, budget=32, block_size=8, max_new_tokens=16, temperature=0.7)
     replayed = generate_ar(model, prompts, max_new_tokens=16, graphs=True)  # capture + replays guarded too
     eager = generate_ar(model, prompts, max_new_tokens=4, graphs=False)
     assert calls == [] and tree.rounds >= 2 and tree.graphs and replayed.graphs and not eager.graphs
-    assert replayed.tokens == ar.tokens and tree.tokens == ar.tokens
+    assert replayed.tokens == ar.tokens and tree.tokens == sampled.tokens
 
 
 @pytest.mark.gpu

@@ -564,8 +564,12 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *,
                              a0 + r, acc[r])
             if k_split_ > 1:
                 cuda.syncthreads()  # every segment's sums in comb
-                if seg == 0:
-                    for a in range(lane, MTC, WARP):
+                # Element a is combined by the lane that owns it after the butterfly
+                # (owned_element), so an argmax lane ranks the same element on every pass.
+                a0 = owned_element(lane)
+                if seg == 0 and a0 >= 0:
+                    for r in range(R_SLOTS):
+                        a = a0 + r
                         total = comb[uint64(warp * MTC + a)]
                         for s in range(1, k_split_):   # segment order
                             total += comb[uint64((warp + s) * MTC + a)]
