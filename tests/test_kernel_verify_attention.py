@@ -16,6 +16,7 @@ run Kimi K2 shapes (H = 64, Dl = 512, Dr = 64) on the H200.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -319,6 +320,21 @@ def test_tree_node_equals_decode_of_its_path(cfg, heads, past_lens, sizes, split
     assert _same_bits(tree_out, dec_out[:, 0]) and _same_bits(tree_lse, dec_lse[:, 0])
 
 
+@pytest.mark.parametrize("layout", [
+    dict(heads=4), dict(merge_heads=2), dict(heads=4, merge_heads=4),
+    dict(heads=4, qk_rows=1, pv_dims=1),        # 128 threads: other score and value tiles
+])
+def test_tile_and_merge_heads_are_layout_not_numerics(layout):
+    """Heads per attention tile and per merge block, and the per-thread tiles, move work
+    between threads and blocks, never change a bit (what lets the engine give a decode step
+    smaller tiles than a tree: default_config's 8-head tile)."""
+    rng = np.random.default_rng(12)
+    inputs, _ = _batch(rng, TILED, 4, [21, 0, 40], [5, 3, 2], 5, 48)
+    want = _run(inputs, 0.3, TILED, 16)                               # heads 2, merge_heads 1
+    got = _run(inputs, 0.3, dataclasses.replace(TILED, **layout), 16)
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
 def test_result_independent_of_batch_and_capacity():
     """A request alone, padded to a larger tree capacity, or beside others: same bits."""
     rng = np.random.default_rng(7)
@@ -367,10 +383,16 @@ def test_plan_layout():
     p = va.plan(8, 33, 64, 32768 + 64, max_kv_len=32768 + 33)
     assert p.config == va.KIMI_K2_CONFIG and p.config.threads == 256
     assert p.num_splits == -(-(32768 + 33) // va.DEFAULT_SPLIT_SIZE)
-    assert p.attention_grid == (33, p.num_splits, 8) and p.merge_grid == (33, 8)
+    assert p.attention_grid == (33, p.num_splits, 8) and p.merge_grid == (33 * 64, 8)  # merge: a head per block
     assert p.workspace_shape == (p.num_splits, 8, 33, 64, 514)
     assert va.plan(2, 9, 128, 4096).attention_grid[0] == 18      # DeepSeek-V3: 2 head groups
     assert va.KIMI_K2_CONFIG.static_shared_bytes <= 48 * 1024
+    few = va.plan(1, 1, 64, 4096, config=va.KIMI_K2_DECODE_CONFIG)  # a decode step: 8 x 8-head tiles
+    assert few.attention_grid == (8, 2, 1) and few.merge_grid == (64, 1) and few.config.threads == 128
+    assert va.plan(1, 33, 64, 4096, config=va.KIMI_K2_SMALL_TREE_CONFIG).attention_grid == (132, 2, 1)
+    for bad in (4, 48, 128):
+        with pytest.raises(ValueError, match="tile_heads"):
+            va.default_config(512, 64, 64, tile_heads=bad)
 
 
 @pytest.mark.parametrize("kwargs, exc, word", [
@@ -558,12 +580,14 @@ def test_gpu_kimi_matches_reference():
 
 
 @pytest.mark.gpu
-def test_gpu_kimi_tree_equals_decode_bitwise():
+@pytest.mark.parametrize("decode_config", [va.KIMI_K2_CONFIG, va.KIMI_K2_SMALL_TREE_CONFIG, va.KIMI_K2_DECODE_CONFIG])
+def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
+    """64-head tree tiles vs decode steps with 64-, 16- or 8-head tiles (the engine's AR model)."""
     rng = np.random.default_rng(11)
     inputs, parents = _kimi_case(rng, [4093, 2047], [33, 9])
     split = va.DEFAULT_SPLIT_SIZE
     out, lse = _run(inputs, 0.3, va.KIMI_K2_CONFIG, split)
-    dec_out, dec_lse = _decode_calls(inputs, parents, 0.3, va.KIMI_K2_CONFIG, split)
+    dec_out, dec_lse = _decode_calls(inputs, parents, 0.3, decode_config, split)
     live = [(b, i) for b, n in enumerate([33, 9]) for i in range(n)]
     assert _same_bits(np.stack([out[b, i] for b, i in live]), dec_out[:, 0])
     assert _same_bits(np.stack([lse[b, i] for b, i in live]), dec_lse[:, 0])

@@ -68,6 +68,11 @@ __all__ = [
 PREP_THREADS = 128  # rows per block of the row-preparation kernel
 COPY_THREADS = 128  # elements per block of the feature copy
 SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are Python threads)
+# Attention tiles by launch size (nodes x 64-head groups): fewer than a quarter of the H200's 132
+# SMs -> 8-head tiles (an AR step: 8 blocks per request instead of 1), fewer than two per SM ->
+# 16-head tiles, else 64-head tiles (each block reads the keys once for 64 heads).
+DECODE_NODES = 33
+FEW_NODES = 264
 STATIC_SMEM_LIMIT = 48 * 1024  # static shared memory per block (limits §4): bounds the attention path table
 PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
 
@@ -150,21 +155,27 @@ def _small_tile_config(latent_dim: int, rope_dim: int, num_heads: int) -> va.Til
     tile, chunks of 16 keys, 1 k-group (32 threads: cheap under the simulator)."""
     return va.TileConfig(latent_dim=latent_dim, rope_dim=rope_dim, heads=4, chunk=16,
                          k_slice=math.gcd(math.gcd(latent_dim, rope_dim), 8), k_groups=1, qk_rows=1, qk_keys=2,
-                         pv_rows=1, pv_dims=max(latent_dim // 8, 1), v_slice=16, merge_threads=32)
+                         pv_rows=1, pv_dims=max(latent_dim // 8, 1), v_slice=16, merge_threads=32,
+                         merge_heads=math.gcd(num_heads, 4))
 
 
-def attention_tile_config(config: ModelConfig, max_rows: int) -> va.TileConfig:
+def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 1) -> va.TileConfig:
     """The verify-attention specialisation of a model: ``va.default_config`` for Kimi-K2 dims
     (C = 512, R = 64), a one-warp tiling otherwise; ``max_path`` (the longest visible path, which
     only sizes a shared table, not the numerics) raised to ``max_rows`` as far as static shared
-    memory allows, so a prefill chunk of ``max_rows`` causal rows fits.
+    memory allows, so a prefill chunk of ``max_rows`` causal rows fits. Launches with few
+    (node, 64-head group) pairs get smaller head tiles, more blocks: below ``DECODE_NODES`` (an
+    AR step) 8 heads per tile, below ``FEW_NODES`` (a small tree at batch 1) 16. The tile size
+    is layout, not numerics (same bits, so the AR and tree models still agree bit for bit).
 
     Raises:
         ValueError: no valid tiling for the model's attention dims.
     """
     dl, dr, h = config.kv_lora_rank, config.qk_rope_dim, config.n_heads
+    nodes = batch_size * max_rows * max(h // 64, 1)
+    tile_heads = None if h % 16 else 8 if nodes < DECODE_NODES else 16 if nodes < FEW_NODES else None
     try:
-        base = va.default_config(dl, dr, h)
+        base = va.default_config(dl, dr, h, tile_heads=tile_heads)
     except ValueError:
         base = _small_tile_config(dl, dr, h)
     try:
@@ -375,7 +386,7 @@ class TargetModel:
             raise ValueError("cache: a KVCache of another config, batch_size or capacity")
         self.cache = cache
 
-        self.tile_config = attention_tile_config(config, self.max_rows)
+        self.tile_config = attention_tile_config(config, self.max_rows, self.batch_size)
         self.max_path = self.tile_config.max_path  # longest visible path of a row (prefill chunk bound)
         self.plan = va.plan(self.batch_size, self.max_rows, config.n_heads, self.kv_capacity,
                             latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_dim, config=self.tile_config)

@@ -106,6 +106,8 @@ class TileConfig:
         v_slice: value rows staged per step of ``P V``.
         max_path: longest visible tree path per query (shared-memory table size).
         merge_threads: threads per block of the segment-merge kernel.
+        merge_heads: heads per merge block (a merge block folds ``merge_heads x Dl`` outputs of
+            one node; 1 spreads a decode step's merge over H blocks instead of one).
     """
 
     latent_dim: int
@@ -121,6 +123,7 @@ class TileConfig:
     v_slice: int
     max_path: int = 64
     merge_threads: int = 128
+    merge_heads: int = 1
 
     @property
     def threads(self) -> int:
@@ -163,7 +166,7 @@ class TileConfig:
         """Raise ValueError naming 'config' unless the tiling is consistent."""
         fields = (self.latent_dim, self.rope_dim, self.heads, self.chunk, self.k_slice,
                   self.k_groups, self.qk_rows, self.qk_keys, self.pv_rows, self.pv_dims,
-                  self.v_slice, self.max_path, self.merge_threads)
+                  self.v_slice, self.max_path, self.merge_threads, self.merge_heads)
         checks = [
             (all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields),
              "every field must be a positive int"),
@@ -200,17 +203,28 @@ class TileConfig:
                 raise ValueError(f"config: {why} ({self})")
 
 
-def default_config(latent_dim: int, rope_dim: int, num_heads: int) -> TileConfig:
+def default_config(latent_dim: int, rope_dim: int, num_heads: int, *,
+                   tile_heads: int | None = None) -> TileConfig:
     """The specialisation :func:`plan` uses for ``(Dl, Dr, H)``; a function of these only.
 
     Dl = 512, Dr = 64 (DeepSeek-V3, Kimi K2 and their tensor-parallel shards; H a multiple of
     16): tiles of ``gcd(H, 64)`` heads, 256 threads, chunks of 32 keys, 2 k-groups; for 64 heads
     each thread holds 8 x 16 accumulators and a 4 x 4 score tile (245 registers on sm_90, 250 on
-    sm_120, no spills, 46.25 KiB static shared memory; a 512-thread tiling with 8 x 8 accumulators spills under its 128-register cap).
-    Other dims have no preset: pass a :class:`TileConfig`.
+    sm_120, no spills, 46.25 KiB static shared memory; a 512-thread tiling with 8 x 8 accumulators
+    spills under its 128-register cap). ``tile_heads`` (8, 16, 32 or 64, dividing H) picks smaller
+    tiles: H / tile_heads blocks per node, each reading the node's keys (from L2 after the first),
+    for launches with few nodes (a decode step: one block per 64 heads leaves the GPU idle). The
+    tile size is layout, not numerics: chunk, k_groups and qk_keys stay, so every tile size gives
+    the same bits. Other dims have no preset: pass a :class:`TileConfig`.
     """
     if (latent_dim, rope_dim) == (512, 64) and num_heads % 16 == 0:
-        heads = math.gcd(num_heads, 64)
+        heads = math.gcd(num_heads, 64) if tile_heads is None else tile_heads
+        if heads not in (8, 16, 32, 64) or num_heads % heads:
+            raise ValueError(f"tile_heads must be 8, 16, 32 or 64 and divide num_heads={num_heads}, "
+                             f"got {tile_heads}")
+        if heads == 8:  # 128 threads: one head row per score thread, 32 value dims per thread
+            return TileConfig(latent_dim=512, rope_dim=64, heads=8, chunk=32, k_slice=64, k_groups=2,
+                              qk_rows=1, qk_keys=4, pv_rows=1, pv_dims=32, v_slice=8)
         return TileConfig(latent_dim=512, rope_dim=64, heads=heads, chunk=32, k_slice=64,
                           k_groups=2, qk_rows=heads // 16, qk_keys=4, pv_rows=heads // 8,
                           pv_dims=16, v_slice=8)
@@ -296,6 +310,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     KT_LEVELS = KEY_TILES.bit_length() - 1      # xor-butterfly levels over the key tiles
     VV = math.gcd(PD, 4)                # consecutive value dims per lane step (one float4)
     MERGE_THREADS = config.merge_threads
+    MERGE_HEADS = config.merge_heads
     # Staging geometry: a row of KS (or DL) floats is loaded by S_TPR (V_TPR) consecutive lanes.
     S_TPR = min(THREADS, KS)
     S_ROW_STEP = THREADS // S_TPR
@@ -603,14 +618,18 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     @cuda.jit(**_jit_options(MERGE_THREADS))
     def merge(past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words,
               split, num_splits, workspace, out, lse):
-        """One node: fold its segments, in segment order, into out and lse.
+        """One node's head group: fold its segments, in segment order, into out and lse.
 
         past_lens, tree_sizes int32 [bs]; flat uint32 visibility [bs, Tc, W]; int32 Tc, H, S, W,
         split, n_splits; flat float32 workspace [n_splits, bs, Tc, H, Dl + 2], out [bs, Tc, H,
-        Dl], lse [bs, Tc, H]. Padding rows get zeros, unguarded requests NaN.
+        Dl], lse [bs, Tc, H]. Grid (Tc * H / MERGE_HEADS, bs): block x = node * groups + group.
+        Padding rows get zeros, unguarded requests NaN. The arithmetic of an element does not
+        depend on the grouping (merge_heads is layout, not numerics).
         """
         tid = cuda.threadIdx.x
-        node = cuda.blockIdx.x
+        groups = num_heads // MERGE_HEADS
+        node = cuda.blockIdx.x // groups
+        head0 = (cuda.blockIdx.x - node * groups) * MERGE_HEADS
         b = cuda.blockIdx.y
         batch = past_lens.shape[0]
         past = past_lens[b]
@@ -627,8 +646,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 n_seg = 0
         out_row = (b * tree_capacity + node) * num_heads
         seg_stride = batch * tree_capacity * num_heads    # workspace rows per segment
-        for e in range(tid, num_heads * DL, MERGE_THREADS):
-            h = e // DL
+        for e in range(tid, MERGE_HEADS * DL, MERGE_THREADS):
+            h = head0 + e // DL
             d = e % DL
             if n_seg == 0:
                 out[(out_row + h) * DL + d] = fill
@@ -689,7 +708,7 @@ class VerifyPlan:
 
     @property
     def merge_grid(self) -> tuple[int, int]:
-        return (self.tree_capacity, self.batch_size)
+        return (self.tree_capacity * (self.num_heads // self.config.merge_heads), self.batch_size)
 
     def allocate_workspace(self) -> Any:
         """A device workspace of :attr:`workspace_shape` (allocate once, reuse every step)."""
@@ -725,9 +744,9 @@ def plan(batch_size: int, tree_capacity: int, num_heads: int, kv_capacity: int, 
     if (config.latent_dim, config.rope_dim) != (latent_dim, rope_dim):
         raise ValueError(f"config: dims ({config.latent_dim}, {config.rope_dim}) differ from "
                          f"latent_dim, rope_dim = ({latent_dim}, {rope_dim})")
-    if num_heads % config.heads:
-        raise ValueError(f"num_heads must be a multiple of config.heads={config.heads}, "
-                         f"got {num_heads}")
+    if num_heads % config.heads or num_heads % config.merge_heads:
+        raise ValueError(f"num_heads must be a multiple of config.heads={config.heads} and of "
+                         f"config.merge_heads={config.merge_heads}, got {num_heads}")
     if split_size % config.chunk:
         raise ValueError(f"split_size must be a multiple of config.chunk={config.chunk}, "
                          f"got {split_size}")
@@ -879,9 +898,15 @@ _ATTENTION_SIG = (float32[::1], float32[::1], float32[::1], float32[::1], int32[
                   uint32[::1], *_DIMS, float32, int32, float32[::1])
 _MERGE_SIG = (int32[::1], int32[::1], uint32[::1], *_DIMS, int32, int32, float32[::1],
               float32[::1], float32[::1])
-register("verify_attention_mla", get_kernels(KIMI_K2_CONFIG)[0], [_ATTENTION_SIG],
-         "tree-verify MLA attention, segment partials (Kimi K2: H=64, Dl=512, Dr=64)",
-         block_threads=KIMI_K2_CONFIG.threads)
+# The few-node tilings the engine uses for decode steps and small trees (model.attention_tile_config).
+KIMI_K2_DECODE_CONFIG = default_config(512, 64, 64, tile_heads=8)
+KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
+for _name, _config, _what in (
+        ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
+        ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
+        ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees")):
+    register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
+             block_threads=_config.threads)
 register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
          "tree-verify MLA attention, ordered merge of segment partials (Kimi K2)",
          block_threads=KIMI_K2_CONFIG.merge_threads)
