@@ -196,7 +196,9 @@ def fig_budget_tradeoff(ds: Any) -> Any:
                                                   ("forward_passes", "ar_forward_passes", "target forward passes"))):
             ax = axes[r, c]
             for accuracy in sub["accuracy"].values:
-                ax.plot(sub["budget"], sub[var].sel(accuracy=accuracy), "o-", label=f"DDTree, accuracy {accuracy:g}")
+                line = sub[var].sel(accuracy=accuracy).dropna("budget")  # an outer join leaves NaN cases
+                if line.size:
+                    ax.plot(line["budget"], line, "o-", label=f"DDTree, accuracy {accuracy:g}")
             ax.axhline(float(sub[ar_var]), color="k", ls="--", label="AR")
             _finish(ax, "budget B", label, f"bs {batch}: {label}", ylog=False)
     fig.suptitle(f"budget trade-off, preset {ds.attrs.get('preset', '?')} ({_provenance(ds)})", fontsize=9)

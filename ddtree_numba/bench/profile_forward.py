@@ -1,0 +1,126 @@
+"""Per-kernel profile of target forwards: one AR step and one tree verify, under Nsight Compute.
+
+The program runs each forward three times (compile, warm-up) and then once more between
+``cuda.profile_start()`` and ``cuda.profile_stop()``, so ``ncu --profile-from-start off`` records
+exactly one forward per row count. ``--table`` turns ncu's CSV into a per-kernel table (kernel,
+grid, block, calls, total and mean microseconds), one per profiled forward, slowest first.
+
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \\
+        --print-units base python3 -m ddtree_numba.bench.profile_forward --preset small > prof.csv
+    python3 -m ddtree_numba.bench.profile_forward --table prof.csv
+
+ncu serialises the kernels and, by default, flushes the caches before each one, so small kernels
+whose inputs would sit in L2 during a graph replay read them from DRAM here: the sum of the
+kernel times is an upper bound of the replayed step, and the ranking is what it is for.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FIRST_KERNEL = "_prepare_rows_kernel"  # every TargetModel.forward starts with it
+
+
+def _chain_visibility(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """A binary tree of ``rows`` nodes (parent (i - 1) // 2): (depths [rows], bool visibility [rows, rows])."""
+    parents = np.r_[-1, (np.arange(1, rows) - 1) // 2]
+    vis = np.zeros((rows, rows), bool)
+    for i in range(rows):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+    return vis.sum(axis=1) - 1, vis
+
+
+def run_forwards(preset: str, past: int, row_counts: list[int], seed: int = 0) -> None:
+    """Build one model per row count (shared weights and cache, past_len = past), warm them up,
+    then profile one forward of each."""
+    from numba import cuda
+
+    from ddtree_numba.config import ModelConfig
+    from ddtree_numba.engine.model import TargetModel
+    from reference.tree import pack_visibility
+    from reference.weights import init_weights
+
+    config = ModelConfig.from_name(preset)
+    capacity = past + max(row_counts)
+    weights: Any = init_weights(config, seed)
+    models, inputs, cache = [], [], None
+    for rows in row_counts:
+        model = TargetModel(config, weights, batch_size=1, kv_capacity=capacity, max_rows=rows, cache=cache)
+        weights, cache = model.weights, model.cache
+        depths, vis = _chain_visibility(rows)
+        host = (np.arange(3, 3 + rows, dtype=np.int32)[None], (past + depths).astype(np.int32)[None],
+                np.array([rows], np.int32), pack_visibility(vis[None]))
+        inputs.append([cuda.to_device(np.ascontiguousarray(a).copy()) for a in host])
+        models.append(model)
+    models[0].advance(cuda.to_device(np.array([past], np.int32)))
+    for _ in range(3):
+        for model, args in zip(models, inputs):
+            model.forward(*args)
+    cuda.synchronize()
+    cuda.profile_start()
+    for model, args in zip(models, inputs):
+        model.forward(*args)
+    cuda.synchronize()
+    cuda.profile_stop()
+
+
+def read_table(path: Path) -> list[list[tuple[str, str, str, int, float]]]:
+    """ncu CSV -> per forward, rows (kernel, grid, block, calls, total us), slowest first."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(line for line in f if line.startswith('"')))
+    kernels = [(r["Kernel Name"].split("[")[0].split("(")[0], r["Grid Size"], r["Block Size"],
+                float(r["Metric Value"].replace(",", "")) / 1000.0) for r in rows
+               if r.get("Metric Name") == "gpu__time_duration.sum"]
+    starts = [i for i, k in enumerate(kernels) if k[0].endswith(FIRST_KERNEL)] + [len(kernels)]
+    forwards = []
+    for a, b in zip(starts, starts[1:]):
+        agg: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
+        for name, grid, block, us in kernels[a:b]:
+            agg[(name, grid, block)].append(us)
+        forwards.append(sorted(((n, g, bl, len(v), sum(v)) for (n, g, bl), v in agg.items()), key=lambda r: -r[4]))
+    return forwards
+
+
+def format_table(forwards: list[list[tuple[str, str, str, int, float]]]) -> str:
+    lines = []
+    for i, rows in enumerate(forwards):
+        total = sum(r[4] for r in rows)
+        lines.append(f"forward {i}: {sum(r[3] for r in rows)} kernels, {total:.1f} us in all (ncu, caches flushed)")
+        lines.append(f"{'total us':>9} {'share':>6} {'calls':>5} {'mean us':>8}  kernel (grid, block)")
+        for name, grid, block, calls, us in rows:
+            lines.append(f"{us:9.1f} {us / total:6.1%} {calls:5d} {us / calls:8.1f}  {name} {grid} {block}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddtree_numba.bench.profile_forward",
+                                     description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.split("\n")[1:]))
+    parser.add_argument("--preset", default="small", help="model preset (default: %(default)s)")
+    parser.add_argument("--past", type=int, default=192, help="cached rows before the forward (default: %(default)s)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 33],
+                        help="rows per forward, one profiled forward each (default: 1 33: an AR step, a B = 32 tree)")
+    parser.add_argument("--table", type=Path, help="print the per-kernel table of this ncu CSV instead of running")
+    args = parser.parse_args(argv)
+    if args.table is not None:
+        print(format_table(read_table(args.table)))
+        return 0
+    if args.past < 0 or min(args.rows) < 1:
+        print("error: --past must be >= 0 and --rows >= 1", file=sys.stderr)
+        return 2
+    run_forwards(args.preset, args.past, args.rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
