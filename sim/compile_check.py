@@ -344,7 +344,8 @@ def run(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
     specs = registry.all_kernels() if names is None else [registry.get(n) for n in names]
-    tasks = [(spec.name, i, arch) for spec in specs for i in range(len(spec.signatures)) for arch in archs]
+    tasks = [(spec.name, i, arch) for spec in specs for i in range(len(spec.signatures)) for arch in archs
+             if spec.archs is None or arch in spec.archs]   # an arch-specific tiling: only where it is launched
     start = time.perf_counter()
 
     def report(result: CompileResult) -> CompileResult:

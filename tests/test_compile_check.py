@@ -299,6 +299,9 @@ def test_register_and_get(fresh_registry):
     assert spec.block_threads == 256
     registry.register("test_b", _make_kernel("k_b"), SIG, "defaults")
     assert registry.get("test_b").block_threads is None and not registry.get("test_b").smem_opt_in
+    assert registry.get("test_b").archs is None and spec.archs is None
+    registry.register("test_c", _make_kernel("k_c"), SIG, "Hopper only", archs=["sm_90"])
+    assert registry.get("test_c").archs == ("sm_90",)
     assert "test_a" in [s.name for s in registry.all_kernels()]
     names = [s.name for s in registry.all_kernels()]
     assert names == sorted(names)
@@ -346,6 +349,13 @@ def test_register_rejects_bad_input(fresh_registry, args, exc, match):
 def test_register_rejects_bad_block_threads(fresh_registry, threads, exc):
     with pytest.raises(exc, match="block_threads"):
         registry.register("n", _make_kernel("k_bt"), SIG, "d", block_threads=threads)
+    assert "n" not in registry._REGISTRY
+
+
+@pytest.mark.parametrize("archs", [(), "sm_90", [90], ["hopper"]])
+def test_register_rejects_bad_archs(fresh_registry, archs):
+    with pytest.raises(ValueError, match="archs"):
+        registry.register("n", _make_kernel("k_ar"), SIG, "d", archs=archs)
     assert "n" not in registry._REGISTRY
 
 
@@ -433,7 +443,10 @@ E2E_SCRIPT = textwrap.dedent(
     registry.register("test_e2e_smem", cuda.jit(smem_sum), ((float32[::1], float32[::1]),), "smem", block_threads=N)
     registry.register("test_e2e_local", cuda.jit(local_scratch), ((float32[::1], int32),), "local")
     registry.register("test_e2e_bad", cuda.jit(untypable), ((float32[::1],),), "bad")
+    registry.register("test_e2e_sm90", cuda.jit(smem_sum), ((float32[::1], float32[::1]),), "Hopper only",
+                      block_threads=N, archs=("sm_90",))
     out = {"direct": []}
+    out["arch_specific"] = [r.arch for r in cc.run(("sm_90", "sm_120"), ["test_e2e_sm90"], progress=False)]
     for name in ("test_e2e_smem", "test_e2e_local"):
         spec = registry.get(name)
         for cc_ in ((9, 0), "sm_120"):
@@ -462,6 +475,7 @@ def test_compile_end_to_end_without_simulator(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(open(path).read())
+    assert out["arch_specific"] == ["sm_90"]  # a kernel registered for sm_90 only is not built for sm_120
     smem90, smem120, local90, local120 = out["direct"]
     assert [r["arch"] for r in out["direct"]] == ["sm_90", "sm_120"] * 2
     for r in out["direct"]:

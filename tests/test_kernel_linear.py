@@ -82,17 +82,20 @@ def _emulate(inp, w):
 @pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
 @pytest.mark.parametrize("m_rows,n_cols,k_dim", [(3, 5, 300), (2, 4, 2100), (1, 3, 126), (9, 11, 300)])
 def test_reduction_order_is_the_documented_one(m_rows, n_cols, k_dim):
-    """(9, 11, 300): two 8-row tiles of the 8 x 4 register tile, N not a multiple of C."""
+    """(9, 11, 300): two 8-row tiles of the 8 x 8 register tile (the simulator plans for the
+    H200), N not a multiple of C."""
     x, w = _rand(m_rows, k_dim), _rand(n_cols, k_dim)
     np.testing.assert_array_equal(_run_linear(x, w), _emulate(x, w))
 
 
-def _shuffle_linear(x, w, kind_prologue="none"):
+def _shuffle_linear(x, w, kind_prologue="none", columns=None):
     """linear() through the GPU build's reduction (the transposed shuffle butterfly), launched
-    directly under the simulator: grid (row tiles, 1 column block looping over all)."""
+    directly under the simulator: grid (row tiles, 1 column block looping over all); ``columns``:
+    C of the tile (default the plan's)."""
     m_rows, n_cols, k_dim = x.shape[0], w.shape[0], w.shape[1]
     plan = lin.plan_linear(m_rows, n_cols, k_dim)
-    kernel = lin.get_kernel("linear", kind_prologue, False, plan.mt, shuffles=True)
+    kernel = lin.get_kernel("linear", kind_prologue, False, plan.mt, columns=columns or plan.columns,
+                            shuffles=True)
     out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
     kernel[(-(-m_rows // plan.mt), 1, 1), plan.threads, 0, plan.shared_bytes](
         _dev(x), _dev(w.ravel()), out, out, _dev(np.ones(1, np.float32)), np.float32(1e-6),
@@ -103,7 +106,7 @@ def _shuffle_linear(x, w, kind_prologue="none"):
 @pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
 @pytest.mark.parametrize("m_rows,n_cols,k_dim", [(9, 11, 300), (1, 5, 260), (3, 6, 2100), (2, 3, 40)])
 def test_shuffle_butterfly_gives_the_tree_bits(m_rows, n_cols, k_dim):
-    """The GPU's transposed butterfly (MT x C partials traded across lanes: 32 with the 8 x 4
+    """The GPU's transposed butterfly (MT x C partials traded across lanes: 64 with the 8 x 8
     tile, 4 with one row) sums the same pairs as the shared-memory tree: the same bits, every
     element stored once (poisoned output). (3, 6, 2100): two K segments, the combine path."""
     rng = np.random.default_rng(m_rows * 1000 + k_dim)
@@ -295,10 +298,34 @@ def test_bad_input_names_the_argument_and_writes_nothing(case, exc, name):
 
 
 def test_columns_and_cached_plans():
-    """Every tile is MT x 4 columns; plans are cached per shape."""
+    """The 8-row tile is 8 x 8 on sm_90 only (it spills on sm_120), argmax keeps 4 columns;
+    plans are cached per shape."""
+    assert [lin.columns("linear", mt, "sm_90") for mt in lin.ROW_TILES] == [4, 4, 4, 8]
+    assert [lin.columns("linear", mt, "sm_120") for mt in lin.ROW_TILES] == [4, 4, 4, 4]
+    assert lin.columns("argmax", 8, "sm_90") == 4 and lin.columns("expert", 8, "sm_90") == 8
     assert lin.plan_linear(1056, 32768, 2048) is lin.plan_linear(1056, 32768, 2048)
-    assert lin.plan_linear(1056, 32768, 2048).columns == lin.COLUMNS == 4
+    assert lin.plan_linear(1056, 32768, 2048).columns == lin.columns("linear", 8)
     assert lin.plan_linear(1056, 32768, 2048, kind="argmax").columns == 4
+    with pytest.raises(ValueError, match="columns"):
+        lin.get_kernel("argmax", "none", False, 8, columns=8)
+
+
+@pytest.mark.parametrize("kind", ["linear", "head", "expert"])
+def test_wide_tiles_are_registered_for_sm_90_only(kind):
+    from ddtree_numba.kernels import registry
+
+    wide = [k for k in registry.all_kernels() if k.name.endswith("_wide") and k.name.startswith(
+        "linear_" if kind == "linear" else f"{kind}_linear")]
+    assert wide and all(k.archs == ("sm_90",) for k in wide)
+    assert all(k.archs is None for k in registry.all_kernels() if not k.name.endswith("_wide"))
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
+@pytest.mark.parametrize("columns", [4, 8])
+def test_row_tile_width_is_layout_not_numerics(columns):
+    """8 x 4 (sm_120) and 8 x 8 (sm_90) tiles give linear's bits; K 2100: the combine path too."""
+    x, w = _rand(9, 2100), _rand(11, 2100)
+    np.testing.assert_array_equal(_shuffle_linear(x, w, columns=columns), _run_linear(x, w))
 
 
 def test_plan_is_a_function_of_k_for_the_order():

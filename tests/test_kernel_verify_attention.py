@@ -387,7 +387,7 @@ def test_plan_layout():
     assert p.workspace_shape == (p.num_splits, 8, 33, 64, 514)
     assert va.plan(2, 9, 128, 4096).attention_grid[0] == 18      # DeepSeek-V3: 2 head groups
     assert va.KIMI_K2_CONFIG.static_shared_bytes <= 48 * 1024
-    few = va.plan(1, 1, 64, 4096, config=va.KIMI_K2_DECODE_CONFIG)  # a decode step: 8 x 8-head tiles
+    few = va.plan(1, 1, 64, 4096, config=va.KIMI_K2_DECODE_CONFIG)  # a decode step: eight 8-head tiles
     assert few.attention_grid == (8, 2, 1) and few.merge_grid == (64, 1) and few.config.threads == 128
     assert va.plan(1, 33, 64, 4096, config=va.KIMI_K2_SMALL_TREE_CONFIG).attention_grid == (132, 2, 1)
     for bad in (4, 48, 128):

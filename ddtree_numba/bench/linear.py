@@ -39,8 +39,8 @@ HBM 4.3 TB/s measured, L2 read ~5-7 TB/s assumed) and the prediction per change,
      of W loads in flight per SM, 4 round trips per column block per warp) = 3.2-3.8 TB/s,
      67-80 % of the 4.8 TB/s spec; M = 4 about the same.
   3d. 8 x 8 register tile (C 8 at MT 8): shared/L1 pipe 64 clk = FMA 64 clk per warp-step
-     (C 4: 48 vs 32, pipe-bound at <= 67 %); 251 registers on sm_90. Measured in run 18774bc,
-     then dropped: it spills 128-188 B on sm_120, so the kernels keep C = 4.
+     (C 4: 48 vs 32, pipe-bound at <= 67 %); 245-251 registers on sm_90. Measured in run
+     18774bc; it spills 128-188 B on sm_120, so only sm_90 launches it (linear.columns).
   3e. Transposed butterfly: MT C - 1 shuffles per pass instead of 5 MT C (64 partials: 63 vs
      320 shuffles + adds per 4096 FMAs at K 2048).
      Prediction M = 1056: per block (64 columns, 2 phases) ~2 x (1.5 us staging + 3-4 us FMA at

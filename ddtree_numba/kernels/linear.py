@@ -18,7 +18,8 @@ Numerics: one reduction order per K, whatever shares the launch.
 
 Work layout (limits §3, §7).
     A block computes an ``MT x (C * groups)`` output tile: MT rows (compile-time row tile, 1 to
-    8) by column groups of C = 4 adjacent columns (``COLUMNS``), one column group per
+    8) by column groups of C adjacent columns (4, or 8 for the 8-row tile on sm_90:
+    :func:`columns`), one column group per
     ``k_split`` warps (one warp per K segment). Grid:
     (row tiles, column blocks[, heads]): blockIdx.x, the fastest, is the row tile, so the row
     tiles of one column block run side by side and its weight rows come from HBM once and from
@@ -96,6 +97,9 @@ __all__ = [
     "BLOCK_WARPS",
     "MAX_EXPERTS",
     "COLUMNS",
+    "WIDE_COLUMNS",
+    "WIDE_ARCHS",
+    "columns",
     "LinearPlan",
     "k_split",
     "row_tile",
@@ -118,10 +122,13 @@ MAX_K_SPLIT = 8              # K segments (one warp each) per column group, at m
 BLOCK_WARPS = MAX_K_SPLIT    # warps per block on a GPU (k_split divides it)
 SIM_GROUPS = 1               # column groups per block under the simulator (threads are costly)
 SIM_GRID_COLS = 1            # column-group blocks under the simulator (grid-stride loop)
-# C: adjacent output columns per warp (16 FMAs per staged float4). An 8 x 8 tile for the 8-row
-# kernels (measured on the H200 at 13-15 TFLOP/s for M >= 64, run 18774bc) spills 128-188 B on
-# sm_120 at the 255-register cap, so every tile keeps 4 columns.
+# C: adjacent output columns per warp (16 FMAs per staged float4). The 8-row tile is 8 x 8 on
+# sm_90 (251 registers, no spill; measured on the H200 at 13-15 TFLOP/s for M >= 64, run
+# 18774bc); it spills 128-188 B on sm_120 at the 255-register cap, so there (and for argmax,
+# one ranked element per lane) every tile keeps 4 columns. C is layout, never the order.
 COLUMNS = 4
+WIDE_COLUMNS = 8
+WIDE_ARCHS = ("sm_90",)
 ROW_TILES = (1, 2, 4, 8)     # 16 rows: LLVM leaves the row loop rolled, acc goes to local memory
 MAX_ROW_TILE = ROW_TILES[-1]
 XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
@@ -261,8 +268,23 @@ def _jit_options(threads: int) -> dict[str, Any]:
     return {} if cuda.config.ENABLE_CUDASIM else {"launch_bounds": (threads, 1)}
 
 
+def columns(kind: str, mt: int, arch: str | None = None) -> int:
+    """C, the adjacent output columns per warp: WIDE_COLUMNS for the 8-row tile on WIDE_ARCHS
+    (64 accumulators per lane: each staged float4 feeds 32 FMAs and each weight float4 8 rows),
+    else COLUMNS; argmax keeps COLUMNS. ``arch``: default the active device profile's."""
+    arch = _device_arch() if arch is None else arch
+    wide = mt == MAX_ROW_TILE and kind != "argmax" and arch in WIDE_ARCHS
+    return WIDE_COLUMNS if wide else COLUMNS
+
+
 @functools.cache
-def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *,
+def _device_arch() -> str:
+    """The architecture launches run on (sim.profiles.active_profile: H200 under the simulator)."""
+    return active_profile().arch
+
+
+@functools.cache
+def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: int = COLUMNS,
                shuffles: bool = not SIM_TREE) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
@@ -270,18 +292,21 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *,
     "expert" (x [R, Kx], w [E, N, K], out [J, N], CSR routing) or "argmax" (x [M, K] -> per-part
     (max, argmax) part_val / part_idx [M, P]); prologue: "none", "rmsnorm" (linear, argmax) or
     "swiglu" (linear, expert); residual: out = residual + x @ w.T (linear only); mt: rows per
-    tile, one of ROW_TILES; shuffles: reduce the lane partials with the transposed shuffle
+    tile, one of ROW_TILES; columns: C, COLUMNS or (not argmax) WIDE_COLUMNS (:func:`columns`
+    picks it per architecture); shuffles: reduce the lane partials with the transposed shuffle
     butterfly (the GPU build) rather than its tree in shared memory (the simulator's default,
     same bits; tests run the shuffles under the simulator too).
     """
-    if kind not in KINDS or prologue not in PROLOGUES or mt not in ROW_TILES:
-        raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, mt={mt!r}")
+    if kind not in KINDS or prologue not in PROLOGUES or mt not in ROW_TILES or \
+            columns not in (COLUMNS, WIDE_COLUMNS) or (kind == "argmax" and columns != COLUMNS):
+        raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, mt={mt!r}, "
+                         f"columns={columns!r}")
     if (kind == "head" and (prologue != "none" or residual)) or \
             (kind == "expert" and (prologue == "rmsnorm" or residual)) or \
             (kind == "argmax" and (prologue == "swiglu" or residual)):
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, residual={residual}")
     MT = mt
-    C = COLUMNS
+    C = columns
     U = _unroll(mt, C)
     MTC = MT * C
     RMS = prologue == "rmsnorm"
@@ -461,6 +486,16 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *,
                 + ((lane >> 1) & 1) * H3 + (lane & 1) * H4)
 
     @cuda.jit(device=True, inline="always")
+    def combined_element(lane, r):
+        """Tile element r of ``lane`` in the segment combine, or -1: the lane that emitted it
+        (the tree: a = lane + 32 r, as its emit loop; the butterfly: owned_element + r)."""
+        if TREE:
+            a = lane + r * WARP
+            return a if a < MTC else -1
+        a0 = owned_element(lane)
+        return a0 + r if a0 >= 0 else -1
+
+    @cuda.jit(device=True, inline="always")
     def put(out, residual_arr, dst_sh, g, col0, n_cols, a, total):
         """Store element a = i * C + c of the tile (skipping absent rows and columns past N)."""
         i = a // C
@@ -564,16 +599,16 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *,
                              a0 + r, acc[r])
             if k_split_ > 1:
                 cuda.syncthreads()  # every segment's sums in comb
-                # Element a is combined by the lane that owns it after the butterfly
-                # (owned_element), so an argmax lane ranks the same element on every pass.
-                a0 = owned_element(lane)
-                if seg == 0 and a0 >= 0:
+                # Element a is combined by the lane that emitted it (combined_element), so an
+                # argmax lane ranks the same element on every pass.
+                if seg == 0:
                     for r in range(R_SLOTS):
-                        a = a0 + r
-                        total = comb[uint64(warp * MTC + a)]
-                        for s in range(1, k_split_):   # segment order
-                            total += comb[uint64((warp + s) * MTC + a)]
-                        put(out, residual_arr, dst_sh, g, col0, n_cols, a, total)
+                        a = combined_element(lane, r)
+                        if a >= 0:
+                            total = comb[uint64(warp * MTC + a)]
+                            for s in range(1, k_split_):   # segment order
+                                total += comb[uint64((warp + s) * MTC + a)]
+                            put(out, residual_arr, dst_sh, g, col0, n_cols, a, total)
                 cuda.syncthreads()  # comb read before the next column group rewrites it
 
     options = _jit_options(BLOCK_WARPS * WARP)
@@ -783,6 +818,17 @@ def _register_all() -> None:
             register(f"expert_linear_{prologue}_mt{mt}", get_kernel("expert", prologue, False, mt),
                      _expert_sigs()[1:], f"batch-invariant MoE expert products over a CSR routing, "
                      f"{prologue} prologue, {mt}-row tiles", block_threads=threads)
+    # The 8 x 8 tiles exist on WIDE_ARCHS only (they spill elsewhere): checked there, the
+    # widest register footprint of each kind (none / residual prologues share the tile).
+    for kind, prologue, residual, sigs in (("linear", "rmsnorm", True, _linear_sigs("rmsnorm")),
+                                           ("linear", "swiglu", True, _linear_sigs("swiglu")),
+                                           ("head", "none", False, _head_sigs()),
+                                           ("expert", "swiglu", False, _expert_sigs())):
+        name = f"{kind}_linear" if kind != "linear" else "linear"
+        register(f"{name}_{prologue}{'_residual' if residual else ''}_mt{MAX_ROW_TILE}_wide",
+                 get_kernel(kind, prologue, residual, MAX_ROW_TILE, columns=WIDE_COLUMNS), sigs[1:],
+                 f"the {kind} kernel's {MAX_ROW_TILE} x {WIDE_COLUMNS} register tile ({prologue} prologue), "
+                 f"launched on {', '.join(WIDE_ARCHS)} only", block_threads=threads, archs=WIDE_ARCHS)
 
 
 _register_all()
@@ -843,7 +889,7 @@ class LinearPlan:
 @functools.lru_cache(maxsize=1024)
 def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> LinearPlan:
     mt = row_tile(rows)
-    c = COLUMNS
+    c = columns(kind, mt)
     split = k_split(k_dim)
     total_steps = -(-k_dim // STEP)
     seg_steps = -(-total_steps // split)
@@ -903,8 +949,8 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     plan = _plan(kind, rows, n_cols, k_dim, aligned)
     grid = (tiles, grid_y or _grid_cols(plan, tiles * groups), groups)
     check_launch(grid, plan.threads, plan.shared_bytes)
-    return (get_kernel(kind, prologue, residual, plan.mt), grid, plan.threads, plan.shared_bytes,
-            plan.geometry(n_cols, k_dim))
+    return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns), grid, plan.threads,
+            plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
 
 # --- argument checks (shapes, dtypes and strides read once per call) -------------------------------

@@ -42,6 +42,8 @@ class KernelSpec:
             so the compile check holds it to the opt-in limit instead.
         block_threads: the largest block its host wrapper launches (None: not stated); the
             compile check fails when the kernel's registers do not allow a block that large.
+        archs: the architectures it is launched on (e.g. ``("sm_90",)`` for a tiling that only
+            fits Hopper's register file without spilling); None: every architecture.
     """
 
     name: str
@@ -50,6 +52,7 @@ class KernelSpec:
     description: str
     smem_opt_in: bool = False
     block_threads: int | None = None
+    archs: tuple[str, ...] | None = None
 
 
 def _check_signatures(signatures: Sequence[Sequence[nbtypes.Type]]) -> tuple[tuple[nbtypes.Type, ...], ...]:
@@ -83,6 +86,7 @@ def register(
     *,
     smem_opt_in: bool = False,
     block_threads: int | None = None,
+    archs: Sequence[str] | None = None,
 ) -> K:
     """Register ``kernel`` under ``name`` and return it unchanged.
 
@@ -90,7 +94,7 @@ def register(
         TypeError: ``name``/``description`` not a str, ``kernel`` without ``py_func``, a
             signature that is not a tuple of numba types, ``block_threads`` not an int.
         ValueError: empty ``name``/``description``, no signatures, ``block_threads`` not in
-            [1, 1024], or ``name`` already taken
+            [1, 1024], ``archs`` empty or not of the form ``sm_XY``, or ``name`` already taken
             by a different kernel (re-registering the same definition, as a module reload
             does, replaces the entry).
     """
@@ -109,7 +113,13 @@ def register(
             raise TypeError(f"block_threads must be an int or None, got {type(block_threads).__name__}")
         if not 1 <= block_threads <= MAX_BLOCK_THREADS:
             raise ValueError(f"block_threads must be in [1, {MAX_BLOCK_THREADS}], got {block_threads}")
-    spec = KernelSpec(name, kernel, _check_signatures(signatures), description, bool(smem_opt_in), block_threads)
+    if archs is not None:
+        if isinstance(archs, str) or not all(isinstance(a, str) and a.startswith("sm_") for a in archs) \
+                or not archs:
+            raise ValueError(f"archs must be a non-empty sequence of 'sm_XY' strings or None, got {archs!r}")
+        archs = tuple(archs)
+    spec = KernelSpec(name, kernel, _check_signatures(signatures), description, bool(smem_opt_in), block_threads,
+                      archs)
     existing = _REGISTRY.get(name)
     if existing is not None and not _same_definition(existing.kernel, kernel):
         raise ValueError(
