@@ -16,6 +16,13 @@ class FakeResult:
     tokens: list
     forward_passes: int
     mean_acceptance: float
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    capture_s: float = 0.0
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(len(t) - 1 for t in self.tokens)
 
 
 class FakeEngine:
@@ -40,7 +47,7 @@ class FakeEngine:
         assert len(prompts) == model["batch"] and temperature == 0.0 and stop_tokens == ()
         self.calls.append(("ar", max_new_tokens))
         tokens = [[(int(p.sum()) + i) % self.vocab for i in range(max_new_tokens)] for p in prompts]
-        return FakeResult(tokens, max_new_tokens + 1, 1.0)
+        return FakeResult(tokens, max_new_tokens + 1, 1.0, 0.0, 1e-3 * max_new_tokens, 0.0)
 
     def generate_ddtree(self, model, drafter, prompts, *, budget, block_size, max_new_tokens, temperature,
                         seed, stop_tokens):
@@ -53,7 +60,7 @@ class FakeEngine:
             tokens[0][0] += 1
         tau = 1.0 + drafter["accuracy"] * drafter["horizon"]
         rounds = int(np.ceil(n / tau))
-        return FakeResult(tokens, rounds + 1, tau)
+        return FakeResult(tokens, rounds + 1, tau, 0.0, 1e-3 * rounds, 0.0)
 
 
 @dataclass
@@ -75,6 +82,11 @@ def test_e2e_dataset_structure_and_values():
     np.testing.assert_allclose(ds["mean_acceptance"].sel(accuracy=0.9), 1 + 0.9 * 7)
     assert (ds["forward_passes"].sel(accuracy=0.9) < ds["forward_passes"].sel(accuracy=0.5)).all()
     np.testing.assert_array_equal(ds["ar_forward_passes"], [21, 21])
+    # Decode-only rates: (tokens - 1 per request) / decode_s; fewer rounds, faster decode.
+    np.testing.assert_allclose(ds["ar_decode_tokens_per_s"], [19 / 0.02, 3 * 19 / 0.02])
+    assert (ds["decode_speedup_vs_ar"].sel(accuracy=0.9) > 1).all()
+    # other_s = wall - prefill - decode - capture (the fake's decode times are not its wall time)
+    assert np.isfinite(ds["other_s"]).all() and ds["capture_s"].dims == ("batch", "budget", "accuracy")
     for name, var in ds.data_vars.items():
         assert var.attrs["units"] and var.attrs["long_name"], name
     assert ds.attrs["benchmark"] == "sweep_e2e"

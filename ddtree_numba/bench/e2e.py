@@ -69,8 +69,10 @@ class Engine:
     - ``generate_ar(model, prompts, *, max_new_tokens, temperature, seed, stop_tokens)`` -> result
     - ``generate_ddtree(model, drafter, prompts, *, budget, block_size, max_new_tokens, temperature,
       seed, stop_tokens)`` -> result
-    A result has ``tokens`` (per request, host sequences) and ``forward_passes`` (int), and
-    ``mean_acceptance`` (tau over the (request, round) pairs).
+    A result has ``tokens`` (per request, host sequences), ``forward_passes`` (int),
+    ``mean_acceptance`` (tau over the (request, round) pairs), ``decode_tokens`` (tokens after the
+    prefill's), ``prefill_s``, ``decode_s`` (the steps after the prefill, capture excluded) and
+    ``capture_s`` (the CUDA-graph capture).
     """
 
     make_model: Callable
@@ -112,11 +114,20 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - t0
 
 
+# Where a generate call's wall time goes (GenerateResult fields): the per-call fixed costs that
+# the wall-time tokens/s includes, beside the decode-only rate.
+PARTS = ("prefill_s", "decode_s", "capture_s")
+
+
 def _metrics(result: Any, wall_s: float) -> dict[str, float]:
-    """tokens/s over the wall time, forward passes and mean acceptance of one generate result."""
+    """tokens/s over the wall time, the decode-only rate, forward passes, mean acceptance and the
+    wall time's parts (prefill, decode, capture, and the rest: host set-up) of one generate result."""
     tokens = sum(len(t) for t in result.tokens)
+    parts = {name: float(getattr(result, name)) for name in PARTS}
+    decode_rate = result.decode_tokens / parts["decode_s"] if parts["decode_s"] > 0 else float("nan")
     return {"tokens": float(tokens), "tokens_per_s": tokens / wall_s, "forward_passes": float(result.forward_passes),
-            "mean_acceptance": float(result.mean_acceptance)}
+            "mean_acceptance": float(result.mean_acceptance), "decode_tokens_per_s": decode_rate,
+            **parts, "other_s": wall_s - sum(parts.values())}
 
 
 def run_e2e(grid: E2EGrid, engine: Engine, config: Any, weights: Any,
@@ -128,9 +139,10 @@ def run_e2e(grid: E2EGrid, engine: Engine, config: Any, weights: Any,
     horizon = grid.block - 1
     dims = ("batch", "budget", "accuracy")
     shape = (len(grid.batch), len(grid.budget), len(grid.accuracy))
-    dd = {name: np.full(shape, np.nan) for name in ("tokens_per_s", "forward_passes", "mean_acceptance")}
+    timed = ("tokens_per_s", "decode_tokens_per_s") + PARTS + ("other_s",)
+    dd = {name: np.full(shape, np.nan) for name in timed + ("forward_passes", "mean_acceptance")}
     matches = np.zeros(shape, np.int8)
-    ar = {name: np.full(len(grid.batch), np.nan) for name in ("tokens_per_s", "forward_passes")}
+    ar = {name: np.full(len(grid.batch), np.nan) for name in timed + ("forward_passes",)}
     common = dict(temperature=0.0, seed=grid.seed, stop_tokens=())
     for bi, batch in enumerate(grid.batch):
         prompts = [rng.integers(FIRST_TOKEN, config.vocab_size - 1, grid.prompt_len).astype(np.int32)
@@ -141,8 +153,11 @@ def run_e2e(grid: E2EGrid, engine: Engine, config: Any, weights: Any,
         engine.generate_ar(model, prompts, max_new_tokens=2, **common)  # warm-up: compile
         res, wall = _timed(lambda: engine.generate_ar(model, prompts, max_new_tokens=grid.max_new_tokens, **common))
         m = _metrics(res, wall)
-        ar["tokens_per_s"][bi], ar["forward_passes"][bi] = m["tokens_per_s"], m["forward_passes"]
-        echo(f"bs {batch:3d} AR: {m['tokens_per_s']:9.1f} tok/s, {m['forward_passes']:.0f} forwards")
+        for name in ar:
+            ar[name][bi] = m[name]
+        echo(f"bs {batch:3d} AR: {m['tokens_per_s']:9.1f} tok/s ({m['decode_tokens_per_s']:.1f} decoding), "
+             f"{m['forward_passes']:.0f} forwards; prefill {m['prefill_s']:.3f} s, capture {m['capture_s']:.3f} s, "
+             f"other {m['other_s']:.3f} s")
         ar_tokens = [list(map(int, t)) for t in res.tokens]
         reference = reference_array(ar_tokens)
         for ki, budget in enumerate(grid.budget):
@@ -158,7 +173,8 @@ def run_e2e(grid: E2EGrid, engine: Engine, config: Any, weights: Any,
                 for name in dd:
                     dd[name][bi, ki, ai] = m[name]
                 matches[bi, ki, ai] = int([list(map(int, t)) for t in res.tokens] == ar_tokens)
-                echo(f"bs {batch:3d} B {budget:5d} acc {accuracy:.2f}: {m['tokens_per_s']:9.1f} tok/s, "
+                echo(f"bs {batch:3d} B {budget:5d} acc {accuracy:.2f}: {m['tokens_per_s']:9.1f} tok/s "
+                     f"({m['decode_tokens_per_s']:.1f} decoding), "
                      f"{m['forward_passes']:.0f} forwards, tau {m['mean_acceptance']:.2f}, "
                      f"{'== AR' if matches[bi, ki, ai] else 'DIFFERS FROM AR'}")
     speedup = dd["tokens_per_s"] / ar["tokens_per_s"][:, None, None]
@@ -171,7 +187,17 @@ def run_e2e(grid: E2EGrid, engine: Engine, config: Any, weights: Any,
         "speedup_vs_ar": (dims, speedup, {"units": "1", "long_name": "DDTree tokens/s / AR tokens/s"}),
         "ar_tokens_per_s": (("batch",), ar["tokens_per_s"], {"units": "1/s", "long_name": "AR new tokens / wall s"}),
         "ar_forward_passes": (("batch",), ar["forward_passes"], {"units": "1", "long_name": "AR target forwards"}),
+        "decode_speedup_vs_ar": (dims, dd["decode_tokens_per_s"] / ar["decode_tokens_per_s"][:, None, None],
+                                 {"units": "1", "long_name": "DDTree / AR decode-only tokens/s (prefill, capture "
+                                                             "and host set-up excluded)"}),
     }
+    long_names = {"decode_tokens_per_s": ("1/s", "new tokens after the prefill's / decode s (capture excluded)"),
+                  "prefill_s": ("s", "prefill seconds"), "decode_s": ("s", "decode seconds (capture excluded)"),
+                  "capture_s": ("s", "CUDA-graph capture seconds"),
+                  "other_s": ("s", "rest of the call's wall time (host set-up, status copies)")}
+    for name, (units, long_name) in long_names.items():
+        data[name] = (dims, dd[name], {"units": units, "long_name": f"DDTree {long_name}"})
+        data[f"ar_{name}"] = (("batch",), ar[name], {"units": units, "long_name": f"AR {long_name}"})
     coords = {"batch": list(grid.batch), "budget": list(grid.budget), "accuracy": list(grid.accuracy)}
     attrs = {"benchmark": "sweep_e2e", "grid": json.dumps(dataclasses.asdict(grid)), "preset": grid.preset,
              "timing": "time.perf_counter around each generate call (prefill included), after a warm-up run; "
