@@ -197,7 +197,8 @@ def compile_kernel(spec: KernelSpec, sig: tuple, cc: tuple[int, int] | str) -> C
     """Compile ``spec.kernel.py_func`` for ``sig`` to LTO-IR and link it to a cubin for ``cc``.
 
     The kernel's ``fastmath``, ``opt``, ``launch_bounds`` and ``max_registers`` options are
-    applied as numba applies them at launch.
+    applied as numba applies them at launch. ``spec.archs`` is not consulted here (:func:`run`
+    skips the architectures a kernel is not launched on); a direct call compiles for ``cc``.
 
     Args:
         spec: a :class:`ddtree_numba.kernels.registry.KernelSpec`.
@@ -339,8 +340,7 @@ def run(
     from ddtree_numba.kernels import registry
 
     _require_compiler()
-    for arch in archs:
-        _cc_and_arch(arch)
+    archs = [_cc_and_arch(arch)[1] for arch in archs]  # (9, 0) -> "sm_90": what specs' archs name
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
     specs = registry.all_kernels() if names is None else [registry.get(n) for n in names]

@@ -302,6 +302,8 @@ def test_register_and_get(fresh_registry):
     assert registry.get("test_b").archs is None and spec.archs is None
     registry.register("test_c", _make_kernel("k_c"), SIG, "Hopper only", archs=["sm_90"])
     assert registry.get("test_c").archs == ("sm_90",)
+    registry.register("test_d", _make_kernel("k_d"), SIG, "a generator", archs=(a for a in ["sm_120"]))
+    assert registry.get("test_d").archs == ("sm_120",)
     assert "test_a" in [s.name for s in registry.all_kernels()]
     names = [s.name for s in registry.all_kernels()]
     assert names == sorted(names)
@@ -447,6 +449,7 @@ E2E_SCRIPT = textwrap.dedent(
                       block_threads=N, archs=("sm_90",))
     out = {"direct": []}
     out["arch_specific"] = [r.arch for r in cc.run(("sm_90", "sm_120"), ["test_e2e_sm90"], progress=False)]
+    out["arch_by_cc"] = [r.arch for r in cc.run(((9, 0), (12, 0)), ["test_e2e_sm90"], progress=False)]
     for name in ("test_e2e_smem", "test_e2e_local"):
         spec = registry.get(name)
         for cc_ in ((9, 0), "sm_120"):
@@ -476,6 +479,7 @@ def test_compile_end_to_end_without_simulator(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(open(path).read())
     assert out["arch_specific"] == ["sm_90"]  # a kernel registered for sm_90 only is not built for sm_120
+    assert out["arch_by_cc"] == ["sm_90"]     # the same when the archs are given as compute capabilities
     smem90, smem120, local90, local120 = out["direct"]
     assert [r["arch"] for r in out["direct"]] == ["sm_90", "sm_120"] * 2
     for r in out["direct"]:

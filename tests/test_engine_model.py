@@ -382,7 +382,7 @@ def test_attention_tile_config_fits_prefill_chunks() -> None:
     big = attention_tile_config(kimi, 4096)
     assert 64 <= big.max_path < 4096 and big.static_shared_bytes <= 48 * 1024
     assert attention_tile_config(kimi, 16).max_path == 64
-    # Few nodes (an AR step, a batch-1 tree): 16-head tiles; many: 64-head tiles (layout only).
+    # Few nodes: 8-head tiles (an AR step), 16 (a batch-1 tree); many: 64-head tiles (layout only).
     assert attention_tile_config(kimi, 1).heads == 8 and attention_tile_config(kimi, 33).heads == 16
     assert attention_tile_config(kimi, 33, batch_size=8).heads == 64
     assert attention_tile_config(tiny, 1).merge_heads == 4

@@ -55,6 +55,7 @@ from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, moe
 from ddtree_numba.kernels.registry import register
 from reference.tree import pack_visibility, unpack_visibility
 from sim.launch import launch
+from sim.profiles import active_profile
 
 __all__ = [
     "Activations",
@@ -68,11 +69,12 @@ __all__ = [
 PREP_THREADS = 128  # rows per block of the row-preparation kernel
 COPY_THREADS = 128  # elements per block of the feature copy
 SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are Python threads)
-# Attention tiles by launch size (nodes x 64-head groups): fewer than a quarter of the H200's 132
-# SMs -> 8-head tiles (an AR step: 8 blocks per request instead of 1), fewer than two per SM ->
-# 16-head tiles, else 64-head tiles (each block reads the keys once for 64 heads).
-DECODE_NODES = 33
-FEW_NODES = 264
+# Attention tiles by launch size (nodes x default head tiles, against the device's SMs): fewer
+# than a quarter of the SMs (H200: 33) -> 8-head tiles (an AR step: 8 blocks per request instead
+# of 1), fewer than two per SM (264) -> 16-head tiles, else the default (64-head) tiles, each
+# block reading the keys once for all its heads.
+DECODE_NODES_PER_SM = 0.25
+FEW_NODES_PER_SM = 2
 STATIC_SMEM_LIMIT = 48 * 1024  # static shared memory per block (limits §4): bounds the attention path table
 PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
 
@@ -164,16 +166,19 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     (C = 512, R = 64), a one-warp tiling otherwise; ``max_path`` (the longest visible path, which
     only sizes a shared table, not the numerics) raised to ``max_rows`` as far as static shared
     memory allows, so a prefill chunk of ``max_rows`` causal rows fits. Launches with few
-    (node, 64-head group) pairs get smaller head tiles, more blocks: below ``DECODE_NODES`` (an
-    AR step) 8 heads per tile, below ``FEW_NODES`` (a small tree at batch 1) 16. The tile size
+    (node, default head tile) pairs get smaller head tiles, more blocks: below
+    ``DECODE_NODES_PER_SM`` per SM (an AR step) 8 heads per tile, below ``FEW_NODES_PER_SM`` (a
+    small tree at batch 1) 16. The tile size
     is layout, not numerics (same bits, so the AR and tree models still agree bit for bit).
 
     Raises:
         ValueError: no valid tiling for the model's attention dims.
     """
     dl, dr, h = config.kv_lora_rank, config.qk_rope_dim, config.n_heads
-    nodes = batch_size * max_rows * max(h // 64, 1)
-    tile_heads = None if h % 16 else 8 if nodes < DECODE_NODES else 16 if nodes < FEW_NODES else None
+    blocks = batch_size * max_rows * (h // math.gcd(h, 64))  # attention blocks with the default tiles
+    sms = active_profile().sm_count
+    tile_heads = (None if h % 16 else 8 if blocks < DECODE_NODES_PER_SM * sms
+                  else 16 if blocks < FEW_NODES_PER_SM * sms else None)
     try:
         base = va.default_config(dl, dr, h, tile_heads=tile_heads)
     except ValueError:

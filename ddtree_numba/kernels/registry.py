@@ -114,10 +114,10 @@ def register(
         if not 1 <= block_threads <= MAX_BLOCK_THREADS:
             raise ValueError(f"block_threads must be in [1, {MAX_BLOCK_THREADS}], got {block_threads}")
     if archs is not None:
-        if isinstance(archs, str) or not all(isinstance(a, str) and a.startswith("sm_") for a in archs) \
-                or not archs:
-            raise ValueError(f"archs must be a non-empty sequence of 'sm_XY' strings or None, got {archs!r}")
-        archs = tuple(archs)
+        given = archs
+        archs = () if isinstance(archs, str) else tuple(archs)  # one pass over any iterable
+        if not archs or not all(isinstance(a, str) and a.startswith("sm_") for a in archs):
+            raise ValueError(f"archs must be a non-empty sequence of 'sm_XY' strings or None, got {given!r}")
     spec = KernelSpec(name, kernel, _check_signatures(signatures), description, bool(smem_opt_in), block_threads,
                       archs)
     existing = _REGISTRY.get(name)
