@@ -29,13 +29,9 @@ FIRST_KERNEL = "_prepare_rows_kernel"  # every TargetModel.forward starts with i
 
 def _chain_visibility(rows: int) -> tuple[np.ndarray, np.ndarray]:
     """A binary tree of ``rows`` nodes (parent (i - 1) // 2): (depths [rows], bool visibility [rows, rows])."""
-    parents = np.r_[-1, (np.arange(1, rows) - 1) // 2]
-    vis = np.zeros((rows, rows), bool)
-    for i in range(rows):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
+    from reference.tree import _ancestor_closure
+
+    vis = _ancestor_closure(np.r_[-1, (np.arange(1, rows) - 1) // 2])
     return vis.sum(axis=1) - 1, vis
 
 

@@ -168,8 +168,8 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     memory allows, so a prefill chunk of ``max_rows`` causal rows fits. Launches with few
     (node, default head tile) pairs get smaller head tiles, more blocks: below
     ``DECODE_NODES_PER_SM`` per SM (an AR step) 8 heads per tile, below ``FEW_NODES_PER_SM`` (a
-    small tree at batch 1) 16. The tile size
-    is layout, not numerics (same bits, so the AR and tree models still agree bit for bit).
+    small tree at batch 1) 16. The tile size is layout, not numerics (same bits, so the AR and
+    tree models still agree bit for bit).
 
     Raises:
         ValueError: no valid tiling for the model's attention dims.

@@ -1260,8 +1260,6 @@ def linear_argmax(x: Any, w: Any, part_val: Any, part_idx: Any, *, norm_weight: 
     w = _weight(w, 2)
     n_cols, k_dim = w.shape
     m_rows = x.shape[0]
-    if x.shape[1] != k_dim:
-        raise ValueError(f"x must have {k_dim} columns (K from w), got shape {tuple(x.shape)}")
     n_parts = -(-n_cols // _part_cols(n_cols))
     part_val = _check_parts(part_val, "part_val", F32, (m_rows, n_parts), n_cols)
     part_idx = _check_parts(part_idx, "part_idx", I32, (m_rows, n_parts), n_cols)
