@@ -5,6 +5,8 @@ kernel tested only there could fail on the first real launch. :func:`check_launc
 profile's limits (limits §4: 1024 threads per block, 48 KiB shared memory without opt-in);
 :func:`launch` checks and then launches (every host wrapper goes through it), and
 :func:`install_simulator_hook` makes the simulator check every ``kernel[grid, block, ...]``.
+:func:`opt_in_shared` lets a GPU launch use more than 48 KiB of dynamic shared memory (numba-cuda
+has no public way, limits §4 and NVIDIA/numba-cuda#94).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 
 from .profiles import DeviceProfile, active_profile
 
-__all__ = ["LaunchConfigError", "Dim3", "check_launch", "launch", "install_simulator_hook"]
+__all__ = ["LaunchConfigError", "Dim3", "check_launch", "launch", "opt_in_shared", "install_simulator_hook"]
 
 Dim3 = tuple[int, int, int]
 _HOOK_MARKER = "__ddtree_launch_check__"
@@ -127,6 +129,37 @@ def launch(
     """
     grid, block = check_launch(griddim, blockdim, dynamic_shared_bytes, profile=profile)
     kernel[grid, block, 0 if stream is None else stream, dynamic_shared_bytes](*args)
+
+
+_OPTED_IN: dict[int, int] = {}  # CUkernel handle -> dynamic shared bytes its attribute allows
+
+
+def _raise_dynamic_limit(kernel: Any, launch_config: Any) -> None:
+    """numba pre-launch callback: set the compiled kernel's
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to this launch's amount (once per kernel and
+    amount; numba-cuda's own carveout setter calls cuKernelSetAttribute the same way). A host
+    attribute call, not stream work: the first, eager launch of a graph-captured step sets it."""
+    from numba.cuda.cudadrv import driver as drv
+
+    cufunc = kernel._codelibrary.get_cufunc()
+    key, need = int(cufunc.handle), int(launch_config.sharedmem)
+    if _OPTED_IN.get(key, -1) >= need:
+        return
+    attr = drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    drv.driver.cuKernelSetAttribute(attr, need, cufunc.handle, cufunc.device.id)
+    _OPTED_IN[key] = need
+
+
+def opt_in_shared(configured: Any, dynamic_shared_bytes: int) -> Any:
+    """``configured`` (``kernel[grid, block, stream, dynamic_shared_bytes]``), opted in to
+    ``dynamic_shared_bytes`` of dynamic shared memory (the caller checked the amount with
+    :func:`check_launch` and ``opt_in=True``): when called, numba compiles the kernel for the
+    arguments' types, the callback raises its limit, then it launches. The simulator has no
+    such limit and no callbacks: returned as is."""
+    callbacks = getattr(configured, "pre_launch_callbacks", None)
+    if callbacks is not None and dynamic_shared_bytes > 0:
+        callbacks.append(_raise_dynamic_limit)
+    return configured
 
 
 def install_simulator_hook() -> bool:

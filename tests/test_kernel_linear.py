@@ -88,18 +88,22 @@ def test_reduction_order_is_the_documented_one(m_rows, n_cols, k_dim):
     np.testing.assert_array_equal(_run_linear(x, w), _emulate(x, w))
 
 
-def _shuffle_linear(x, w, kind_prologue="none", columns=None):
-    """linear() through the GPU build's reduction (the transposed shuffle butterfly), launched
-    directly under the simulator: grid (row tiles, 1 column block looping over all); ``columns``:
-    C of the tile (default the plan's)."""
+def _shuffle_linear(x, w, kind_prologue="none", columns=None, mt=None, phase_steps=None,
+                    shuffles=True):
+    """linear() through the GPU build's reduction (the transposed shuffle butterfly; the tree
+    with ``shuffles=False``), launched directly under the simulator: grid (row tiles, 1 column
+    block looping over all); ``columns``, ``mt``, ``phase_steps``: the tile's C, row tile and
+    staged steps per phase (default the plan's)."""
     m_rows, n_cols, k_dim = x.shape[0], w.shape[0], w.shape[1]
     plan = lin.plan_linear(m_rows, n_cols, k_dim)
-    kernel = lin.get_kernel("linear", kind_prologue, False, plan.mt, columns=columns or plan.columns,
-                            shuffles=True)
+    mt = mt or plan.mt
+    phase_steps = phase_steps or plan.phase_steps
+    kernel = lin.get_kernel("linear", kind_prologue, False, mt, columns=columns or plan.columns,
+                            shuffles=shuffles)
     out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
-    kernel[(-(-m_rows // plan.mt), 1, 1), plan.threads, 0, plan.shared_bytes](
-        _dev(x), _dev(w.ravel()), out, out, _dev(np.ones(1, np.float32)), np.float32(1e-6),
-        *plan.geometry(n_cols, k_dim))
+    geometry = plan.geometry(n_cols, k_dim)[:4] + (phase_steps, plan.vec_steps)
+    kernel[(-(-m_rows // mt), 1, 1), plan.threads, 0, 4 * mt * plan.k_split * phase_steps * lin.STEP](
+        _dev(x), _dev(w.ravel()), out, out, _dev(np.ones(1, np.float32)), np.float32(1e-6), *geometry)
     return out.copy_to_host()
 
 
@@ -303,9 +307,9 @@ def test_columns_and_cached_plans():
     assert [lin.columns("linear", mt, "sm_90") for mt in lin.ROW_TILES] == [4, 4, 4, 8]
     assert [lin.columns("linear", mt, "sm_120") for mt in lin.ROW_TILES] == [4, 4, 4, 4]
     assert lin.columns("argmax", 8, "sm_90") == 4 and lin.columns("expert", 8, "sm_90") == 8
-    assert lin.plan_linear(1056, 32768, 2048) is lin.plan_linear(1056, 32768, 2048)
-    assert lin.plan_linear(1056, 32768, 2048).columns == lin.columns("linear", 8)
-    assert lin.plan_linear(1056, 32768, 2048, kind="argmax").columns == 4
+    assert lin.plan_linear(1056, 32768, 1024) is lin.plan_linear(1056, 32768, 1024)
+    assert lin.plan_linear(1056, 32768, 1024).columns == lin.columns("linear", 8)
+    assert lin.plan_linear(1056, 32768, 1024, kind="argmax").columns == 4
     with pytest.raises(ValueError, match="columns"):
         lin.get_kernel("argmax", "none", False, 8, columns=8)
 
@@ -322,10 +326,36 @@ def test_wide_tiles_are_registered_for_sm_90_only(kind):
 
 @pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
 @pytest.mark.parametrize("columns", [4, 8])
-def test_row_tile_width_is_layout_not_numerics(columns):
-    """8 x 4 (sm_120) and 8 x 8 (sm_90) tiles give linear's bits; K 2100: the combine path too."""
+@pytest.mark.parametrize("shuffles", [True, False])
+def test_row_tile_width_is_layout_not_numerics(columns, shuffles):
+    """8 x 4 (sm_120) and 8 x 8 (sm_90) tiles give linear's bits; K 2100: the combine path too,
+    and the rows staged in 3 phases (what an 8-row tile does when its rows overflow the budget;
+    the plan would take 4-row tiles here)."""
     x, w = _rand(9, 2100), _rand(11, 2100)
-    np.testing.assert_array_equal(_shuffle_linear(x, w, columns=columns), _run_linear(x, w))
+    assert lin.plan_linear(9, 11, 2100).mt == 4
+    np.testing.assert_array_equal(
+        _shuffle_linear(x, w, columns=columns, mt=8, phase_steps=4, shuffles=shuffles),
+        _run_linear(x, w))
+
+
+def test_row_tile_shrinks_to_stage_once(monkeypatch):
+    """MT is halved while its rows overflow the staging budget and a smaller tile fits in one
+    phase; with the H200's opt-in budget the 33-row verify forward of `small` takes 8-row tiles
+    up to K 5632 and 4-row tiles at K 8192 (wo); the simulator keeps the 40 KiB default."""
+    assert lin.xs_budget() == lin.XS_BUDGET_BYTES if SIMULATED else lin.xs_budget() > lin.XS_BUDGET_BYTES
+    h200 = 227 * 1024 - lin.STATIC_RESERVE_BYTES
+    monkeypatch.setattr(lin, "xs_budget", lambda: h200)
+    lin.row_tile.cache_clear()
+    try:
+        assert [lin.row_tile(33, k) for k in (128, 768, 2048, 5632, 8192)] == [8, 8, 8, 8, 4]
+        assert [lin.row_tile(r, 8192) for r in (1, 2, 3, 5, 1056)] == [1, 2, 4, 4, 4]
+        assert lin.row_tile(33, 10**6) == 8   # nothing fits in one phase: the largest, in phases
+        assert lin.row_tile(33) == 8
+    finally:
+        monkeypatch.undo()
+        lin.row_tile.cache_clear()
+    if SIMULATED:
+        assert [lin.row_tile(33, k) for k in (1024, 1280, 1281, 2048, 5000)] == [8, 8, 4, 4, 2]
 
 
 def test_plan_is_a_function_of_k_for_the_order():
@@ -362,8 +392,12 @@ def test_every_kind_is_registered_at_its_extreme_row_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_cols,k_dim,prologue", [(32768, 2048, "rmsnorm"), (11264, 2048, "none"),
-                                                    (12288, 768, "none"), (2048, 5632, "swiglu")])
+                                                    (12288, 768, "none"), (2048, 5632, "swiglu"),
+                                                    (2048, 8192, "none")])
 def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
+    """Every row count stages its rows once (opt-in shared memory above 48 KiB: 8 x 2048 and
+    8 x 5632 rows; 4-row tiles at K 8192), every element is written, and each row keeps its
+    bits alone and in 4, 16, 33 and 1056 rows."""
     rng = np.random.default_rng(n_cols + k_dim)
     w = _rand(n_cols, k_dim, rng=rng)
     d_w = _dev(w)
@@ -378,6 +412,8 @@ def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
         out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
         lin.linear(_dev(x_all[:m_rows]), d_w, out, **kwargs)
         got = out.copy_to_host()
+        assert lin.plan_linear(m_rows, n_cols, k_dim).one_phase
+        assert not np.isnan(got).any()
         if m_rows == 1:
             alone = got[0]
         else:

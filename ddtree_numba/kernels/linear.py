@@ -25,10 +25,15 @@ Work layout (limits §3, §7).
     tiles of one column block run side by side and its weight rows come from HBM once and from
     L2 for the others (column-fastest, a 1056-row launch streamed W 132 times). The MT input
     rows are staged in dynamic shared memory ``[MT, k_split, phase_steps * 128]`` with the
-    prologue applied (none, RMSNorm with the row's rms, or SwiGLU), in phases when they do not
-    fit (``XS_BUDGET_BYTES``); a thread stages one k for all MT rows (MT loads in flight). When
-    they fit in one phase a block stages them once and loops over column blocks (grid-stride,
-    about one block per SM: decode streams W with no tail wave). The weight stream is the hot
+    prologue applied (none, RMSNorm with the row's rms, or SwiGLU); a thread stages one k for
+    all MT rows (MT loads in flight). When they fit in one phase a block stages them once and
+    loops over column blocks (grid-stride, about one block per SM: decode streams W with no tail
+    wave). The staging budget (:func:`xs_budget`) is the device's opt-in shared memory on a GPU
+    (H200: 215 KiB of 227; launches above 48 KiB go through ``sim.launch.opt_in_shared``) and
+    40 KiB in the simulator; :func:`row_tile` halves MT while its rows overflow the budget and a
+    smaller tile fits (33 rows at K 8192: 4-row tiles), and only when no tile fits are the rows
+    restaged in phases for every column block (two barriers and a staging latency per phase and
+    column block). The weight stream is the hot
     path: each lane issues ``U x C`` 16-byte loads (``ld.global.nc.v4.f32``, addressed from the
     weight's data pointer) before their ``4 * MT * C`` FMAs, lanes covering 512 contiguous bytes
     of a weight row per load; each staged float4 (one 16-byte shared load) feeds ``4 * C`` FMAs.
@@ -83,7 +88,7 @@ import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint64
 
-from sim.launch import check_launch
+from sim.launch import check_launch, opt_in_shared
 from sim.profiles import active_profile
 
 from ._args import as_kernel_array, is_c_contiguous, is_device_array
@@ -132,6 +137,10 @@ WIDE_ARCHS = ("sm_90",)
 ROW_TILES = (1, 2, 4, 8)     # 16 rows: LLVM leaves the row loop rolled, acc goes to local memory
 MAX_ROW_TILE = ROW_TILES[-1]
 XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
+# On a GPU the staged rows may use the opt-in limit (sim.launch.opt_in_shared; H200 227 KiB,
+# sm_120 99 KiB) less the static arrays (<= ~10.3 KiB: comb 2 KiB, expert offsets 4 KiB, argmax
+# candidates 4 KiB) and the system's 1 KiB per block: one block per SM either way (launch bounds).
+STATIC_RESERVE_BYTES = 12 * 1024
 STAGE_LOADS = 8              # staging: loads in flight per thread (SU positions x MT rows)
 PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks (x staged once)
 MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
@@ -846,12 +855,31 @@ def k_split(k_dim: int) -> int:
     return split
 
 
-def row_tile(rows: int) -> int:
-    """MT for a launch with ``rows`` rows per group: the smallest tile >= rows, else the largest."""
-    for mt in ROW_TILES:
-        if rows <= mt:
-            return mt
-    return MAX_ROW_TILE
+@functools.cache
+def xs_budget() -> int:
+    """Bytes of staged input rows a block may hold: the opt-in limit of the active device profile
+    less STATIC_RESERVE_BYTES on a GPU; XS_BUDGET_BYTES (under the 48 KiB default) in the
+    simulator, which checks every launch against the default limit."""
+    if SIM_TREE:
+        return XS_BUDGET_BYTES
+    return max(XS_BUDGET_BYTES, active_profile().smem_per_block_optin - STATIC_RESERVE_BYTES)
+
+
+def _stage_bytes(mt: int, k_dim: int) -> int:
+    """Shared bytes of MT staged rows of K values in one phase (whole segments, k_split(K))."""
+    split = k_split(k_dim)
+    return 4 * mt * split * -(-(-(-k_dim // STEP)) // split) * STEP
+
+
+@functools.lru_cache(maxsize=1024)
+def row_tile(rows: int, k_dim: int = 0) -> int:
+    """MT for a launch with ``rows`` rows per group: the smallest tile >= rows, else the largest;
+    halved, for K = ``k_dim``, while its rows do not fit :func:`xs_budget` in one phase and a
+    smaller tile does (rows staged in phases are restaged for every column block; smaller tiles
+    staged once re-read W from L2 instead). Layout, never the order."""
+    mt = next((t for t in ROW_TILES if rows <= t), MAX_ROW_TILE)
+    fits = [t for t in ROW_TILES if t <= mt and _stage_bytes(t, k_dim) <= xs_budget()]
+    return fits[-1] if fits else mt
 
 
 @dataclass(frozen=True)
@@ -888,12 +916,12 @@ class LinearPlan:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> LinearPlan:
-    mt = row_tile(rows)
+    mt = row_tile(rows, k_dim)
     c = columns(kind, mt)
     split = k_split(k_dim)
     total_steps = -(-k_dim // STEP)
     seg_steps = -(-total_steps // split)
-    phase_steps = max(1, min(seg_steps, XS_BUDGET_BYTES // (4 * mt * split * STEP)))
+    phase_steps = max(1, min(seg_steps, xs_budget() // (4 * mt * split * STEP)))
     groups = SIM_GROUPS if SIM_TREE else max(1, BLOCK_WARPS // split)
     col_blocks = -(-(-(-n_cols // c)) // groups)
     return LinearPlan(mt, c, split, seg_steps, phase_steps, k_dim // STEP if aligned else 0,
@@ -948,9 +976,18 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     :func:`_grid_cols`, else that many (the argmax parts)."""
     plan = _plan(kind, rows, n_cols, k_dim, aligned)
     grid = (tiles, grid_y or _grid_cols(plan, tiles * groups), groups)
-    check_launch(grid, plan.threads, plan.shared_bytes)
+    opt_in = plan.shared_bytes > XS_BUDGET_BYTES
+    check_launch(grid, plan.threads, plan.shared_bytes, opt_in=opt_in,
+                 static_shared_bytes=STATIC_RESERVE_BYTES - 1024 if opt_in else 0)
     return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
+
+
+def _configured(kernel: Any, grid: tuple, threads: int, stream: Any, smem: int) -> Any:
+    """``kernel[grid, threads, stream, smem]``, opted in to more than the default shared memory
+    when the plan staged more than XS_BUDGET_BYTES (a GPU only: sim.launch.opt_in_shared)."""
+    configured = kernel[grid, threads, _stream(stream), smem]
+    return opt_in_shared(configured, smem) if smem > XS_BUDGET_BYTES else configured
 
 
 # --- argument checks (shapes, dtypes and strides read once per call) -------------------------------
@@ -1064,12 +1101,12 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
         residual = _check_out(residual, "residual", (m_rows, n_cols))
     if m_rows == 0:
         return out
-    mt = row_tile(m_rows)
+    mt = row_tile(m_rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
         "linear", prologue, residual is not None, mt, n_cols, k_dim, _aligned(w, k_dim),
         -(-m_rows // mt))
     w_k = _kernel_weight(w)
-    kernel[grid, threads, _stream(stream), smem](
+    _configured(kernel, grid, threads, stream, smem)(
         x, w_k, out, out if residual is None else residual, w_k if norm is None else norm, eps32,
         *geometry)
     return out
@@ -1097,10 +1134,10 @@ def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
     out = _check_out(out, "out", (m_rows, groups, n_cols))
     if m_rows == 0 or groups == 0:
         return out
-    mt = row_tile(m_rows)
+    mt = row_tile(m_rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
         "head", "none", False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), groups)
-    kernel[grid, threads, _stream(stream), smem](x, _kernel_weight(w), out, *geometry)
+    _configured(kernel, grid, threads, stream, smem)(x, _kernel_weight(w), out, *geometry)
     return out
 
 
@@ -1171,11 +1208,11 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
     if entries == 0 or x.shape[0] == 0:
         return out
     rows = min(x.shape[0], entries)
-    mt = row_tile(rows)
+    mt = row_tile(rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
         "expert", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim),
         expert_slots(entries, experts, mt))
-    kernel[grid, threads, _stream(stream), smem](x, _kernel_weight(w), out, row_offsets,
+    _configured(kernel, grid, threads, stream, smem)(x, _kernel_weight(w), out, row_offsets,
                                                   row_index, *geometry)
     return out
 
@@ -1267,12 +1304,12 @@ def linear_argmax(x: Any, w: Any, part_val: Any, part_idx: Any, *, norm_weight: 
     prologue, norm = _check_prologue_args(x, k_dim, False, norm_weight)
     if m_rows == 0:
         return part_val, part_idx
-    mt = row_tile(m_rows)
+    mt = row_tile(m_rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
         "argmax", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), 1,
         n_parts)
     w_k = _kernel_weight(w)
-    kernel[grid, threads, _stream(stream), smem](
+    _configured(kernel, grid, threads, stream, smem)(
         x, w_k, part_val, part_idx, w_k if norm is None else norm, eps32, *geometry,
         _part_cols(n_cols))
     return part_val, part_idx
