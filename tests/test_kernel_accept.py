@@ -497,12 +497,11 @@ def _walk_args(n_cap=4, bs=2):
                 accepted=np.full((bs, 3), 7, np.int32), lengths=z(bs), bonus=z(bs))
 
 
-@pytest.mark.parametrize("change, error, name", [
-    (dict(posterior=np.zeros((2, 4), np.int64)), TypeError, "posterior"),
-    (dict(posterior=np.zeros((2, 0), np.int32), child_ptr=np.zeros((2, 1), np.int32),
-          child_index=np.zeros((2, 0), np.int32), tokens=np.zeros((2, 0), np.int32)), ValueError, "posterior"),
-    (dict(child_ptr=np.zeros((2, 4), np.int32)), ValueError, "child_ptr"),
+# Bad tree / output arguments of both walks (accept_walk, and accept_walk_parts in
+# test_kernel_posterior_fused): changes of _walk_args() (bs 2, N 4, W 3).
+BAD_TREE_AND_OUTPUTS = [
     (dict(child_index=np.zeros((2, 4), np.int64)), TypeError, "child_index"),
+    (dict(child_index=np.zeros((2, 5), np.int32)), ValueError, "child_index"),
     (dict(tokens=np.zeros((2, 5), np.int32)), ValueError, "tokens"),
     (dict(tokens=np.zeros((2, 8), np.int32)[:, ::2]), ValueError, "tokens"),
     (dict(accepted=np.zeros((2, 0), np.int32)), ValueError, "accepted"),
@@ -510,7 +509,15 @@ def _walk_args(n_cap=4, bs=2):
     (dict(lengths=np.zeros(2, np.uint32)), TypeError, "lengths"),
     (dict(bonus=np.zeros(3, np.int32)), ValueError, "bonus"),
     (dict(bonus="zeros"), TypeError, "bonus"),
-])
+]
+
+
+@pytest.mark.parametrize("change, error, name", [
+    (dict(posterior=np.zeros((2, 4), np.int64)), TypeError, "posterior"),
+    (dict(posterior=np.zeros((2, 0), np.int32), child_ptr=np.zeros((2, 1), np.int32),
+          child_index=np.zeros((2, 0), np.int32), tokens=np.zeros((2, 0), np.int32)), ValueError, "posterior"),
+    (dict(child_ptr=np.zeros((2, 4), np.int32)), ValueError, "child_ptr"),
+] + BAD_TREE_AND_OUTPUTS)
 def test_walk_rejects_bad_arguments_before_any_work(change, error, name):
     args = _walk_args() | change
     with pytest.raises(error, match=rf"^{name}\b"):
@@ -547,16 +554,20 @@ def _set(key: str, index, value: int):
     return lambda args: args[key].__setitem__(index, value)
 
 
-@pytest.mark.parametrize("edit, name", [
-    (_set("posterior", (1, 1), -1), "posterior"),  # node 1 of request 1 is real
-    (_set("posterior", (0, 3), -5), "posterior"),
+BAD_CSR_VALUES = [  # edits of _tree_walk_args()'s CSR, rejected by both walks
     (_set("child_ptr", (0, 2), 1), "child_ptr"),  # decreasing: [0, 2, 1, 3, 3]
     (_set("child_ptr", (1, 0), -1), "child_ptr"),
     (_set("child_ptr", (0, slice(3, None)), 4), "child_ptr"),  # > N - 1
     (_set("child_index", (0, 2), 4), "child_index"),  # >= N on a real entry
     (_set("child_index", (1, 0), 0), "child_index"),  # the root is nobody's child
     (_set("child_index", (0, 0), -1), "child_index"),
-])
+]
+
+
+@pytest.mark.parametrize("edit, name", [
+    (_set("posterior", (1, 1), -1), "posterior"),  # node 1 of request 1 is real
+    (_set("posterior", (0, 3), -5), "posterior"),
+] + BAD_CSR_VALUES)
 def test_walk_rejects_bad_host_values_before_any_work(edit, name):
     args = _tree_walk_args()
     edit(args)
@@ -622,15 +633,24 @@ def test_gpu_sample_kimi_vocab():
     np.testing.assert_array_equal(got, _reference_rows(logits, sizes, temperatures, seeds, positions))
 
 
+GPU_HORIZON = 16  # L of the bs 64, B 512 walks
+
+
+def _bs64_budget512_batch(rng: np.random.Generator, vocab: int = 4096) -> tuple[TreeBatch, np.ndarray]:
+    """64 trees at B = 512 (L = GPU_HORIZON, K = B, budgets in [B / 2, B], the first B) and their
+    deep-path posteriors (also the fused walk's GPU test)."""
+    bs, budget = 64, 512
+    budgets = rng.integers(budget // 2, budget + 1, bs)
+    budgets[0] = budget
+    trees = _random_batch(rng, bs, GPU_HORIZON, vocab, budgets, capacity=budget + 1)
+    return trees, random_posterior(rng, trees, vocab, follow=0.9)
+
+
 @pytest.mark.gpu
 def test_gpu_walk_bs64_budget512():
     """64 trees at B = 512 (L = 16, K = B) with deep-path posteriors, against accept_batch."""
-    rng = np.random.default_rng(103)
-    bs, n_pos, budget, vocab = 64, 16, 512, 4096
-    budgets = rng.integers(budget // 2, budget + 1, bs)
-    budgets[0] = budget
-    trees = _random_batch(rng, bs, n_pos, vocab, budgets, capacity=budget + 1)
-    post = random_posterior(rng, trees, vocab, follow=0.9)
+    trees, post = _bs64_budget512_batch(np.random.default_rng(103))
+    n_pos = GPU_HORIZON
     accepted, lengths, bonus = accept_batch(post, trees)
     got = _walk(post, trees, n_pos + 1)
     np.testing.assert_array_equal(got[0], _padded(accepted, n_pos + 1))

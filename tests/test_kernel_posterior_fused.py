@@ -1,11 +1,14 @@
-"""The lm_head fused with the greedy posterior: linear_argmax + posterior_argmax_parts.
+"""The lm_head fused with the greedy posterior: linear_argmax + posterior_argmax_parts, and the
+walk that merges the parts of the nodes it visits (accept_walk_parts).
 
 The property: for every row, the merged token is bit for bit ``posterior_argmax(linear(...))``
 (ties -> lowest id, NaN logits skipped, an all-NaN row -> NO_INDEX, padding rows -1), and each
 part holds exactly the largest of ``linear``'s logits in its columns with that logit's lowest
-id (the logits are the same bits: the same tile code). Simulator shapes are tiny (parts of 8
-columns, one or two warps per block); ``gpu`` tests use the small preset's and Kimi K2's
-lm_head (V 32768 x D 2048, V 163840 x D 7168).
+id (the logits are the same bits: the same tile code). The fused walk's (accepted, lengths,
+bonus) are bit for bit posterior_argmax_parts + accept_walk's, and reference.accept_batch's on
+the merged posterior. Simulator shapes are tiny (parts of 8 columns, one or two warps per
+block); ``gpu`` tests use the small preset's and Kimi K2's lm_head (V 32768 x D 2048, V 163840
+x D 7168) and the walk at bs 64, B 512 with Kimi K2's parts (P = argmax_parts(163840)).
 """
 from __future__ import annotations
 
@@ -13,8 +16,15 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from ddtree_numba.bench.accept_compact import KIMI_VOCAB, PART_WINNER, posterior_parts, random_posterior
 from ddtree_numba.kernels import accept as ka
 from ddtree_numba.kernels import linear as lin
+from ddtree_numba.kernels import registry
+from reference import accept_batch
+from sim.launch import LaunchConfigError
+from tests.test_kernel_accept import (BAD_CSR_VALUES, BAD_TREE_AND_OUTPUTS, GPU_HORIZON, _bs64_budget512_batch,
+                                      _follow_deepest, _padded, _parts_of, _random_batch, _tree_walk_args,
+                                      _walk_args)
 
 SIM_THREADS = 32  # posterior kernels: one warp per simulated block
 NO_INDEX = int(ka.NO_INDEX)
@@ -251,6 +261,223 @@ def test_linear_argmax_rejects_bad_input_before_any_work(change, exc, name):
         assert np.all(args["part_idx"] == 7)
 
 
+# --- the fused walk: accept_walk_parts -------------------------------------------------------------
+
+def _run_walk(fn, head, tree, width, *, on_device=True):
+    """``fn(*head, *tree, accepted, lengths, bonus)`` (accept_walk or accept_walk_parts) into
+    poisoned device outputs; returns them on the host."""
+    bs = tree[0].shape[0]
+    args = [*head, *tree]
+    if on_device:
+        args = [_dev(a) for a in args]
+    outs = [_dev(np.full(shape, -7, np.int32)) for shape in ((bs, width), (bs,), (bs,))]
+    fn(*args, *outs)
+    return tuple(o.copy_to_host() for o in outs)
+
+
+def _check_walk(val, idx, trees, width, *, on_device=True):
+    """accept_walk_parts == posterior_argmax_parts + accept_walk, bit for bit, and ==
+    reference.accept_batch on the merged posterior (cut to ``width`` nodes: the bonus is then the
+    last kept node's posterior). Returns ((accepted, lengths, bonus), merged posterior)."""
+    tree = [np.ascontiguousarray(a, np.int32) for a in (trees.child_ptr, trees.child_index, trees.tokens)]
+    post = _merge(val, idx, trees.sizes, trees.capacity)
+    got = _run_walk(ka.accept_walk_parts, (val, idx), tree, width, on_device=on_device)
+    want = _run_walk(ka.accept_walk, (post,), tree, width)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    accepted, lengths, bonus = accept_batch(post, trees)
+    accepted = _padded(accepted, max(width, accepted.shape[1]))[:, :width]
+    cut = lengths > width
+    last = accepted[np.arange(len(lengths)), np.minimum(lengths, width) - 1]
+    np.testing.assert_array_equal(got[0], accepted)
+    np.testing.assert_array_equal(got[1], np.minimum(lengths, width))
+    np.testing.assert_array_equal(got[2], np.where(cut, post[np.arange(len(lengths)), last], bonus))
+    return got, post
+
+
+def _logits_for(rng, post, vocab, *, ties=False, nan=0.0) -> np.ndarray:
+    """float32 [bs * N, V] integer logits in [-3, 2] (a ``nan`` fraction NaN) with 3.0 at each row's
+    ``post`` token: their argmax is ``post``. ``ties``: 3.0 also at a random higher id of every
+    row (the lower, posterior id must win) and at a random id of every fourth row (which wins
+    when it is the lower one: the walk then follows the lowest id)."""
+    flat = post.reshape(-1).astype(np.int64)
+    rows = np.arange(flat.size)
+    logits = rng.integers(-3, 3, (flat.size, vocab)).astype(np.float32)
+    logits[rng.random(logits.shape) < nan] = np.nan
+    logits[rows, flat] = 3.0
+    if ties:
+        logits[rows, rng.integers(flat, vocab)] = 3.0
+        logits[rows[::4], rng.integers(0, vocab, rows[::4].size)] = 3.0
+    return logits
+
+
+def _rule_rows(logits, sizes, n_cap) -> np.ndarray:
+    """_rule's id of every real row, -1 on padding rows: [bs, N]."""
+    ids = np.array([_rule(row)[1] for row in logits], np.int32).reshape(len(sizes), n_cap)
+    ids[np.arange(n_cap)[None, :] >= np.asarray(sizes)[:, None]] = -1
+    return ids
+
+
+@pytest.mark.parametrize("vocab,width,ties,nan,on_device", [
+    (40, 8, False, 0.0, True),     # P 5: neither a multiple of 4 nor of 32
+    (40, 8, True, 0.1, False),     # tie-heavy, NaN logits, NumPy (host-checked) inputs
+    (12, 12, True, 0.0, True),     # P 1
+    (70, 2, True, 0.05, True),     # P 35: one lane holds two parts
+    (133, 1, False, 0.02, True),   # P 133 > 32 * MERGE_UNROLL: a second, partial round of loads
+])
+def test_parts_walk_is_merge_then_walk_on_random_batches(vocab, width, ties, nan, on_device):
+    """Ragged batch (budgets 0..16, capacity above the largest tree), deep-path posteriors; every
+    leaf's posterior is the last token id (the bonus of a walk ending there: the last part wins)."""
+    rng = np.random.default_rng(100 * vocab + width)
+    trees = _random_batch(rng, 6, 4, vocab, [16, 0, 7, 12, 3, 16], capacity=20, ties=ties)
+    post = random_posterior(rng, trees, vocab, follow=0.9)
+    post[np.diff(trees.child_ptr, axis=1) == 0] = vocab - 1
+    logits = _logits_for(rng, post, vocab, ties=ties, nan=nan)
+    val, idx = _parts_of(logits, width)
+    assert val.shape[1] == -(-vocab // width)
+    (_, _, bonus), merged = _check_walk(val, idx, trees, 5, on_device=on_device)
+    np.testing.assert_array_equal(merged, _rule_rows(logits, trees.sizes, trees.capacity))
+    if not ties:
+        np.testing.assert_array_equal(merged[merged >= 0], post[merged >= 0])
+        assert np.any(bonus == vocab - 1)
+
+
+@pytest.mark.parametrize("budgets,width", [([0], 1), ([0], 3), ([1], 3), ([0, 1, 0, 1], 2)])
+def test_parts_walk_single_node_and_one_child_trees(budgets, width):
+    """Budget 0 (the root alone: length 1, the root's merged token is the bonus) and budget 1
+    (the posterior follows the root's only child), bs 1 and several."""
+    rng = np.random.default_rng(len(budgets) + width)
+    vocab = 9
+    trees = _random_batch(rng, len(budgets), 2, vocab, budgets)
+    post = random_posterior(rng, trees, vocab, follow=0.0)
+    _follow_deepest(trees, post)
+    val, idx = _parts_of(_logits_for(rng, post, vocab), 4)
+    (accepted, lengths, bonus), merged = _check_walk(val, idx, trees, width)
+    assert lengths.tolist() == [1 + b for b in budgets]
+    assert accepted[:, :2].tolist() == [[0, 1] if b else [0, -1][:width] for b in budgets]
+    assert bonus[0] == merged[0, lengths[0] - 1]
+
+
+def test_parts_walk_nan_rows_and_nan_parts():
+    """Posteriors follow each request's deepest path. Request 0: the row of its second path
+    node is all NaN (parts (-inf, NO_INDEX), as linear_argmax writes them): the walk stops there
+    with the bonus NO_INDEX (no child's token). Request 1: an all-NaN root row, written as NaN
+    part values (skipped as well): length 1, bonus NO_INDEX. Request 2: every part of its path
+    rows but the winner's is a NaN value or all-NaN: the whole path is accepted."""
+    rng = np.random.default_rng(41)
+    vocab, width = 24, 5  # P 5, the last part 4 columns
+    trees = _random_batch(rng, 3, 4, vocab, [12, 12, 12], capacity=14)
+    post = random_posterior(rng, trees, vocab, follow=0.0)
+    _follow_deepest(trees, post)
+    path, full, _ = accept_batch(post, trees)
+    assert full.min() >= 3
+    logits = _logits_for(rng, post, vocab)
+    n_cap = trees.capacity
+    logits[path[0, 1]] = np.nan
+    val, idx = _parts_of(logits, width)
+    val[n_cap] = np.nan
+    for node in path[2, :full[2]]:
+        row = 2 * n_cap + node
+        keep = post[2, node] // width
+        val[row, np.arange(val.shape[1]) != keep] = np.nan
+        idx[row, (keep + 1) % val.shape[1]] = ka.NO_INDEX
+    (accepted, lengths, bonus), _ = _check_walk(val, idx, trees, full.max())
+    assert lengths.tolist() == [2, 1, full[2]] and bonus[:2].tolist() == [NO_INDEX, NO_INDEX]
+    np.testing.assert_array_equal(accepted[2, :full[2]], path[2, :full[2]])
+
+
+def test_parts_walk_truncates_to_the_buffer_width():
+    """A buffer narrower than the path keeps its first W nodes (W 1: the root alone), and the
+    bonus is the last kept node's merged token; a wider buffer is padded with -1."""
+    rng = np.random.default_rng(43)
+    vocab = 7
+    trees = _random_batch(rng, 2, 4, vocab, [12, 9])
+    post = random_posterior(rng, trees, vocab, follow=0.0)
+    _follow_deepest(trees, post)
+    depth = int(trees.depths.max())
+    assert depth >= 2
+    val, idx = _parts_of(_logits_for(rng, post, vocab, ties=True), 3)
+    for width in (1, 2, depth, depth + 4):
+        _check_walk(val, idx, trees, width)
+
+
+def test_parts_walk_malformed_device_csr_matches_accept_walk():
+    """test_kernel_accept's malformed device CSR (ranges past N and below 0, children outside
+    [1, N)), posterior given as one part per row: clamped as accept_walk clamps it."""
+    tokens = np.array([[7, 10, 20, 30, 40, 50]] * 2, np.int32)
+    child_ptr = np.array([[-2, 1, 1, 1, 1, 1, 1], [0, 2, 2, 9, 9, 9, 9]], np.int32)
+    child_index = np.array([[1, 0, 0, 0, 4, 5], [-1, 2, 7, 3, 0, 4]], np.int32)
+    post = np.array([[50, 0, 0, 0, 0, 0], [20, 0, 40, 0, 33, 0]], np.int32)
+    tree = (child_ptr, child_index, tokens)
+    parts = (np.zeros((12, 1), np.float32), post.reshape(12, 1))
+    got = _run_walk(ka.accept_walk_parts, parts, tree, 4)
+    want = _run_walk(ka.accept_walk, (post,), tree, 4)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert got[0].tolist() == [[0, -1, -1, -1], [0, 2, 4, -1]] and got[2].tolist() == [50, 33]
+
+
+def test_parts_walk_registration_and_shared_memory_limit():
+    """Registered for the compile check at the walk's block size; N 4096 needs 48 KiB + 4 B of
+    shared memory (3 staged int32 rows): refused by the launch check, nothing written."""
+    assert registry.get("accept_walk_parts").block_threads == ka.WALK_THREADS
+    assert registry.get("accept_walk_parts").kernel is ka.accept_walk_parts_kernel
+    assert ka.walk_shared_bytes(4095, posterior=False) <= 48 * 1024 < ka.walk_shared_bytes(4096, posterior=False)
+    args = _parts_walk_args(_walk_args(n_cap=4096, bs=1), n_parts=1)
+    with pytest.raises(LaunchConfigError, match="shared memory"):
+        ka.accept_walk_parts(**args)
+    assert np.all(args["accepted"] == 7)
+
+
+def _parts_walk_args(walk_args=None, n_parts=5):
+    """test_kernel_accept's walk arguments (bs 2, N 4, W 3 unless given), the posterior replaced by
+    zero parts [bs * N, n_parts]."""
+    args = dict(_walk_args() if walk_args is None else walk_args)
+    rows = args.pop("posterior").size
+    return dict(part_val=np.zeros((rows, n_parts), np.float32), part_idx=np.zeros((rows, n_parts), np.int32),
+                **args)
+
+
+@pytest.mark.parametrize("change,error,name", [
+    (dict(part_val=np.zeros((8, 5), np.float64)), TypeError, "part_val"),
+    (dict(part_val=[[0.0] * 5] * 8), TypeError, "part_val"),
+    (dict(part_val=np.zeros(40, np.float32)), ValueError, "part_val"),
+    (dict(part_val=np.zeros((8, 10), np.float32)[:, ::2]), ValueError, "part_val"),
+    (dict(part_val=np.zeros((8, 0), np.float32), part_idx=np.zeros((8, 0), np.int32)), ValueError, "part_val"),
+    (dict(part_idx=np.zeros((8, 5), np.int64)), TypeError, "part_idx"),
+    (dict(part_idx=np.zeros((8, 4), np.int32)), ValueError, "part_idx"),          # another P
+    (dict(part_idx=np.zeros((7, 5), np.int32)), ValueError, "part_idx"),
+    (dict(part_idx=np.zeros((8, 10), np.int32)[:, ::2]), ValueError, "part_idx"),
+    (dict(child_ptr=np.zeros((2, 5), np.int64)), TypeError, "child_ptr"),
+    (dict(child_ptr=np.zeros((2, 1), np.int32)), ValueError, "child_ptr"),        # N 0: no root
+    (dict(child_ptr=np.zeros((4, 3), np.int32)), ValueError, "child_index"),      # bs * N 8: then [4, 2]
+    (dict(child_ptr=np.zeros((2, 4), np.int32)), ValueError, "child_ptr"),        # bs * N != rows
+] + BAD_TREE_AND_OUTPUTS)
+def test_parts_walk_rejects_bad_arguments_before_any_work(change, error, name):
+    """Every argument's dtype, rank, shape and contiguity; outputs untouched."""
+    args = _parts_walk_args() | change
+    with pytest.raises(error, match=rf"^{name}\b"):
+        ka.accept_walk_parts(**args)
+    for out in {"accepted", "lengths", "bonus"} - set(change):
+        assert np.all(args[out] == (7 if out == "accepted" else 0)), out
+
+
+@pytest.mark.parametrize("edit, name", BAD_CSR_VALUES)
+def test_parts_walk_rejects_bad_host_csr_values_before_any_work(edit, name):
+    """NumPy CSR values are checked as accept_walk checks them (the parts are not: any float32
+    maximum is valid, NaN included)."""
+    args = _tree_walk_args()
+    edit(args)
+    args = _parts_walk_args(args)
+    args["part_val"][:] = np.nan
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        ka.accept_walk_parts(**args)
+    assert np.all(args["accepted"] == 7)
+    edit_free = _parts_walk_args(_tree_walk_args())
+    edit_free["part_val"][:] = np.nan
+    ka.accept_walk_parts(**edit_free)
+    assert edit_free["lengths"].tolist() == [1, 1] and edit_free["bonus"].tolist() == [NO_INDEX] * 2
+
 # --- H200: the small preset's and Kimi K2's lm_head --------------------------------------------------
 
 @pytest.mark.gpu
@@ -291,3 +518,32 @@ def test_gpu_lm_head_shapes(n_cols, k_dim, rows):
         else:
             np.testing.assert_array_equal(last[0], first[0])
             np.testing.assert_array_equal(last[1], first[1])
+
+
+@pytest.mark.gpu
+def test_gpu_parts_walk_kimi_bs64_budget512():
+    """bs 64 trees at B 512 (N 513, L 16), Kimi K2's V 163840 cut into P = argmax_parts(V) parts
+    (posterior_parts: the posterior token's part holds the row's maximum); K = B makes these trees
+    wide and shallow (depth <= 3), so walks of up to 4 nodes.
+    Ties: every third row repeats its maximum in a later part (the posterior id still wins) and
+    every seventh in an earlier one (the lower id wins, the walk follows it); rows all NaN
+    (NaN values and (-inf, NO_INDEX) parts) and single NaN parts. Fused vs merge + walk on
+    device, and vs accept_batch."""
+    rng = np.random.default_rng(104)
+    trees, post = _bs64_budget512_batch(rng)
+    val, idx = posterior_parts(rng, post, KIMI_VOCAB)
+    n_parts = lin.argmax_parts(KIMI_VOCAB)
+    assert val.shape == (64 * 513, n_parts)
+    winner = post.reshape(-1) // lin.argmax_part_cols(KIMI_VOCAB)  # tree tokens < 4096: part 0-2
+    rows = np.arange(0, val.shape[0], 3)
+    later = rng.integers(winner[rows] + 1, n_parts)
+    val[rows, later] = PART_WINNER
+    rows = np.arange(1, val.shape[0], 7)
+    earlier = rows[winner[rows] > 0]
+    val[earlier, 0] = PART_WINNER
+    val[rng.integers(0, val.shape[0], 200), rng.integers(0, n_parts, 200)] = np.nan
+    val[rng.integers(0, val.shape[0], 40)] = np.nan
+    dead = rng.integers(0, val.shape[0], 40)
+    val[dead], idx[dead] = -np.inf, ka.NO_INDEX
+    (_, lengths, _), merged = _check_walk(val, idx, trees, GPU_HORIZON + 1)
+    assert lengths.max() >= 3 and np.any(merged == NO_INDEX)

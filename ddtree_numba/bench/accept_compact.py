@@ -20,10 +20,13 @@ not change the timing); posteriors follow a child with probability 0.9 (long acc
 The speed target (issue 3): posterior argmax + accept + compaction at bs 64, B 512 <= 30 us.
 With full fp32 logits the argmax alone reads 21.5 GB (5 ms), so the engine fuses it into the
 lm_head (``linear.linear_argmax``: per row and column block one (max, lowest id), part of the
-target forward) and the posterior is only the merge of those parts
-(``accept.posterior_argmax_parts``): steps "posterior_parts_merge" and
-"parts_merge+walk+compact" (the issue's quantity). The parts of each input set encode its
-posterior (the winning part holds the posterior token), so the walk accepts the same long paths.
+target forward) and the posterior is only the merge of those parts. Merging every node's parts
+(``accept.posterior_argmax_parts``, 25 MB at bs 64, B 512) before the walk: steps
+"posterior_parts_merge" and "parts_merge+walk+compact". Merging only the nodes the walk visits,
+inside it (``accept.accept_walk_parts``, one launch, <= L + 1 rows a request): steps
+"parts_walk" and "parts_walk+compact", the issue's quantity. The parts of each input set encode
+its posterior (the winning part holds the posterior token), so the walks accept the same long
+paths; both ways are checked against the set before timing.
 
 ``--lm-head-rows``: linear (logits stored) vs linear_argmax (parts only) at the Kimi K2 lm_head
 shape (V 163840 x D 7168, fp32, rmsnorm prologue), each alone and followed by its posterior
@@ -190,6 +193,19 @@ def check_merge(sets: list[dict[str, object]], out_post, stream) -> None:
             raise RuntimeError("posterior_argmax_parts did not reproduce the posterior of its parts")
 
 
+def check_parts_walk(sets: list[dict[str, object]], out_acc, out_len, out_bonus, stream) -> None:
+    """The fused walk over every input set's parts accepts the set's nodes (accepted, lengths
+    from reference.accept_batch on its posterior)."""
+    for d in sets:
+        ka.accept_walk_parts(d["part_val"], d["part_idx"], d["child_ptr"], d["child_index"], d["tokens"],
+                             out_acc, out_len, out_bonus, stream=stream)
+        got = out_acc.copy_to_host(stream=stream), out_len.copy_to_host(stream=stream)
+        want = d["accepted"].copy_to_host(stream=stream), d["lengths"].copy_to_host(stream=stream)
+        stream.synchronize()
+        if not all(np.array_equal(g, w) for g, w in zip(got, want)):
+            raise RuntimeError("accept_walk_parts did not accept the nodes of its input set")
+
+
 def run_case(bs: int, budget: int, args: argparse.Namespace, stream) -> list[Timing]:
     """Every step at one (batch, budget)."""
     rng = np.random.default_rng(1000 * bs + budget)
@@ -237,7 +253,17 @@ def run_case(bs: int, budget: int, args: argparse.Namespace, stream) -> list[Tim
                        out_bonus, stream=s)
         kc.run_compaction(plan_big, d["past_lens"], out_acc, out_len, stream=s)
 
+    def parts_walk(rep, s):
+        d = sets[rep % INPUT_SETS]
+        ka.accept_walk_parts(d["part_val"], d["part_idx"], d["child_ptr"], d["child_index"], d["tokens"],
+                             out_acc, out_len, out_bonus, stream=s)
+
+    def parts_walk_compact(rep, s):
+        parts_walk(rep, s)
+        kc.run_compaction(plan_big, sets[rep % INPUT_SETS]["past_lens"], out_acc, out_len, stream=s)
+
     check_merge(sets, out_post, stream)
+    check_parts_walk(sets, out_acc, out_len, out_bonus, stream)
     n_parts = lin.argmax_parts(args.vocab)
     parts_read = int(8 * n_parts * statistics.mean(int(s["sizes"].copy_to_host().sum()) for s in sets))
     steps: list[tuple[str, Callable, int]] = [
@@ -247,6 +273,8 @@ def run_case(bs: int, budget: int, args: argparse.Namespace, stream) -> list[Tim
         ("walk+compact", walk_compact, moved),
         ("posterior_parts_merge", merge, parts_read),
         ("parts_merge+walk+compact", merge_walk_compact, parts_read + moved),
+        ("parts_walk", parts_walk, 0),
+        ("parts_walk+compact", parts_walk_compact, moved),
     ]
     logits_bytes = 4 * bs * n_cap * args.vocab
     if logits_bytes <= args.max_logits_gb * 1e9:
@@ -429,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(results, args.vocab))
     for step, what in (("argmax+walk+compact", "argmax over fp32 logits"),
-                       ("parts_merge+walk+compact", "merge of the fused lm_head's parts")):
+                       ("parts_merge+walk+compact", "merge of the fused lm_head's parts"),
+                       ("parts_walk+compact", "the visited nodes' parts merged in the walk")):
         target = [r for r in results if r.name == step and r.batch == 64 and r.budget == 512]
         if target:
             print(f"\ntarget (issue 3): posterior argmax + accept + compaction, bs 64, B 512 <= 30 us, "

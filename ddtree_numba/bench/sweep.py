@@ -49,6 +49,7 @@ CHOICES = KERNELS + ("e2e", "all")
 DTYPES = ("fp32", "bf16")
 VERIFY_PREDICTED_FRACTION = 0.3  # verify cases are predicted at 30 % of the FP32 peak (measured: 29-34 %)
 ACCEPT_STEPS = ("accept_walk", "compact_61x576_one_buffer", "compact_61_layer_buffers", "walk+compact",
+                "posterior_parts_merge", "parts_merge+walk+compact", "parts_walk", "parts_walk+compact",
                 "posterior_argmax", "argmax+walk+compact", "posterior_sample_T1")
 
 
@@ -507,8 +508,8 @@ def sweep_accept_compact(grid: Grid, backend: Backend) -> Any:
     data |= _bound_vars(dims, backend.profile, nbytes, np.zeros(shape), data["median_us"][1])
     coords = {"step": steps, "batch": list(grid.batch), "budget": list(grid.budget), "rep": np.arange(grid.reps)}
     attrs = _attrs("accept_compact", grid, backend.profile, QUEUE_AHEAD) | {
-        "note": "bytes 0 (accept walk): latency-bound, no roofline bound; posterior steps absent (NaN) where "
-                "the fp32 logits [bs, B + 1, V] exceed 30 GB"}
+        "note": "bytes 0 (accept_walk, parts_walk): latency-bound, no roofline bound; posterior steps absent "
+                "(NaN) where the fp32 logits [bs, B + 1, V] exceed 30 GB"}
     return xr.Dataset(data, coords=coords, attrs=attrs)
 
 

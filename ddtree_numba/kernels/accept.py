@@ -1,13 +1,13 @@
 """Posterior tokens and the acceptance walk for a whole batch, on the GPU (spec §1.4).
 
-Two launches per round, results left on the device:
+Two launches per round, results left on the device (one on the greedy fused-lm_head path):
 
 1. Posterior token of every tree node, one block per (request, node) row of the target logits
    float32 [bs, N, V]: greedy argmax (:func:`posterior_argmax`), or per request greedy below
    ``GREEDY_TEMPERATURE`` and Gumbel-max on Philox4x32-10 noise above it
    (:func:`posterior_sample`), exactly as ``reference.sampling.sample_posterior``. Engines
    that fuse the argmax into the lm_head (:func:`.linear.linear_argmax`: per column block one
-   (max, lowest argmax) per row, never the full logits) merge those parts instead
+   (max, lowest argmax) per row, never the full logits) can merge those parts for every node
    (:func:`posterior_argmax_parts`, one warp per row, ~n_parts x 8 bytes read per row) and
    hand the int32 [bs, N] posterior to the walk.
 2. The walk (:func:`accept_walk`), one block per request: the request's child CSR, tokens and
@@ -15,6 +15,14 @@ Two launches per round, results left on the device:
    posterior from the root (spec §1.4), scanning each node's children 32 at a time. Staging
    replaces ~4 dependent global-memory round trips per step (up to L + 1 steps) by one
    coalesced pass. Bit-exact against ``reference.accept_batch``.
+
+The greedy fused path needs only the posterior of the nodes the walk visits (at most W = L + 1
+per request), so :func:`accept_walk_parts` does both steps in one launch: the walk of 2. with
+the CSR and tokens staged (no posterior), merging at each visited node that row's parts as 1.
+does (same device function, :func:`_merge_parts`: each lane loads up to MERGE_UNROLL parts
+before comparing, so a node costs about one memory latency). It reads <= W rows of parts per
+request instead of all bs x N (25 MB at bs 64, B 512, V 163840), and its outputs are bit for
+bit those of :func:`posterior_argmax_parts` + :func:`accept_walk`.
 
 Sampling exactness: the Philox words and u are exact integer / float64 arithmetic; the two
 float64 logs come from libdevice on the GPU (<= 1 ulp, like NumPy's), so only two scores within
@@ -58,10 +66,12 @@ __all__ = [
     "posterior_argmax_parts_kernel",
     "posterior_sample_kernel",
     "accept_walk_kernel",
+    "accept_walk_parts_kernel",
     "posterior_argmax",
     "posterior_argmax_parts",
     "posterior_sample",
     "accept_walk",
+    "accept_walk_parts",
     "walk_shared_bytes",
 ]
 
@@ -77,6 +87,7 @@ MAX_MERGE_THREADS = MAX_WARPS * WARP_SIZE
 NO_INDEX = np.int32(2**31 - 1)  # "no candidate": loses every tie against a real index
 NEG_INF_F32 = np.float32(-np.inf)
 UNROLL = 8  # argmax: loads in flight per thread before the compares
+MERGE_UNROLL = 4  # part merge: parts in flight per lane (one latency a row up to 128 parts)
 
 # Philox4x32-10 (Salmon et al. 2011, Random123), on uint64 words holding 32-bit values so the
 # 32x32 -> 64-bit product is one exact uint64 multiply (the high word is the product >> 32).
@@ -171,6 +182,107 @@ def _block_argmax_f64(value, index, sh_value, sh_index):
     return value, index
 
 
+@cuda.jit(device=True)
+def _merge_parts(part_val, part_idx, row, lane):
+    """The part winner of ``row``: the largest part value, equal values -> the lowest id, NaN
+    parts skipped (NO_INDEX when every part is NaN); on every lane.
+
+    part_val float32 [rows, P], part_idx int32 [rows, P] (:func:`.linear.linear_argmax`). Lane
+    ``lane`` takes parts lane, lane + 32, ...: MERGE_UNROLL of them are loaded before any
+    compare, so a row of up to 32 * MERGE_UNROLL parts costs one memory latency. All 32 lanes
+    of the warp call this (it ends in a warp argmax).
+    """
+    staged_val = cuda.local.array(MERGE_UNROLL, float32)  # registers once the loops are unrolled
+    staged_idx = cuda.local.array(MERGE_UNROLL, int32)
+    n_parts = part_val.shape[1]
+    best = NEG_INF_F32
+    best_index = NO_INDEX
+    for first in range(lane, n_parts, MERGE_UNROLL * WARP_SIZE):
+        for k in range(MERGE_UNROLL):  # all loads first: MERGE_UNROLL requests in flight per lane
+            p = first + k * WARP_SIZE
+            staged_val[k] = NEG_INF_F32  # past the last part: the empty candidate, never a winner
+            staged_idx[k] = NO_INDEX
+            if p < n_parts:
+                staged_val[k] = part_val[row, p]
+                staged_idx[k] = part_idx[row, p]
+        for k in range(MERGE_UNROLL):
+            if outranks(staged_val[k], staged_idx[k], best, best_index):
+                best, best_index = staged_val[k], staged_idx[k]
+    best, best_index = warp_argmax_f32(best, best_index)
+    return best_index
+
+
+@cuda.jit(device=True)
+def _stage_tree(smem, child_ptr, child_index, tokens, posterior):
+    """Stage this block's request (b = blockIdx.x) in ``smem`` with coalesced loads: its child CSR
+    and tokens and, unless ``posterior`` is None, its posterior; returns the views s_ptr [N + 1],
+    s_child [N], s_token [N], s_post [N] (not written, nor to be read, without a posterior).
+    Every thread of the block calls this; it ends with a block barrier."""
+    b = cuda.blockIdx.x
+    n_cap = child_index.shape[1]
+    s_ptr = smem[0:n_cap + 1]
+    s_child = smem[n_cap + 1:2 * n_cap + 1]
+    s_token = smem[2 * n_cap + 1:3 * n_cap + 1]
+    s_post = smem[3 * n_cap + 1:4 * n_cap + 1]
+    for i in range(cuda.threadIdx.x, n_cap, cuda.blockDim.x):
+        s_ptr[i] = child_ptr[b, i]
+        s_child[i] = child_index[b, i]
+        s_token[i] = tokens[b, i]
+        if posterior is not None:  # a compile-time branch (numba prunes it when posterior is None)
+            s_post[i] = posterior[b, i]
+    if cuda.threadIdx.x == 0:
+        s_ptr[n_cap] = child_ptr[b, n_cap]
+    cuda.syncthreads()  # the whole tree is staged before warp 0 walks it
+    return s_ptr, s_child, s_token, s_post
+
+
+@cuda.jit(device=True)
+def _accept_child(b, length, node, token, s_ptr, s_child, s_token, accepted):
+    """Accept the child of ``node`` whose token is ``token`` as request b's node number ``length``
+    (lane 0 stores it in accepted[b, length]): (child, length + 1) on every lane, or
+    (NO_INDEX, length) when there is no such child or the W = accepted.shape[1] slots are full.
+
+    Children are scanned 32 at a time in ascending order: tokens are unique among siblings, the
+    lowest index wins if they are not. Malformed device pointers never index outside the staged
+    [N] child slots: the range is clamped to [0, N) and children outside [1, N) are skipped.
+    All 32 lanes of warp 0 call this.
+    """
+    if length >= accepted.shape[1]:
+        return NO_INDEX, length
+    lane = cuda.threadIdx.x
+    n_cap = s_child.shape[0]
+    end = min(s_ptr[node + 1], n_cap)
+    found = NO_INDEX
+    base = max(s_ptr[node], 0)
+    while base < end and found == NO_INDEX:  # uniform over the warp
+        candidate = NO_INDEX
+        j = base + lane
+        if j < end:
+            child = s_child[j]
+            if child > 0 and child < n_cap and s_token[child] == token:
+                candidate = child
+        found = warp_min_i32(candidate)
+        base += WARP_SIZE
+    if found == NO_INDEX:
+        return NO_INDEX, length
+    if lane == 0:
+        accepted[b, length] = found
+    return found, length + 1
+
+
+@cuda.jit(device=True)
+def _end_walk(b, length, token, accepted, lengths, bonus):
+    """Warp 0 closes request b's walk of ``length`` nodes (root first): the root and -1 padding
+    in accepted, the length, and ``token`` (the last node's posterior) as the bonus."""
+    lane = cuda.threadIdx.x
+    for j in range(length + lane, accepted.shape[1], WARP_SIZE):
+        accepted[b, j] = -1
+    if lane == 0:
+        accepted[b, 0] = 0
+        lengths[b] = length
+        bonus[b] = token
+
+
 # --- kernels ---------------------------------------------------------------------------------
 
 @cuda.jit
@@ -223,7 +335,6 @@ def posterior_argmax_parts_kernel(part_val, part_idx, sizes, out):
     lane = cuda.threadIdx.x % WARP_SIZE
     warps_per_block = cuda.blockDim.x // WARP_SIZE
     n_cap = out.shape[1]
-    n_parts = part_val.shape[1]
     row = cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP_SIZE
     while row < part_val.shape[0]:  # row is per warp: the warp stays converged
         b = row // n_cap
@@ -232,16 +343,9 @@ def posterior_argmax_parts_kernel(part_val, part_idx, sizes, out):
             if lane == 0:
                 out[b, node] = -1
         else:
-            best = NEG_INF_F32
-            best_index = NO_INDEX
-            for p in range(lane, n_parts, WARP_SIZE):
-                value = part_val[row, p]
-                index = part_idx[row, p]
-                if outranks(value, index, best, best_index):
-                    best, best_index = value, index
-            best, best_index = warp_argmax_f32(best, best_index)
+            token = _merge_parts(part_val, part_idx, row, lane)
             if lane == 0:
-                out[b, node] = best_index
+                out[b, node] = token
         row += cuda.gridDim.x * warps_per_block
 
 
@@ -313,58 +417,42 @@ def accept_walk_kernel(posterior, child_ptr, child_index, tokens, accepted, leng
     Dynamic shared memory: walk_shared_bytes(N).
     """
     smem = cuda.shared.array(0, int32)
-    b = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    n_cap = posterior.shape[1]
-    s_ptr = smem[0:n_cap + 1]  # [N + 1]
-    s_child = smem[n_cap + 1:2 * n_cap + 1]  # [N]
-    s_token = smem[2 * n_cap + 1:3 * n_cap + 1]  # [N]
-    s_post = smem[3 * n_cap + 1:4 * n_cap + 1]  # [N]
-    for i in range(tid, n_cap, cuda.blockDim.x):
-        s_ptr[i] = child_ptr[b, i]
-        s_child[i] = child_index[b, i]
-        s_token[i] = tokens[b, i]
-        s_post[i] = posterior[b, i]
-    if tid == 0:
-        s_ptr[n_cap] = child_ptr[b, n_cap]
-    cuda.syncthreads()  # the whole tree is staged before warp 0 walks it
-    if tid >= WARP_SIZE:
+    s_ptr, s_child, s_token, s_post = _stage_tree(smem, child_ptr, child_index, tokens, posterior)
+    if cuda.threadIdx.x >= WARP_SIZE:
         return
-    lane = tid
-    width = accepted.shape[1]
+    b = cuda.blockIdx.x
     node = 0
-    token = s_post[0]
     length = 1
-    if lane == 0:
-        accepted[b, 0] = 0
-    while length < width:
-        # children of `node` whose token is `token`: tokens are unique among siblings, the
-        # lowest index wins if they are not (= a scan in ascending child order)
-        # malformed device pointers must not index outside the staged [N] child slots
-        end = min(s_ptr[node + 1], n_cap)
-        found = NO_INDEX
-        base = max(s_ptr[node], 0)
-        while base < end and found == NO_INDEX:  # uniform over the warp
-            candidate = NO_INDEX
-            j = base + lane
-            if j < end:
-                child = s_child[j]
-                if child > 0 and child < n_cap and s_token[child] == token:
-                    candidate = child
-            found = warp_min_i32(candidate)
-            base += WARP_SIZE
-        if found == NO_INDEX:
-            break
-        node = found
-        if lane == 0:
-            accepted[b, length] = node
-        length += 1
+    while node != NO_INDEX:  # warp 0 walks from the root
         token = s_post[node]
-    for j in range(length + lane, width, WARP_SIZE):
-        accepted[b, j] = -1
-    if lane == 0:
-        lengths[b] = length
-        bonus[b] = token
+        node, length = _accept_child(b, length, node, token, s_ptr, s_child, s_token, accepted)
+    _end_walk(b, length, token, accepted, lengths, bonus)
+
+
+@cuda.jit
+def accept_walk_parts_kernel(part_val, part_idx, child_ptr, child_index, tokens, accepted, lengths,
+                             bonus):
+    """The acceptance walk with the greedy posterior merged on the way, one block per request.
+
+    As :func:`accept_walk_kernel` on ``posterior_argmax_parts``'s posterior, without it: part_val
+    float32 [bs * N, P], part_idx int32 [bs * N, P] (node i of request b is row b * N + i), the
+    tree and outputs as there. Only the CSR and tokens are staged; at each visited node warp 0
+    merges that row's P parts (:func:`_merge_parts`, ~one memory latency a node), so at most
+    W rows of parts are read per request instead of all bs * N.
+    Dynamic shared memory: walk_shared_bytes(N, posterior=False).
+    """
+    smem = cuda.shared.array(0, int32)
+    s_ptr, s_child, s_token, _ = _stage_tree(smem, child_ptr, child_index, tokens, None)
+    if cuda.threadIdx.x >= WARP_SIZE:
+        return
+    b = cuda.blockIdx.x
+    first_row = b * child_index.shape[1]  # node i of request b is row b * N + i
+    node = 0
+    length = 1
+    while node != NO_INDEX:  # warp 0 walks from the root, merging the visited rows' parts
+        token = _merge_parts(part_val, part_idx, first_row + node, cuda.threadIdx.x)
+        node, length = _accept_child(b, length, node, token, s_ptr, s_child, s_token, accepted)
+    _end_walk(b, length, token, accepted, lengths, bonus)
 
 
 _ROWS_F32 = float32[:, :, ::1]
@@ -385,6 +473,10 @@ register("accept_walk", accept_walk_kernel,
          ((int32[:, ::1],) * 5 + (int32[::1], int32[::1]),),
          "acceptance walk over the child CSR, one block per request (tree staged in shared memory)",
          block_threads=WALK_THREADS)
+register("accept_walk_parts", accept_walk_parts_kernel,
+         ((float32[:, ::1], int32[:, ::1]) + (int32[:, ::1],) * 4 + (int32[::1], int32[::1]),),
+         "acceptance walk that merges the fused lm_head's parts of the visited nodes only, one "
+         "block per request (CSR and tokens staged in shared memory)", block_threads=WALK_THREADS)
 
 
 # --- host-side argument checks (the array checks live in ._args) -----------------------------
@@ -464,6 +556,17 @@ def posterior_argmax(logits: Any, sizes: Any, out: Any, *, stream: Any = 0,
     return out
 
 
+def _check_parts(part_val: Any, part_idx: Any) -> tuple[Any, Any]:
+    """part_val float32 [rows, P] with P >= 1, part_idx int32 of the same shape."""
+    part_val = check_array(part_val, "part_val", (np.float32,), 2)
+    rows, n_parts = part_val.shape
+    if n_parts < 1:
+        raise ValueError(f"part_val must have at least one part per row, got shape {(rows, n_parts)}")
+    part_idx = check_array(part_idx, "part_idx", (np.int32,), 2)
+    check_shape(part_idx, "part_idx", (rows, n_parts))
+    return part_val, part_idx
+
+
 def posterior_argmax_parts(part_val: Any, part_idx: Any, sizes: Any, out: Any, *,
                            stream: Any = 0, threads: int = MERGE_THREADS) -> Any:
     """Greedy posterior token of every tree node from the fused lm_head's parts.
@@ -489,12 +592,8 @@ def posterior_argmax_parts(part_val: Any, part_idx: Any, sizes: Any, out: Any, *
     Raises:
         TypeError / ValueError naming the argument, before any launch.
     """
-    part_val = check_array(part_val, "part_val", (np.float32,), 2)
-    rows, n_parts = part_val.shape
-    if n_parts < 1:
-        raise ValueError(f"part_val must have at least one part per row, got shape {(rows, n_parts)}")
-    part_idx = check_array(part_idx, "part_idx", (np.int32,), 2)
-    check_shape(part_idx, "part_idx", (rows, n_parts))
+    part_val, part_idx = _check_parts(part_val, part_idx)
+    rows = part_val.shape[0]
     out = check_array(out, "out", (np.int32,), 2)
     bs, n_cap = out.shape
     if bs * n_cap != rows:
@@ -560,10 +659,11 @@ def posterior_sample(logits: Any, sizes: Any, temperatures: Any, seeds: Any, pos
     return out
 
 
-def walk_shared_bytes(n_cap: int) -> int:
+def walk_shared_bytes(n_cap: int, *, posterior: bool = True) -> int:
     """Dynamic shared memory of :func:`accept_walk` for capacity N: child_ptr [N + 1],
-    child_index, tokens and posterior [N], int32."""
-    return 4 * (4 * n_cap + 1)
+    child_index, tokens and posterior [N], int32; without the posterior (``posterior=False``)
+    for :func:`accept_walk_parts`."""
+    return 4 * ((4 if posterior else 3) * n_cap + 1)
 
 
 def _check_csr(child_ptr: Any, child_index: Any) -> None:
@@ -625,6 +725,21 @@ def accept_walk(posterior: Any, child_ptr: Any, child_index: Any, tokens: Any,
     bs, n_cap = posterior.shape
     child_ptr = check_array(child_ptr, "child_ptr", (np.int32,), 2)
     check_shape(child_ptr, "child_ptr", (bs, n_cap + 1))
+    tree = _check_tree_and_outputs(child_ptr, child_index, tokens, accepted, lengths, bonus)
+    if n_cap < 1:
+        raise ValueError("posterior must have at least one node per request (the root)")
+    _check_csr(child_ptr, tree[0])
+    _check_posterior_values(posterior, child_ptr)
+    if bs:
+        launch(accept_walk_kernel, bs, WALK_THREADS, stream, walk_shared_bytes(n_cap),
+               posterior, child_ptr, *tree)
+
+
+def _check_tree_and_outputs(child_ptr: Any, child_index: Any, tokens: Any, accepted: Any,
+                            lengths: Any, bonus: Any) -> tuple[Any, ...]:
+    """The walk's arguments after a checked child_ptr [bs, N + 1]: child_index and tokens int32
+    [bs, N], accepted int32 [bs, W] with W >= 1, lengths and bonus int32 [bs] (in that order)."""
+    bs, n_cap = child_ptr.shape[0], child_ptr.shape[1] - 1
     child_index = check_array(child_index, "child_index", (np.int32,), 2)
     check_shape(child_index, "child_index", (bs, n_cap))
     tokens = check_array(tokens, "tokens", (np.int32,), 2)
@@ -636,10 +751,53 @@ def accept_walk(posterior: Any, child_ptr: Any, child_index: Any, tokens: Any,
     check_shape(lengths, "lengths", (bs,))
     bonus = check_array(bonus, "bonus", (np.int32,), 1)
     check_shape(bonus, "bonus", (bs,))
+    return child_index, tokens, accepted, lengths, bonus
+
+
+def accept_walk_parts(part_val: Any, part_idx: Any, child_ptr: Any, child_index: Any, tokens: Any,
+                      accepted: Any, lengths: Any, bonus: Any, *, stream: Any = 0) -> None:
+    """The greedy acceptance walk straight from the fused lm_head's parts, one launch.
+
+    Bit for bit :func:`posterior_argmax_parts` (any sizes) followed by :func:`accept_walk` on its
+    posterior, but only the parts of the nodes the walk visits (at most W rows per request) are
+    merged and nothing is staged for the others: ties go to the lowest id, NaN parts are
+    skipped, an all-NaN row gives ``NO_INDEX``, which matches no child and becomes the bonus.
+
+    Args:
+        part_val: float32 [bs * N, P], C-contiguous, P >= 1: per row (node i of request b is row
+            b * N + i), per column block, the largest logit (:func:`.linear.linear_argmax`).
+        part_idx: int32 [bs * N, P], C-contiguous: the lowest token id holding it.
+        child_ptr, child_index, tokens, accepted, lengths, bonus: as :func:`accept_walk` (bs and
+            N come from child_ptr [bs, N + 1], N >= 1).
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+
+    Checked on the host, before any launch: every argument's dtype, rank, shape and
+    contiguity, and NumPy CSR values as :func:`accept_walk` does. Not checked: the part values,
+    NumPy or device (any float32 is a valid logit maximum here: NaN parts are skipped, so there
+    is no invalid value to reject), and hence the merged posterior, which is the kernel's own
+    result (:func:`accept_walk` checks a NumPy posterior >= 0; a merged id that is no child's
+    token simply ends the walk as the bonus). Device CSR values are not checked; malformed ones
+    never index out of bounds (clamped as in :func:`accept_walk`). Unlike
+    :func:`posterior_argmax_parts` there are no sizes: the walk only reaches real nodes of a
+    well-formed tree, so padding rows are never read (a malformed device CSR that leads to a
+    padding node merges that row's parts, where the two launches would use its -1).
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch, or LaunchConfigError when
+        N is too large for the walk's shared memory (N <= 4095).
+    """
+    part_val, part_idx = _check_parts(part_val, part_idx)
+    rows = part_val.shape[0]
+    child_ptr = check_array(child_ptr, "child_ptr", (np.int32,), 2)
+    bs, n_cap = child_ptr.shape[0], child_ptr.shape[1] - 1
     if n_cap < 1:
-        raise ValueError("posterior must have at least one node per request (the root)")
-    _check_csr(child_ptr, child_index)
-    _check_posterior_values(posterior, child_ptr)
+        raise ValueError(f"child_ptr must have shape (bs, N + 1) with N >= 1 (the root), "
+                         f"got {tuple(child_ptr.shape)}")
+    if bs * n_cap != rows:
+        raise ValueError(f"child_ptr must have shape (bs, N + 1) with bs * N = {rows} (the rows of "
+                         f"part_val), got {tuple(child_ptr.shape)}")
+    tree = _check_tree_and_outputs(child_ptr, child_index, tokens, accepted, lengths, bonus)
+    _check_csr(child_ptr, tree[0])
     if bs:
-        launch(accept_walk_kernel, bs, WALK_THREADS, stream, walk_shared_bytes(n_cap),
-               posterior, child_ptr, child_index, tokens, accepted, lengths, bonus)
+        launch(accept_walk_parts_kernel, bs, WALK_THREADS, stream,
+               walk_shared_bytes(n_cap, posterior=False), part_val, part_idx, child_ptr, *tree)
