@@ -1,0 +1,124 @@
+"""A/B of layout variants of one target forward (CUDA-graph replay, median of CUDA events).
+
+Layout choices are not numerics (the same bits), so they can be timed against each other on the
+same weights and cache in one process: for each variant the module constants that pick them are
+set, the launch-plan caches cleared, and a fresh model is built, captured and replayed for each
+row count (1: an AR step; 33: a B 32 tree verify, a binary tree over ``--past`` cached rows).
+
+Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: 16-head tiles
+for a 33-node tree) or ``64`` (the default 64-head tile at every size); COLS = ``auto``
+(``linear.columns``: the 8 x 8 tile on sm_90) or ``4`` (8 x 4 everywhere).
+
+    python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
+
+Run 2e050e0 (H200, past 192, us per forward): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
+auto/4 1967.7 / 7155.7, 64/4 1982.6 / 7464.6 (1 / 33 rows); PERFORMANCE.md "decode step".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+REPS = 40
+
+
+def time_variants(preset: str, past: int, row_counts: list[int], variants: list[tuple[str, str]],
+                  seed: int = 0) -> dict[str, dict[int, float]]:
+    """Median microseconds per forward, per variant and row count."""
+    from cuda.core import Device, EventOptions
+    from numba import cuda
+
+    import ddtree_numba.engine.model as em
+    import ddtree_numba.kernels.linear as lin
+    from ddtree_numba.config import ModelConfig
+    from ddtree_numba.engine.graphs import StepGraph
+    from ddtree_numba.engine.model import TargetModel
+    from reference.tree import _ancestor_closure, pack_visibility
+    from reference.weights import init_weights
+
+    config = ModelConfig.from_name(preset)
+    weights, cache = init_weights(config, seed), None
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream()
+    timing = EventOptions(timing_enabled=True)
+    few, wide = em.FEW_NODES_PER_SM, lin.WIDE_ARCHS
+    results: dict[str, dict[int, float]] = {}
+    advanced = False
+    for tile, cols in variants:
+        em.FEW_NODES_PER_SM = 0 if tile == "64" else few
+        lin.WIDE_ARCHS = () if cols == "4" else wide
+        for cached in (lin._plan, lin._grid_cols, lin._setup):
+            cached.cache_clear()
+        per_rows = {}
+        for rows in row_counts:
+            model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
+                                max_rows=rows, cache=cache)
+            weights, cache = model.weights, model.cache
+            if not advanced:
+                model.advance(cuda.to_device(np.array([past], np.int32)))
+                advanced = True
+            vis = _ancestor_closure(np.r_[-1, (np.arange(1, rows) - 1) // 2])
+            host = (np.arange(5, 5 + rows, dtype=np.int32)[None], (past + vis.sum(1) - 1).astype(np.int32)[None],
+                    np.array([rows], np.int32), pack_visibility(vis[None]))
+            args = [cuda.to_device(np.ascontiguousarray(a).copy()) for a in host]
+            graph = StepGraph(lambda s, m=model, a=args: m.forward(*a, stream=s), stream)
+            graph.warm_up()
+            graph.capture()
+            for _ in range(5):
+                graph.replay()
+            stream.sync()
+            times = []
+            for _ in range(REPS):
+                e0 = stream.record(options=timing)
+                graph.replay()
+                e1 = stream.record(options=timing)
+                e1.sync()
+                times.append((e1 - e0) * 1e3)
+            per_rows[rows] = round(float(np.median(times)), 1)
+            graph.close()
+        results[f"{tile}/{cols}"] = per_rows
+        print(f"tile {tile:4s} cols {cols:4s} " + json.dumps(per_rows), flush=True)
+    em.FEW_NODES_PER_SM, lin.WIDE_ARCHS = few, wide
+    return results
+
+
+def _variants(text: str) -> list[tuple[str, str]]:
+    out = []
+    for item in text.split(","):
+        tile, _, cols = item.partition("/")
+        if tile not in ("auto", "64") or cols not in ("auto", "4"):
+            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in auto|64, COLS in auto|4")
+        out.append((tile, cols))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--preset", default="small", help="model preset (default: %(default)s)")
+    parser.add_argument("--past", type=int, default=192, help="cached rows (default: %(default)s)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 33], help="rows per forward (default: 1 33)")
+    parser.add_argument("--variants", type=_variants, default=_variants("auto/auto,64/auto,auto/4,64/4"),
+                        help="comma-separated TILE/COLS pairs (default: all four)")
+    parser.add_argument("--out", help="append the run to this HDF5 file (bench.common.write_run)")
+    args = parser.parse_args(argv)
+    results = time_variants(args.preset, args.past, args.rows, args.variants)
+    if args.out:
+        import xarray as xr
+
+        from ddtree_numba.bench.common import write_run
+
+        names = list(results)
+        ds = xr.Dataset({"forward_us": (("variant", "rows"), [[results[v][r] for r in args.rows] for v in names])},
+                        coords={"variant": names, "rows": args.rows},
+                        attrs={"benchmark": "forward_ab", "units": "us", "preset": args.preset, "past": args.past})
+        print("wrote", write_run(args.out, ds, command=["forward_ab.py", *(sys.argv[1:] if argv is None else argv)]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""bench.forward_ab: its command line (the timing itself needs a GPU and CUDA graphs)."""
+import argparse
+
+import pytest
+
+from ddtree_numba.bench import forward_ab
+
+
+def test_variants_parse_and_refuse():
+    assert forward_ab._variants("auto/auto,64/4") == [("auto", "auto"), ("64", "4")]
+    for bad in ("32/auto", "auto/8", "auto", "64/auto,"):
+        with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+            forward_ab._variants(bad)
+
+
+def test_help_explains_the_variants(capsys):
+    with pytest.raises(SystemExit) as exc:
+        forward_ab.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "TILE" in text and "COLS" in text and "--variants" in text
+
+
+@pytest.mark.gpu
+def test_gpu_variants_time_one_forward(tmp_path):
+    import xarray as xr
+
+    assert forward_ab.main(["--preset", "tiny", "--rows", "1", "3", "--variants", "auto/auto,64/4",
+                            "--out", str(tmp_path / "ab.h5")]) == 0
+    import h5py
+    with h5py.File(tmp_path / "ab.h5") as f:
+        group = "forward_ab/" + list(f["forward_ab"])[0]
+    ds = xr.open_dataset(tmp_path / "ab.h5", group=group, engine="h5netcdf")
+    assert ds.forward_us.shape == (2, 2) and float(ds.forward_us.min()) > 0
