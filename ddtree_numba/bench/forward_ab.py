@@ -3,7 +3,8 @@
 Layout choices are not numerics (the same bits), so they can be timed against each other on the
 same weights and cache in one process: for each variant the module constants that pick them are
 set, the launch-plan caches cleared, and a fresh model is built, captured and replayed for each
-row count (1: an AR step; 33: a B 32 tree verify, a binary tree over ``--past`` cached rows).
+row count (1: an AR step; 33: a B 32 tree verify; ``bench.profile_forward``'s inputs: a binary
+tree over ``--past`` cached rows).
 
 Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: 16-head tiles
 for a 33-node tree) or ``64`` (the default 64-head tile at every size); COLS = ``auto``
@@ -33,10 +34,10 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
 
     import ddtree_numba.engine.model as em
     import ddtree_numba.kernels.linear as lin
+    from ddtree_numba.bench.profile_forward import forward_inputs
     from ddtree_numba.config import ModelConfig
     from ddtree_numba.engine.graphs import StepGraph
     from ddtree_numba.engine.model import TargetModel
-    from reference.tree import _ancestor_closure, pack_visibility
     from reference.weights import init_weights
 
     config = ModelConfig.from_name(preset)
@@ -61,10 +62,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             if not advanced:
                 model.advance(cuda.to_device(np.array([past], np.int32)))
                 advanced = True
-            vis = _ancestor_closure(np.r_[-1, (np.arange(1, rows) - 1) // 2])
-            host = (np.arange(5, 5 + rows, dtype=np.int32)[None], (past + vis.sum(1) - 1).astype(np.int32)[None],
-                    np.array([rows], np.int32), pack_visibility(vis[None]))
-            args = [cuda.to_device(np.ascontiguousarray(a).copy()) for a in host]
+            args = forward_inputs(rows, past)
             graph = StepGraph(lambda s, m=model, a=args: m.forward(*a, stream=s), stream)
             graph.warm_up()
             graph.capture()

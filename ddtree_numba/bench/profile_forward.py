@@ -35,6 +35,19 @@ def _chain_visibility(rows: int) -> tuple[np.ndarray, np.ndarray]:
     return vis.sum(axis=1) - 1, vis
 
 
+def forward_inputs(rows: int, past: int) -> list[Any]:
+    """Device inputs of one batch-1 forward of ``rows`` rows over ``past`` cached rows: tokens,
+    positions (past + depth), sizes and the packed visibility of :func:`_chain_visibility`'s tree."""
+    from numba import cuda
+
+    from reference.tree import pack_visibility
+
+    depths, vis = _chain_visibility(rows)
+    host = (np.arange(3, 3 + rows, dtype=np.int32)[None], (past + depths).astype(np.int32)[None],
+            np.array([rows], np.int32), pack_visibility(vis[None]))
+    return [cuda.to_device(np.ascontiguousarray(a).copy()) for a in host]
+
+
 def run_forwards(preset: str, past: int, row_counts: list[int], seed: int = 0) -> None:
     """Build one model per row count (shared weights and cache, past_len = past), warm them up,
     then profile one forward of each."""
@@ -42,7 +55,6 @@ def run_forwards(preset: str, past: int, row_counts: list[int], seed: int = 0) -
 
     from ddtree_numba.config import ModelConfig
     from ddtree_numba.engine.model import TargetModel
-    from reference.tree import pack_visibility
     from reference.weights import init_weights
 
     config = ModelConfig.from_name(preset)
@@ -52,10 +64,7 @@ def run_forwards(preset: str, past: int, row_counts: list[int], seed: int = 0) -
     for rows in row_counts:
         model = TargetModel(config, weights, batch_size=1, kv_capacity=capacity, max_rows=rows, cache=cache)
         weights, cache = model.weights, model.cache
-        depths, vis = _chain_visibility(rows)
-        host = (np.arange(3, 3 + rows, dtype=np.int32)[None], (past + depths).astype(np.int32)[None],
-                np.array([rows], np.int32), pack_visibility(vis[None]))
-        inputs.append([cuda.to_device(np.ascontiguousarray(a).copy()) for a in host])
+        inputs.append(forward_inputs(rows, past))
         models.append(model)
     models[0].advance(cuda.to_device(np.array([past], np.int32)))
     for _ in range(3):

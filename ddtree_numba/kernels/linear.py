@@ -138,9 +138,11 @@ ROW_TILES = (1, 2, 4, 8)     # 16 rows: LLVM leaves the row loop rolled, acc goe
 MAX_ROW_TILE = ROW_TILES[-1]
 XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
 # On a GPU the staged rows may use the opt-in limit (sim.launch.opt_in_shared; H200 227 KiB,
-# sm_120 99 KiB) less the static arrays (<= ~10.3 KiB: comb 2 KiB, expert offsets 4 KiB, argmax
-# candidates 4 KiB) and the system's 1 KiB per block: one block per SM either way (launch bounds).
-STATIC_RESERVE_BYTES = 12 * 1024
+# sm_120 99 KiB) less the static arrays (bounded by all of them together: comb 2 KiB, expert
+# offsets 4 KiB, argmax candidates 4 KiB) and the system's 1 KiB per block: one block per SM
+# either way (launch bounds).
+STATIC_BOUND_BYTES = 11 * 1024
+STATIC_RESERVE_BYTES = STATIC_BOUND_BYTES + 1024
 STAGE_LOADS = 8              # staging: loads in flight per thread (SU positions x MT rows)
 PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks (x staged once)
 MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
@@ -865,10 +867,19 @@ def xs_budget() -> int:
     return max(XS_BUDGET_BYTES, active_profile().smem_per_block_optin - STATIC_RESERVE_BYTES)
 
 
+def _seg_steps(k_dim: int) -> int:
+    """Steps of STEP values in each of the k_split(K) segments (the last may be short)."""
+    return -(-(-(-k_dim // STEP)) // k_split(k_dim))
+
+
 def _stage_bytes(mt: int, k_dim: int) -> int:
     """Shared bytes of MT staged rows of K values in one phase (whole segments, k_split(K))."""
-    split = k_split(k_dim)
-    return 4 * mt * split * -(-(-(-k_dim // STEP)) // split) * STEP
+    return 4 * mt * k_split(k_dim) * _seg_steps(k_dim) * STEP
+
+
+def _opts_in(shared_bytes: int) -> bool:
+    """Whether a launch stages more than the default budget (opt-in shared memory, GPU only)."""
+    return shared_bytes > XS_BUDGET_BYTES
 
 
 @functools.lru_cache(maxsize=1024)
@@ -919,8 +930,7 @@ def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> Linea
     mt = row_tile(rows, k_dim)
     c = columns(kind, mt)
     split = k_split(k_dim)
-    total_steps = -(-k_dim // STEP)
-    seg_steps = -(-total_steps // split)
+    seg_steps = _seg_steps(k_dim)
     phase_steps = max(1, min(seg_steps, xs_budget() // (4 * mt * split * STEP)))
     groups = SIM_GROUPS if SIM_TREE else max(1, BLOCK_WARPS // split)
     col_blocks = -(-(-(-n_cols // c)) // groups)
@@ -976,9 +986,9 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     :func:`_grid_cols`, else that many (the argmax parts)."""
     plan = _plan(kind, rows, n_cols, k_dim, aligned)
     grid = (tiles, grid_y or _grid_cols(plan, tiles * groups), groups)
-    opt_in = plan.shared_bytes > XS_BUDGET_BYTES
+    opt_in = _opts_in(plan.shared_bytes)
     check_launch(grid, plan.threads, plan.shared_bytes, opt_in=opt_in,
-                 static_shared_bytes=STATIC_RESERVE_BYTES - 1024 if opt_in else 0)
+                 static_shared_bytes=STATIC_BOUND_BYTES if opt_in else 0)
     return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
@@ -987,7 +997,7 @@ def _configured(kernel: Any, grid: tuple, threads: int, stream: Any, smem: int) 
     """``kernel[grid, threads, stream, smem]``, opted in to more than the default shared memory
     when the plan staged more than XS_BUDGET_BYTES (a GPU only: sim.launch.opt_in_shared)."""
     configured = kernel[grid, threads, _stream(stream), smem]
-    return opt_in_shared(configured, smem) if smem > XS_BUDGET_BYTES else configured
+    return opt_in_shared(configured, smem) if _opts_in(smem) else configured
 
 
 # --- argument checks (shapes, dtypes and strides read once per call) -------------------------------
