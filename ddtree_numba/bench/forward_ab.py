@@ -12,7 +12,8 @@ for a 33-node tree) or ``64`` (the default 64-head tile at every size); COLS = `
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
 
-Run 2e050e0 (H200, past 192, us per forward): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
+Run 2e050e0 (H200, past 192, us per forward; measured with this module's predecessor script, the
+same method): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
 auto/4 1967.7 / 7155.7, 64/4 1982.6 / 7464.6 (1 / 33 rows); PERFORMANCE.md "decode step".
 """
 from __future__ import annotations
