@@ -294,6 +294,33 @@ def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
     assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
 
 
+def test_split_k_o_proj_gives_the_same_bits(monkeypatch) -> None:
+    """A model whose o_proj runs as per-segment products (linear.linear_split_k, what the H200's
+    many-row verify launches take at K 8192) computes its prefill bit for bit as linear() does.
+    tiny's K = 64 is one segment, so the split is forced with G = 1 here; the segment combine
+    of G > 1 is tested against linear() in test_kernel_linear.py."""
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.kernels import linear as lin
+
+    config, weights = _tiny()
+    pre = _golden_built()["prefill"]
+    inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
+                          pre.in_visibility.values, 9)
+    plain = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
+    assert plain._wo_split is None
+    want = plain.forward(*inputs)
+    want = (_host(want.logits), _host(want.features))
+    monkeypatch.setattr(em, "split_k_pays", lambda rows, n, k: True)
+    monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
+    monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
+    split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
+                        capture_layers=(0, 1))
+    assert split._wo_split is not None
+    got = split.forward(*inputs)
+    np.testing.assert_array_equal(_host(got.logits), want[0])
+    np.testing.assert_array_equal(_host(got.features), want[1])
+
+
 def test_no_low_rank_q_path_matches_reference() -> None:
     """q_lora_rank = 0 (q_proj instead of q_a / q_b, no fused q path) matches the reference."""
     base, _ = _tiny()

@@ -388,6 +388,70 @@ def test_every_kind_is_registered_at_its_extreme_row_tiles():
         assert {f"linear_argmax_none_mt{mt}", f"linear_argmax_rmsnorm_mt{mt}"} <= names
 
 
+# --- split K: per-segment products, the same bits ---------------------------------------------------
+
+def _split_k(x, w, residual=None, alias=False):
+    """linear_split_k on x [M, K], w [N, K] (re-laid by split_k_weight); ``alias``: out is the
+    residual buffer."""
+    g = lin.split_k_segments(w.shape[1])
+    m_rows, n_cols = x.shape[0], w.shape[0]
+    parts = cuda.to_device(np.full((m_rows, g, n_cols), np.nan, np.float32))
+    if alias:
+        out = _dev(residual)
+        res = out
+    else:
+        out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
+        res = None if residual is None else _dev(residual)
+    lin.linear_split_k(_dev(x.reshape(m_rows, g, -1)), lin.split_k_weight(w), parts, out, residual=res)
+    return out.copy_to_host()
+
+
+@pytest.mark.parametrize("m_rows,n_cols,k_dim", [(1, 5, 2304), (9, 11, 2304), (33, 6, 4096)])
+@pytest.mark.parametrize("residual", [None, "separate", "alias"])
+def test_split_k_is_linear_bit_for_bit(m_rows, n_cols, k_dim, residual):
+    """K = 2 full segments (2304 = 2 x 9 steps, 4096 = 2 x 16): the head kernel's segment sums
+    added in order are linear()'s output, with and without the residual (also when out is the
+    residual, as the engine's wo)."""
+    x, w = _rand(m_rows, k_dim), _rand(n_cols, k_dim)
+    res = None if residual is None else _rand(m_rows, n_cols)
+    want = _run_linear(x, w) if res is None else _run_linear(x, w, residual=_dev(res))
+    np.testing.assert_array_equal(_split_k(x, w, res, alias=residual == "alias"), want)
+
+
+def test_split_k_segments_only_where_the_order_is_kept():
+    assert lin.split_k_segments(8192) == 4 and lin.split_k_segments(2304) == 2
+    assert lin.split_k_segments(5632) == 4          # 44 steps = 4 x 11
+    assert lin.split_k_segments(2048) == 0          # one segment: nothing to split
+    assert lin.split_k_segments(2100) == 0          # the last segment is short
+    assert not lin.split_k_pays(1, 2048, 8192)      # one row stages at any K
+    if not SIMULATED:                               # the H200's budget: 4-row tiles at K 8192
+        assert lin.split_k_pays(33, 2048, 8192)
+
+
+@pytest.mark.parametrize("case,exc,name", [
+    ("w_split", ValueError, "w_split"), ("x", ValueError, "x"), ("parts", ValueError, "parts"),
+    ("out", ValueError, "out"), ("dtype", TypeError, "x")])
+def test_split_k_bad_input_names_the_argument(case, exc, name):
+    x, w = _rand(3, 2, 1152), _rand(5, 2304)
+    w_split = lin.split_k_weight(w)
+    args = {"x": _dev(x), "w_split": w_split, "parts": cuda.device_array((3, 2, 5), np.float32),
+            "out": cuda.device_array((3, 5), np.float32)}
+    if case == "w_split":
+        args["w_split"] = _dev(_rand(3, 5, 768))
+    elif case == "x":
+        args["x"] = _dev(_rand(3, 2, 1000))
+    elif case == "parts":
+        args["parts"] = cuda.device_array((3, 3, 5), np.float32)
+    elif case == "out":
+        args["out"] = cuda.device_array((3, 4), np.float32)
+    else:
+        args["x"] = _dev(x.astype(np.float64))
+    with pytest.raises(exc, match=name):
+        lin.linear_split_k(args.pop("x"), args.pop("w_split"), args.pop("parts"), args.pop("out"))
+    with pytest.raises(ValueError, match="w"):
+        lin.split_k_weight(_rand(5, 2100))
+
+
 # --- GPU: small-preset shapes ----------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -423,6 +487,19 @@ def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
         inp = (_silu_mul(inp, k_dim) if prologue == "swiglu" else
                _rms(inp, nw, 1e-6) if prologue == "rmsnorm" else inp)
         _assert_close(got[check], inp, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m_rows", [33, 264])
+def test_gpu_split_k_wo_is_linear_bit_for_bit(m_rows):
+    """wo of `small` (2048 x 8192) at a B 32 tree and 8 of them: the split product (8-row tiles
+    of 4 segments) equals linear() (4-row tiles), residual aliasing out, every element written."""
+    rng = np.random.default_rng(m_rows)
+    x, w, res = _rand(m_rows, 8192, rng=rng), _rand(2048, 8192, rng=rng), _rand(m_rows, 2048, rng=rng)
+    assert lin.split_k_pays(m_rows, 2048, 8192)
+    got = _split_k(x, w, res, alias=True)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got, _run_linear(x, w, residual=_dev(res)))
 
 
 @pytest.mark.gpu

@@ -49,7 +49,8 @@ from ddtree_numba.engine.cache import KVCache, LayerKV
 from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
 from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels._args import check_array, int_arg
-from ddtree_numba.kernels.linear import expert_linear, head_linear, linear
+from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, split_k_pays,
+                                         split_k_segments)
 from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, moe_combine, moe_route, rms_norm,
                                             rope_tables)
 from ddtree_numba.kernels.registry import register
@@ -403,6 +404,15 @@ class TargetModel:
         self._capture_slot = {layer: i for i, layer in enumerate(self.capture_layers)}
         self._views = _Views.of(config, self.buffers, self.batch_size * self.max_rows)
         self._kv_rows = tuple(kv.flat() for kv in self.cache.layers)  # per layer [bs * S, C], [bs * S, R]
+        # o_proj as per-segment products where the rows' staging would shrink linear()'s row tile
+        # (the same bits: linear.linear_split_k); AR steps keep linear().
+        m, hv = self.batch_size * self.max_rows, config.n_heads * config.v_head_dim
+        self._wo_split = None
+        if split_k_pays(m, config.hidden_size, hv):
+            g = split_k_segments(hv)
+            self._wo_split = (self.weights.split_w_o(stream=stream),  # per layer [G, D, Hv / G]
+                              self.buffers.heads.reshape(m, g, hv // g),  # [M, G, Hv / G]
+                              cuda.device_array((m, g, config.hidden_size), np.float32, stream=stream))  # [M, G, D]
 
     # ------------------------------------------------------------------ inputs
 
@@ -509,7 +519,11 @@ class TargetModel:
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream)  # [bs, Tc, H, C]
         head_linear(v.attn, w.w_uv, b.heads, stream=stream)  # [M, H, v]
-        linear(v.heads, w.w_o, b.x, residual=b.x, stream=stream)  # [M, D]
+        if self._wo_split is None:
+            linear(v.heads, w.w_o, b.x, residual=b.x, stream=stream)  # [M, D]
+        else:
+            w_split, heads, parts = self._wo_split
+            linear_split_k(heads, w_split[lw.index], parts, b.x, residual=b.x, stream=stream)  # [M, D]
 
     def _ffn(self, lw: LayerWeights, stream: Any) -> None:
         """x += FFN(rmsnorm(x)): dense SwiGLU, or routed experts + shared expert."""

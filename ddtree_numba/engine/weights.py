@@ -21,7 +21,7 @@ different GPUs by uploading each under its own device context.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -170,6 +170,16 @@ class DeviceWeights:
     layers: tuple[LayerWeights, ...]
     final_norm: Any  # [D] model.norm
     lm_head: Any  # [V, D]
+    _split_w_o: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def split_w_o(self, *, stream: Any = 0) -> tuple[Any, ...]:
+        """Per layer, o_proj re-laid [G, D, H v / G] for ``linear_split_k`` (made on first use, once
+        for every model sharing these weights: the verify models of many-row launches)."""
+        from ddtree_numba.kernels.linear import split_k_weight
+
+        if "w_o" not in self._split_w_o:
+            self._split_w_o["w_o"] = tuple(split_k_weight(lw.attn.w_o, stream=stream) for lw in self.layers)
+        return self._split_w_o["w_o"]
 
     @classmethod
     def from_host(cls, config: ModelConfig, weights: Mapping[str, np.ndarray], *, stream: Any = 0) -> DeviceWeights:

@@ -116,6 +116,10 @@ __all__ = [
     "argmax_part_cols",
     "argmax_parts",
     "linear_argmax",
+    "split_k_segments",
+    "split_k_pays",
+    "split_k_weight",
+    "linear_split_k",
     "get_kernel",
 ]
 
@@ -167,8 +171,10 @@ MAX_DIM = np.iinfo(np.int32).max // 2   # int32 geometry with room for offsets
 
 
 def _unroll(mt: int, c: int) -> int:
-    """Weight steps loaded before their FMAs (U x C float4 loads in flight per lane)."""
-    return 4 if mt * c <= 8 else 2
+    """Weight steps loaded before their FMAs (U x C float4 loads in flight per lane; the 4 x 4
+    tile takes 4: 64 registers of weights next to 16 accumulators)."""
+    return 4 if mt * c <= 16 else 2
+
 
 
 # --- the 16-byte weight load --------------------------------------------------------------------
@@ -964,17 +970,24 @@ def plan_linear(rows: int, n_cols: int, k_dim: int, *, w: Any = None,
 
 @functools.lru_cache(maxsize=1024)
 def _grid_cols(plan: LinearPlan, blocks_per_col: int) -> int:
-    """Column blocks launched along grid y. One phase: about PERSIST_BLOCKS_PER_SM blocks per SM
-    in all, each looping over column blocks with its rows staged once (M = 1: a 132-block grid
-    streams W without a tail wave); else one block per column block (each restages anyway).
-    ``blocks_per_col``: the blocks along x and z (row tiles x groups)."""
+    """Column blocks launched along grid y. One phase: blocks loop over column blocks with their
+    rows staged once, and y is the count that finishes soonest: waves of PERSIST_BLOCKS_PER_SM
+    blocks per SM times (the column blocks each block loops over + 1 for its staging); on a tie
+    the fewest waves, then the most blocks (M = 1: one block per SM streams W). The count of waves matters: a grid a few blocks over the resident count runs those blocks, each a full
+    share of the columns, as a second wave (5 row tiles x 27 = 135 blocks on 132 SMs doubled the
+    33-row linears' time: ncu, SM active cycles 53 % of elapsed). Else one block per column
+    block (each restages anyway). ``blocks_per_col``: the blocks along x and z (row tiles x
+    groups)."""
     if SIM_TREE:
         return SIM_GRID_COLS
-    cols = plan.col_blocks
-    if plan.one_phase:
-        resident = PERSIST_BLOCKS_PER_SM * active_profile().sm_count
-        cols = min(cols, max(1, -(-resident // blocks_per_col)))
-    return min(cols, MAX_GRID_Y)
+    cols = min(plan.col_blocks, MAX_GRID_Y)
+    if not plan.one_phase:
+        return cols
+    resident = PERSIST_BLOCKS_PER_SM * active_profile().sm_count
+    def finish(y: int) -> tuple[int, int, int]:   # a staging counts as one more column block
+        waves = -(-blocks_per_col * y // resident)
+        return waves * (-(-plan.col_blocks // y) + 1), waves, -y
+    return min(range(1, cols + 1), key=finish)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1148,6 +1161,118 @@ def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
     kernel, grid, threads, smem, geometry = _setup(
         "head", "none", False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), groups)
     _configured(kernel, grid, threads, stream, smem)(x, _kernel_weight(w), out, *geometry)
+    return out
+
+
+# --- split K: a product whose rows overflow the staging budget, as per-segment products --------
+#
+# linear() at K = k_split(K) x K' sums K' = seg_steps * STEP wide segments, each a one-segment
+# product of K' (k_split(K') == 1: the same lane chains and butterfly), and adds the segment sums
+# in order. So the head kernel over x viewed [M, G, K'] and w re-laid [G, N, K'] (a one-time copy)
+# computes every segment sum with linear()'s bits, and segment_sum adds them in linear()'s order:
+# the same output, bit for bit. It pays where K's rows overflow the staging budget (the 33-row
+# verify forward's wo at K 8192: 4-row tiles that re-read W nine times, where the segments take
+# 8-row tiles staged once).
+
+def split_k_segments(k_dim: int) -> int:
+    """G, the segments of K when a split product reproduces linear()'s order (every segment full
+    and one segment of its own width), else 0."""
+    split, seg = k_split(k_dim), _seg_steps(k_dim)
+    return split if split > 1 and k_dim == split * seg * STEP and k_split(seg * STEP) == 1 else 0
+
+
+@functools.lru_cache(maxsize=1024)
+def split_k_pays(rows: int, n_cols: int, k_dim: int) -> bool:
+    """Whether ``rows`` rows at K = k_dim take a smaller row tile than the segments would (the
+    staging budget shrank it) and the split reproduces linear()'s order."""
+    g = split_k_segments(k_dim)
+    return g > 0 and row_tile(rows, k_dim) < row_tile(rows, k_dim // g)
+
+
+def split_k_weight(w: Any, *, stream: Any = 0) -> Any:
+    """w [N, K] (host or device) re-laid as the device array [G, N, K'] that :func:`linear_split_k`
+    takes: [g, n, :] = w[n, g K' : (g + 1) K'] (one copy through the host; a model-load step)."""
+    host = w.copy_to_host() if is_device_array(w) else np.asarray(w)
+    if host.dtype != F32 or host.ndim != 2:
+        raise TypeError(f"w must be a float32 [N, K] array, got {host.dtype} {host.shape}")
+    g = split_k_segments(host.shape[1])
+    if not g:
+        raise ValueError(f"w: K = {host.shape[1]} has no split that keeps linear()'s order")
+    n_cols, k_dim = host.shape
+    return cuda.to_device(np.ascontiguousarray(host.reshape(n_cols, g, k_dim // g).transpose(1, 0, 2)),
+                          stream=_stream(stream))
+
+
+SUM_THREADS = 256
+
+
+def _make_segment_sum(residual: bool) -> Any:
+    @cuda.jit
+    def segment_sum_kernel(parts, out, residual_arr):
+        """out[m, n] = (residual[m, n] +) ((parts[m, 0, n] + parts[m, 1, n]) + ...): linear()'s
+        segment combine and residual epilogue. One thread per element (read, then written: out
+        may be residual)."""
+        i = cuda.grid(1)
+        n_cols = out.shape[1]
+        if i < out.shape[0] * n_cols:
+            m = i // n_cols
+            n = i - m * n_cols
+            total = parts[m, 0, n]
+            for g in range(1, parts.shape[1]):   # segment order
+                total += parts[m, g, n]
+            if residual:
+                out[m, n] = residual_arr[m, n] + total
+            else:
+                out[m, n] = total
+    return segment_sum_kernel
+
+
+segment_sum_kernel = _make_segment_sum(False)
+segment_sum_residual_kernel = _make_segment_sum(True)
+_SUM_SIGS = ((float32[:, :, :], float32[:, :], float32[:, :]),)
+register("segment_sum", segment_sum_kernel, _SUM_SIGS,
+         "split-K linear: the per-segment sums added in linear()'s segment order", block_threads=SUM_THREADS)
+register("segment_sum_residual", segment_sum_residual_kernel, _SUM_SIGS,
+         "split-K linear: segment sums added in order, plus the residual", block_threads=SUM_THREADS)
+
+
+def linear_split_k(x: Any, w_split: Any, parts: Any, out: Any, *, residual: Any = None,
+                   stream: Any = 0) -> Any:
+    """``linear(x, w, out, residual=residual)``, bit for bit, as per-segment products: the head
+    kernel writes the G segment sums to ``parts``, then :data:`segment_sum_kernel` adds them in
+    order (two launches).
+
+    Args:
+        x: float32 [M, G, K'], unit inner stride: the input [M, K] viewed by segments.
+        w_split: float32 [G, N, K'], C-contiguous, from :func:`split_k_weight`.
+        parts: float32 [M, G, N], unit inner stride (caller-owned workspace).
+        out: float32 [M, N], unit inner stride.
+        residual: float32 [M, N] or None; may be ``out`` itself.
+        stream: as :func:`linear`.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch (G and K' must be
+        ``split_k_segments(G K')`` and K' / G).
+    """
+    w_split = _weight(w_split, 3)
+    groups, n_cols, seg = w_split.shape
+    if split_k_segments(groups * seg) != groups:
+        raise ValueError(f"w_split: G = {groups} segments of {seg} are not linear()'s split of "
+                         f"K = {groups * seg}")
+    x = _f32(x, "x", 3)
+    m_rows = x.shape[0]
+    if tuple(x.shape[1:]) != (groups, seg):
+        raise ValueError(f"x must have shape (M, {groups}, {seg}) (from w_split), got {tuple(x.shape)}")
+    parts = _check_out(parts, "parts", (m_rows, groups, n_cols))
+    out = _check_out(out, "out", (m_rows, n_cols))
+    if residual is not None:
+        residual = _check_out(residual, "residual", (m_rows, n_cols))
+    if m_rows == 0:
+        return out
+    head_linear(x, w_split, parts, stream=stream)
+    kernel = segment_sum_kernel if residual is None else segment_sum_residual_kernel
+    blocks = -(-m_rows * n_cols // SUM_THREADS)
+    kernel[blocks, SUM_THREADS, _stream(stream)](parts, out, out if residual is None else residual)
     return out
 
 
