@@ -1,4 +1,5 @@
-"""Install the simulator extensions (warp intrinsics, launch check) when the simulator is on."""
+"""Install the simulator extensions (warp intrinsics, launch check, thread-safe shared arrays)
+when the simulator is on."""
 from __future__ import annotations
 
 _installed = False
@@ -21,9 +22,10 @@ def install() -> bool:
         return True
     if not simulator_active():
         return False
-    from . import launch, warp
+    from . import launch, shared, warp
 
     warp.install()
+    shared.install()
     launch.install_simulator_hook()
     _installed = True
     return True
