@@ -22,6 +22,8 @@ import threading
 from typing import Any
 
 import numpy as np
+from numba.core import types
+from numba.np import numpy_support
 
 __all__ = ["install"]
 
@@ -33,9 +35,6 @@ def _array(self: Any, shape: Any, dtype: Any, alignment: Any = None) -> np.ndarr
     file and line; dynamic shared memory, ``shape == 0``, unchanged)."""
     if alignment is not None:
         raise RuntimeError("Array alignment is not supported in cudasim")
-    from numba.core import types
-    from numba.np import numpy_support
-
     if isinstance(dtype, types.Type):
         dtype = numpy_support.as_dtype(dtype)
     if shape == 0:

@@ -310,7 +310,7 @@ def test_split_k_o_proj_gives_the_same_bits(monkeypatch) -> None:
     assert plain._wo_split is None
     want = plain.forward(*inputs)
     want = (_host(want.logits), _host(want.features))
-    monkeypatch.setattr(em, "split_k_pays", lambda rows, n, k: True)
+    monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
     split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,

@@ -423,9 +423,9 @@ def test_split_k_segments_only_where_the_order_is_kept():
     assert lin.split_k_segments(5632) == 4          # 44 steps = 4 x 11
     assert lin.split_k_segments(2048) == 0          # one segment: nothing to split
     assert lin.split_k_segments(2100) == 0          # the last segment is short
-    assert not lin.split_k_pays(1, 2048, 8192)      # one row stages at any K
+    assert not lin.split_k_pays(1, 8192)            # one row stages at any K
     if not SIMULATED:                               # the H200's budget: 4-row tiles at K 8192
-        assert lin.split_k_pays(33, 2048, 8192)
+        assert lin.split_k_pays(33, 8192)
 
 
 @pytest.mark.parametrize("case,exc,name", [
@@ -496,7 +496,7 @@ def test_gpu_split_k_wo_is_linear_bit_for_bit(m_rows):
     of 4 segments) equals linear() (4-row tiles), residual aliasing out, every element written."""
     rng = np.random.default_rng(m_rows)
     x, w, res = _rand(m_rows, 8192, rng=rng), _rand(2048, 8192, rng=rng), _rand(m_rows, 2048, rng=rng)
-    assert lin.split_k_pays(m_rows, 2048, 8192)
+    assert lin.split_k_pays(m_rows, 8192)
     got = _split_k(x, w, res, alias=True)
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got, _run_linear(x, w, residual=_dev(res)))

@@ -408,7 +408,7 @@ class TargetModel:
         # (the same bits: linear.linear_split_k); AR steps keep linear().
         m, hv = self.batch_size * self.max_rows, config.n_heads * config.v_head_dim
         self._wo_split = None
-        if split_k_pays(m, config.hidden_size, hv):
+        if split_k_pays(m, hv):
             g = split_k_segments(hv)
             self._wo_split = (self.weights.split_w_o(stream=stream),  # per layer [G, D, Hv / G]
                               self.buffers.heads.reshape(m, g, hv // g),  # [M, G, Hv / G]

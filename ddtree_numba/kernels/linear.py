@@ -88,7 +88,7 @@ import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint64
 
-from sim.launch import check_launch, opt_in_shared
+from sim.launch import check_launch, launch, opt_in_shared
 from sim.profiles import active_profile
 
 from ._args import as_kernel_array, is_c_contiguous, is_device_array
@@ -174,7 +174,6 @@ def _unroll(mt: int, c: int) -> int:
     """Weight steps loaded before their FMAs (U x C float4 loads in flight per lane; the 4 x 4
     tile takes 4: 64 registers of weights next to 16 accumulators)."""
     return 4 if mt * c <= 16 else 2
-
 
 
 # --- the 16-byte weight load --------------------------------------------------------------------
@@ -973,7 +972,8 @@ def _grid_cols(plan: LinearPlan, blocks_per_col: int) -> int:
     """Column blocks launched along grid y. One phase: blocks loop over column blocks with their
     rows staged once, and y is the count that finishes soonest: waves of PERSIST_BLOCKS_PER_SM
     blocks per SM times (the column blocks each block loops over + 1 for its staging); on a tie
-    the fewest waves, then the most blocks (M = 1: one block per SM streams W). The count of waves matters: a grid a few blocks over the resident count runs those blocks, each a full
+    the fewest waves, then the most blocks (M = 1: one block per SM streams W). The count of
+    waves matters: a grid a few blocks over the resident count runs those blocks, each a full
     share of the columns, as a second wave (5 row tiles x 27 = 135 blocks on 132 SMs doubled the
     33-row linears' time: ncu, SM active cycles 53 % of elapsed). Else one block per column
     block (each restages anyway). ``blocks_per_col``: the blocks along x and z (row tiles x
@@ -984,6 +984,7 @@ def _grid_cols(plan: LinearPlan, blocks_per_col: int) -> int:
     if not plan.one_phase:
         return cols
     resident = PERSIST_BLOCKS_PER_SM * active_profile().sm_count
+
     def finish(y: int) -> tuple[int, int, int]:   # a staging counts as one more column block
         waves = -(-blocks_per_col * y // resident)
         return waves * (-(-plan.col_blocks // y) + 1), waves, -y
@@ -1182,7 +1183,7 @@ def split_k_segments(k_dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def split_k_pays(rows: int, n_cols: int, k_dim: int) -> bool:
+def split_k_pays(rows: int, k_dim: int) -> bool:
     """Whether ``rows`` rows at K = k_dim take a smaller row tile than the segments would (the
     staging budget shrank it) and the split reproduces linear()'s order."""
     g = split_k_segments(k_dim)
@@ -1271,8 +1272,8 @@ def linear_split_k(x: Any, w_split: Any, parts: Any, out: Any, *, residual: Any 
         return out
     head_linear(x, w_split, parts, stream=stream)
     kernel = segment_sum_kernel if residual is None else segment_sum_residual_kernel
-    blocks = -(-m_rows * n_cols // SUM_THREADS)
-    kernel[blocks, SUM_THREADS, _stream(stream)](parts, out, out if residual is None else residual)
+    launch(kernel, -(-m_rows * n_cols // SUM_THREADS), SUM_THREADS, stream, 0,
+           parts, out, out if residual is None else residual)
     return out
 
 
