@@ -295,10 +295,10 @@ def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
 
 
 def test_split_k_o_proj_gives_the_same_bits(monkeypatch) -> None:
-    """A model whose o_proj runs as per-segment products (linear.linear_split_k, what the H200's
-    many-row verify launches take at K 8192) computes its prefill bit for bit as linear() does.
-    tiny's K = 64 is one segment, so the split is forced with G = 1 here; the segment combine
-    of G > 1 is tested against linear() in test_kernel_linear.py."""
+    """A model whose o_proj and dense down_proj run as per-segment products (linear.linear_split_k,
+    what the H200's many-row verify launches take; the down_proj after swiglu_rows) computes its
+    prefill bit for bit as linear() does. tiny's K are one segment, so the split is forced with
+    G = 1 here; the segment combine of G > 1 is tested against linear() in test_kernel_linear.py."""
     import ddtree_numba.engine.model as em
     from ddtree_numba.kernels import linear as lin
 
@@ -310,12 +310,13 @@ def test_split_k_o_proj_gives_the_same_bits(monkeypatch) -> None:
     assert plain._wo_split is None
     want = plain.forward(*inputs)
     want = (_host(want.logits), _host(want.features))
+    assert plain._w2_split is None
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
     split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
                         capture_layers=(0, 1))
-    assert split._wo_split is not None
+    assert split._wo_split is not None and split._w2_split is not None
     got = split.forward(*inputs)
     np.testing.assert_array_equal(_host(got.logits), want[0])
     np.testing.assert_array_equal(_host(got.features), want[1])

@@ -418,14 +418,31 @@ def test_split_k_is_linear_bit_for_bit(m_rows, n_cols, k_dim, residual):
     np.testing.assert_array_equal(_split_k(x, w, res, alias=residual == "alias"), want)
 
 
+@pytest.mark.parametrize("m_rows", [1, 9])
+def test_split_k_after_swiglu_rows_is_the_swiglu_linear(m_rows):
+    """The dense down_proj's split path: swiglu_rows (the prologue as its own pass) then the split
+    product equals linear(..., swiglu=True) bit for bit, residual aliasing out."""
+    k_dim = 2304
+    h, w, res = _rand(m_rows, 2 * k_dim), _rand(7, k_dim), _rand(m_rows, 7)
+    act = cuda.to_device(np.full((m_rows, k_dim), np.nan, np.float32))
+    lin.swiglu_rows(_dev(h), act)
+    np.testing.assert_allclose(act.copy_to_host(), _silu_mul(h, k_dim), rtol=1e-6, atol=1e-7)
+    got = _split_k(act.copy_to_host(), w, res, alias=True)
+    np.testing.assert_array_equal(got, _run_linear(h, w, swiglu=True, residual=_dev(res)))
+    with pytest.raises(ValueError, match="out"):
+        lin.swiglu_rows(_dev(h), cuda.device_array((m_rows, k_dim + 1), np.float32))
+
+
 def test_split_k_segments_only_where_the_order_is_kept():
     assert lin.split_k_segments(8192) == 4 and lin.split_k_segments(2304) == 2
     assert lin.split_k_segments(5632) == 4          # 44 steps = 4 x 11
     assert lin.split_k_segments(2048) == 0          # one segment: nothing to split
     assert lin.split_k_segments(2100) == 0          # the last segment is short
     assert not lin.split_k_pays(1, 8192)            # one row stages at any K
-    if not SIMULATED:                               # the H200's budget: 4-row tiles at K 8192
-        assert lin.split_k_pays(33, 8192)
+    assert lin.split_k_pays(33, 5632)               # more than one 8-row tile
+    if not SIMULATED:                               # the H200's budget: 4-row tiles at K 8192,
+        assert lin.split_k_pays(33, 8192)           # and 8 rows of K 5632 stage at once
+        assert not lin.split_k_pays(8, 5632)
 
 
 @pytest.mark.parametrize("case,exc,name", [
@@ -487,6 +504,21 @@ def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
         inp = (_silu_mul(inp, k_dim) if prologue == "swiglu" else
                _rms(inp, nw, 1e-6) if prologue == "rmsnorm" else inp)
         _assert_close(got[check], inp, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m_rows", [9, 33])
+def test_gpu_split_k_dense_w2_is_linear_bit_for_bit(m_rows):
+    """The dense down_proj of `small` (2048 x 5632, SwiGLU prologue): swiglu_rows then the split
+    product equals linear(..., swiglu=True), residual aliasing out."""
+    rng = np.random.default_rng(m_rows + 1)
+    h, w, res = _rand(m_rows, 2 * 5632, rng=rng), _rand(2048, 5632, rng=rng), _rand(m_rows, 2048, rng=rng)
+    assert lin.split_k_pays(m_rows, 5632)
+    act = cuda.device_array((m_rows, 5632), np.float32)
+    lin.swiglu_rows(_dev(h), act)
+    got = _split_k(act.copy_to_host(), w, res, alias=True)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got, _run_linear(h, w, swiglu=True, residual=_dev(res)))
 
 
 @pytest.mark.gpu

@@ -50,7 +50,7 @@ from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWei
 from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, split_k_pays,
-                                         split_k_segments)
+                                         split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, moe_combine, moe_route, rms_norm,
                                             rope_tables)
 from ddtree_numba.kernels.registry import register
@@ -404,15 +404,22 @@ class TargetModel:
         self._capture_slot = {layer: i for i, layer in enumerate(self.capture_layers)}
         self._views = _Views.of(config, self.buffers, self.batch_size * self.max_rows)
         self._kv_rows = tuple(kv.flat() for kv in self.cache.layers)  # per layer [bs * S, C], [bs * S, R]
-        # o_proj as per-segment products where the rows' staging would shrink linear()'s row tile
-        # (the same bits: linear.linear_split_k); AR steps keep linear().
-        m, hv = self.batch_size * self.max_rows, config.n_heads * config.v_head_dim
-        self._wo_split = None
+        # o_proj and the dense down_proj as per-segment products where that pays for this many rows
+        # (linear.split_k_pays; the same bits: linear.linear_split_k); AR steps keep linear().
+        m, d, hv, inter = self.batch_size * self.max_rows, config.hidden_size, config.n_heads * config.v_head_dim, \
+            config.dense_intermediate
+        self._wo_split = self._w2_split = None
         if split_k_pays(m, hv):
             g = split_k_segments(hv)
-            self._wo_split = (self.weights.split_w_o(stream=stream),  # per layer [G, D, Hv / G]
+            self._wo_split = (self.weights.split("w_o", stream=stream),  # per layer [G, D, Hv / G]
                               self.buffers.heads.reshape(m, g, hv // g),  # [M, G, Hv / G]
-                              cuda.device_array((m, g, config.hidden_size), np.float32, stream=stream))  # [M, G, D]
+                              cuda.device_array((m, g, d), np.float32, stream=stream))  # [M, G, D]
+        if self.buffers.h13 is not None and split_k_pays(m, inter):
+            g = split_k_segments(inter)
+            act = cuda.device_array((m, inter), np.float32, stream=stream)  # [M, I] silu(gate) * up
+            self._w2_split = (self.weights.split("w2", stream=stream), act,  # per layer [G, D, I / G]
+                              act.reshape(m, g, inter // g),  # [M, G, I / G]
+                              cuda.device_array((m, g, d), np.float32, stream=stream))  # [M, G, D]
 
     # ------------------------------------------------------------------ inputs
 
@@ -531,7 +538,12 @@ class TargetModel:
         eps = c.rms_norm_eps
         if isinstance(f, DenseFfnWeights):
             linear(b.x, f.w13, b.h13, norm_weight=f.norm, eps=eps, stream=stream)  # [M, 2I]
-            linear(b.h13, f.w2, b.x, swiglu=True, residual=b.x, stream=stream)  # [M, D]
+            if self._w2_split is None:
+                linear(b.h13, f.w2, b.x, swiglu=True, residual=b.x, stream=stream)  # [M, D]
+            else:
+                w_split, act, act_split, parts = self._w2_split
+                swiglu_rows(b.h13, act, stream=stream)  # [M, I]
+                linear_split_k(act_split, w_split[lw.index], parts, b.x, residual=b.x, stream=stream)  # [M, D]
             return
         assert isinstance(f, MoeWeights)
         rms_norm(b.x, f.norm, eps, b.xn, stream=stream)  # [M, D]

@@ -170,16 +170,22 @@ class DeviceWeights:
     layers: tuple[LayerWeights, ...]
     final_norm: Any  # [D] model.norm
     lm_head: Any  # [V, D]
-    _split_w_o: dict = field(default_factory=dict, compare=False, repr=False)
+    _split: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def split_w_o(self, *, stream: Any = 0) -> tuple[Any, ...]:
-        """Per layer, o_proj re-laid [G, D, H v / G] for ``linear_split_k`` (made on first use, once
-        for every model sharing these weights: the verify models of many-row launches)."""
+    def split(self, name: str, *, stream: Any = 0) -> tuple[Any, ...]:
+        """Per layer, ``w_o`` (o_proj) or ``w2`` (a dense FFN's down_proj; None in MoE layers)
+        re-laid [G, N, K / G] for ``linear_split_k`` (made on first use, once for every model
+        sharing these weights: the models of many-row launches)."""
         from ddtree_numba.kernels.linear import split_k_weight
 
-        if "w_o" not in self._split_w_o:
-            self._split_w_o["w_o"] = tuple(split_k_weight(lw.attn.w_o, stream=stream) for lw in self.layers)
-        return self._split_w_o["w_o"]
+        if name not in ("w_o", "w2"):
+            raise ValueError(f"name must be 'w_o' or 'w2', got {name!r}")
+        if name not in self._split:
+            self._split[name] = tuple(
+                split_k_weight(lw.attn.w_o, stream=stream) if name == "w_o"
+                else split_k_weight(lw.ffn.w2, stream=stream) if isinstance(lw.ffn, DenseFfnWeights)
+                else None for lw in self.layers)
+        return self._split[name]
 
     @classmethod
     def from_host(cls, config: ModelConfig, weights: Mapping[str, np.ndarray], *, stream: Any = 0) -> DeviceWeights:

@@ -120,6 +120,7 @@ __all__ = [
     "split_k_pays",
     "split_k_weight",
     "linear_split_k",
+    "swiglu_rows",
     "get_kernel",
 ]
 
@@ -1184,10 +1185,13 @@ def split_k_segments(k_dim: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def split_k_pays(rows: int, k_dim: int) -> bool:
-    """Whether ``rows`` rows at K = k_dim take a smaller row tile than the segments would (the
-    staging budget shrank it) and the split reproduces linear()'s order."""
+    """Whether the split reproduces linear()'s order and ``rows`` rows take either a smaller row
+    tile at K than at K' (the staging budget shrank it: wo of a 33-row tree, 4-row tiles) or more
+    than one full tile (the segments' own blocks instead of a barrier and a combine per column
+    block; a 33-row dense w2 ran at 4.2 TFLOP/s, the 8-row K 2048 lm_head at 18). Decode rows
+    (one tile) keep linear(): the weight stream is the work there."""
     g = split_k_segments(k_dim)
-    return g > 0 and row_tile(rows, k_dim) < row_tile(rows, k_dim // g)
+    return g > 0 and (row_tile(rows, k_dim) < row_tile(rows, k_dim // g) or rows > MAX_ROW_TILE)
 
 
 def split_k_weight(w: Any, *, stream: Any = 0) -> Any:
@@ -1235,6 +1239,39 @@ register("segment_sum", segment_sum_kernel, _SUM_SIGS,
          "split-K linear: the per-segment sums added in linear()'s segment order", block_threads=SUM_THREADS)
 register("segment_sum_residual", segment_sum_residual_kernel, _SUM_SIGS,
          "split-K linear: segment sums added in order, plus the residual", block_threads=SUM_THREADS)
+
+
+@cuda.jit
+def swiglu_rows_kernel(x, out):
+    """out[m, k] = silu(x[m, k]) * x[m, K + k] (:func:`_silu_mul`, the bits linear()'s swiglu
+    prologue stages). One thread per element."""
+    i = cuda.grid(1)
+    k_dim = out.shape[1]
+    if i < out.shape[0] * k_dim:
+        m = i // k_dim
+        k = i - m * k_dim
+        out[m, k] = _silu_mul(x[m, k], x[m, k_dim + k])
+
+
+register("swiglu_rows", swiglu_rows_kernel, ((float32[:, :], float32[:, :]),),
+         "split-K linear: the SwiGLU prologue as its own pass (linear's staged bits)",
+         block_threads=SUM_THREADS)
+
+
+def swiglu_rows(x: Any, out: Any, *, stream: Any = 0) -> Any:
+    """``out = silu(x[:, :K]) * x[:, K:]``, the input rows ``linear(x, w, ..., swiglu=True)``
+    multiplies (the same bits), for :func:`linear_split_k`.
+
+    Args:
+        x: float32 [M, 2K], unit inner stride; out: float32 [M, K], unit inner stride.
+    """
+    x = _f32(x, "x", 2)
+    if x.shape[1] % 2:
+        raise ValueError(f"x must have an even number of columns (gate | up), got {tuple(x.shape)}")
+    out = _check_out(out, "out", (x.shape[0], x.shape[1] // 2))
+    if out.size:
+        launch(swiglu_rows_kernel, -(-out.size // SUM_THREADS), SUM_THREADS, stream, 0, x, out)
+    return out
 
 
 def linear_split_k(x: Any, w_split: Any, parts: Any, out: Any, *, residual: Any = None,
