@@ -163,6 +163,79 @@ def test_two_warps_and_a_moving_exp_reference(dtype):
     assert plan.threads == 64 and plan.n_chunks == 1
 
 
+# --- segment mode: unfiltered stream, then only the flagged segments through the buffer ---------
+
+def _segment_rows(case: str, rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    """[rows, vocab] float32 logits of one input family."""
+    if case == "gaussian":
+        return _gaussian(rng, rows, vocab)
+    if case == "levels":  # three values: every segment maximum ties, ties by lower id everywhere
+        return np.array([1.5, 1.0, -0.25], np.float32)[rng.integers(0, 3, size=(rows, vocab))]
+    if case == "constant":  # every segment flagged, every element a candidate: compactions and retries
+        return np.full((rows, vocab), -0.5, np.float32)
+    ramp = np.linspace(-6.0, 6.0, vocab, dtype=np.float32)
+    if case == "ascending":
+        return np.tile(ramp, (rows, 1))
+    if case == "descending":
+        return np.tile(ramp[::-1], (rows, 1))
+    assert case == "spikes"  # a few large values in otherwise flat rows
+    x = _gaussian(rng, rows, vocab, std=0.1)
+    x[:, rng.integers(0, vocab, size=6)] = np.float32(30.0)
+    return x
+
+
+@pytest.mark.parametrize("case", ["gaussian", "levels", "constant", "ascending", "descending", "spikes"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_segment_mode_matches_reference(case, dtype):
+    """Segment mode over several full iterations and a partial one: the k'-th largest segment
+    maximum bounds the k'-th largest logit, so re-reading only the flagged segments loses nothing,
+    ties (bf16 rounding, equal levels, constant rows) included."""
+    vocab = 1100  # bf16: 2 full iterations of 32 x 16 elements + a partial one; f32: 4 + partial
+    logits = _segment_rows(case, np.random.default_rng(vocab), 3, vocab)
+    if dtype == "bf16":
+        logits = float32_to_bf16(logits)
+    plan = _check(logits, 5, n_chunks=1, segments=True, capacity=SIM_THREADS)
+    assert plan.segments and plan.segment_slots >= 2
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 40, 1000])
+@pytest.mark.parametrize("threads, n_chunks", [(32, 1), (64, 1), (32, 3)])
+def test_segment_mode_edge_k_warps_and_chunks(k, threads, n_chunks):
+    """k = 0, 1, more than the segments (every segment flagged) and k = V; two warps (segments
+    interleaved by warp); several chunks (each chunk's segments, then the merge)."""
+    logits = float32_to_bf16(_gaussian(np.random.default_rng(k + threads), 2, 1000, std=2.5))
+    plan = _check(logits, k, threads=threads, n_chunks=n_chunks, segments=True)
+    assert plan.segments and plan.n_chunks == n_chunks
+
+
+def test_segment_mode_on_misaligned_logits_uses_the_scalar_words():
+    """Unaligned bf16 logits take the one-element-per-load segment kernel (more, shorter segments)."""
+    logits = float32_to_bf16(_gaussian(np.random.default_rng(6), 2, 700))
+    storage = np.zeros(logits.size + 1, np.uint16)
+    shifted = storage[1:].reshape(logits.shape)
+    shifted[...] = logits
+    assert shifted.__array_interface__["data"][0] % 8 != 0
+    values, ids, plan = _run(shifted, 4, segments=True)
+    assert plan.segments
+    _assert_matches(values, ids, *_expected(logits, 4))
+
+
+def test_segment_mode_default_and_validation():
+    """Default: on where k' is small against a chunk's segments (Kimi K2's 960 x 163840 rows at
+    k 32: 320 segments a row), off for large k' and with per-warp buffers; bad values name 'segments'."""
+    assert plan_topk(960, KIMI_VOCAB, 32, np.uint16).segments
+    assert plan_topk(960, KIMI_VOCAB, 8, np.float32).segments
+    assert not plan_topk(960, KIMI_VOCAB, 512, np.uint16).segments
+    assert not plan_topk(960, KIMI_VOCAB, 32, np.uint16, warp_buffers=True).segments
+    assert not plan_topk(4, 64, 8, np.float32).segments  # 1 segment per chunk: nothing to skip
+    with pytest.raises(TypeError, match="segments"):
+        plan_topk(4, 64, 8, np.float32, segments="yes")
+    with pytest.raises(ValueError, match="segments"):
+        plan_topk(4, 64, 8, np.uint16, segments=True, warp_buffers=True)
+    with pytest.raises(ValueError, match="segments"):
+        plan_topk(2, 2**24, 8, np.float32, n_chunks=1, segments=True)  # too many segment maxima
+
+
 def test_signed_zeros_subnormals_and_large_values():
     """-0.0 ties with +0.0 (lower id first), subnormals keep their order, large logits are exact."""
     row = np.array([-0.0, 0.0, 1e-40, -1e-40, 1e30, -1e30, -0.0, 0.0, 2.5, -2.5], np.float32)
@@ -214,6 +287,25 @@ def test_non_finite_device_logits_flag_their_row(bad, n_chunks):
     logits[1, 17] = 0.0
     run_topk(plan, cuda.to_device(logits), values, ids)  # flags are rewritten on every run: no raise
     _assert_matches(values, ids, *_expected(logits, 4))  # the cleared row (and the others) are exact
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # simulator NumPy: inf - inf
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("col", [0, 1, 2, 1027])
+@pytest.mark.parametrize("segments", [False, True])
+def test_non_finite_bf16_device_logits_in_full_iterations(bad, col, segments):
+    """bf16 full iterations take the max and min of packed pairs (max/min.bf16x2): a NaN or
+    infinity in either half of a word, in any word of the iteration, still flags its row."""
+    vocab = 2048  # 4 full iterations of 32 threads x 4 words x 4 bf16
+    logits = _gaussian(np.random.default_rng(col), 2, vocab)
+    logits[1, col] = bad
+    plan = plan_topk(2, vocab, 4, np.uint16, threads=SIM_THREADS, n_chunks=1, segments=segments)
+    values = np.zeros((2, 4), np.float32)
+    ids = np.zeros((2, 4), np.int32)
+    with pytest.raises(ValueError, match=r"logits.*\[1\]"):
+        run_topk(plan, cuda.to_device(float32_to_bf16(logits)), values, ids)
+    ref_values, ref_ids = _expected(float32_to_bf16(logits[:1]), 4)
+    _assert_matches(values[:1], ids[:1], ref_values, ref_ids)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.uint16])
@@ -356,8 +448,10 @@ def _gpu_logits(rows: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     "rows, k", [(16, 8), (16, 1024), (128, 32), (128, 256), (1024, 32), (1024, 1024)]
 )
 def test_gpu_real_shapes(rows, k, dtype):
+    """The default plan at Kimi K2's vocabulary (segment mode at 1024 rows, k 32)."""
     logits, as_float = _gpu_logits(rows, dtype)
     plan = plan_topk(rows, KIMI_VOCAB, k, logits.dtype)
+    assert plan.segments or not (rows == 1024 and k == 32)
     d_logits = cuda.to_device(logits)
     d_values = cuda.device_array((rows, k), np.float32)
     d_ids = cuda.device_array((rows, k), np.int32)
@@ -371,15 +465,16 @@ def test_gpu_real_shapes(rows, k, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warp_buffers", [True, False])
+@pytest.mark.parametrize("mode", ["warp", "block", "segments"])
 @pytest.mark.parametrize("n_chunks", [1, 7])
-def test_gpu_adversarial_rows(n_chunks, warp_buffers):
-    """Ascending, constant and two-level rows at the real vocabulary, with and without a merge,
-    per-warp and block candidate buffers."""
+def test_gpu_adversarial_rows(n_chunks, mode):
+    """Ascending, constant and two-level rows at the real vocabulary, with and without a merge:
+    per-warp and block candidate buffers, and segment mode (7 chunks: every segment flagged)."""
     ramp = np.linspace(-30.0, 30.0, KIMI_VOCAB, dtype=np.float32)
     two_level = np.where(np.arange(KIMI_VOCAB) % 3 == 0, 2.0, 1.0).astype(np.float32)
     logits = float32_to_bf16(np.stack([ramp, np.zeros_like(ramp), two_level, ramp[::-1]]))
-    plan = plan_topk(4, KIMI_VOCAB, 64, np.uint16, n_chunks=n_chunks, warp_buffers=warp_buffers)
+    plan = plan_topk(4, KIMI_VOCAB, 64, np.uint16, n_chunks=n_chunks, warp_buffers=mode == "warp",
+                     segments=mode == "segments")
     values = np.zeros((4, 64), np.float32)
     ids = np.zeros((4, 64), np.int32)
     run_topk(plan, cuda.to_device(logits), values, ids)

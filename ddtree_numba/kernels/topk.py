@@ -49,12 +49,32 @@ without spills (3 blocks of 256 threads per SM). Each warp must find its own top
 ~8x more candidates than the block would (~k' ln(n/k') per warp): cheap ballot rounds, mostly
 in the first iterations.
 
-Cost: one read of the logits plus ~7 instructions per element (unpack, subtract, scale, ex2,
-add, max, min) and ~60 per thread-iteration (loads, filter test, barrier), i.e. ~11 per bf16
-element in the sm_90 SASS; the compactions are amortised over the chunk. Launch bounds cap the
-chunk kernel at 64 registers (no spills, checked for sm_90 and sm_120): 4 blocks of 256 threads
-per SM. Worst case (logits ascending along the row, every element a new top-k') each
-element reaches the buffer and the kernel is compaction-bound: still exact, just slower.
+Segment mode (the default where k' is small against the chunk, ``plan_topk(segments=...)``).
+The block-buffer kernel above spent most of its time outside the arithmetic: on the H200 (960
+bf16 rows of 163840, k 32) ncu counted ~24 issued instructions per element and barrier waits
+as the largest stall (3.7 of 11 cycles per issued instruction), from the per-iteration
+``syncthreads_or``, the offers and the compactions. Segment mode drops the filter from the
+stream: each warp-iteration (unroll x WARP_SIZE consecutive words) is a *segment*, and the
+stream keeps only the log-sum-exp and each segment's maximum (one warp max, a shared store; no
+block barrier). Then the block sorts the segment maxima: T = the k'-th largest of them. k'
+segments reach T, so the k'-th largest logit is >= T, and every top-k' element is >= T and
+lies in a segment whose maximum is >= T (the flagged segments, a prefix of the sorted list).
+Those segments alone are re-read, one per warp per round, through the candidate buffer
+(``above`` / ``offer`` / ``_compact`` as above, so ties, constant rows and overflows behave the
+same). Typical rows flag ~k' segments, i.e. k' x unroll x 32 words re-read (k 32, bf16: 10 %
+of the row); the plan takes segment mode only where k' <= (segments per chunk) /
+SEGMENT_RESCAN_SHARE, and a row of at most SEGMENT_SINGLE_CHUNK_ITERS block-iterations as
+one chunk (no merge launch). Measured on the H200: 960 x 163840 bf16, k 32: 160.7 us (block
+kernel 206.4 us); 15 x 32768 fp32, k 32: 22.2 us in one segment-mode chunk vs 32.8 us in 8.
+
+Cost of the stream: one read of the logits plus ~6 instructions per bf16 element (unpack,
+subtract, scale, ex2, add; max and min of two elements at once with ``max/min.bf16x2``). The
+exp is ``ex2.approx`` through inline PTX: numba's ``math.exp`` compiles to libdevice's
+range-reduced expf even under fastmath (9 instructions with the subtract). Launch bounds cap
+the kernels at 64 registers (no spills, checked for sm_90 and sm_120): 4 blocks of 256
+threads per SM. Worst case for the block kernel (logits ascending along the row, every
+element a new top-k') each element reaches the buffer and the kernel is compaction-bound:
+still exact, just slower; in segment mode a constant row flags every segment (a second read).
 
 Precision (the stated tolerance): each exp is ``ex2.approx`` of a float32 argument, summed in
 float32 over 16 elements and in float64 beyond; the log-sum-exp is formed in float64. The error of
@@ -85,13 +105,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint16, uint32, uint64
+from llvmlite import ir
+from numba import cuda, float32, float64, int32, int64, types, uint16, uint32, uint64
+from numba.core.extending import intrinsic
 
 from sim.install import simulator_active
 from sim.launch import launch
 
 from ._args import check_array, int_arg
 from .registry import register
+from .warp import warp_max_f32
 
 __all__ = [
     "TopKPlan", "plan_topk", "run_topk", "check_topk_errors", "VALUE_ATOL", "VALUE_RTOL", "MAX_K", "WARP_MAX_K",
@@ -117,6 +140,9 @@ SCALAR_ELEMS_PER_THREAD = 8  # elements per thread per iteration on the one-elem
 DEFAULT_SM_COUNT = 132  # H200; used when no GPU can be asked
 BLOCKS_PER_SM = 4  # resident 256-thread blocks per SM at <= 64 registers: one wave = SMs x 4
 WARP_BLOCKS_PER_SM = REGISTER_FILE // (MAX_THREADS * WARP_MAX_REGISTERS)  # 3 resident 256-thread blocks (per-warp kernel)
+MAX_SEGMENT_SLOTS = 2048  # segment mode: segment maxima per chunk (a power of two; 16 KiB of uint64)
+SEGMENT_RESCAN_SHARE = 4  # segment mode by default where k' <= a chunk's segments / this (<= 1/4 re-read)
+SEGMENT_SINGLE_CHUNK_ITERS = 16  # default: one segment-mode chunk per row when a row is at most this many block-iterations
 MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
 FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in a vote
 WARP_MAX_K = 128  # per-warp candidate buffers up to this k': 8 warps x 4 k' x 8 B <= 32 KiB
@@ -128,6 +154,7 @@ ALL_32 = uint32(0xFFFFFFFF)
 EXP_BITS_32 = 0x7F800000  # all-ones exponent: inf or NaN
 EXP_BITS_64 = 0x7FF0000000000000
 ID_MASK = uint64(0xFFFFFFFF)
+HIGH_HALF = uint32(0xFFFF0000)  # the bf16 in the high half of a uint32, already in float32 position
 SHIFT_32 = uint64(32)
 EMPTY = uint64(0)  # no candidate: a real composite has a nonzero key or id field
 REJECT_ALL = uint64(0xFFFFFFFFFFFFFFFF)  # threshold for k' = 0: nothing is a candidate
@@ -140,7 +167,9 @@ _WORD_BYTES = 8  # the packed path reads uint64 words
 _ELEM_BITS = {"float32": 32, "bfloat16": 16}
 _ELEM_DTYPE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
 _NARROW_WORD = {"float32": np.dtype(np.uint32), "bfloat16": np.dtype(np.uint16)}
+_EX2_OVERFLOW = 128.0  # 2 ** x > float32 max beyond this
 _EXP_OVERFLOW = 88.0  # exp(x) > float32 max beyond this
+LOG2E = float32(1.4426950408889634)  # exp(d) = 2 ** (d log2 e); the product is rounded to float32
 # A thread's exp reference m lags its running max: it moves up only when a batch max exceeds it
 # by more than this many nats. Moving it on every new max ran the second pass and its float64
 # exp in most warp-iterations (some lane of 32 nearly always has a new max); with the headroom
@@ -164,9 +193,34 @@ if simulator_active():
         """Bit pattern of float64 ``x``."""
         return np.float64(x).view(np.uint64)
 
-    def _fast_exp(x):
-        """exp of a float32 as float32 (inf on overflow, like the GPU's ex2.approx)."""
-        return np.float32(math.exp(x)) if x < _EXP_OVERFLOW else np.float32(np.inf)
+    def _exp_of_diff(x, m):
+        """exp(x - m) of float32s as the GPU forms it: 2 ** ((x - m) * LOG2E), each step rounded to
+        float32 (inf on overflow, like ex2.approx)."""
+        d = np.float32(x - m)
+        if d > _EXP_OVERFLOW:  # the product below would overflow float32 too: ex2 gives inf
+            return np.float32(np.inf)
+        arg = np.float32(d * LOG2E)
+        return np.float32(math.pow(2.0, arg)) if arg < _EX2_OVERFLOW else np.float32(np.inf)
+
+    def _bf16x2_pick(a, b, larger):
+        """Per 16-bit half of uint32 ``a`` and ``b`` (bf16 bits), the larger / smaller value's bits;
+        a NaN half loses to a number (PTX max/min.bf16x2 without .NaN)."""
+        out = 0
+        for shift in (0, 16):
+            ha, hb = (int(a) >> shift) & 0xFFFF, (int(b) >> shift) & 0xFFFF
+            xa, xb = (np.uint32(h << 16).view(np.float32) for h in (ha, hb))
+            if np.isnan(xa) or (not np.isnan(xb) and (xb > xa if larger else xb < xa)):
+                ha = hb
+            out |= ha << shift
+        return np.uint32(out)
+
+    def _bf16x2_max(a, b):
+        """Per-half maximum of two bf16x2 words."""
+        return _bf16x2_pick(a, b, True)
+
+    def _bf16x2_min(a, b):
+        """Per-half minimum of two bf16x2 words."""
+        return _bf16x2_pick(a, b, False)
 
 else:
     from numba.cuda import libdevice
@@ -178,7 +232,44 @@ else:
 
     _f32_bits = libdevice.float_as_int
     _f64_bits = libdevice.double_as_longlong
-    _fast_exp = math.exp  # under fastmath: ex2.approx.ftz(x * log2 e), 3 instructions with the subtract
+
+    @intrinsic
+    def _ex2_approx(typingctx, x):
+        """2 ** x for float32 ``x``: ``ex2.approx.ftz.f32``, one MUFU.EX2 (max relative error 2^-22)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
+            return builder.call(ir.InlineAsm(fnty, "ex2.approx.ftz.f32 $0, $1;", "=f,f"), args)
+
+        return types.float32(types.float32), codegen
+
+    def _bf16x2_intrinsic(op: str):
+        """``<op>.bf16x2`` on two uint32 words of two bf16 each (one HMNMX2; a NaN half loses)."""
+
+        @intrinsic
+        def bf16x2_op(typingctx, a, b):
+            if a != types.uint32 or b != types.uint32:
+                return None
+
+            def codegen(context, builder, signature, args):
+                fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), ir.IntType(32)])
+                return builder.call(ir.InlineAsm(fnty, f"{op}.bf16x2 $0, $1, $2;", "=r,r,r"), args)
+
+            return types.uint32(types.uint32, types.uint32), codegen
+
+        return bf16x2_op
+
+    _bf16x2_max = _bf16x2_intrinsic("max")
+    _bf16x2_min = _bf16x2_intrinsic("min")
+
+    @cuda.jit(device=True, inline=True)
+    def _exp_of_diff(x, m):
+        """exp(x - m) of float32s: FADD, FMUL, MUFU.EX2. math.exp, even under fastmath, compiles to
+        libdevice's range-reduced expf (9 instructions with the subtract: 2.3x this), which made
+        the streaming loop issue-bound."""
+        return _ex2_approx((x - m) * LOG2E)
 
 
 # --- device functions -------------------------------------------------------------------------
@@ -436,7 +527,7 @@ _BOUNDS = {} if simulator_active() else {"launch_bounds": (MAX_THREADS, REGISTER
 _WARP_BOUNDS = {} if simulator_active() else {
     "launch_bounds": (MAX_THREADS, REGISTER_FILE // (MAX_THREADS * WARP_MAX_REGISTERS))}
 
-def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
+def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int, paired_minmax: bool = True):
     """Chunk kernel for words of ``per_word`` packed elements of ``elem_bits`` bits, ``unroll`` words per thread.
 
     Launch: grid (n_chunks, rows), block nt (power of two <= MAX_THREADS), dynamic shared memory
@@ -455,6 +546,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
     assert unroll * per_word <= 32, "candidate masks have 32 bits"
     elem_mask = (1 << elem_bits) - 1
     widen = uint32(32 - elem_bits)  # a bf16 is the high half of its float32 (limits §4)
+    PAIRED_MINMAX = per_word == 4 and elem_bits == 16 and paired_minmax  # bf16x2 min/max
     half_bits = uint64(32)
 
     @cuda.jit(device=True, inline=True)
@@ -492,13 +584,29 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         """
         bmax = LOWEST
         bsum = float32(0.0)
+        if PAIRED_MINMAX and not check:
+            # bf16 in full iterations: max and min of two elements per instruction on the packed
+            # halves, unpacked once per iteration (the scalar FMNMX pair was 2 of ~7 per element)
+            hi2 = uint32(ws[0])
+            lo2 = hi2
+            for u in range(unroll):
+                for half in range(2):
+                    if u + half > 0:
+                        w32 = uint32(ws[u]) if half == 0 else uint32(uint64(ws[u]) >> half_bits)
+                        hi2 = _bf16x2_max(hi2, w32)
+                        lo2 = _bf16x2_min(lo2, w32)
+                for e in range(per_word):
+                    bsum += _exp_of_diff(_f32_from_bits(element_bits(ws[u], e)), m)
+            bmax = max(_f32_from_bits(hi2 << widen), _f32_from_bits(hi2 & HIGH_HALF))
+            lo = min(lo, min(_f32_from_bits(lo2 << widen), _f32_from_bits(lo2 & HIGH_HALF)))
+            return bmax, bsum, lo
         for u in range(unroll):
             if not check or base + u * WARP_SIZE < w_end:
                 for e in range(per_word):
                     x = _f32_from_bits(element_bits(ws[u], e))
                     bmax = max(bmax, x)
                     lo = min(lo, x)
-                    bsum += _fast_exp(x - m)
+                    bsum += _exp_of_diff(x, m)
         return bmax, bsum, lo
 
     @cuda.jit(device=True, inline=True)
@@ -508,7 +616,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         for u in range(unroll):
             if not check or base + u * WARP_SIZE < w_end:
                 for e in range(per_word):
-                    bsum += _fast_exp(_f32_from_bits(element_bits(ws[u], e)) - m)
+                    bsum += _exp_of_diff(_f32_from_bits(element_bits(ws[u], e)), m)
         return bsum
 
     @cuda.jit(device=True, inline=True)
@@ -566,6 +674,20 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         return left
 
     @cuda.jit(device=True, inline=True)
+    def accumulate(ws, base, w_end, check, m, s, lo):
+        """Online log-sum-exp over the words in ``ws``; returns (m, s, lo, this batch's max).
+
+        One pass against the reference m; a batch max above m + REFERENCE_HEADROOM (the
+        thread's first batch, then rarely) moves m to it and the batch is summed again.
+        """
+        bmax, bsum, lo = reduce_words(ws, base, w_end, m, lo, check)
+        if bmax > m + REFERENCE_HEADROOM:
+            s = _rescaled(s, m, bmax)
+            m = bmax
+            bsum = sum_words(ws, base, w_end, m, check)
+        return m, s + float64(bsum), lo, bmax
+
+    @cuda.jit(device=True, inline=True)
     def step(row_words, ws, base, nt, w_end, check, m, s, lo, first_iter, buf, count, thresh, thresh_val,
              k, cap, tid):
         """One iteration on the words in ``ws``: online log-sum-exp, then the threshold filter.
@@ -574,15 +696,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         in a compaction, which ends with a barrier) rather than kept in registers. One block
         barrier in the common case (no buffer overflow); every thread of the block calls this.
         """
-        # One pass against the reference m; a batch max above m + REFERENCE_HEADROOM (the
-        # thread's first batch, then rarely) moves m to it and the batch is summed again.
-        bmax, bsum, lo = reduce_words(ws, base, w_end, m, lo, check)
-        if bmax > m + REFERENCE_HEADROOM:
-            s = _rescaled(s, m, bmax)
-            m = bmax
-            bsum = sum_words(ws, base, w_end, m, check)
-        s += float64(bsum)
-
+        m, s, lo, bmax = accumulate(ws, base, w_end, check, m, s, lo)
         if first_iter:
             # Seed: each thread offers its largest element; T becomes their k'-th largest. The
             # buffer is then emptied: the filter below pushes the seeds again with the rest.
@@ -653,6 +767,117 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         if block_base < w_end:  # the partial last iteration, already loaded (uniform)
             m, s, lo = step(row_words, nxt, block_base + off, nt, w_end, True, m, s, lo, block_base == w_begin,
                             buf, count, thresh, thresh_val, k, cap, tid)
+
+        _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+        _finish_chunk(buf, count[0], scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
+                      out_values, out_ids, row_flags, tid, nt)
+
+    # --- segment mode: stream without a filter, then re-read only the segments that can hold a
+    # top-k' element (module doc, "Segment mode").
+
+    @cuda.jit(device=True, inline=True)
+    def record_segment(segs, seg, bmax, lane):
+        """Store the warp's maximum of this iteration as segment ``seg``'s composite (value, seg)."""
+        wmax = warp_max_f32(bmax)
+        if lane == 0:
+            segs[seg] = _composite(uint32(_f32_bits(wmax)), seg)
+
+    @cuda.jit(fastmath=True, **_BOUNDS)
+    def segment_kernel(words, k, cap, chunk_words, cand, cmax, csum, cflag, out_values, out_ids, row_flags):
+        buf = cuda.shared.array(0, uint64)  # [cap] candidates, then [n_seg2] segment maxima (dynamic)
+        scratch = cuda.shared.array(MAX_THREADS, float64)  # block reductions
+        count = cuda.shared.array(1, int32)  # candidates pushed (may overshoot cap)
+        thresh = cuda.shared.array(1, uint64)  # composite threshold T
+        thresh_val = cuda.shared.array(1, float32)  # logit of T
+        flagged = cuda.shared.array(1, int32)  # segments whose maximum reaches T
+        ws = cuda.local.array(unroll, word_type)  # words being processed (registers: static indices)
+        nxt = cuda.local.array(unroll, word_type)  # the next iteration's words, in flight meanwhile
+
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        chunk = cuda.blockIdx.x
+        row = cuda.blockIdx.y
+        w_begin = chunk * chunk_words
+        w_end = min(w_begin + chunk_words, words.shape[1])
+        span = unroll * nt
+        full_end = w_end - (w_end - w_begin) % span
+        row_words = words[row]  # [W]
+        lane = tid % WARP_SIZE
+        warp = tid // WARP_SIZE
+        n_warps = nt // WARP_SIZE
+        off = (tid - lane) * unroll + lane  # as chunk_kernel: segment = one warp's words of one iteration
+        n_seg = (w_end - w_begin + span - 1) // span * n_warps
+        n_seg2 = 1
+        while n_seg2 < n_seg:
+            n_seg2 *= 2
+        segs = buf[cap:cap + n_seg2]
+        if tid == 0:
+            flagged[0] = n_seg  # all, unless the scan below finds the prefix (a NaN maximum matches nothing)
+        _init_state(count, thresh, thresh_val, tid)  # its barrier publishes flagged too
+
+        # 1. Stream: log-sum-exp and each segment's maximum; no threshold, no block barrier.
+        m = LOWEST
+        s = 0.0
+        lo = HIGHEST
+        load_words(row_words, nxt, w_begin + off, w_end, True)
+        block_base = w_begin
+        seg = warp
+        while block_base < full_end:
+            for u in range(unroll):
+                ws[u] = nxt[u]
+            base = block_base + off
+            block_base += span
+            if block_base < full_end:
+                load_words(row_words, nxt, block_base + off, w_end, False)
+            else:
+                load_words(row_words, nxt, block_base + off, w_end, True)
+            m, s, lo, bmax = accumulate(ws, base, w_end, False, m, s, lo)
+            record_segment(segs, seg, bmax, lane)
+            seg += n_warps
+        if block_base < w_end:  # the partial last iteration, already loaded
+            m, s, lo, bmax = accumulate(nxt, block_base + off, w_end, True, m, s, lo)
+            record_segment(segs, seg, bmax, lane)
+        i = n_seg + tid
+        while i < n_seg2:
+            segs[i] = EMPTY  # padding sorts last
+            i += nt
+        cuda.syncthreads()  # segment maxima and padding are written before the sort reads them
+
+        # 2. Threshold: T = the k'-th largest segment maximum. k' segments reach it, so the k'-th
+        # largest logit does too: only elements >= T, in segments whose maximum is >= T, can be
+        # in the top k'.
+        _bitonic_sort_desc(segs, n_seg2, 1, CONTIGUOUS, 0, tid, nt)  # ends with a barrier
+        t_val = LOWEST if k > n_seg else _composite_value(segs[max(k, 1) - 1])
+        i = tid
+        while k > 0 and i < n_seg:  # the flagged segments are a prefix of the sorted list
+            if _composite_value(segs[i]) >= t_val and (i + 1 == n_seg or _composite_value(segs[i + 1]) < t_val):
+                flagged[0] = i + 1
+            i += nt
+        if tid == 0:
+            if k == 0:
+                flagged[0] = 0
+            thresh_val[0] = t_val
+            thresh[0] = uint64(_order_key(uint32(_f32_bits(t_val)))) << SHIFT_32  # smallest composite of value T
+        cuda.syncthreads()  # threshold and flagged count are visible to every thread
+
+        # 3. Re-read the flagged segments (one per warp per round) through the candidate buffer.
+        n_flag = flagged[0]
+        r = 0
+        while r < n_flag:  # uniform: every thread runs every round
+            pending = int64(0)
+            base = w_begin
+            j = r + warp
+            if j < n_flag:
+                sg = _composite_id(segs[j])
+                it = sg // n_warps
+                base = w_begin + it * span + (sg - it * n_warps) * (unroll * WARP_SIZE) + lane
+                load_words(row_words, ws, base, w_end, True)
+                pending = offer(row_words, base, thresh[0], buf, count, cap,
+                                above(ws, base, w_end, thresh_val[0], True))
+            while cuda.syncthreads_or(int32(pending != 0)):  # barrier: did any push find the buffer full?
+                _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+                pending = offer(row_words, base, thresh[0], buf, count, cap, pending)
+            r += n_warps
 
         _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
         _finish_chunk(buf, count[0], scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
@@ -878,7 +1103,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         _finish_chunk(buf, k, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
                       out_values, out_ids, row_flags, tid, nt)
 
-    return chunk_kernel, warp_chunk_kernel
+    return chunk_kernel, warp_chunk_kernel, segment_kernel
 
 
 @cuda.jit
@@ -965,6 +1190,7 @@ def _chunk_signature(word_type) -> tuple:
 
 _CHUNK_KERNELS: dict[tuple[str, bool], Any] = {}
 _WARP_KERNELS: dict[tuple[str, bool], Any] = {}
+_SEGMENT_KERNELS: dict[tuple[str, bool], Any] = {}
 for _dtype, _elem_bits in _ELEM_BITS.items():
     for _packed in (True, False):
         _per_word = _WORD_BYTES * 8 // _elem_bits if _packed else 1
@@ -972,7 +1198,12 @@ for _dtype, _elem_bits in _ELEM_BITS.items():
         _word_type = uint64 if _packed else {16: uint16, 32: uint32}[_elem_bits]
         _suffix = f"{'bf16' if _elem_bits == 16 else 'f32'}_{'packed' if _packed else 'scalar'}"
         _loads = f"{'uint64 words of ' + str(_per_word) if _packed else 'one element per'} load"
-        _block_kernel, _warp_kernel = _make_chunk_kernel(_per_word, _elem_bits, _word_type, _unroll)
+        _block_kernel, _warp_kernel, _segment_kernel = _make_chunk_kernel(_per_word, _elem_bits, _word_type, _unroll)
+        _SEGMENT_KERNELS[_dtype, _packed] = register(
+            f"topk_segment_{_suffix}", _segment_kernel, (_chunk_signature(_word_type),),
+            f"fused log-softmax top-k, one (chunk, row) per block, unfiltered stream with per-warp segment "
+            f"maxima, then the flagged segments re-read; {_dtype} logits read as {_loads}",
+        )
         _CHUNK_KERNELS[_dtype, _packed] = register(
             f"topk_chunk_{_suffix}", _block_kernel, (_chunk_signature(_word_type),),
             f"fused log-softmax top-k, one (chunk, row) per block, block candidate buffer, {_dtype} logits "
@@ -1024,6 +1255,8 @@ class TopKPlan:
     threads: int
     capacity: int
     warp_buffers: bool
+    segments: bool
+    segment_slots: int
     n_chunks: int
     chunk_elems: int
     cand: Any
@@ -1034,8 +1267,8 @@ class TopKPlan:
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory per block (the candidate buffer)."""
-        return self.capacity * 8
+        """Dynamic shared memory per block (the candidate buffer, then the segment maxima)."""
+        return (self.capacity + self.segment_slots) * 8
 
 
 def _require_pow2(value: Any, name: str, minimum: int, maximum: int) -> int:
@@ -1081,6 +1314,7 @@ def plan_topk(
     n_chunks: int | None = None,
     capacity: int | None = None,
     warp_buffers: bool | None = None,
+    segments: bool | None = None,
 ) -> TopKPlan:
     """Choose the chunking and allocate the workspace for :func:`run_topk` (once per shape).
 
@@ -1100,6 +1334,11 @@ def plan_topk(
             logits fall back to the block kernel). Default False: on the H200 the per-warp kernel
             took 413 us for 1024 bf16 rows at k 32 against the block kernel's 214 us
             (docs/PERFORMANCE.md), so it stays an opt-in experiment.
+        segments: segment mode (module doc): stream without a filter, then re-read the segments
+            whose maximum reaches the k'-th largest segment maximum. Default: on where k' is at
+            most 1 / SEGMENT_RESCAN_SHARE of a chunk's segments (so at most that share of the
+            logits is read twice) and the segment maxima fit MAX_SEGMENT_SLOTS; never with
+            per-warp buffers.
 
     Returns:
         A :class:`TopKPlan` owning device workspace; reuse it for every call of this shape
@@ -1141,15 +1380,36 @@ def plan_topk(
         # split rows only as far as one wave of resident blocks holds
         wave = (WARP_BLOCKS_PER_SM if warp_buffers else BLOCKS_PER_SM) * _sm_count()
         n_chunks = max(1, min(wave // rows, max_chunks))
+        # ...unless a whole row is short enough for one segment-mode block: no merge launch, no
+        # per-chunk seeding (H200, 15 rows x V 32768 fp32, k 32: 22.2 us vs 32.8 us in 8 chunks)
+        iters = -(-vocab // per_block)
+        if (segments is not False and not warp_buffers and 1 <= k_out and iters <= SEGMENT_SINGLE_CHUNK_ITERS
+                and SEGMENT_RESCAN_SHARE * k_out <= iters * n_warps):
+            n_chunks = 1
     else:
         n_chunks = int_arg(n_chunks, "n_chunks", 1, vocab)
     chunk_elems = -(-vocab // n_chunks)
     chunk_elems = -(-chunk_elems // 4) * 4  # whole uint64 words for both dtypes
     n_chunks = -(-vocab // chunk_elems)  # rounding may leave fewer, all non-empty
+    # segments per chunk: one per warp and block-iteration, packed words or (unaligned logits) scalars
+    packed_seg = -(-chunk_elems // per_block) * n_warps
+    scalar_seg = -(-chunk_elems // (SCALAR_ELEMS_PER_THREAD * threads)) * n_warps
+    slots = _next_pow2(max(packed_seg, scalar_seg))
+    fits = slots <= MAX_SEGMENT_SLOTS and capacity + slots <= MAX_CAPACITY + MAX_SEGMENT_SLOTS // 2
+    if segments is None:
+        segments = not warp_buffers and fits and 1 <= k_out and SEGMENT_RESCAN_SHARE * k_out <= packed_seg
+    elif not isinstance(segments, (bool, np.bool_)):
+        raise TypeError(f"segments must be a bool, got {type(segments).__name__}")
+    elif segments and warp_buffers:
+        raise ValueError("segments: segment mode and per-warp buffers exclude each other")
+    elif segments and not fits:
+        raise ValueError(f"segments: {slots} segment maxima per chunk exceed {MAX_SEGMENT_SLOTS} with capacity "
+                         f"{capacity}; use more chunks")
     kc = max(k_out, 1)
     return TopKPlan(
         rows=rows, vocab=vocab, k=k, k_out=k_out, dtype=dtype, threads=threads, capacity=capacity,
-        warp_buffers=bool(warp_buffers), n_chunks=n_chunks, chunk_elems=chunk_elems,
+        warp_buffers=bool(warp_buffers), segments=bool(segments), segment_slots=slots if segments else 0,
+        n_chunks=n_chunks, chunk_elems=chunk_elems,
         cand=cuda.device_array((rows, n_chunks, kc), dtype=np.uint64),
         cmax=cuda.device_array((rows, n_chunks), dtype=np.float32),
         csum=cuda.device_array((rows, n_chunks), dtype=np.float64),
@@ -1231,6 +1491,8 @@ def run_topk(
     k, cap = np.int32(plan.k_out), np.int32(plan.capacity)
     if plan.warp_buffers and packed:  # unaligned logits: the block kernel (a warp plan's capacity suits it)
         kernel, buffer = _WARP_KERNELS[plan.dtype, packed], np.int32(plan.capacity // (plan.threads // WARP_SIZE))
+    elif plan.segments:
+        kernel, buffer = _SEGMENT_KERNELS[plan.dtype, packed], cap
     else:
         kernel, buffer = _CHUNK_KERNELS[plan.dtype, packed], cap
     launch(
