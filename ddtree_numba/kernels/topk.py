@@ -674,6 +674,15 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int, pa
         return left
 
     @cuda.jit(device=True, inline=True)
+    def chunk_range(words, chunk_words, chunk, nt):
+        """(first word, end word, words per block-iteration, end of the full iterations) of a chunk:
+        iterations before the last value have every word in bounds."""
+        w_begin = chunk * chunk_words
+        w_end = min(w_begin + chunk_words, words.shape[1])
+        span = unroll * nt
+        return w_begin, w_end, span, w_end - (w_end - w_begin) % span
+
+    @cuda.jit(device=True, inline=True)
     def accumulate(ws, base, w_end, check, m, s, lo):
         """Online log-sum-exp over the words in ``ws``; returns (m, s, lo, this batch's max).
 
@@ -734,10 +743,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int, pa
         nt = cuda.blockDim.x
         chunk = cuda.blockIdx.x
         row = cuda.blockIdx.y
-        w_begin = chunk * chunk_words
-        w_end = min(w_begin + chunk_words, words.shape[1])
-        span = unroll * nt
-        full_end = w_end - (w_end - w_begin) % span  # iterations before it have every word in bounds
+        w_begin, w_end, span, full_end = chunk_range(words, chunk_words, chunk, nt)
         row_words = words[row]  # [W] this row: keeps the row offset out of the loads
         # Each warp reads a contiguous run of unroll x WARP_SIZE words per iteration, word u of
         # a lane at u x WARP_SIZE: every load is coalesced and the offsets are immediates.
@@ -797,10 +803,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int, pa
         nt = cuda.blockDim.x
         chunk = cuda.blockIdx.x
         row = cuda.blockIdx.y
-        w_begin = chunk * chunk_words
-        w_end = min(w_begin + chunk_words, words.shape[1])
-        span = unroll * nt
-        full_end = w_end - (w_end - w_begin) % span
+        w_begin, w_end, span, full_end = chunk_range(words, chunk_words, chunk, nt)
         row_words = words[row]  # [W]
         lane = tid % WARP_SIZE
         warp = tid // WARP_SIZE
