@@ -141,6 +141,7 @@ DEFAULT_SM_COUNT = 132  # H200; used when no GPU can be asked
 BLOCKS_PER_SM = 4  # resident 256-thread blocks per SM at <= 64 registers: one wave = SMs x 4
 WARP_BLOCKS_PER_SM = REGISTER_FILE // (MAX_THREADS * WARP_MAX_REGISTERS)  # 3 resident 256-thread blocks (per-warp kernel)
 MAX_SEGMENT_SLOTS = 2048  # segment mode: segment maxima per chunk (a power of two; 16 KiB of uint64)
+MAX_DYNAMIC_ENTRIES = 5120  # candidates + segment maxima per block: 40 KiB of uint64, < 48 KiB with the static arrays
 SEGMENT_RESCAN_SHARE = 4  # segment mode by default where k' <= a chunk's segments / this (<= 1/4 re-read)
 SEGMENT_SINGLE_CHUNK_ITERS = 16  # default: one segment-mode chunk per row when a row is at most this many block-iterations
 MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
@@ -527,7 +528,7 @@ _BOUNDS = {} if simulator_active() else {"launch_bounds": (MAX_THREADS, REGISTER
 _WARP_BOUNDS = {} if simulator_active() else {
     "launch_bounds": (MAX_THREADS, REGISTER_FILE // (MAX_THREADS * WARP_MAX_REGISTERS))}
 
-def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int, paired_minmax: bool = True):
+def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
     """Chunk kernel for words of ``per_word`` packed elements of ``elem_bits`` bits, ``unroll`` words per thread.
 
     Launch: grid (n_chunks, rows), block nt (power of two <= MAX_THREADS), dynamic shared memory
@@ -546,7 +547,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int, pa
     assert unroll * per_word <= 32, "candidate masks have 32 bits"
     elem_mask = (1 << elem_bits) - 1
     widen = uint32(32 - elem_bits)  # a bf16 is the high half of its float32 (limits §4)
-    PAIRED_MINMAX = per_word == 4 and elem_bits == 16 and paired_minmax  # bf16x2 min/max
+    PAIRED_MINMAX = per_word == 4 and elem_bits == 16  # packed bf16: max/min.bf16x2 on word halves
     half_bits = uint64(32)
 
     @cuda.jit(device=True, inline=True)
@@ -1398,7 +1399,7 @@ def plan_topk(
     packed_seg = -(-chunk_elems // per_block) * n_warps
     scalar_seg = -(-chunk_elems // (SCALAR_ELEMS_PER_THREAD * threads)) * n_warps
     slots = _next_pow2(max(packed_seg, scalar_seg))
-    fits = slots <= MAX_SEGMENT_SLOTS and capacity + slots <= MAX_CAPACITY + MAX_SEGMENT_SLOTS // 2
+    fits = slots <= MAX_SEGMENT_SLOTS and capacity + slots <= MAX_DYNAMIC_ENTRIES
     if segments is None:
         segments = not warp_buffers and fits and 1 <= k_out and SEGMENT_RESCAN_SHARE * k_out <= packed_seg
     elif not isinstance(segments, (bool, np.bool_)):
