@@ -400,8 +400,13 @@ def test_plan_layout_for_kimi_shapes():
     warp = plan_topk(1024, KIMI_VOCAB, 32, np.uint16, warp_buffers=True)
     # per-warp buffers on request: 4 k' entries for each of the 8 warps.
     assert warp.n_chunks == 1 and warp.warp_buffers and warp.capacity == 8 * 4 * 32
-    block = plan_topk(1024, KIMI_VOCAB, 32, np.uint16)  # the default: one block buffer
-    assert block.n_chunks == 1 and not block.warp_buffers and block.capacity == 256  # max(threads, 4 k')
+    block = plan_topk(1024, KIMI_VOCAB, 32, np.uint16)  # the default: one block buffer, segment mode
+    # more rows than one wave of 256-thread blocks holds: 128 threads, capacity max(threads, 4 k')
+    assert block.n_chunks == 1 and not block.warp_buffers and block.segments
+    assert block.threads == 128 and block.capacity == 128
+    assert plan_topk(1024, KIMI_VOCAB, 32, np.uint16, threads=256).threads == 256  # asked for: kept
+    assert plan_topk(500, KIMI_VOCAB, 32, np.uint16).threads == 256  # one wave of 256-thread blocks
+    assert plan_topk(1024, KIMI_VOCAB, 32, np.uint16, segments=False).threads == 256  # block mode
     assert not plan_topk(1024, KIMI_VOCAB, WARP_MAX_K + 1, np.uint16).warp_buffers
     assert not plan_topk(1024, KIMI_VOCAB, 32, np.float32).warp_buffers
     small = plan_topk(16, KIMI_VOCAB, 32, np.uint16)

@@ -57,8 +57,9 @@ class Result:
     rows: int
     dtype: str
     k: int
-    buffers: str  # "warp" or "block": the candidate-buffer kernel the plan chose
+    buffers: str  # "warp", "block" or "seg" (segment mode): the kernel the plan chose
     n_chunks: int
+    threads: int
     times_us: list[float]
     host_us: float
     torch_us: list[float]
@@ -169,13 +170,13 @@ def run_config(rows: int, dtype: str, ks: list[int], args: argparse.Namespace, s
                 torch_us = torch_times(sets, dtype, plan.k_out, args.reps, args.warmup)
             except Exception as exc:  # the baseline is optional: report and go on
                 print(f"torch baseline failed: {type(exc).__name__}: {exc}", flush=True)
-        buffers = "warp" if plan.warp_buffers else "block"
-        results.append(Result(rows, dtype, plan.k_out, buffers, plan.n_chunks, times, host_us, torch_us, err, mismatches))
+        buffers = "warp" if plan.warp_buffers else "seg" if plan.segments else "block"
+        results.append(Result(rows, dtype, plan.k_out, buffers, plan.n_chunks, plan.threads, times, host_us, torch_us, err, mismatches))
         print(format_row(results[-1]), flush=True)
     return results
 
 
-HEADER = (f"{'rows':>5} {'dtype':>5} {'k':>5} {'buf':>5} {'chunks':>6} {'median us':>10} {'min':>8} {'max':>8} "
+HEADER = (f"{'rows':>5} {'dtype':>5} {'k':>5} {'buf':>5} {'chunks':>6} {'threads':>7} {'median us':>10} {'min':>8} {'max':>8} "
           f"{'floor us':>9} {'x floor':>8} {'GB/s':>7} {'host us':>8} {'torch us':>9} {'check':>14}")
 
 
@@ -183,7 +184,7 @@ def format_row(r: Result) -> str:
     med = statistics.median(r.times_us)
     torch_med = f"{statistics.median(r.torch_us):9.1f}" if r.torch_us else f"{'-':>9}"
     check = "-" if r.id_mismatches < 0 else f"{r.id_mismatches} ids, {r.max_value_err:.1e}"
-    return (f"{r.rows:5d} {r.dtype:>5} {r.k:5d} {r.buffers:>5} {r.n_chunks:6d} {med:10.1f} {min(r.times_us):8.1f} "
+    return (f"{r.rows:5d} {r.dtype:>5} {r.k:5d} {r.buffers:>5} {r.n_chunks:6d} {r.threads:7d} {med:10.1f} {min(r.times_us):8.1f} "
             f"{max(r.times_us):8.1f} {r.floor_us:9.1f} {med / r.floor_us:8.2f} {r.nbytes / med / 1e3:7.0f} "
             f"{r.host_us:8.1f} {torch_med} {check:>14}")
 
@@ -211,6 +212,7 @@ def write_dataset(path: str, results: list[Result], args: argparse.Namespace) ->
             "k": (("case",), np.array([r.k for r in results], np.int64)),
             "buffers": (("case",), [r.buffers for r in results]),
             "n_chunks": (("case",), np.array([r.n_chunks for r in results], np.int64)),
+            "threads": (("case",), np.array([r.threads for r in results], np.int64)),
         },
         attrs={
             "benchmark": "topk",
@@ -243,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", type=_list(str), default=["bf16", "f32"], help="bf16 and/or f32")
     parser.add_argument("--buffers", type=_list(str), default=["auto"],
                         help="candidate buffers: auto (the plan's choice), warp and/or block (default auto)")
-    parser.add_argument("--threads", type=int, default=256, help="block size (plan_topk threads)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="block size (plan_topk threads; default: the plan's choice, 256 or 128 for many rows)")
     parser.add_argument("--n-chunks", type=int, default=None, help="blocks per row (default: the plan's choice)")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions (>= 20)")
     parser.add_argument("--warmup", type=int, default=3)

@@ -114,7 +114,7 @@ from sim.launch import launch
 
 from ._args import check_array, int_arg
 from .registry import register
-from .warp import warp_max_f32
+from .warp import warp_inclusive_scan_i32, warp_max_f32
 
 __all__ = [
     "TopKPlan", "plan_topk", "run_topk", "check_topk_errors", "VALUE_ATOL", "VALUE_RTOL", "MAX_K", "WARP_MAX_K",
@@ -133,6 +133,7 @@ MAX_REGISTERS = 64  # per thread in the block-buffer chunk kernel (launch bounds
 WARP_MAX_REGISTERS = 80  # per thread in the per-warp kernel
 REGISTER_FILE = 65536  # 32-bit registers per SM (sm_90, sm_120)
 DEFAULT_THREADS = 256
+MANY_ROWS_THREADS = 128  # segment mode, more blocks than one wave of 256-thread blocks: 8 blocks per SM
 MAX_CAPACITY = 4096  # candidate buffer entries: 32 KiB of uint64 (+ 4 KiB static) < 48 KiB (limits §4)
 CAPACITY_PER_K = 4  # buffer of ~4 k' entries: each compaction absorbs >= 3 k' new candidates
 WORDS_PER_THREAD = 4  # uint64 words each thread loads per iteration (32 B; 8 would spill at 64 registers)
@@ -144,6 +145,13 @@ MAX_SEGMENT_SLOTS = 2048  # segment mode: segment maxima per chunk (a power of t
 MAX_DYNAMIC_ENTRIES = 5120  # candidates + segment maxima per block: 40 KiB of uint64, < 48 KiB with the static arrays
 SEGMENT_RESCAN_SHARE = 4  # segment mode by default where k' <= a chunk's segments / this (<= 1/4 re-read)
 SEGMENT_SINGLE_CHUNK_ITERS = 16  # default: one segment-mode chunk per row when a row is at most this many block-iterations
+RADIX_BITS = 8  # segment-mode threshold: radix select over 32-bit keys, one byte a pass
+RADIX_BINS = 1 << RADIX_BITS
+RADIX_MASK = uint64(RADIX_BINS - 1)
+BINS_PER_LANE = RADIX_BINS // 32  # warp 0 scans the bins
+KEY_BITS = 32
+RESCAN_BATCH = 2  # segment mode: flagged segments a warp re-reads with their loads in flight together (4 spill)
+WARP_SORT_MAX = 128  # a compaction of at most this many entries is sorted by warp 0 alone
 MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
 FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in a vote
 WARP_MAX_K = 128  # per-warp candidate buffers up to this k': 8 warps x 4 k' x 8 B <= 32 KiB
@@ -391,7 +399,7 @@ def _warp_sort_desc(buf, seg0, n2, lane):
 
 
 @cuda.jit(device=True)
-def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt):
+def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt, warp_sort=False):
     """Sort the candidate buffer, keep its k largest and raise the threshold to the k-th.
 
     ``count[0]`` may exceed ``cap`` (pushes that found the buffer full); those candidates are
@@ -409,7 +417,11 @@ def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt):
         buf[i] = EMPTY  # padding sorts last
         i += nt
     cuda.syncthreads()  # padding is written before the sort reads it
-    _bitonic_sort_desc(buf, n2, 1, CONTIGUOUS, 0, tid, nt)
+    if warp_sort and n2 <= WARP_SORT_MAX:  # (uniform) a short buffer: warp 0 sorts it, no block barrier per layer
+        if tid < WARP_SIZE:
+            _warp_sort_desc(buf, 0, n2, tid)  # ends with a warp barrier: thread 0 reads the result
+    else:
+        _bitonic_sort_desc(buf, n2, 1, CONTIGUOUS, 0, tid, nt)
     if tid == 0:
         count[0] = min(n, k)
         if k == 0:
@@ -419,6 +431,56 @@ def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt):
             thresh[0] = buf[k - 1]
             thresh_val[0] = _composite_value(buf[k - 1])
     cuda.syncthreads()  # new count and threshold are visible to every thread
+
+
+@cuda.jit(device=True)
+def _select_kth_key(comps, n, k, hist, select, tid, nt):
+    """The k-th largest (1 <= k <= n) order key ``comps[i] >> 32`` of ``comps[:n]``, on every thread.
+
+    Radix select, most significant RADIX_BITS first: each pass counts the entries that match the
+    key prefix found so far by their next digit (shared atomics), then warp 0 finds the digit
+    holding the rank still sought (a scan over the bins, largest digit first). Three barriers a
+    pass; against the bitonic sort it replaces (45 barrier-separated layers for 512 entries) this
+    cost the H200's 960-row top-k ~24 us less (docs/PERFORMANCE.md).
+    """
+    if tid == 0:
+        select[0] = uint32(0)
+        select[1] = uint32(k)
+    lane = tid % WARP_SIZE
+    shift = KEY_BITS
+    while shift > 0:
+        shift -= RADIX_BITS
+        i = tid
+        while i < RADIX_BINS:
+            hist[i] = 0
+            i += nt
+        cuda.syncthreads()  # bins are zero and the last pass's prefix is visible
+        high = uint64(select[0]) >> uint64(shift + RADIX_BITS)  # the digits fixed so far
+        i = tid
+        while i < n:
+            key = uint64(comps[i]) >> SHIFT_32
+            if key >> uint64(shift + RADIX_BITS) == high:
+                cuda.atomic.add(hist, int32((key >> uint64(shift)) & RADIX_MASK), 1)
+            i += nt
+        cuda.syncthreads()  # the histogram is complete
+        if tid < WARP_SIZE:
+            top = RADIX_BINS - 1 - lane * BINS_PER_LANE  # this lane's bins, largest digit first
+            have = int32(0)
+            for b in range(BINS_PER_LANE):
+                have += hist[top - b]
+            upto = warp_inclusive_scan_i32(have)  # entries whose digit is >= this lane's last bin
+            rank = int32(select[1])
+            cuda.syncwarp(FULL_MASK)  # every lane has read the rank before one lane rewrites it
+            below = upto - have
+            if below < rank and rank <= upto:  # exactly one lane holds the rank-th largest digit
+                for b in range(BINS_PER_LANE):
+                    h = hist[top - b]
+                    if below < rank and rank <= below + h:
+                        select[0] = select[0] | (uint32(top - b) << uint32(shift))
+                        select[1] = uint32(rank - below)
+                    below += h
+        cuda.syncthreads()  # the new prefix and rank are visible
+    return select[0]
 
 
 @cuda.jit(device=True)
@@ -443,33 +505,37 @@ def _init_state(count, thresh, thresh_val, tid):
 
 @cuda.jit(device=True)
 def _block_max(v, scratch, tid, nt):
-    """Maximum of float64 ``v`` over the block (nt a power of two), on every thread."""
-    scratch[tid] = v
-    cuda.syncthreads()  # all values stored before the tree reads them
-    step = nt // 2
-    while step > 0:
-        if tid < step:
-            scratch[tid] = max(scratch[tid], scratch[tid + step])
-        cuda.syncthreads()  # this tree level is complete before the next reads it
-        step //= 2
+    """Maximum of float64 ``v`` over the block (nt a multiple of 32), on every thread: a warp
+    butterfly, then every thread reads the warps' maxima (two barriers instead of a tree's log2 nt)."""
+    offset = WARP_SIZE // 2
+    while offset > 0:
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
+        offset //= 2
+    if tid % WARP_SIZE == 0:
+        scratch[tid // WARP_SIZE] = v
+    cuda.syncthreads()  # every warp's maximum is stored
     out = scratch[0]
-    cuda.syncthreads()  # everyone has read the result before scratch is reused
+    for w in range(1, nt // WARP_SIZE):
+        out = max(out, scratch[w])
+    cuda.syncthreads()  # everyone has read the maxima before scratch is reused
     return out
 
 
 @cuda.jit(device=True)
 def _block_sum(v, scratch, tid, nt):
-    """Sum of float64 ``v`` over the block (nt a power of two), on every thread."""
-    scratch[tid] = v
-    cuda.syncthreads()  # all values stored before the tree reads them
-    step = nt // 2
-    while step > 0:
-        if tid < step:
-            scratch[tid] += scratch[tid + step]
-        cuda.syncthreads()  # this tree level is complete before the next reads it
-        step //= 2
+    """Sum of float64 ``v`` over the block (nt a multiple of 32), on every thread, in a fixed order
+    (a warp butterfly, then the warps' sums in warp order): deterministic run to run."""
+    offset = WARP_SIZE // 2
+    while offset > 0:
+        v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
+        offset //= 2
+    if tid % WARP_SIZE == 0:
+        scratch[tid // WARP_SIZE] = v
+    cuda.syncthreads()  # every warp's sum is stored
     out = scratch[0]
-    cuda.syncthreads()  # everyone has read the result before scratch is reused
+    for w in range(1, nt // WARP_SIZE):
+        out += scratch[w]
+    cuda.syncthreads()  # everyone has read the sums before scratch is reused
     return out
 
 
@@ -548,6 +614,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
     elem_mask = (1 << elem_bits) - 1
     widen = uint32(32 - elem_bits)  # a bf16 is the high half of its float32 (limits §4)
     PAIRED_MINMAX = per_word == 4 and elem_bits == 16  # packed bf16: max/min.bf16x2 on word halves
+    rescan_words = RESCAN_BATCH * unroll  # segment mode: words of the segments re-read together
     half_bits = uint64(32)
 
     @cuda.jit(device=True, inline=True)
@@ -561,6 +628,14 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         half = uint32(word) if e * elem_bits < 32 else uint32(uint64(word) >> half_bits)
         shift = (e * elem_bits) % 32
         return uint32((half >> uint32(shift)) & uint32(elem_mask)) << widen
+
+    @cuda.jit(device=True, inline=True)
+    def load_words_at(row_words, ws, w0, base, w_end):
+        """Bounds-checked loads of words base + u WARP_SIZE into ``ws[w0 + u]``."""
+        for u in range(unroll):
+            j = base + u * WARP_SIZE
+            if j < w_end:
+                ws[w0 + u] = row_words[uint64(j)]
 
     @cuda.jit(device=True, inline=True)
     def load_words(row_words, ws, base, w_end, check):
@@ -634,15 +709,21 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         return c
 
     @cuda.jit(device=True, inline=True)
-    def above(ws, base, w_end, t_val, check):
-        """Mask of this iteration's elements with logit >= ``t_val`` (bit u per_word + e)."""
+    def above_at(ws, w0, base, w_end, t_val, check):
+        """Mask of the elements of words ``ws[w0 : w0 + unroll]`` (loaded at ``base``) with logit >= ``t_val``
+        (bit u per_word + e)."""
         mask = int64(0)
         for u in range(unroll):
             if not check or base + u * WARP_SIZE < w_end:
                 for e in range(per_word):
-                    if _f32_from_bits(element_bits(ws[u], e)) >= t_val:
+                    if _f32_from_bits(element_bits(ws[w0 + u], e)) >= t_val:
                         mask |= int64(1) << (u * per_word + e)
         return mask
+
+    @cuda.jit(device=True, inline=True)
+    def above(ws, base, w_end, t_val, check):
+        """Mask of this iteration's elements with logit >= ``t_val`` (bit u per_word + e)."""
+        return above_at(ws, 0, base, w_end, t_val, check)
 
     @cuda.jit(device=True, inline=True)
     def element_composite(row_words, base, b):
@@ -796,9 +877,12 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         count = cuda.shared.array(1, int32)  # candidates pushed (may overshoot cap)
         thresh = cuda.shared.array(1, uint64)  # composite threshold T
         thresh_val = cuda.shared.array(1, float32)  # logit of T
-        flagged = cuda.shared.array(1, int32)  # segments whose maximum reaches T
+        hist = cuda.shared.array(RADIX_BINS, int32)  # radix-select histogram of the segment maxima
+        select = cuda.shared.array(2, uint32)  # radix select: key prefix found, rank left to find
         ws = cuda.local.array(unroll, word_type)  # words being processed (registers: static indices)
         nxt = cuda.local.array(unroll, word_type)  # the next iteration's words, in flight meanwhile
+        rs = cuda.local.array(rescan_words, word_type)  # re-read segments' words, in flight together
+        its = cuda.local.array(RESCAN_BATCH, int32)  # their iterations (-1: none)
 
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -811,13 +895,8 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         n_warps = nt // WARP_SIZE
         off = (tid - lane) * unroll + lane  # as chunk_kernel: segment = one warp's words of one iteration
         n_seg = (w_end - w_begin + span - 1) // span * n_warps
-        n_seg2 = 1
-        while n_seg2 < n_seg:
-            n_seg2 *= 2
-        segs = buf[cap:cap + n_seg2]
-        if tid == 0:
-            flagged[0] = n_seg  # all, unless the scan below finds the prefix (a NaN maximum matches nothing)
-        _init_state(count, thresh, thresh_val, tid)  # its barrier publishes flagged too
+        segs = buf[cap:cap + n_seg]
+        _init_state(count, thresh, thresh_val, tid)
 
         # 1. Stream: log-sum-exp and each segment's maximum; no threshold, no block barrier.
         m = LOWEST
@@ -841,49 +920,66 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         if block_base < w_end:  # the partial last iteration, already loaded
             m, s, lo, bmax = accumulate(nxt, block_base + off, w_end, True, m, s, lo)
             record_segment(segs, seg, bmax, lane)
-        i = n_seg + tid
-        while i < n_seg2:
-            segs[i] = EMPTY  # padding sorts last
-            i += nt
-        cuda.syncthreads()  # segment maxima and padding are written before the sort reads them
+        cuda.syncthreads()  # segment maxima are written before the selection reads them
 
-        # 2. Threshold: T = the k'-th largest segment maximum. k' segments reach it, so the k'-th
-        # largest logit does too: only elements >= T, in segments whose maximum is >= T, can be
-        # in the top k'.
-        _bitonic_sort_desc(segs, n_seg2, 1, CONTIGUOUS, 0, tid, nt)  # ends with a barrier
-        t_val = LOWEST if k > n_seg else _composite_value(segs[max(k, 1) - 1])
-        i = tid
-        while k > 0 and i < n_seg:  # the flagged segments are a prefix of the sorted list
-            if _composite_value(segs[i]) >= t_val and (i + 1 == n_seg or _composite_value(segs[i + 1]) < t_val):
-                flagged[0] = i + 1
-            i += nt
-        if tid == 0:
-            if k == 0:
-                flagged[0] = 0
-            thresh_val[0] = t_val
-            thresh[0] = uint64(_order_key(uint32(_f32_bits(t_val)))) << SHIFT_32  # smallest composite of value T
-        cuda.syncthreads()  # threshold and flagged count are visible to every thread
+        # 2. Threshold: T = the k'-th largest segment maximum (a radix select on their order keys).
+        # k' segments reach it, so the k'-th largest logit does too: only elements >= T, in
+        # segments whose maximum is >= T (the flagged ones), can be in the top k'.
+        n_it = n_seg // n_warps  # segment of warp w in iteration it: w + it * n_warps
+        if k > n_seg:  # (uniform) every segment is flagged, every element a candidate
+            t_key = uint32(0)
+            t_val = LOWEST
+        else:
+            t_key = _select_kth_key(segs, n_seg, max(k, 1), hist, select, tid, nt)
+            t_val = _composite_value(uint64(t_key) << SHIFT_32)
+        t_comp = uint64(_order_key(uint32(_f32_bits(t_val)))) << SHIFT_32  # smallest composite of value T
 
-        # 3. Re-read the flagged segments (one per warp per round) through the candidate buffer.
-        n_flag = flagged[0]
-        r = 0
-        while r < n_flag:  # uniform: every thread runs every round
-            pending = int64(0)
-            base = w_begin
-            j = r + warp
-            if j < n_flag:
-                sg = _composite_id(segs[j])
-                it = sg // n_warps
-                base = w_begin + it * span + (sg - it * n_warps) * (unroll * WARP_SIZE) + lane
-                load_words(row_words, ws, base, w_end, True)
-                pending = offer(row_words, base, thresh[0], buf, count, cap,
-                                above(ws, base, w_end, thresh_val[0], True))
-            while cuda.syncthreads_or(int32(pending != 0)):  # barrier: did any push find the buffer full?
-                _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
-                pending = offer(row_words, base, thresh[0], buf, count, cap, pending)
-            r += n_warps
-
-        _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+        # 3. Re-read the flagged segments: each warp the ones it streamed, RESCAN_BATCH at a time
+        # with their loads in flight together, pushing candidates >= T without a block barrier
+        # (the buffer holds them all unless many elements tie at or above T; then see below).
+        full = False  # a push of this thread found the buffer full
+        t = 0
+        while k > 0 and t < n_it:  # uniform per warp: the ballot needs all lanes
+            it = t + lane
+            hit = it < n_it and uint32(segs[warp + it * n_warps] >> SHIFT_32) >= t_key
+            todo = uint32(cuda.ballot_sync(FULL_MASK, hit))  # this warp's flagged segments among t .. t + 31
+            while todo != 0:
+                for r in range(RESCAN_BATCH):  # take up to RESCAN_BATCH of them and issue all their loads
+                    its[r] = -1
+                    if todo != 0:
+                        its[r] = t + cuda.ffs(todo) - 1
+                        todo &= todo - uint32(1)
+                        load_words_at(row_words, rs, r * unroll, w_begin + its[r] * span + off, w_end)
+                for r in range(RESCAN_BATCH):
+                    if its[r] >= 0:
+                        base = w_begin + its[r] * span + off
+                        left = offer(row_words, base, t_comp, buf, count, cap,
+                                     above_at(rs, r * unroll, base, w_end, t_val, True))
+                        full = full or left != 0
+            t += WARP_SIZE
+        if cuda.syncthreads_or(int32(full)):  # barrier: (rare) the buffer overflowed: start over, in rounds
+            if tid == 0:
+                count[0] = 0
+                thresh[0] = t_comp
+                thresh_val[0] = t_val
+            cuda.syncthreads()  # the emptied buffer and the threshold are visible before anyone pushes
+            it = 0
+            while it < n_it:  # uniform: one segment per warp per round, a compaction when the buffer fills
+                pending = int64(0)
+                base = w_begin + it * span + off
+                if uint32(segs[warp + it * n_warps] >> SHIFT_32) >= t_key:
+                    load_words(row_words, ws, base, w_end, True)
+                    pending = offer(row_words, base, thresh[0], buf, count, cap,
+                                    above(ws, base, w_end, thresh_val[0], True))
+                while cuda.syncthreads_or(int32(pending != 0)):  # barrier: did any push find the buffer full?
+                    _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+                    pending = offer(row_words, base, thresh[0], buf, count, cap, pending)
+                it += 1
+        else:
+            if tid == 0:
+                thresh[0] = t_comp
+                thresh_val[0] = t_val
+        _compact(buf, count, thresh, thresh_val, k, cap, tid, nt, True)  # typically ~k' candidates: one warp sorts
         _finish_chunk(buf, count[0], scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
                       out_values, out_ids, row_flags, tid, nt)
 
@@ -1314,7 +1410,7 @@ def plan_topk(
     k: int,
     dtype: Any,
     *,
-    threads: int = DEFAULT_THREADS,
+    threads: int | None = None,
     n_chunks: int | None = None,
     capacity: int | None = None,
     warp_buffers: bool | None = None,
@@ -1327,7 +1423,10 @@ def plan_topk(
         vocab: V >= 1.
         k: >= 0; k' = min(k, V) must be <= MAX_K (1024).
         dtype: float32, or uint16 / "bfloat16" for bf16 bit patterns.
-        threads: block size, a power of two in [32, 256] (the launch bound).
+        threads: block size, a power of two in [32, 256] (the launch bound). Default 256, or
+            MANY_ROWS_THREADS in segment mode when the blocks exceed one wave of 256-thread blocks
+            (then 8 blocks of 128 threads share an SM and up to 1056 rows stream in one wave:
+            H200, 960 bf16 rows, k 32: see docs/PERFORMANCE.md).
         n_chunks: blocks per row (default: as many as one wave of resident blocks holds, each
             chunk at least MIN_CHUNK_ITERS block-iterations long; 1 when rows alone fill a wave).
         capacity: candidate-buffer entries per block, a power of two with 8 * capacity <= 32 KiB:
@@ -1355,10 +1454,12 @@ def plan_topk(
     vocab = int_arg(vocab, "vocab", 1, 2**31 - 1)
     k = int_arg(k, "k", 0)
     dtype = _dtype_name(dtype)
-    threads = _require_pow2(threads, "threads", MIN_THREADS, MAX_THREADS)
+    auto_threads = threads is None
+    threads = DEFAULT_THREADS if auto_threads else _require_pow2(threads, "threads", MIN_THREADS, MAX_THREADS)
     k_out = min(k, vocab)
     if k_out > MAX_K:
         raise ValueError(f"k: min(k, vocab) must be <= {MAX_K}, got {k_out}")
+    requested_chunks, requested_capacity, requested_segments = n_chunks, capacity, segments
     if warp_buffers is None:
         warp_buffers = False
     elif not isinstance(warp_buffers, (bool, np.bool_)):
@@ -1409,6 +1510,9 @@ def plan_topk(
     elif segments and not fits:
         raise ValueError(f"segments: {slots} segment maxima per chunk exceed {MAX_SEGMENT_SLOTS} with capacity "
                          f"{capacity}; use more chunks")
+    if auto_threads and segments and rows * n_chunks > BLOCKS_PER_SM * _sm_count():
+        return plan_topk(rows, vocab, k, dtype, threads=MANY_ROWS_THREADS, n_chunks=requested_chunks,
+                         capacity=requested_capacity, warp_buffers=warp_buffers, segments=requested_segments)
     kc = max(k_out, 1)
     return TopKPlan(
         rows=rows, vocab=vocab, k=k, k_out=k_out, dtype=dtype, threads=threads, capacity=capacity,
