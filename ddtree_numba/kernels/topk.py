@@ -56,23 +56,34 @@ as the largest stall (3.7 of 11 cycles per issued instruction), from the per-ite
 ``syncthreads_or``, the offers and the compactions. Segment mode drops the filter from the
 stream: each warp-iteration (unroll x WARP_SIZE consecutive words) is a *segment*, and the
 stream keeps only the log-sum-exp and each segment's maximum (one warp max, a shared store; no
-block barrier). Then the block sorts the segment maxima: T = the k'-th largest of them. k'
+block barrier). Then the block finds T = the k'-th largest segment maximum by a radix select
+(:func:`_select_kth_key`: four passes of 8-bit digits over the order keys, three barriers a
+pass; the bitonic sort of all segment maxima it replaced had 45 barrier-separated layers). k'
 segments reach T, so the k'-th largest logit is >= T, and every top-k' element is >= T and
-lies in a segment whose maximum is >= T (the flagged segments, a prefix of the sorted list).
-Those segments alone are re-read, one per warp per round, through the candidate buffer
-(``above`` / ``offer`` / ``_compact`` as above, so ties, constant rows and overflows behave the
-same). Typical rows flag ~k' segments, i.e. k' x unroll x 32 words re-read (k 32, bf16: 10 %
-of the row); the plan takes segment mode only where k' <= (segments per chunk) /
-SEGMENT_RESCAN_SHARE, and a row of at most SEGMENT_SINGLE_CHUNK_ITERS block-iterations as
-one chunk (no merge launch). Measured on the H200: 960 x 163840 bf16, k 32: 160.7 us (block
-kernel 206.4 us); 15 x 32768 fp32, k 32: 22.2 us in one segment-mode chunk vs 32.8 us in 8.
+lies in a segment whose maximum is >= T (the *flagged* segments). Each warp re-reads the
+flagged segments it streamed itself (a ballot over its segment maxima), RESCAN_BATCH at a
+time with their loads in flight together, and offers the elements >= T to the candidate
+buffer (``above`` / ``offer`` as above) with no block barrier. If a push finds the buffer full
+(only when many elements tie at or above T: constant or few-level rows), the block empties it
+and re-reads the flagged segments in the barrier-per-round protocol with compactions, so ties
+and constant rows stay exact. The final compaction of the ~k' candidates is sorted by warp 0
+alone (WARP_SORT_MAX). Typical rows flag ~k' segments, i.e. k' x unroll x 32 words re-read (k
+32, bf16: 10 % of the row); the plan takes segment mode only where k' <= (segments per chunk) /
+SEGMENT_RESCAN_SHARE, and a row of at most SEGMENT_SINGLE_CHUNK_ITERS block-iterations as one
+chunk (no merge launch). With more blocks than one wave of 256-thread blocks (4 per SM), the
+plan launches MANY_ROWS_THREADS = 128 threads: 8 blocks share an SM, so up to 1056 rows stream
+in one wave and their latency-bound tails (selection, re-read, output) overlap once instead of
+twice. Measured on the H200 (docs/PERFORMANCE.md): 960 x 163840 bf16, k 32: 116.1 us (1.59 x one
+read; the first segment mode, sorted maxima and one segment per warp per round: 160.7 us; the
+block kernel: 206.4 us); k 8: 101.9 us; 1024 rows, k 32: 119.2 us (1.53 x). Without the
+selection and the re-read the same launch streams in 91.3 us (1.25 x): the rest is the tail.
 
 Cost of the stream: one read of the logits plus ~6 instructions per bf16 element (unpack,
 subtract, scale, ex2, add; max and min of two elements at once with ``max/min.bf16x2``). The
 exp is ``ex2.approx`` through inline PTX: numba's ``math.exp`` compiles to libdevice's
 range-reduced expf even under fastmath (9 instructions with the subtract). Launch bounds cap
 the kernels at 64 registers (no spills, checked for sm_90 and sm_120): 4 blocks of 256
-threads per SM. Worst case for the block kernel (logits ascending along the row, every
+threads (or 8 of 128) per SM. Worst case for the block kernel (logits ascending along the row, every
 element a new top-k') each element reaches the buffer and the kernel is compaction-bound:
 still exact, just slower; in segment mode a constant row flags every segment (a second read).
 
@@ -440,8 +451,8 @@ def _select_kth_key(comps, n, k, hist, select, tid, nt):
     Radix select, most significant RADIX_BITS first: each pass counts the entries that match the
     key prefix found so far by their next digit (shared atomics), then warp 0 finds the digit
     holding the rank still sought (a scan over the bins, largest digit first). Three barriers a
-    pass; against the bitonic sort it replaces (45 barrier-separated layers for 512 entries) this
-    cost the H200's 960-row top-k ~24 us less (docs/PERFORMANCE.md).
+    pass, against 45 barrier-separated layers for the bitonic sort of 512 entries it replaced,
+    which had cost the H200's 960-row top-k ~28 us (docs/PERFORMANCE.md).
     """
     if tid == 0:
         select[0] = uint32(0)
