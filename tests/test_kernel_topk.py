@@ -12,6 +12,7 @@ from numba import cuda
 
 from ddtree_numba.golden import read_all
 from ddtree_numba.kernels import registry
+from ddtree_numba.kernels import topk as topk_module
 from ddtree_numba.kernels.topk import (
     MAX_K,
     VALUE_ATOL,
@@ -497,3 +498,34 @@ def test_gpu_non_finite_detection_and_streams():
     d_ids = cuda.device_array((16, 32), np.int32)
     with pytest.raises(ValueError, match=r"logits.*\[5\]"):
         run_topk(plan, cuda.to_device(logits, stream=stream), d_values, d_ids, stream)
+
+
+@cuda.jit
+def _select_kernel(comps, ks, out):
+    """One block: out[j] = the ks[j]-th largest order key of comps (segment mode's threshold)."""
+    hist = cuda.shared.array(topk_module.RADIX_BINS, np.int32)
+    select = cuda.shared.array(2, np.uint32)
+    for j in range(ks.shape[0]):
+        key = topk_module._select_kth_key(comps, comps.shape[0], ks[j], hist, select, cuda.threadIdx.x,
+                                          cuda.blockDim.x)
+        if cuda.threadIdx.x == 0:
+            out[j] = key
+        cuda.syncthreads()  # the result is stored before the next selection resets its state
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "one_value", "top_byte_differs"])
+def test_radix_select_finds_the_kth_largest_key(case):
+    """The segment threshold is exactly the k-th largest of the keys (composite >> 32), ties
+    included: a larger one would drop top-k' elements, a smaller one re-reads more than it must."""
+    rng = np.random.default_rng(len(case))
+    n = 77
+    keys = {"distinct": rng.choice(2**32 - 1, n, replace=False),
+            "ties": rng.integers(0, 6, n) * 0x01010101 + 0x80000000,
+            "one_value": np.full(n, 0xBF800000),
+            "top_byte_differs": rng.integers(0, 256, n) << 24}[case].astype(np.uint64)
+    comps = (keys << np.uint64(32)) | np.arange(n, dtype=np.uint64)  # ids in the low word never matter
+    ks = np.array([1, 2, 5, n // 2, n - 1, n], np.int32)
+    out = np.zeros(len(ks), np.uint32)
+    _select_kernel[1, 64](comps, ks, out)
+    expected = np.sort(keys)[::-1][ks - 1].astype(np.uint32)
+    np.testing.assert_array_equal(out, expected)
