@@ -402,11 +402,13 @@ def test_plan_layout_for_kimi_shapes():
     # per-warp buffers on request: 4 k' entries for each of the 8 warps.
     assert warp.n_chunks == 1 and warp.warp_buffers and warp.capacity == 8 * 4 * 32
     block = plan_topk(1024, KIMI_VOCAB, 32, np.uint16)  # the default: one block buffer, segment mode
-    # more rows than one wave of 256-thread blocks holds: 128 threads, capacity max(threads, 4 k')
+    wave = topk_module.BLOCKS_PER_SM * topk_module._sm_count()  # blocks of 256 threads in one wave
+    # more rows than one wave of 256-thread blocks holds (H200: 528): 128 threads, capacity max(threads, 4 k')
     assert block.n_chunks == 1 and not block.warp_buffers and block.segments
-    assert block.threads == 128 and block.capacity == 128
+    assert block.threads == (128 if 1024 > wave else 256) and block.capacity == max(block.threads, 128)
     assert plan_topk(1024, KIMI_VOCAB, 32, np.uint16, threads=256).threads == 256  # asked for: kept
-    assert plan_topk(500, KIMI_VOCAB, 32, np.uint16).threads == 256  # one wave of 256-thread blocks
+    assert plan_topk(wave, KIMI_VOCAB, 32, np.uint16).threads == 256  # they fit one wave
+    assert plan_topk(wave + 1, KIMI_VOCAB, 32, np.uint16).threads == 128
     assert plan_topk(1024, KIMI_VOCAB, 32, np.uint16, segments=False).threads == 256  # block mode
     assert not plan_topk(1024, KIMI_VOCAB, WARP_MAX_K + 1, np.uint16).warp_buffers
     assert not plan_topk(1024, KIMI_VOCAB, 32, np.float32).warp_buffers
