@@ -66,8 +66,7 @@ time with their loads in flight together, and offers the elements >= T to the ca
 buffer (``above`` / ``offer`` as above) with no block barrier. If a push finds the buffer full
 (only when many elements tie at or above T: constant or few-level rows), the block empties it
 and re-reads the flagged segments in the barrier-per-round protocol with compactions, so ties
-and constant rows stay exact. The final compaction of the ~k' candidates is sorted by warp 0
-alone (WARP_SORT_MAX). Typical rows flag ~k' segments, i.e. k' x unroll x 32 words re-read (k
+and constant rows stay exact. Typical rows flag ~k' segments, i.e. k' x unroll x 32 words re-read (k
 32, bf16: 10 % of the row); the plan takes segment mode only where k' <= (segments per chunk) /
 SEGMENT_RESCAN_SHARE, and a row of at most SEGMENT_SINGLE_CHUNK_ITERS block-iterations as one
 chunk (no merge launch). With more blocks than one wave of 256-thread blocks (4 per SM), the
@@ -162,7 +161,6 @@ RADIX_MASK = uint64(RADIX_BINS - 1)
 BINS_PER_LANE = RADIX_BINS // 32  # warp 0 scans the bins
 KEY_BITS = 32
 RESCAN_BATCH = 2  # segment mode: flagged segments a warp re-reads with their loads in flight together (4 spill)
-WARP_SORT_MAX = 128  # a compaction of at most this many entries is sorted by warp 0 alone
 MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
 FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in a vote
 WARP_MAX_K = 128  # per-warp candidate buffers up to this k': 8 warps x 4 k' x 8 B <= 32 KiB
@@ -410,7 +408,7 @@ def _warp_sort_desc(buf, seg0, n2, lane):
 
 
 @cuda.jit(device=True)
-def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt, warp_sort=False):
+def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt):
     """Sort the candidate buffer, keep its k largest and raise the threshold to the k-th.
 
     ``count[0]`` may exceed ``cap`` (pushes that found the buffer full); those candidates are
@@ -428,11 +426,7 @@ def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt, warp_sort=False):
         buf[i] = EMPTY  # padding sorts last
         i += nt
     cuda.syncthreads()  # padding is written before the sort reads it
-    if warp_sort and n2 <= WARP_SORT_MAX:  # (uniform) a short buffer: warp 0 sorts it, no block barrier per layer
-        if tid < WARP_SIZE:
-            _warp_sort_desc(buf, 0, n2, tid)  # ends with a warp barrier: thread 0 reads the result
-    else:
-        _bitonic_sort_desc(buf, n2, 1, CONTIGUOUS, 0, tid, nt)
+    _bitonic_sort_desc(buf, n2, 1, CONTIGUOUS, 0, tid, nt)
     if tid == 0:
         count[0] = min(n, k)
         if k == 0:
@@ -990,7 +984,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             if tid == 0:
                 thresh[0] = t_comp
                 thresh_val[0] = t_val
-        _compact(buf, count, thresh, thresh_val, k, cap, tid, nt, True)  # typically ~k' candidates: one warp sorts
+        _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
         _finish_chunk(buf, count[0], scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
                       out_values, out_ids, row_flags, tid, nt)
 
