@@ -72,10 +72,11 @@ SEGMENT_RESCAN_SHARE, and a row of at most SEGMENT_SINGLE_CHUNK_ITERS block-iter
 chunk (no merge launch). With more blocks than one wave of 256-thread blocks (4 per SM), the
 plan launches MANY_ROWS_THREADS = 128 threads: 8 blocks share an SM, so up to 1056 rows stream
 in one wave and their latency-bound tails (selection, re-read, output) overlap once instead of
-twice. Measured on the H200 (docs/PERFORMANCE.md): 960 x 163840 bf16, k 32: 116.1 us (1.59 x one
-read; the first segment mode, sorted maxima and one segment per warp per round: 160.7 us; the
-block kernel: 206.4 us); k 8: 101.9 us; 1024 rows, k 32: 119.2 us (1.53 x). Without the
-selection and the re-read the same launch streams in 91.3 us (1.25 x): the rest is the tail.
+twice. Measured on the H200 (docs/PERFORMANCE.md; at f80d338, whose final compaction was
+sorted by one warp): 960 x 163840 bf16, k 32: 116.1 us (1.59 x one read; the first segment
+mode, sorted maxima and one segment per warp per round: 160.7 us; the block kernel: 206.4 us);
+k 8: 101.9 us; 1024 rows, k 32: 119.2 us (1.53 x). Without the selection and the re-read the
+same launch streams in 91.3 us (1.25 x): the rest is the tail.
 
 Cost of the stream: one read of the logits plus ~6 instructions per bf16 element (unpack,
 subtract, scale, ex2, add; max and min of two elements at once with ``max/min.bf16x2``). The
