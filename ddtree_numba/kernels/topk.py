@@ -878,7 +878,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
 
     @cuda.jit(fastmath=True, **_BOUNDS)
     def segment_kernel(words, k, cap, chunk_words, cand, cmax, csum, cflag, out_values, out_ids, row_flags):
-        buf = cuda.shared.array(0, uint64)  # [cap] candidates, then [n_seg2] segment maxima (dynamic)
+        buf = cuda.shared.array(0, uint64)  # [cap] candidates, then [n_seg] segment maxima (dynamic)
         scratch = cuda.shared.array(MAX_THREADS, float64)  # block reductions
         count = cuda.shared.array(1, int32)  # candidates pushed (may overshoot cap)
         thresh = cuda.shared.array(1, uint64)  # composite threshold T
