@@ -636,16 +636,8 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         return uint32((half >> uint32(shift)) & uint32(elem_mask)) << widen
 
     @cuda.jit(device=True, inline=True)
-    def load_words_at(row_words, ws, w0, base, w_end):
-        """Bounds-checked loads of words base + u WARP_SIZE into ``ws[w0 + u]``."""
-        for u in range(unroll):
-            j = base + u * WARP_SIZE
-            if j < w_end:
-                ws[w0 + u] = row_words[uint64(j)]
-
-    @cuda.jit(device=True, inline=True)
-    def load_words(row_words, ws, base, w_end, check):
-        """Issue this thread's loads of one iteration (words base + u nt) into ``ws``.
+    def load_words_at(row_words, ws, w0, base, w_end, check):
+        """Issue this thread's loads of one iteration (words base + u WARP_SIZE) into ``ws[w0 + u]``.
 
         ``check`` is False when every word is in bounds: unpredicated loads, whose addresses the
         compiler strength-reduces (predicated ones made it recompute row x stride per load).
@@ -655,7 +647,12 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         for u in range(unroll):
             j = base + u * WARP_SIZE
             if not check or j < w_end:
-                ws[u] = row_words[uint64(j)]  # unsigned index: no negative-index wraparound code
+                ws[w0 + u] = row_words[uint64(j)]  # unsigned index: no negative-index wraparound code
+
+    @cuda.jit(device=True, inline=True)
+    def load_words(row_words, ws, base, w_end, check):
+        """:func:`load_words_at` into ``ws[0 : unroll]``."""
+        load_words_at(row_words, ws, 0, base, w_end, check)
 
     @cuda.jit(device=True, inline=True)
     def reduce_words(ws, base, w_end, m, lo, check):
@@ -955,7 +952,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
                     if todo != 0:
                         its[r] = t + cuda.ffs(todo) - 1
                         todo &= todo - uint32(1)
-                        load_words_at(row_words, rs, r * unroll, w_begin + its[r] * span + off, w_end)
+                        load_words_at(row_words, rs, r * unroll, w_begin + its[r] * span + off, w_end, True)
                 for r in range(RESCAN_BATCH):
                     if its[r] >= 0:
                         base = w_begin + its[r] * span + off
