@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from fractions import Fraction
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -143,13 +144,14 @@ def test_peaked_rows_pop_chains_and_the_runner_up():
     budgets = np.array([30, 23])
     plan = tb.plan(2, 4, 3, 31, threads=SIM_THREADS)
     out = tb.allocate_outputs(plan)
-    rounds = cuda.to_device(np.zeros(2, np.int32))
+    rounds = cuda.to_device(np.zeros((2, 2), np.int32))
     past, roots = np.array([3, 10], np.int32), np.array([40, 41], np.int32)
     tb.run(plan, lp, ids, budgets.astype(np.int32), past, roots, out, rounds=rounds)
     got = out.to_host() | {"past_lens": past, "roots": roots, "capacity": 31}
     _assert_matches_reference(got, lp, ids, budgets)
-    n_rounds = rounds.copy_to_host()
+    n_rounds, placed = rounds.copy_to_host().T
     assert (n_rounds >= 1).all() and (n_rounds < budgets // 2).all(), n_rounds
+    assert (placed == 0).all()  # budgets below BAND_MIN_BUDGET: the heap pops every node
 
 
 def test_round_counter_on_flat_rows_and_ties():
@@ -160,12 +162,12 @@ def test_round_counter_on_flat_rows_and_ties():
     budgets = np.array([20, 20], np.int32)
     plan = tb.plan(2, 2, 8, 21, threads=SIM_THREADS)
     out = tb.allocate_outputs(plan)
-    rounds = np.zeros(2, np.int32)
+    rounds = np.zeros((2, 2), np.int32)
     past, roots = np.array([0, 0], np.int32), np.array([1, 2], np.int32)
     tb.run(plan, lp, ids, budgets, past, roots, out, rounds=rounds)
     _assert_matches_reference(out.to_host() | {"past_lens": past, "roots": roots, "capacity": 21},
                               lp, ids, budgets)
-    assert 1 <= rounds[0] <= 10 and 1 <= rounds[1] <= 20, rounds
+    assert 1 <= rounds[0, 0] <= 10 and 1 <= rounds[1, 0] <= 20, rounds
 
 
 def test_many_slots_per_lane_with_ties():
@@ -266,6 +268,103 @@ def test_outputs_into_caller_numpy_buffers_and_token_zero():
     np.testing.assert_array_equal(out.tokens[0], [0, 0, 0, 4, 0])
     got = out.to_host() | {"past_lens": np.array([9], np.int32), "roots": np.array([0], np.int32), "capacity": 5}
     _assert_matches_reference(got, lp, ids, [4])
+
+
+# --- simulator: the threshold phase (kernels built with it on at tiny budgets) ---------------
+
+@pytest.fixture
+def bands_on(monkeypatch):
+    """Variant S = 2 (capacity <= 65) with the threshold phase from budget 1, leaving <= 2 pops
+    (or ``left``) to the heap; the plain and the round-counting kernel."""
+    def install(left: int = 2) -> None:
+        monkeypatch.setitem(tb.tree_build_kernels, 2, tb._make_kernel(2, band_min_budget=1, band_left=left))
+        monkeypatch.setitem(tb._counting_kernels, 2,
+                            tb._make_kernel(2, count_rounds=True, band_min_budget=1, band_left=left))
+    install()
+    return install
+
+
+def _build_counted(lp, ids, budgets) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Outputs (as _build) and the counting variant's int32 [bs, 2] (heap rounds, nodes placed)."""
+    bs, n_pos, k = lp.shape
+    budgets = np.asarray(budgets, dtype=np.int32)
+    past, roots = np.arange(bs, dtype=np.int32) * 5, np.arange(bs, dtype=np.int32) + 7
+    capacity = int(budgets.max()) + 1
+    plan = tb.plan(bs, n_pos, k, capacity, threads=SIM_THREADS)
+    out = tb.allocate_outputs(plan)
+    rounds = np.zeros((bs, 2), np.int32)
+    tb.run(plan, lp, ids, budgets, past, roots, out, rounds=rounds)
+    return out.to_host() | {"past_lens": past, "roots": roots, "capacity": capacity}, rounds
+
+
+@pytest.mark.parametrize("rows", [_random_rows, _flat_rows])
+def test_threshold_phase_places_nodes_exactly(bands_on, rows):
+    """Random and flat rows (long sibling runs): the phase places all but <= 2 nodes, the heap the
+    rest, and the tree is the reference's."""
+    rng = np.random.default_rng(31)
+    lp, ids = rows(rng, 2, 4, 4)
+    budgets = np.array([40, 23])
+    got, rounds = _build_counted(lp, ids, budgets)
+    _assert_matches_reference(got, lp, ids, budgets)
+    placed = rounds[:, 1]
+    assert (placed >= budgets - 2).all() and (placed <= budgets).all(), rounds
+
+
+def test_threshold_phase_sorts_exact_ties_by_rank_path(bands_on):
+    """Tie-heavy rows: equal scores among the placed nodes are ordered by rank path in the
+    phase's sort. (A threshold takes all of a tie or none, so an attempt may overflow and leave
+    more to the heap.)"""
+    rng = np.random.default_rng(31)
+    lp, ids = _tie_rows(rng, 2, 4, 4)
+    budgets = np.array([40, 23])
+    got, rounds = _build_counted(lp, ids, budgets)
+    _assert_matches_reference(got, lp, ids, budgets)
+    placed = int(rounds[0, 1])
+    assert placed > 0 and np.unique(got["scores"][0, 1:placed + 1]).size < placed, rounds
+
+
+def test_threshold_phase_on_near_ties_places_or_gives_way(bands_on):
+    """ulp-level near ties: a run whose float64 sums round is not the recurrence's, so the phase
+    gives way (0 placed) or places what it proved; the tree is the reference's either way."""
+    rng = np.random.default_rng(32)
+    lp, ids = _near_tie_rows(rng, 3, 4, 4)
+    budgets = np.array([40, 30, 12])
+    got, rounds = _build_counted(lp, ids, budgets)
+    _assert_matches_reference(got, lp, ids, budgets)
+    assert (rounds[:, 1] == 0).any() and (rounds[:, 1] <= budgets).all(), rounds
+
+
+def test_threshold_phase_fills_a_whole_slot_class(bands_on):
+    """Budget 64 = 32 x 2 slots with nothing left to the heap: node 64 is placed without a slot."""
+    bands_on(left=0)
+    rng = np.random.default_rng(33)
+    lp, ids = _random_rows(rng, 1, 3, 4)
+    got, rounds = _build_counted(lp, ids, [64])
+    _assert_matches_reference(got, lp, ids, [64])
+    assert rounds[0, 1] >= 62, rounds
+
+
+def test_threshold_phase_gives_way_to_rising_scores_and_unsorted_rows(bands_on):
+    """A positive log-prob (a first child above its parent) and an unsorted row break the order
+    the phase relies on: it places nothing and the heap builds the reference's tree."""
+    rng = np.random.default_rng(34)
+    lp, ids = _random_rows(rng, 2, 3, 4)
+    lp[0, 1, 0] = np.float32(0.25)  # depth-2 first children score above their parents
+    lp[1, 0] = lp[1, 0, [0, 2, 1, 3]]  # depth 1 out of order
+    budgets = np.array([30, 30])
+    got, rounds = _build_counted(lp, ids, budgets)
+    _assert_matches_reference(got, lp, ids, budgets)
+    np.testing.assert_array_equal(rounds[:, 1], [0, 0])
+
+
+def test_threshold_phase_is_off_below_its_budget():
+    """The registered kernels leave budgets below BAND_MIN_BUDGET to the heap alone."""
+    rng = np.random.default_rng(35)
+    lp, ids = _random_rows(rng, 1, 3, 4)
+    budget = min(48, tb.BAND_MIN_BUDGET - 1)
+    got, rounds = _build_counted(lp, ids, [budget])
+    _assert_matches_reference(got, lp, ids, [budget])
+    assert rounds[0, 1] == 0 and rounds[0, 0] >= 1
 
 
 # --- device functions as plain Python (py_func: the same code on a GPU host) ----------------
@@ -404,6 +503,53 @@ def test_child_count_reads_the_slot_rank_except_for_the_last_node():
         expected = (q & 31) * n_slots + (q >> 5) if q < 40 else 0
         assert child_count(q, 41, n_slots, slot_info) == expected
     assert child_count(64, 65, n_slots, slot_info) == 0  # node 64 has no slot in this class
+
+
+def test_exact_sum_flags_rounding():
+    exact_sum = tb._exact_sum.py_func
+    assert exact_sum(-3.5, -0.25) == (-3.75, True)
+    assert exact_sum(1.0, 2.0 ** -60) == (1.0, False)  # the small term is lost
+    rng = np.random.default_rng(37)
+    for a, b in zip(rng.normal(0.0, 30.0, 200), rng.normal(0.0, 1.0, 200) * 10.0 ** rng.integers(-12, 3, 200)):
+        s, exact = exact_sum(float(a), float(b))
+        assert s == float(a) + float(b) and exact == (Fraction(s) == Fraction(float(a)) + Fraction(float(b)))
+
+
+def test_run_start_counts_the_run_the_recurrence_walks():
+    """n (capped) and base: the children the heap's serial sibling recurrence finds >= tau, and
+    base + lp[r] equals the recurrence's score of every child of the run, cache or not."""
+    run_start = tb._run_start.py_func
+    rng = np.random.default_rng(36)
+    n_depth, k = 2, 9
+    lp = -np.sort(rng.exponential(1.0, size=(1, n_depth, k)), axis=-1).astype(np.float32)
+    for kc in (k, 3):
+        cache = lp[0, :, :kc].ravel().copy()
+        for rank in range(k):
+            score = float(rng.normal(-4.0, 1.0))
+            walk = [score]  # the recurrence from child `rank` on
+            for r in range(rank, k - 1):
+                walk.append((walk[-1] - float(lp[0, 1, r])) + float(lp[0, 1, r + 1]))
+            for tau in (score, score - 0.5, score - 3.0, -np.inf):
+                for cap in (1, 2, k):
+                    n, base, exact = run_start(lp, cache, kc, 0, k, score, rank, 2, tau, cap)
+                    expected = 0
+                    while expected < min(len(walk), cap) and walk[expected] >= tau:
+                        expected += 1
+                    assert exact and n == expected
+                    for j in range(len(walk)):
+                        assert base + float(lp[0, 1, rank + j]) == walk[j]
+
+
+def test_next_threshold_secant_bisection_and_cap():
+    nxt = tb._next_threshold.py_func
+    inf = np.inf
+    # no overflow yet, two kept points: the secant of log(nodes) aims at the target
+    t = nxt(-2.0, -1.5, -inf, -2.0, -1.0, 10, 40, True, 160)
+    assert t == pytest.approx(-2.0 - (np.log(160) - np.log(40)) / ((np.log(40) - np.log(10)) / 1.0))
+    assert nxt(-2.0, -1.5, -inf, -2.0, -2.0, 0, 5, True, 160) == -2.0 - tb.BAND_STEP  # one point
+    assert nxt(-2.0, -1.5, -4.0, -2.0, -1.0, 10, 40, True, 160) == -3.0  # bisection below a kept tau
+    assert nxt(-2.0, -3.5, -4.0, -2.0, -1.0, 10, 40, True, 160) == -3.5  # never above the best pending
+    assert nxt(-4.0, -1.5, -inf, -2.0, -1.0, 10, 40, False, 160) == -3.0  # after an overflow
 
 
 # --- simulator: golden files -----------------------------------------------------------------

@@ -11,8 +11,9 @@ Two timings, each a median / min / max over --reps:
   torch.cuda.graph if that fails), replayed between two events, divided by the launch count:
   the kernel's time as the engine's graph-captured round sees it.
 
-Diagnostics: nodes per selection round (the kernel's round-counting variant, untimed), the mean
-over the requests and the slowest request (the batch waits for it).
+Diagnostics (the kernel's round-counting variant, untimed): nodes the warp-0 heap popped per
+round, over all requests and for the request with the most rounds (the batch waits for it), and
+nodes the threshold phase placed before the heap (mean and fewest over the requests).
 
 Targets (issue 3, H200, bs 64): <= 20 µs at B = 32 and <= 150 µs at B = 512.
 
@@ -151,13 +152,20 @@ def time_graph_torch(plan, sets, out, reps: int, launches: int) -> list[float]:
 GRAPH_TIMERS = {"cuda.core": time_graph, "torch": time_graph_torch}
 
 
-def pops_per_round(plan, sets, out, budget: int) -> tuple[float, float]:
-    """(mean over the requests, slowest request) of drafted nodes per selection round, from the
-    kernel's round-counting variant on the first input set (diagnostic; not timed)."""
-    rounds = cuda.device_array(plan.batch_size, np.int32)
+def round_stats(plan, sets, out, budget: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """From the kernel's round-counting variant on the first input set (diagnostic; not timed):
+    nodes the heap popped per round (over all requests, and of the request with the most
+    rounds; NaN where the heap had nothing to pop) and nodes the threshold phase placed (mean,
+    fewest)."""
+    rounds = cuda.device_array((plan.batch_size, 2), np.int32)
     tb.run(plan, *sets[0], out, rounds=rounds)
-    counts = rounds.copy_to_host().astype(np.float64)
-    return budget / counts.mean(), budget / counts.max()
+    counts = rounds.copy_to_host().astype(np.float64)  # [bs, (heap rounds, placed)]
+    heap_pops = budget - counts[:, 1]
+    slowest = int(np.argmax(counts[:, 0]))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = heap_pops.sum() / counts[:, 0].sum() if counts[:, 0].sum() else np.nan
+        worst = heap_pops[slowest] / counts[slowest, 0] if counts[slowest, 0] else np.nan
+    return (float(mean), float(worst)), (float(counts[:, 1].mean()), float(counts[:, 1].min()))
 
 
 def check_sizes(out, bs: int, budget: int) -> None:
@@ -175,9 +183,14 @@ def write_dataset(path: Path, results: dict, args: argparse.Namespace) -> None:
     stats = ["median", "min", "max"]
     data = {}
     pops = np.full((len(batches), len(budgets), 2), np.nan)
+    placed = np.full((len(batches), len(budgets), 2), np.nan)
     for (bs, budget), res in results.items():
         pops[batches.index(bs), budgets.index(budget)] = res["pops_per_round"]
-    data["pops_per_round"] = (("batch", "budget", "requests"), pops)
+        placed[batches.index(bs), budgets.index(budget)] = res["threshold_nodes"]
+    data["pops_per_round"] = (("batch", "budget", "requests"), pops, {
+        "long_name": "nodes the heap popped per round: all requests, the request with the most rounds"})
+    data["threshold_nodes"] = (("batch", "budget", "placed"), placed, {
+        "long_name": "nodes the threshold phase placed before the heap: mean, fewest"})
     for mode in ("launch", "graph"):
         arr = np.full((len(batches), len(budgets), 3), np.nan)
         for (bs, budget), res in results.items():
@@ -185,7 +198,7 @@ def write_dataset(path: Path, results: dict, args: argparse.Namespace) -> None:
                 arr[batches.index(bs), budgets.index(budget)] = res[mode]
         data[f"{mode}_us"] = (("batch", "budget", "stat"), arr)
     ds = xr.Dataset(data, coords={"batch": batches, "budget": budgets, "stat": stats,
-                                  "requests": ["mean", "slowest"]}, attrs={
+                                  "requests": ["mean", "slowest"], "placed": ["mean", "fewest"]}, attrs={
         "benchmark": "tree_build",
         "units": "us for the whole batch",
         "config": json.dumps({"horizon": args.horizon, "vocab": VOCAB, "threads": args.threads,
@@ -224,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tree_build: L={args.horizon}, K=min(B, {VOCAB}), logit scales {args.scales}, "
           f"{args.threads} threads/block, {args.reps} reps, {args.rotate} input sets")
     print(f"{'bs':>4} {'B':>5} {'K':>5} | {'launch med':>10} {'min':>8} {'max':>8} | "
-          f"{'graph med':>10} {'min':>8} {'max':>8} | {'ns/node':>7} | {'pops/round':>10} {'slowest':>7} | target")
+          f"{'graph med':>10} {'min':>8} {'max':>8} | {'ns/node':>7} | {'pops/round':>10} {'slowest':>7} | "
+          f"{'placed':>6} {'fewest':>6} | target")
     for bs in args.batch:
         for budget in args.budgets:
             k = min(budget, VOCAB)
@@ -241,13 +255,15 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:  # capture through cuda.core is unverified (stack §9)
                     print(f"graph timing via {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                     del graph_timers[name]
-            pops = pops_per_round(plan, sets, out, budget)
-            results[(bs, budget)] = {"launch": launch_us, "graph": graph_us, "pops_per_round": pops}
+            pops, placed = round_stats(plan, sets, out, budget)
+            results[(bs, budget)] = {"launch": launch_us, "graph": graph_us, "pops_per_round": pops,
+                                     "threshold_nodes": placed}
             g = "{:10.1f} {:8.1f} {:8.1f}".format(*graph_us) if graph_us else f"{'-':>10} {'-':>8} {'-':>8}"
             per_node = 1e3 * (graph_us or launch_us)[0] / budget  # serial pops dominate: ns per drafted node
             target = TARGETS_US.get((bs, budget))
             print(f"{bs:>4} {budget:>5} {k:>5} | {launch_us[0]:10.1f} {launch_us[1]:8.1f} {launch_us[2]:8.1f} | "
-                  f"{g} | {per_node:7.0f} | {pops[0]:10.2f} {pops[1]:7.2f} | {f'<= {target:.0f} us' if target else ''}")
+                  f"{g} | {per_node:7.0f} | {pops[0]:10.2f} {pops[1]:7.2f} | {placed[0]:6.1f} {placed[1]:6.0f} | "
+                  f"{f'<= {target:.0f} us' if target else ''}")
     if graph_timers:
         print(f"graph timings captured with {next(iter(graph_timers))}")
     if args.out:

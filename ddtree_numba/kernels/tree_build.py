@@ -46,6 +46,20 @@ slot. Modelled on the benchmark's inputs (B 512, L 16): the runner-up doubles th
 round of the slowest requests (1.2 -> 2.4 with logit scales 1-4, 1.0 -> 2.05 with 6-8); local
 runs without q hardly help there (the frontier's second best is the usual next pop).
 
+Threshold phase (budgets >= BAND_MIN_BUDGET, variants up to S = 16; run ``tree-build`` in
+docs/PERFORMANCE.md). The heap's pops are a best-first order, so for a threshold t the nodes
+reachable from the seed through nodes scoring >= t are exactly its first pops, provided no score
+rises above its predecessor's. Before warp 0 starts, all threads grow that set by attempts at
+falling thresholds (a secant on log(nodes) against t, bisection after an attempt that would pass
+the budget, which is discarded), each attempt a few barrier-separated rounds, one per depth.
+A node's pending children are a sibling run: their recurrence scores are base + lp[r] when those
+float64 sums are exact (checked per child with TwoSum), so a binary search finds the run's end
+and a lane (short runs) or the warp (long ones) writes it. The set is then sorted by key into pop
+order (each entry counts the keys before it; equal scores compare rank paths) and its frontier
+goes to warp 0's slots, which pops the last <= BAND_LEFT nodes. An inexact sum, a rising score
+or an unsorted row voids the phase and the heap builds the tree from the seed. At bs 64, B 512
+it takes the build from ~248 to ~117 us.
+
 After the loop the whole block writes the outputs: per-node arrays, the packed visibility (one
 thread per (node, word) walks the node's ancestors down to the word), and the CSR child table
 (warp 0 scans the child counts; children are popped in rank order, so child ``r`` of ``p`` is
@@ -447,12 +461,15 @@ def _top2_of_three(c_score, c_info, c_slot, c_sib, c_child,
 
 
 @cuda.jit(device=True)
-def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
+def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots, resume, n_start,
                   slot_score, slot_info, node_parent, node_rank, node_depth):
     """Warp 0: pop up to ``budget`` nodes in heap order; returns (nodes drafted, rounds).
 
     Fills node_parent/node_rank/node_depth [1..n] and scores[b, 1..n]; slot_info's rank field
-    ends as each node's child count. Expects slot_score = -inf, slot_info = 0, the root record.
+    ends as each node's child count. Not ``resume``: expects slot_score = -inf, slot_info = 0,
+    the root record and ``n_start`` = 0, and seeds the heap itself. ``resume``: continues after
+    the threshold phase (:func:`_grow_by_thresholds`), which recorded nodes 0..n_start in pop
+    order and left the official heap's frontier in the lane-major slots.
 
     Lane state, in registers: its best candidate (score, slot, rank | depth << 16; its shared
     slot reads -inf) and the best of its shared slots (``rest``, position ``rest_j``, info
@@ -500,10 +517,18 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
     rest_info = int32(0)
     stale = False
     score_row = scores[b]  # [N] float64, hoisted out of the loop
-    if lane == 0 and budget > 0:  # seed: rank path (0,), node 0's first child, slot 0
+    if resume:  # each lane's best comes out of its slice into registers
+        best, j = _rescan(slot_score, base, n_slots)
+        if best != NEG_INF:
+            best_slot = int32(lane + (j << LANE_BITS))
+            best_info = int32(slot_info[uint32(base + j)])
+            slot_score[uint32(base + j)] = NEG_INF
+        rest, rest_j = _rescan(slot_score, base, n_slots)
+        rest_info = int32(slot_info[uint32(base + rest_j)])
+    elif lane == 0 and budget > 0:  # seed: rank path (0,), node 0's first child, slot 0
         best = float64(lp_cache[0])
         slot_info[0] = SEED_INFO
-    n = int32(0)
+    n = int32(n_start)  # drafted nodes recorded so far
     rounds = int32(0)
     while n < budget:
         if stale:
@@ -643,6 +668,380 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
     return n, rounds
 
 
+# --- the threshold phase ---------------------------------------------------------------------
+#
+# The official heap pops nodes in key order (-w, rank path) as long as every node scores at most
+# its predecessor (its parent for a first child, its previous sibling otherwise): then, for any
+# threshold t, the nodes reachable from the seed through nodes scoring >= t are exactly the
+# heap's first pops, and every frontier entry left scores < t. The threshold phase grows that set
+# C with all threads of the block, t lowered attempt by attempt, never past the budget (an
+# attempt that would overflow is discarded), sorts C by key into pop order and hands the frontier
+# to the warp-0 heap for the last few pops. A node's pending children form a sibling run whose
+# scores are base + lp[r] when those float64 sums are exact (:func:`_run_start`): a binary search
+# finds the run's end and a warp writes it. An inexact sum, a score above its predecessor (a
+# positive log-prob) or an unsorted row voids the phase: the heap starts over from the seed.
+
+BAND_MIN_BUDGET = 64  # smaller budgets go straight to the heap (a few rounds of it are cheaper)
+BAND_LEFT = 16  # the threshold phase stops with at most this many pops left to the heap
+BAND_MAX_ATTEMPTS = 12  # threshold attempts per request, kept or discarded
+BAND_STEP = 1.0  # nats: the second threshold below the first, before the secant has two points
+BAND_SLOT_CLASSES = tuple(s for s in SLOT_CLASSES if s <= 16)  # variants with the phase (shared memory)
+SORT_UNROLL = 8  # score loads in flight per thread while sorting C into pop order
+LONG_RUN = 8  # sibling runs longer than this are written by the whole warp, shorter ones by their lane
+ROUND_COUNTERS = 3  # rotating append counters: one barrier per expansion round (see _attempt)
+BAND_COUNTERS = ROUND_COUNTERS + 2  # and one round-0 counter per attempt parity
+
+
+@cuda.jit(device=True)
+def _lp_at(lp, lp_cache, kc, b, row, rank):
+    """lp[b, row, rank] as float64, from the shared cache for ranks below ``kc``."""
+    if rank < kc:
+        return float64(lp_cache[uint32(row * kc + rank)])
+    return float64(lp[uint32(b), uint32(row), uint32(rank)])
+
+
+@cuda.jit(device=True)
+def _key64(x):
+    """:func:`_score_key` as one int64 that orders like the float64 ``x`` (for an atomic max)."""
+    hi, lo = _score_key(x)
+    return (int64(hi) << HIGH_SHIFT) | int64(lo)
+
+
+@cuda.jit(device=True)
+def _exact_sum(a, b):
+    """(fl(a + b), whether it is exact): Knuth's TwoSum error is zero iff no rounding happened."""
+    s = a + b
+    bb = s - a
+    err = (a - (s - bb)) + (b - bb)
+    return s, err == 0.0
+
+
+@cuda.jit(device=True)
+def _run_start(lp, lp_cache, kc, b, k, score, rank, depth, tau, max_len):
+    """A pending child run of one node: its first candidate is child ``rank`` (depth ``depth``,
+    scoring ``score`` >= ``tau``). Returns (n, base, exact): the children rank .. rank + n - 1
+    score >= tau (n capped at ``max_len``), and every child r of the run scores
+    fl(base + lp[depth - 1, r]) if ``exact``.
+
+    Why: the heap's sibling recurrence (w - lp[r]) + lp[r + 1], started at w = score, is
+    base + lp[r] for every r when base = score - lp[rank] and each of those sums is exact
+    (then each step's difference is base again, exactly). :func:`_write_run` checks the sums of
+    the run and of the child after it; this checks base. Log-probs sorted descending make the
+    scores non-increasing, so n comes from a binary search instead of a serial walk.
+    """
+    row = int32(depth - 1)
+    base, exact = _exact_sum(score, -_lp_at(lp, lp_cache, kc, b, row, rank))
+    lo = int32(1)  # child `rank` scores `score` >= tau
+    hi = int32(min(k - rank, max_len))
+    while lo < hi:
+        mid = int32((lo + hi + 1) >> 1)
+        if base + _lp_at(lp, lp_cache, kc, b, row, int32(rank + mid - 1)) >= tau:
+            lo = mid
+        else:
+            hi = int32(mid - 1)
+    return lo, base, exact
+
+
+@cuda.jit(device=True)
+def _write_run(start, step, q, rank, depth, n, base, first, lp, lp_cache, kc, b, n_depth, k, tau, flags,
+               c_score, c_parent, c_rank, c_depth, slot_score, slot_info):
+    """C entries first .. first + n - 1 are children rank .. rank + n - 1 of entry q, each with
+    its slot open on its first child; this thread writes entries start, start + step, ... (a
+    lane alone: 0, 1; a warp: lane, 32). Sets flags[0] if a child's sum is inexact, a score rises
+    above its predecessor's or falls below ``tau`` (the run's scores are then not the heap's, or
+    the rows are not sorted)."""
+    row = int32(depth - 1)
+    slot_words = slot_score.shape[0]
+    bad = False
+    for j in range(start, n, step):
+        r = int32(rank + j)
+        a = _lp_at(lp, lp_cache, kc, b, row, r)
+        x, exact = _exact_sum(base, a)
+        if not exact or x < tau or (j > 0 and a > _lp_at(lp, lp_cache, kc, b, row, int32(r - 1))):
+            bad = True
+        c = int32(first + j)
+        c_score[c] = x
+        c_parent[c] = q
+        c_rank[c] = r
+        c_depth[c] = depth
+        if c < slot_words:  # the last node of a full budget has no slot (nothing pops after it)
+            child = NEG_INF
+            if depth < n_depth:
+                child = x + _lp_at(lp, lp_cache, kc, b, depth, int32(0))
+                if child > x:
+                    bad = True
+            slot_score[c] = child
+            slot_info[c] = (depth + 1) << DEPTH_SHIFT
+    if bad:
+        flags[0] = 1
+
+
+@cuda.jit(device=True)
+def _expand_slots(q, active, first, limit, is_old, lp, lp_cache, kc, b, n_depth, k, tau, counters, ci,
+                  flags, c_score, c_parent, c_rank, c_depth, slot_score, slot_info, t_score, t_info):
+    """Warp: each lane with ``active`` accepts the pending children of entry q that score >=
+    ``tau`` (a sibling run) as C entries ``first + idx ...`` (idx reserved from
+    ``counters[ci]``, one atomic a run) and moves q's slot past them. Each lane writes its run
+    if it is short (all lanes at once: their load latencies overlap); the warp writes the long
+    ones together, one after another (:func:`_write_run`).
+
+    A reservation past ``limit`` writes nothing; the counter then ends past ``limit`` and the
+    caller discards the attempt (nothing of C below ``first`` has changed). q's new slot goes to
+    t_* for entries of C before the attempt (kept only if the attempt is), else straight to its
+    slot. flags[0] is set where the run's scores may differ from the heap's (inexact sums).
+    """
+    lane = int32(cuda.laneid)
+    n = int32(0)
+    base = 0.0
+    rank = int32(0)
+    depth = int32(0)
+    idx = int32(0)
+    if active:
+        info = int32(slot_info[q])
+        rank = int32(info & RANK_MASK)
+        depth = int32(info >> DEPTH_SHIFT)
+        n, base, exact = _run_start(lp, lp_cache, kc, b, k, slot_score[q], rank, depth, tau,
+                                    int32(limit + 1))
+        if not exact:
+            flags[0] = 1
+        idx = int32(cuda.atomic.add(counters, ci, n))
+        if idx + n <= limit:  # q's slot moves on to the child after the run
+            nxt = NEG_INF
+            r = int32(rank + n)
+            if r < k:
+                nxt, exact = _exact_sum(base, _lp_at(lp, lp_cache, kc, b, int32(depth - 1), r))
+                if not exact or nxt >= tau:
+                    flags[0] = 1
+            if is_old:
+                t_score[q] = nxt
+                t_info[q] = r | (depth << DEPTH_SHIFT)
+            else:
+                slot_score[q] = nxt
+                slot_info[q] = r | (depth << DEPTH_SHIFT)
+    reserved = active and idx + n <= limit
+    if reserved and n <= LONG_RUN:
+        _write_run(int32(0), int32(1), q, rank, depth, n, base, int32(first + idx), lp, lp_cache, kc, b,
+                   n_depth, k, tau, flags, c_score, c_parent, c_rank, c_depth, slot_score, slot_info)
+    todo = cuda.ballot_sync(FULL_MASK, reserved and n > LONG_RUN)
+    while todo != 0:
+        src = int32(cuda.ffs(todo) - 1)
+        todo &= todo - 1
+        w_q = int32(cuda.shfl_sync(FULL_MASK, q, src))
+        w_rank = int32(cuda.shfl_sync(FULL_MASK, rank, src))
+        w_depth = int32(cuda.shfl_sync(FULL_MASK, depth, src))
+        w_n = int32(cuda.shfl_sync(FULL_MASK, n, src))
+        w_idx = int32(cuda.shfl_sync(FULL_MASK, idx, src))
+        w_base = cuda.shfl_sync(FULL_MASK, base, src)
+        _write_run(lane, int32(WARP_SIZE), w_q, w_rank, w_depth, w_n, w_base, int32(first + w_idx), lp,
+                   lp_cache, kc, b, n_depth, k, tau, flags, c_score, c_parent, c_rank, c_depth,
+                   slot_score, slot_info)
+
+
+@cuda.jit(device=True)
+def _attempt(tau, n_c, limit, parity, lp, lp_cache, kc, b, n_depth, k, tid, n_threads, counters, flags,
+             c_score, c_parent, c_rank, c_depth, slot_score, slot_info, t_score, t_info):
+    """All threads: one threshold attempt over C = entries [0, n_c), adding at most ``limit``.
+    Returns the entries it would add, > ``limit`` when it overflowed (then nothing is kept), the
+    same value in every thread. Expects counters[ROUND_COUNTERS + parity] zeroed behind a barrier.
+
+    Round 0 runs the slots of C's entries scoring >= tau and appends through
+    counters[ROUND_COUNTERS + parity]; round j >= 1 the first children (>= tau) of the entries
+    round j - 1 added, which lie in one index range, through counters[j % 3]. The counter of
+    round j + 1 is zeroed during round j, and its last reader (round j - 2's range, read after
+    that round's barrier) is done by then, so each round needs one barrier. Every loop condition
+    reads values fixed behind the last barrier, and every warp runs whole (the runs are written
+    by warps). Depth grows by one a round: at most L rounds.
+    """
+    slot_words = slot_score.shape[0]
+    for q0 in range(0, n_c, n_threads):
+        q = int32(q0 + tid)
+        active = q < n_c and q < slot_words
+        if active:
+            active = slot_score[q] >= tau
+        _expand_slots(q, active, n_c, limit, True, lp, lp_cache, kc, b, n_depth, k, tau, counters,
+                      ROUND_COUNTERS + parity, flags, c_score, c_parent, c_rank, c_depth, slot_score,
+                      slot_info, t_score, t_info)
+    if tid == 0:
+        counters[1] = 0
+    cuda.syncthreads()  # round 0's entries and counter are final
+    lo = int32(n_c)
+    hi = int32(n_c + counters[ROUND_COUNTERS + parity])
+    j = int32(1)
+    while hi > lo and hi - n_c <= limit:
+        c0 = j % ROUND_COUNTERS
+        for q0 in range(lo, hi, n_threads):
+            q = int32(q0 + tid)
+            active = q < hi and q < slot_words
+            if active:
+                active = slot_score[q] >= tau
+            _expand_slots(q, active, hi, int32(limit - (hi - n_c)), False, lp, lp_cache, kc, b, n_depth,
+                          k, tau, counters, c0, flags, c_score, c_parent, c_rank, c_depth, slot_score,
+                          slot_info, t_score, t_info)
+        if tid == 0:
+            counters[(j + 1) % ROUND_COUNTERS] = 0
+        cuda.syncthreads()  # round j's entries and counter are final
+        lo = hi
+        hi = int32(hi + counters[c0])
+        j += 1
+    return int32(hi - n_c)
+
+
+@cuda.jit(device=True)
+def _next_threshold(tau, top, tau_lo, tau_hi, t_prev, n_prev, n_now, kept, target):
+    """The threshold after an attempt at ``tau`` (every thread computes the same float64s).
+
+    Kept: bisect if an attempt has overflowed, else the secant of log(drafted nodes) against
+    the threshold through the last two kept attempts, aimed at ``target`` nodes (BAND_STEP
+    nats down while there is no second point). Discarded: bisect between the last kept and the
+    overflowed threshold. Never above ``top`` (the best pending score: one node at least).
+    """
+    if kept:
+        if tau_lo > NEG_INF:
+            nxt = 0.5 * (tau_lo + tau)
+        elif n_prev > 0 and n_now > n_prev:
+            slope = (math.log(float64(n_now)) - math.log(float64(n_prev))) / (t_prev - tau)
+            nxt = tau - (math.log(float64(target)) - math.log(float64(n_now))) / slope
+        else:
+            nxt = tau - BAND_STEP
+    else:
+        nxt = 0.5 * (tau + tau_hi)
+    return min(nxt, top)
+
+
+@cuda.jit(device=True)
+def _grow_by_thresholds(b, lp, lp_cache, kc, budget, band_left, scores, n_slots, tid, n_threads, counters,
+                        flags, top_key, pos, c_score, c_parent, c_rank, c_depth, slot_score,
+                        slot_info, t_score, t_info, node_parent, node_rank, node_depth):
+    """All threads: the threshold phase. Returns (resume, n_start) for :func:`_select_nodes`.
+
+    Grows C from the root (its slot holds the seed) by attempts at falling thresholds (see the
+    section comment) until at most ``band_left`` pops are left, the frontier is empty or
+    BAND_MAX_ATTEMPTS ran. Then C's entries go to pop order (key (-w, rank path): each counts
+    the entries before it; exact score ties compare rank paths), into node_* and scores[b], and
+    their slots into the lane-major frontier: (True, |C| - 1). If a run's scores failed their
+    checks (flags[0]), the slots are reset for a heap from the seed: (False, 0).
+    Expects slot_score = -inf and slot_info = 0 behind a barrier, and budget >= 1.
+    """
+    n_depth = int32(lp.shape[1])
+    k = int32(lp.shape[2])
+    slot_words = slot_score.shape[0]
+    seed = float64(lp_cache[0])
+    if tid == 0:
+        c_score[0] = 0.0
+        c_parent[0] = -1
+        c_rank[0] = 0
+        c_depth[0] = 0
+        slot_score[0] = seed
+        slot_info[0] = SEED_INFO
+        flags[0] = 0
+        counters[ROUND_COUNTERS] = 0
+        top_key[0] = _key64(NEG_INF)
+    cuda.syncthreads()  # C = {root}, its slot, the first attempt's counter
+    n_c = int32(1)
+    top = seed
+    tau = seed
+    tau_lo = NEG_INF
+    tau_hi = seed
+    t_prev = seed
+    n_prev = int32(0)
+    attempt = int32(0)
+    while attempt < BAND_MAX_ATTEMPTS and budget - (n_c - 1) > band_left and top > NEG_INF:
+        parity = attempt & 1
+        limit = int32(budget - (n_c - 1))
+        if tid == 0:  # the next attempt's round-0 counter (last read before the last barrier)
+            counters[ROUND_COUNTERS + 1 - parity] = 0
+        added = _attempt(tau, n_c, limit, parity, lp, lp_cache, kc, b, n_depth, k, tid, n_threads,
+                         counters, flags, c_score, c_parent, c_rank, c_depth, slot_score, slot_info,
+                         t_score, t_info)
+        kept = added <= limit
+        if kept:  # the slots this attempt ran take their new values; the best pending score
+            best = _key64(NEG_INF)
+            for q in range(tid, min(n_c + added, slot_words), n_threads):
+                if q < n_c and slot_score[q] >= tau:
+                    slot_score[q] = t_score[q]
+                    slot_info[q] = t_info[q]
+                best = max(best, _key64(slot_score[q]))
+            cuda.atomic.max(top_key, parity, best)
+        if tid == 0:  # the next attempt's maximum (its last reader passed this attempt's barriers)
+            top_key[1 - parity] = _key64(NEG_INF)
+        cuda.syncthreads()  # slots and the best pending score final
+        attempt += 1
+        if kept:
+            n_c = int32(n_c + added)
+            hi, lo = top_key[parity] >> HIGH_SHIFT, top_key[parity] & LOW_WORD
+            top = _score_from_key(int32(hi), uint32(lo))
+            nxt = _next_threshold(tau, top, tau_lo, tau_hi, t_prev, n_prev, n_c - 1, True, budget)
+            t_prev = tau
+            n_prev = int32(n_c - 1)
+            tau_hi = tau
+        else:
+            if n_prev == 0:  # the seed's own run overflows: the heap does it all
+                break
+            tau_lo = tau
+            nxt = _next_threshold(tau, top, tau_lo, tau_hi, t_prev, n_prev, n_c - 1, False, budget)
+        if nxt <= tau_lo:
+            break
+        tau = nxt
+
+    if flags[0] != 0:  # scores that may not be the heap's, or not falling: start over
+        for q in range(tid, slot_words, n_threads):
+            slot_score[q] = NEG_INF
+            slot_info[q] = 0
+        cuda.syncthreads()  # frontier empty again for the seeded heap
+        return False, int32(0)
+
+    if tid < SORT_UNROLL:  # NaN past the end: neither above nor equal to any score
+        c_score[n_c + tid] = math.nan
+    cuda.syncthreads()  # padding in place
+    for x in range(tid, n_c, n_threads):  # pop order: the number of entries whose key comes first
+        before = int32(0)
+        if x > 0:
+            sx = c_score[x]
+            equal = int32(0)
+            for y0 in range(1, n_c, SORT_UNROLL):  # branch-free, SORT_UNROLL broadcast loads in flight
+                for u in range(SORT_UNROLL):
+                    sy = c_score[uint32(y0 + u)]
+                    before += int32(sy > sx)
+                    equal += int32(sy == sx)
+            if equal > 1:  # exact score ties (x itself is one): rank paths decide, rarely needed
+                px = int32(c_parent[x])
+                rx = int32(c_rank[x])
+                for y in range(1, n_c):
+                    if y != x and c_score[y] == sx and _path_less(int32(c_parent[y]), int32(c_rank[y]),
+                                                                  px, rx, c_parent, c_rank, c_depth):
+                        before += 1
+            before += 1
+        pos[x] = before
+    cuda.syncthreads()  # pop order final
+    for x in range(tid, n_c, n_threads):
+        p = int32(pos[x])
+        parent = int32(-1)
+        if x > 0:
+            parent = int32(pos[c_parent[x]])
+            scores[b, p] = c_score[x]
+        node_parent[p] = parent
+        node_rank[p] = c_rank[x]
+        node_depth[p] = c_depth[x]
+        if p < slot_words:
+            if x < slot_words:
+                t_score[p] = slot_score[x]
+                t_info[p] = slot_info[x]
+            else:  # entry 32 S of a full budget: added last, so childless (and nothing pops after)
+                t_score[p] = NEG_INF
+                t_info[p] = 0
+    cuda.syncthreads()  # node records and slots in pop order
+    for q in range(tid, slot_words, n_threads):
+        lm = uint32((q & LANE_MASK) * n_slots + (q >> LANE_BITS))
+        if q < n_c:
+            slot_score[lm] = t_score[q]
+            slot_info[lm] = t_info[q]
+        else:
+            slot_score[lm] = NEG_INF
+            slot_info[lm] = 0
+    cuda.syncthreads()  # lane-major frontier ready for warp 0
+    return True, int32(n_c - 1)
+
+
 @cuda.jit(device=True)
 def _child_count(q, size, n_slots, slot_info):
     """Children of node q: the rank field of its slot (the next child it would pop).
@@ -741,26 +1140,44 @@ def _write_outputs(b, size, n_depth, ids, past_lens, root_tokens, tokens, parent
 
 # --- kernels ---------------------------------------------------------------------------------
 
+def _band_words(n_slots: int) -> tuple[int, int]:
+    """Entries of the threshold phase's node and slot arrays in variant ``n_slots`` (1: none)."""
+    if n_slots not in BAND_SLOT_CLASSES:
+        return 1, 1
+    return WARP_SIZE * n_slots + 1, WARP_SIZE * n_slots
+
+
 def _lp_cache_words(n_slots: int) -> int:
     """float32 words of lp cache left in SHARED_BYTES by the other arrays of variant ``n_slots``."""
     nodes = WARP_SIZE * n_slots + 1
+    band_nodes, band_slots = _band_words(n_slots)
     other = (WARP_SIZE * n_slots * (8 + 4)  # slot_score float64, slot_info int32
              + 3 * 2 * nodes + 2 * (nodes + 1)  # node_parent/rank/depth, child_start (int16)
-             + 4 + 4 * 8)  # tree_size; alignment padding between arrays
+             + band_nodes * (8 + 4 * 2) + band_slots * (8 + 4)  # c_score, c_*/pos (int16); t_score, t_info
+             + 8 * SORT_UNROLL  # c_score's padding
+             + 4 + 4 * BAND_COUNTERS + 4 + 8 * 2  # tree_size, counters, flags, top_key
+             + 4 * 8 + 8 * 8)  # alignment padding between arrays
     return (SHARED_BYTES - other) // 4 // WARP_SIZE * WARP_SIZE
 
 
-def _make_kernel(n_slots: int, lp_words: int | None = None, count_rounds: bool = False):
+def _make_kernel(n_slots: int, lp_words: int | None = None, count_rounds: bool = False,
+                 band_min_budget: int = BAND_MIN_BUDGET, band_left: int = BAND_LEFT):
     """The tree-build kernel for ``n_slots`` frontier slots per lane (capacity <= 32 * n_slots + 1).
 
     ``lp_words``: lp cache size (default: all the shared memory left; tests shrink it to reach
     the global-memory path). ``count_rounds``: the diagnostic variant that writes each request's
-    number of selection rounds to ``rounds[b]`` (the others never touch ``rounds``).
+    number of heap rounds to ``rounds[2 b]`` and the nodes its threshold phase placed to
+    ``rounds[2 b + 1]`` (the others never touch ``rounds``). ``band_min_budget``: the smallest
+    budget that runs the threshold phase (variants in BAND_SLOT_CLASSES; tests lower it);
+    ``band_left``: the pops it leaves to the heap at most.
     """
     slot_words = WARP_SIZE * n_slots
     max_nodes = slot_words + 1
     node_slots = max_nodes + 1  # child_start needs one entry past the last node
     lp_words = _lp_cache_words(n_slots) if lp_words is None else lp_words
+    bands = n_slots in BAND_SLOT_CLASSES
+    band_nodes, band_slots = _band_words(n_slots)
+    score_words = band_nodes + SORT_UNROLL
 
     @cuda.jit
     def tree_build_kernel(lp, ids, budgets, past_lens, root_tokens,
@@ -772,7 +1189,7 @@ def _make_kernel(n_slots: int, lp_words: int | None = None, count_rounds: bool =
         int32 [bs]. Outputs (capacity N <= 32 * n_slots + 1): sizes int32 [bs]; tokens, parents,
         depths, ranks, positions int32 [bs, N]; scores float64 [bs, N]; visibility uint32
         [bs, N, ceil(N / 32)]; child_ptr int32 [bs, N + 1]; child_index int32 [bs, N];
-        rounds int32 [bs] (written by the ``count_rounds`` variant only). Budgets are clamped
+        rounds int32 [2 bs] (written by the ``count_rounds`` variant only). Budgets are clamped
         to [0, N - 1].
         """
         slot_score = cuda.shared.array(slot_words, float64)  # [32, S] lane-major frontier scores
@@ -783,6 +1200,17 @@ def _make_kernel(n_slots: int, lp_words: int | None = None, count_rounds: bool =
         child_start = cuda.shared.array(node_slots, int16)  # [N + 1] CSR offsets
         lp_cache = cuda.shared.array(lp_words, float32)  # [L, kc] first kc ranks per depth
         tree_size = cuda.shared.array(1, int32)  # n_nodes, from warp 0 to the block
+        # the threshold phase: C's entries in the order they were added, then their pop order
+        c_score = cuda.shared.array(score_words, float64)  # [N] + NaN padding for the sort
+        c_parent = cuda.shared.array(band_nodes, int16)  # [N] an entry of C
+        c_rank = cuda.shared.array(band_nodes, int16)  # [N]
+        c_depth = cuda.shared.array(band_nodes, int16)  # [N]
+        pos = cuda.shared.array(band_nodes, int16)  # [N] pop order of each entry
+        t_score = cuda.shared.array(band_slots, float64)  # [32 S] slots: tentative, then pop order
+        t_info = cuda.shared.array(band_slots, int32)  # [32 S]
+        counters = cuda.shared.array(BAND_COUNTERS, int32)  # append counters (see _attempt)
+        flags = cuda.shared.array(1, int32)  # a run failed its checks (see _write_run)
+        top_key = cuda.shared.array(2, int64)  # best pending score per attempt parity (_key64)
 
         b = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -807,13 +1235,21 @@ def _make_kernel(n_slots: int, lp_words: int | None = None, count_rounds: bool =
             node_depth[0] = 0
         cuda.syncthreads()  # empty frontier, root record and lp cache ready for warp 0
 
+        resume = False
+        n_start = int32(0)
+        if bands and budget >= band_min_budget:  # `bands` is compile-time: other variants drop it
+            resume, n_start = _grow_by_thresholds(
+                b, lp, lp_cache, kc, budget, band_left, scores, n_slots, tid, n_threads, counters, flags,
+                top_key, pos, c_score, c_parent, c_rank, c_depth, slot_score, slot_info, t_score,
+                t_info, node_parent, node_rank, node_depth)
         if tid < WARP_SIZE:
-            n, n_rounds = _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots,
+            n, n_rounds = _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots, resume, n_start,
                                         slot_score, slot_info, node_parent, node_rank, node_depth)
             if tid == 0:
                 tree_size[0] = n + 1
-                if count_rounds:  # compile-time: the plain kernels drop the counter
-                    rounds[b] = n_rounds
+                if count_rounds:  # compile-time: the plain kernels drop the counters
+                    rounds[2 * b] = n_rounds
+                    rounds[2 * b + 1] = n_start
         cuda.syncthreads()  # the tree's topology is final
 
         size = tree_size[0]
@@ -1010,8 +1446,9 @@ def run(tree_plan: TreeBuildPlan, top_log_probs: Any, top_ids: Any, budgets: Any
         root_tokens: int32 [bs], the previous bonus tokens (-1 if unknown).
         out: buffers from :func:`allocate_outputs` (or matching arrays).
         stream: 0 / None, a numba stream, or a cuda.core Stream / GraphBuilder.
-        rounds: optional int32 [bs]: runs the diagnostic variant, which also writes each
-            request's number of selection rounds (pops per round = drafted nodes / rounds).
+        rounds: optional int32 [bs, 2]: runs the diagnostic variant, which also writes each
+            request's number of heap rounds (column 0) and the nodes its threshold phase placed
+            (column 1; the heap popped the rest, at drafted - placed) / rounds per round).
 
     Values are checked only for NumPy inputs; device inputs are trusted (no host sync).
 
@@ -1036,6 +1473,6 @@ def run(tree_plan: TreeBuildPlan, top_log_probs: Any, top_ids: Any, budgets: Any
         kernel, counter = tree_build_kernels[tree_plan.slots_per_lane], budgets
     else:
         kernel = _counting_kernel(tree_plan.slots_per_lane)
-        counter = check_array(rounds, "rounds", np.int32, shape=(bs,))
+        counter = check_array(rounds, "rounds", np.int32, shape=(bs, 2)).reshape(2 * bs)  # a view
     launch(kernel, bs, tree_plan.threads, stream, 0, lp, ids, budgets, past_lens, roots, *buffers, counter)
     return out
