@@ -334,6 +334,20 @@ def test_threshold_phase_on_near_ties_places_or_gives_way(bands_on):
     assert (rounds[:, 1] == 0).any() and (rounds[:, 1] <= budgets).all(), rounds
 
 
+def test_threshold_phase_keeps_signed_zeros_and_writes_long_runs_by_warp(bands_on):
+    """Log-probs of exactly +0.0 / -0.0 (certain tokens): scores are bit-exact, signed zeros
+    included (a run base of -0.0 gives way to the heap); and tied rows longer than LONG_RUN,
+    whose runs the warp writes together."""
+    lp = np.full((2, 3, 12), -0.5, np.float32)
+    lp[0, :, :3] = np.array([[-0.0, 0.0, -0.0], [-0.0, 0.0, -0.0], [0.0, -0.0, -0.0]], np.float32)
+    lp[1] = np.float32(-0.25) * (np.arange(12) // 11 + 1)  # 11 equal log-probs, then a lower one
+    ids = np.broadcast_to(np.arange(12, dtype=np.int32) * 3, (2, 3, 12)).copy()
+    budgets = np.array([60, 60])
+    got, rounds = _build_counted(lp, ids, budgets)
+    _assert_matches_reference(got, lp, ids, budgets)
+    assert rounds[1, 1] > tb.LONG_RUN, rounds
+
+
 def test_threshold_phase_fills_a_whole_slot_class(bands_on):
     """Budget 64 = 32 x 2 slots with nothing left to the heap: node 64 is placed without a slot."""
     bands_on(left=0)
@@ -743,3 +757,33 @@ def test_gpu_full_budget_batch():
     got = _build(lp, ids, budgets, threads=tb.DEFAULT_THREADS, on_device=True)
     assert (got["sizes"] == budget + 1).all()
     _assert_matches_reference(got, lp, ids, budgets)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["wide", "peaked", "grid"])
+def test_gpu_threshold_phase_at_b512(kind):
+    """bs 64, L 16, K = B = 512, the registered kernel (threshold phase on): wide and peaked
+    drafter rows, and log-probs on a 0.5 grid (exact ties, long tied runs, rank 0 exactly -0.0
+    or +0.0). Exact; on drafter rows the phase places all but <= BAND_LEFT nodes of most trees."""
+    rng = np.random.default_rng({"wide": 40, "peaked": 41, "grid": 42}[kind])
+    bs, n_pos, budget = 64, 16, 512
+    scale = {"wide": 1.5, "peaked": 7.0, "grid": 2.0}[kind]
+    lp, ids = topk_log_probs(rng.normal(0, scale, size=(bs * n_pos, 16384)), budget)
+    lp, ids = lp.reshape(bs, n_pos, budget), ids.reshape(bs, n_pos, budget).astype(np.int32)
+    if kind == "grid":
+        lp = np.round(lp / 4) * np.float32(0.5)  # a few levels: long tied runs
+        # rank 0 certain (-0.0 or +0.0 at random): chains of zero-scored first children
+        lp[:, :, 0] = np.where(rng.random((bs, n_pos)) < 0.5, np.float32(-0.0), np.float32(0.0))
+        lp = -np.sort(-lp, axis=-1)
+    budgets = np.full(bs, budget, np.int32)
+    past, roots = np.zeros(bs, np.int32), np.arange(bs, dtype=np.int32)
+    plan = tb.plan(bs, n_pos, budget, budget + 1)
+    out = tb.allocate_outputs(plan)
+    rounds = cuda.to_device(np.zeros((bs, 2), np.int32))
+    tb.run(plan, *[cuda.to_device(a) for a in (lp, ids, budgets, past, roots)], out, rounds=rounds)
+    _assert_matches_reference(out.to_host() | {"past_lens": past, "roots": roots, "capacity": budget + 1},
+                              lp, ids, budgets)
+    placed = rounds.copy_to_host()[:, 1]
+    assert (placed <= budget).all()
+    if kind != "grid":
+        assert (placed >= budget - tb.BAND_LEFT).mean() > 0.9, placed

@@ -726,8 +726,10 @@ def _run_start(lp, lp_cache, kc, b, k, score, rank, depth, tau, max_len):
     Why: the heap's sibling recurrence (w - lp[r]) + lp[r + 1], started at w = score, is
     base + lp[r] for every r when base = score - lp[rank] and each of those sums is exact
     (then each step's difference is base again, exactly). :func:`_write_run` checks the sums of
-    the run and of the child after it; this checks base. Log-probs sorted descending make the
-    scores non-increasing, so n comes from a binary search instead of a serial walk.
+    the run and of the child after it; this checks base, which must not be -0.0 either: the
+    recurrence's differences are then +0.0 (x - x is +0.0), and -0.0 + -0.0 and +0.0 + -0.0
+    are different bits. Log-probs sorted descending make the scores non-increasing, so n comes
+    from a binary search instead of a serial walk.
     """
     row = int32(depth - 1)
     base, exact = _exact_sum(score, -_lp_at(lp, lp_cache, kc, b, row, rank))
@@ -739,13 +741,14 @@ def _run_start(lp, lp_cache, kc, b, k, score, rank, depth, tau, max_len):
             lo = mid
         else:
             hi = int32(mid - 1)
-    return lo, base, exact
+    return lo, base, exact and not (base == 0.0 and _f64_bits(base) < 0)
 
 
 @cuda.jit(device=True)
-def _write_run(start, step, q, rank, depth, n, base, first, lp, lp_cache, kc, b, n_depth, k, tau, flags,
-               c_score, c_parent, c_rank, c_depth, slot_score, slot_info):
-    """C entries first .. first + n - 1 are children rank .. rank + n - 1 of entry q, each with
+def _write_run(start, step, q, rank, depth, n, score, base, first, lp, lp_cache, kc, b, n_depth, k, tau,
+               flags, c_score, c_parent, c_rank, c_depth, slot_score, slot_info):
+    """C entries first .. first + n - 1 are children rank .. rank + n - 1 of entry q (the first
+    scoring ``score``, bit for bit as the slot held it), each with
     its slot open on its first child; this thread writes entries start, start + step, ... (a
     lane alone: 0, 1; a warp: lane, 32). Sets flags[0] if a child's sum is inexact, a score rises
     above its predecessor's or falls below ``tau`` (the run's scores are then not the heap's, or
@@ -759,6 +762,8 @@ def _write_run(start, step, q, rank, depth, n, base, first, lp, lp_cache, kc, b,
         x, exact = _exact_sum(base, a)
         if not exact or x < tau or (j > 0 and a > _lp_at(lp, lp_cache, kc, b, row, int32(r - 1))):
             bad = True
+        if j == 0:
+            x = score
         c = int32(first + j)
         c_score[c] = x
         c_parent[c] = q
@@ -792,6 +797,7 @@ def _expand_slots(q, active, first, limit, is_old, lp, lp_cache, kc, b, n_depth,
     """
     lane = int32(cuda.laneid)
     n = int32(0)
+    score = NEG_INF
     base = 0.0
     rank = int32(0)
     depth = int32(0)
@@ -800,8 +806,8 @@ def _expand_slots(q, active, first, limit, is_old, lp, lp_cache, kc, b, n_depth,
         info = int32(slot_info[q])
         rank = int32(info & RANK_MASK)
         depth = int32(info >> DEPTH_SHIFT)
-        n, base, exact = _run_start(lp, lp_cache, kc, b, k, slot_score[q], rank, depth, tau,
-                                    int32(limit + 1))
+        score = slot_score[q]
+        n, base, exact = _run_start(lp, lp_cache, kc, b, k, score, rank, depth, tau, int32(limit + 1))
         if not exact:
             flags[0] = 1
         idx = int32(cuda.atomic.add(counters, ci, n))
@@ -820,8 +826,8 @@ def _expand_slots(q, active, first, limit, is_old, lp, lp_cache, kc, b, n_depth,
                 slot_info[q] = r | (depth << DEPTH_SHIFT)
     reserved = active and idx + n <= limit
     if reserved and n <= LONG_RUN:
-        _write_run(int32(0), int32(1), q, rank, depth, n, base, int32(first + idx), lp, lp_cache, kc, b,
-                   n_depth, k, tau, flags, c_score, c_parent, c_rank, c_depth, slot_score, slot_info)
+        _write_run(int32(0), int32(1), q, rank, depth, n, score, base, int32(first + idx), lp, lp_cache,
+                   kc, b, n_depth, k, tau, flags, c_score, c_parent, c_rank, c_depth, slot_score, slot_info)
     todo = cuda.ballot_sync(FULL_MASK, reserved and n > LONG_RUN)
     while todo != 0:
         src = int32(cuda.ffs(todo) - 1)
@@ -831,8 +837,9 @@ def _expand_slots(q, active, first, limit, is_old, lp, lp_cache, kc, b, n_depth,
         w_depth = int32(cuda.shfl_sync(FULL_MASK, depth, src))
         w_n = int32(cuda.shfl_sync(FULL_MASK, n, src))
         w_idx = int32(cuda.shfl_sync(FULL_MASK, idx, src))
+        w_score = cuda.shfl_sync(FULL_MASK, score, src)
         w_base = cuda.shfl_sync(FULL_MASK, base, src)
-        _write_run(lane, int32(WARP_SIZE), w_q, w_rank, w_depth, w_n, w_base, int32(first + w_idx), lp,
+        _write_run(lane, int32(WARP_SIZE), w_q, w_rank, w_depth, w_n, w_score, w_base, int32(first + w_idx), lp,
                    lp_cache, kc, b, n_depth, k, tau, flags, c_score, c_parent, c_rank, c_depth,
                    slot_score, slot_info)
 
