@@ -195,6 +195,17 @@ def test_equiprobable_order_matches_spec():
     _assert_matches_reference(got, lp, ids, [10])
 
 
+def test_tied_signed_zeros_keep_the_winners_bits():
+    """A tie of +0.0 (sibling (1,): (-0.0 - -0.0) + -0.0) and -0.0 (first child (0, 0): -0.0 + -0.0):
+    the heap pops (0, 0) first and records its own -0.0, not the other tied candidate's +0.0."""
+    lp = np.array([[[-0.0, -0.0], [-0.0, -1.0]]], dtype=np.float32)
+    ids = np.array([[[5, 6], [7, 8]]], dtype=np.int32)
+    got = _build(lp, ids, [4])
+    assert _rank_paths(got, 0)[:3] == [(0,), (0, 0), (1,)]
+    assert np.signbit(got["scores"][0, 1:4]).tolist() == [True, True, False]
+    _assert_matches_reference(got, lp, ids, [4])
+
+
 def test_exhaustion_v2():
     """Spec §1.2: V = 2, L = 3, B = 20 drafts all 2 + 4 + 8 = 14 nodes; the rest is padding."""
     rng = np.random.default_rng(3)

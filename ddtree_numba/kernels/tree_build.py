@@ -402,7 +402,9 @@ def _resolve_tie(top, lane, base, n_slots, best, best_slot, best_info,
 
     Each lane picks its path-first candidate among its best and its shared slots scoring ``top``,
     then the lanes compare theirs (:func:`_first_in_heap_order`). The winning lane swaps its held
-    best for the winner if they differ (same score). Returns (winner slot, best_slot, best_info).
+    best for the winner if they differ: the same score, but not always the same bits (+0.0 and
+    -0.0 tie), so the winner's own score comes along. Returns (winner slot, best, best_slot,
+    best_info).
     """
     cand = int32(-1)
     if best == top:
@@ -416,11 +418,13 @@ def _resolve_tie(top, lane, base, n_slots, best, best_slot, best_info,
                 cand = int32(q | (rank << CAND_RANK_SHIFT))
     winner = int32(_first_in_heap_order(cand, node_parent, node_rank, node_depth) & SLOT_MASK)
     if lane == (winner & LANE_MASK) and winner != best_slot:
-        slot_score[uint32(base + (best_slot >> LANE_BITS))] = best  # held best back to its slot
+        held = best
+        best = slot_score[uint32(base + (winner >> LANE_BITS))]
+        slot_score[uint32(base + (best_slot >> LANE_BITS))] = held  # held best back to its slot
         slot_score[uint32(base + (winner >> LANE_BITS))] = NEG_INF
         best_slot = winner
         best_info = int32(slot_info[uint32(base + (winner >> LANE_BITS))])
-    return winner, best_slot, best_info
+    return winner, best, best_slot, best_info
 
 
 @cuda.jit(device=True)
@@ -569,14 +573,15 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots, resume, n_start,
         q_sib = cuda.shfl_sync(FULL_MASK, sibling, q_win)
         q_child = cuda.shfl_sync(FULL_MASK, child, q_win)
         if cuda.popc(holders) > 1 or slot_word & TIE_FLAG != 0:  # an exact tie: slow path
-            p, best_slot, best_info = _resolve_tie(top, lane, base, n_slots, best, best_slot, best_info,
-                                                   slot_score, slot_info, node_parent, node_rank,
-                                                   node_depth)
+            p, best, best_slot, best_info = _resolve_tie(top, lane, base, n_slots, best, best_slot,
+                                                         best_info, slot_score, slot_info, node_parent,
+                                                         node_rank, node_depth)
             win = int32(p & LANE_MASK)
             if lane == win:  # its best may have changed: redo the fast path's lane-local work
                 sibling, child = _successors(lp, lp_cache, kc, b, n_depth, k, best, best_info)
                 rest, rest_j = _rescan(slot_score, base, n_slots)
                 rest_info = int32(slot_info[uint32(base + rest_j)])
+            top = cuda.shfl_sync(FULL_MASK, best, win)  # the winner's bits (+0.0 ties -0.0)
             info = int32(cuda.shfl_sync(FULL_MASK, best_info, win))
             child1 = cuda.shfl_sync(FULL_MASK, child, win)
             sib1 = cuda.shfl_sync(FULL_MASK, sibling, win)
