@@ -56,9 +56,9 @@ A node's pending children are a sibling run: their recurrence scores are base + 
 float64 sums are exact (checked per child with TwoSum), so a binary search finds the run's end
 and a lane (short runs) or the warp (long ones) writes it. The set is then sorted by key into pop
 order (each entry counts the keys before it; equal scores compare rank paths) and its frontier
-goes to warp 0's slots, which pops the last <= BAND_LEFT nodes. An inexact sum, a rising score
-or an unsorted row voids the phase and the heap builds the tree from the seed. At bs 64, B 512
-it takes the build from ~248 to ~117 us.
+goes to warp 0's slots, which pops the last <= BAND_LEFT nodes. An inexact sum, a rising score,
+an unsorted row or a run base of -0.0 voids the phase and the heap builds the tree from the
+seed. At bs 64, B 512 it takes the build from 248.4 to 111.6 us (H200, docs/PERFORMANCE.md).
 
 After the loop the whole block writes the outputs: per-node arrays, the packed visibility (one
 thread per (node, word) walks the node's ancestors down to the word), and the CSR child table
