@@ -503,31 +503,44 @@ def test_gpu_non_finite_detection_and_streams():
 
 
 @cuda.jit
-def _select_kernel(comps, ks, out):
+def _select_kernel(comps, ks, low_bits, out):
     """One block: out[j] = the ks[j]-th largest order key of comps (segment mode's threshold)."""
     hist = cuda.shared.array(topk_module.RADIX_BINS, np.int32)
     select = cuda.shared.array(2, np.uint32)
     for j in range(ks.shape[0]):
         key = topk_module._select_kth_key(comps, comps.shape[0], ks[j], hist, select, cuda.threadIdx.x,
-                                          cuda.blockDim.x)
+                                          cuda.blockDim.x, low_bits)
         if cuda.threadIdx.x == 0:
             out[j] = key
         cuda.syncthreads()  # the result is stored before the next selection resets its state
 
 
-@pytest.mark.parametrize("case", ["distinct", "ties", "one_value", "top_byte_differs"])
+def _bf16_order_keys(values: np.ndarray) -> np.ndarray:
+    """topk's order keys of bf16-rounded float32 values (NumPy; -0.0 as +0.0)."""
+    bits = (float32_to_bf16(values.astype(np.float32)).astype(np.uint32) << np.uint32(16))
+    bits = np.where(bits == 0x80000000, np.uint32(0), bits)
+    return np.where(bits & np.uint32(0x80000000), ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "one_value", "top_byte_differs", "bf16", "bf16_ties"])
 def test_radix_select_finds_the_kth_largest_key(case):
     """The segment threshold is exactly the k-th largest of the keys (composite >> 32), ties
-    included: a larger one would drop top-k' elements, a smaller one re-reads more than it must."""
+    included: a larger one would drop top-k' elements, a smaller one re-reads more than it must.
+    bf16 keys take the two-pass select (low_bits 16): their low half follows from the sign."""
     rng = np.random.default_rng(len(case))
     n = 77
-    keys = {"distinct": rng.choice(2**32 - 1, n, replace=False),
-            "ties": rng.integers(0, 6, n) * 0x01010101 + 0x80000000,
-            "one_value": np.full(n, 0xBF800000),
-            "top_byte_differs": rng.integers(0, 256, n) << 24}[case].astype(np.uint64)
+    bf16_values = {"bf16": lambda: rng.normal(0, 3, n), "bf16_ties": lambda: rng.integers(-2, 3, n) * 0.5}
+    if case in bf16_values:
+        keys, low_bits = _bf16_order_keys(bf16_values[case]()).astype(np.uint64), 16
+    else:
+        keys = {"distinct": rng.choice(2**32 - 1, n, replace=False),
+                "ties": rng.integers(0, 6, n) * 0x01010101 + 0x80000000,
+                "one_value": np.full(n, 0xBF800000),
+                "top_byte_differs": rng.integers(0, 256, n) << 24}[case].astype(np.uint64)
+        low_bits = 0
     comps = (keys << np.uint64(32)) | np.arange(n, dtype=np.uint64)  # ids in the low word never matter
     ks = np.array([1, 2, 5, n // 2, n - 1, n], np.int32)
     out = np.zeros(len(ks), np.uint32)
-    _select_kernel[1, 64](comps, ks, out)
+    _select_kernel[1, 64](comps, ks, low_bits, out)
     expected = np.sort(keys)[::-1][ks - 1].astype(np.uint32)
     np.testing.assert_array_equal(out, expected)

@@ -440,8 +440,13 @@ def _compact(buf, count, thresh, thresh_val, k, cap, tid, nt):
 
 
 @cuda.jit(device=True)
-def _select_kth_key(comps, n, k, hist, select, tid, nt):
+def _select_kth_key(comps, n, k, hist, select, tid, nt, low_bits):
     """The k-th largest (1 <= k <= n) order key ``comps[i] >> 32`` of ``comps[:n]``, on every thread.
+
+    ``low_bits`` (16 for bf16 logits, else 0): the keys' low ``low_bits`` bits are fixed by their
+    sign bit (all zeros for a key of a value >= 0, all ones below: ``_order_key`` of a float32 whose
+    low half is zero), so the passes stop there and the rest follows from the prefix (2 passes for
+    bf16 instead of 4: ~3 us of the H200's 960-row tail, docs/PERFORMANCE.md).
 
     Radix select, most significant RADIX_BITS first: each pass counts the entries that match the
     key prefix found so far by their next digit (shared atomics), then warp 0 finds the digit
@@ -454,7 +459,7 @@ def _select_kth_key(comps, n, k, hist, select, tid, nt):
         select[1] = uint32(k)
     lane = tid % WARP_SIZE
     shift = KEY_BITS
-    while shift > 0:
+    while shift > low_bits:
         shift -= RADIX_BITS
         i = tid
         while i < RADIX_BINS:
@@ -486,7 +491,10 @@ def _select_kth_key(comps, n, k, hist, select, tid, nt):
                         select[1] = uint32(rank - below)
                     below += h
         cuda.syncthreads()  # the new prefix and rank are visible
-    return select[0]
+    key = select[0]
+    if low_bits > 0 and key & SIGN_BIT == 0:  # a negative value's key: its low bits are ones
+        key |= (uint32(1) << uint32(low_bits)) - uint32(1)
+    return key
 
 
 @cuda.jit(device=True)
@@ -622,6 +630,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
     PAIRED_MINMAX = per_word == 4 and elem_bits == 16  # packed bf16: max/min.bf16x2 on word halves
     rescan_words = RESCAN_BATCH * unroll  # segment mode: words of the segments re-read together
     half_bits = uint64(32)
+    KEY_LOW_BITS = 32 - elem_bits  # order keys of bf16 values: the low 16 bits follow from the sign
 
     @cuda.jit(device=True, inline=True)
     def element_bits(word, e):
@@ -933,7 +942,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             t_key = uint32(0)
             t_val = LOWEST
         else:
-            t_key = _select_kth_key(segs, n_seg, max(k, 1), hist, select, tid, nt)
+            t_key = _select_kth_key(segs, n_seg, max(k, 1), hist, select, tid, nt, KEY_LOW_BITS)
             t_val = _composite_value(uint64(t_key) << SHIFT_32)
         t_comp = uint64(_order_key(uint32(_f32_bits(t_val)))) << SHIFT_32  # smallest composite of value T
 
