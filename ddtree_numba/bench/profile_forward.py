@@ -11,7 +11,8 @@ grid, block, calls, total and mean microseconds), one per profiled forward, slow
 
 ncu serialises the kernels and, by default, flushes the caches before each one, so small kernels
 whose inputs would sit in L2 during a graph replay read them from DRAM here: the sum of the
-kernel times is an upper bound of the replayed step, and the ranking is what it is for.
+kernel times is an upper bound of the replayed step, and the ranking is what it is for. With
+``--cache-control none`` ncu leaves the caches alone, as a replay would (serialised still).
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def format_table(forwards: list[list[tuple[str, str, str, int, float]]]) -> str:
     lines = []
     for i, rows in enumerate(forwards):
         total = sum(r[4] for r in rows)
-        lines.append(f"forward {i}: {sum(r[3] for r in rows)} kernels, {total:.1f} us in all (ncu, caches flushed)")
+        lines.append(f"forward {i}: {sum(r[3] for r in rows)} kernels, {total:.1f} us in all (ncu, serialised)")
         lines.append(f"{'total us':>9} {'share':>6} {'calls':>5} {'mean us':>8}  kernel (grid, block)")
         for name, grid, block, calls, us in rows:
             lines.append(f"{us:9.1f} {us / total:6.1%} {calls:5d} {us / calls:8.1f}  {name} {grid} {block}")

@@ -57,8 +57,9 @@ as the largest stall (3.7 of 11 cycles per issued instruction), from the per-ite
 stream: each warp-iteration (unroll x WARP_SIZE consecutive words) is a *segment*, and the
 stream keeps only the log-sum-exp and each segment's maximum (one warp max, a shared store; no
 block barrier). Then the block finds T = the k'-th largest segment maximum by a radix select
-(:func:`_select_kth_key`: four passes of 8-bit digits over the order keys, three barriers a
-pass; the bitonic sort of all segment maxima it replaced had 45 barrier-separated layers). k'
+(:func:`_select_kth_key`: four passes of 8-bit digits over the order keys, two for bf16 logits,
+whose keys' low half follows from the sign; three barriers a pass; the bitonic sort of all
+segment maxima it replaced had 45 barrier-separated layers). k'
 segments reach T, so the k'-th largest logit is >= T, and every top-k' element is >= T and
 lies in a segment whose maximum is >= T (the *flagged* segments). Each warp re-reads the
 flagged segments it streamed itself (a ballot over its segment maxima), RESCAN_BATCH at a

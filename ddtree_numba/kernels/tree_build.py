@@ -683,8 +683,9 @@ def _select_nodes(b, lp, lp_cache, kc, budget, scores, n_slots, resume, n_start,
 # attempt that would overflow is discarded), sorts C by key into pop order and hands the frontier
 # to the warp-0 heap for the last few pops. A node's pending children form a sibling run whose
 # scores are base + lp[r] when those float64 sums are exact (:func:`_run_start`): a binary search
-# finds the run's end and a warp writes it. An inexact sum, a score above its predecessor (a
-# positive log-prob) or an unsorted row voids the phase: the heap starts over from the seed.
+# finds the run's end; its lane writes a run of up to LONG_RUN nodes, the warp a longer one. An
+# inexact sum, a score above its predecessor (a positive log-prob), an unsorted row or a run base
+# of -0.0 (base + lp would give +0.0) voids the phase: the heap starts over from the seed.
 
 BAND_MIN_BUDGET = 64  # smaller budgets go straight to the heap (a few rounds of it are cheaper)
 BAND_LEFT = 16  # the threshold phase stops with at most this many pops left to the heap
