@@ -33,6 +33,10 @@ from reference.model import forward as reference_forward
 from reference.topk import topk_log_probs
 from reference.weights import init_weights
 
+# One xdist worker runs this module (pyproject: --dist loadgroup), so the module-scoped scenario
+# (the slowest fixture of the suite under the simulator) is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("engine_model")
+
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "data" / "golden"
 # FP32 engine vs float64 reference: |engine - ref| <= TOL * max|ref| over a request's valid rows
 # (logits of std ~1 over 2 layers; the float32 error is ~1e-6, the margin covers GPU FMA contraction).
@@ -294,11 +298,12 @@ def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
     assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
 
 
-def test_split_k_o_proj_gives_the_same_bits(monkeypatch) -> None:
+def test_split_k_o_proj_gives_the_same_bits(monkeypatch, scenario) -> None:
     """A model whose o_proj and dense down_proj run as per-segment products (linear.linear_split_k,
     what the H200's many-row verify launches take; the down_proj after swiglu_rows) computes its
-    prefill bit for bit as linear() does. tiny's K are one segment, so the split is forced with
-    G = 1 here; the segment combine of G > 1 is tested against linear() in test_kernel_linear.py."""
+    prefill bit for bit as linear() does (the scenario's prefill model, same weights, inputs and
+    shapes). tiny's K are one segment, so the split is forced with G = 1 here; the segment
+    combine of G > 1 is tested against linear() in test_kernel_linear.py."""
     import ddtree_numba.engine.model as em
     from ddtree_numba.kernels import linear as lin
 
@@ -306,11 +311,9 @@ def test_split_k_o_proj_gives_the_same_bits(monkeypatch) -> None:
     pre = _golden_built()["prefill"]
     inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
                           pre.in_visibility.values, 9)
+    want = (scenario["prefill"]["logits"], scenario["prefill"]["features"])  # linear() throughout
     plain = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
-    assert plain._wo_split is None
-    want = plain.forward(*inputs)
-    want = (_host(want.logits), _host(want.features))
-    assert plain._w2_split is None
+    assert plain._wo_split is None and plain._w2_split is None  # (not run: the scenario ran its twin)
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
