@@ -209,6 +209,37 @@ def test_segment_mode_edge_k_warps_and_chunks(k, threads, n_chunks):
     assert plan.segments and plan.n_chunks == n_chunks
 
 
+def _candidates_at_threshold(logits: np.ndarray, k: int, seg_elems: int) -> np.ndarray:
+    """Per row, the elements >= T (T = the k-th largest maximum of consecutive runs of
+    ``seg_elems``): what segment mode re-reads into its buffer when nothing overflows."""
+    x = bf16_to_float32(logits) if logits.dtype == np.uint16 else logits
+    n_seg = -(-x.shape[1] // seg_elems)
+    pad = np.full((x.shape[0], n_seg * seg_elems - x.shape[1]), -np.inf, np.float32)
+    seg_max = np.concatenate([x, pad], axis=1).reshape(x.shape[0], n_seg, seg_elems).max(axis=2)
+    t = np.sort(seg_max, axis=1)[:, ::-1][:, k - 1]
+    return (x >= t[:, None]).sum(axis=1)
+
+
+@pytest.mark.parametrize("threads", [64, 128])
+def test_segment_mode_deals_flagged_segments_and_finishes_both_ways(threads):
+    """Many segments per warp (several 32-segment ballot windows, a partial last iteration),
+    flagged segments dealt over 2 and 4 warps whoever streamed them, and both finishes: a few
+    candidates ranked in place, more than RANKED_FINISH_PER_THREAD a thread sorted."""
+    seg_elems = 4 * 4 * 32  # packed bf16: 4 words of 4 elements a lane, 32 lanes
+    n_full = 40  # segments: two ballot windows, then the partial last one
+    rng = np.random.default_rng(threads)
+    logits = _gaussian(rng, 2, n_full * seg_elems + 100, std=1.0)
+    for seg in rng.choice(n_full, size=36, replace=False):  # 36 segments hold 8 copies of one value
+        logits[1, seg * seg_elems + rng.choice(seg_elems, size=8, replace=False)] = np.float32(50.0)
+    logits = float32_to_bf16(logits)
+    cases = [(logits[:1], 8), (logits[1:], 20)]  # row 1: the 288 fifties are all candidates
+    n_cand = np.concatenate([_candidates_at_threshold(x, k, seg_elems) for x, k in cases])
+    assert n_cand[0] <= topk_module.RANKED_FINISH_PER_THREAD * threads < n_cand[1] <= 512  # both finishes
+    for x, k in cases:
+        plan = _check(x, k, threads=threads, n_chunks=1, segments=True, capacity=512)
+        assert plan.segments and plan.segment_slots >= n_full + 1
+
+
 def test_segment_mode_on_misaligned_logits_uses_the_scalar_words():
     """Unaligned bf16 logits take the one-element-per-load segment kernel (more, shorter segments)."""
     logits = float32_to_bf16(_gaussian(np.random.default_rng(6), 2, 700))

@@ -61,13 +61,16 @@ block barrier). Then the block finds T = the k'-th largest segment maximum by a 
 whose keys' low half follows from the sign; three barriers a pass; the bitonic sort of all
 segment maxima it replaced had 45 barrier-separated layers). k'
 segments reach T, so the k'-th largest logit is >= T, and every top-k' element is >= T and
-lies in a segment whose maximum is >= T (the *flagged* segments). Each warp re-reads the
-flagged segments it streamed itself (a ballot over its segment maxima), RESCAN_BATCH at a
-time with their loads in flight together, and offers the elements >= T to the candidate
-buffer (``above`` / ``offer`` as above) with no block barrier. If a push finds the buffer full
-(only when many elements tie at or above T: constant or few-level rows), the block empties it
-and re-reads the flagged segments in the barrier-per-round protocol with compactions, so ties
-and constant rows stay exact. Typical rows flag ~k' segments, i.e. k' x unroll x 32 words re-read (k
+lies in a segment whose maximum is >= T (the *flagged* segments). The flagged segments are
+dealt out over the warps in segment order (ballots over the segment maxima; flagged segment f
+to warp f mod n_warps, so every warp gets the same number give or take one), each warp re-reads
+its share RESCAN_BATCH at a time with their loads in flight together, and offers the elements
+>= T to the candidate buffer (``above`` / ``offer`` as above) with no block barrier. If a push
+finds the buffer full (only when many elements tie at or above T: constant or few-level rows),
+the block empties it and re-reads the flagged segments in the barrier-per-round protocol with
+compactions, so ties and constant rows stay exact. With at most RANKED_FINISH_PER_THREAD
+candidates a thread at the end (typical rows: k' to 2 k'), each thread ranks its candidates by
+counting the larger ones and writes them to their places, without the sort. Typical rows flag ~k' segments, i.e. k' x unroll x 32 words re-read (k
 32, bf16: 10 % of the row); the plan takes segment mode only where k' <= (segments per chunk) /
 SEGMENT_RESCAN_SHARE, and a row of at most SEGMENT_SINGLE_CHUNK_ITERS block-iterations as one
 chunk (no merge launch). With more blocks than one wave of 256-thread blocks (4 per SM), the
@@ -162,6 +165,7 @@ RADIX_BINS = 1 << RADIX_BITS
 RADIX_MASK = uint64(RADIX_BINS - 1)
 BINS_PER_LANE = RADIX_BINS // 32  # warp 0 scans the bins
 KEY_BITS = 32
+RANKED_FINISH_PER_THREAD = 2  # segment mode: rank (not sort) the final candidates up to this many a thread
 RESCAN_BATCH = 2  # segment mode: flagged segments a warp re-reads with their loads in flight together (4 spill)
 MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
 FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in a vote
@@ -498,6 +502,33 @@ def _select_kth_key(comps, n, k, hist, select, tid, nt, low_bits):
     return key
 
 
+@cuda.jit(device=True, inline=True)
+def _next_dealt_segment(segs, n_seg, t_key, cursor, todo, lane, warp, n_warps):
+    """The next flagged segment dealt to this warp, or -1; returns (segment, cursor, todo).
+
+    Flagged segments (order key of the maximum ``>= t_key``) are numbered in segment order and
+    number f goes to warp ``f mod n_warps`` (n_warps a power of two <= MAX_WARPS). The warp scans
+    ``segs`` 32 at a time: a ballot of the flagged ones, each lane's number from the popcount of
+    the lanes below it, a second ballot of this warp's share (``todo``). ``cursor`` carries the
+    scan between calls in one register (the 64-register bound): segments scanned x MAX_WARPS +
+    (flagged segments among them mod n_warps). ``cursor`` and ``todo`` are uniform across the
+    warp; all 32 lanes call.
+    """
+    while todo == 0 and cursor // MAX_WARPS < n_seg:
+        scan = cursor // MAX_WARPS
+        i = scan + lane
+        hit = i < n_seg and uint32(segs[i] >> SHIFT_32) >= t_key
+        flagged = uint32(cuda.ballot_sync(FULL_MASK, hit))
+        number = cursor + cuda.popc(flagged & ((uint32(1) << uint32(lane)) - uint32(1)))
+        todo = uint32(cuda.ballot_sync(FULL_MASK, hit and (number & (n_warps - 1)) == warp))
+        cursor = (scan + WARP_SIZE) * MAX_WARPS + ((cursor + cuda.popc(flagged)) & (n_warps - 1))
+    if todo == 0:
+        return -1, cursor, todo
+    seg = cursor // MAX_WARPS - WARP_SIZE + cuda.ffs(todo) - 1
+    todo &= todo - uint32(1)
+    return seg, cursor, todo
+
+
 @cuda.jit(device=True)
 def _push(buf, count, cap, c):
     """Append composite ``c`` to the buffer; False when it is full (the caller retries later)."""
@@ -572,6 +603,17 @@ def _write_row(buf, lse, row, out_values, out_ids, tid, nt):
 
 
 @cuda.jit(device=True)
+def _combine_partials(m, s, lo, scratch, tid, nt):
+    """(non-finite flag, max, sum of exp(logit - max)) of the block from the threads' partials."""
+    # NaN and +inf make the sum NaN (exp(NaN), inf - inf); -inf shows in the minimum.
+    bad = _non_finite_f32(lo) or _non_finite_f32(m) or _non_finite_f64(s)
+    any_bad = cuda.syncthreads_or(int32(bad))  # barrier: OR of the threads' flags
+    big_m = _block_max(float64(m), scratch, tid, nt)
+    total = _block_sum(_rescaled(s, m, big_m), scratch, tid, nt)
+    return any_bad, big_m, total
+
+
+@cuda.jit(device=True)
 def _finish_chunk(buf, n_real, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
                   row_flags, tid, nt):
     """Combine the threads' log-sum-exp partials and emit the chunk's result; every thread calls.
@@ -580,11 +622,7 @@ def _finish_chunk(buf, n_real, scratch, m, s, lo, row, chunk, cand, cmax, csum, 
     chunk per row the block writes the row's outputs; otherwise the chunk's candidates (EMPTY
     beyond ``n_real``), reference, sum and non-finite flag go to the workspace.
     """
-    # NaN and +inf make the sum NaN (exp(NaN), inf - inf); -inf shows in the minimum.
-    bad = _non_finite_f32(lo) or _non_finite_f32(m) or _non_finite_f64(s)
-    any_bad = cuda.syncthreads_or(int32(bad))  # barrier: OR of the threads' flags
-    big_m = _block_max(float64(m), scratch, tid, nt)
-    total = _block_sum(_rescaled(s, m, big_m), scratch, tid, nt)
+    any_bad, big_m, total = _combine_partials(m, s, lo, scratch, tid, nt)
     if cuda.gridDim.x == 1:
         _write_row(buf, big_m + math.log(total), row, out_values, out_ids, tid, nt)
         if tid == 0:
@@ -593,6 +631,48 @@ def _finish_chunk(buf, n_real, scratch, m, s, lo, row, chunk, cand, cmax, csum, 
         r = tid
         while r < cand.shape[2]:
             cand[row, chunk, r] = buf[r] if r < n_real else EMPTY
+            r += nt
+        if tid == 0:
+            cmax[row, chunk] = float32(big_m)
+            csum[row, chunk] = total
+            cflag[row, chunk] = 1 if any_bad else 0
+
+
+@cuda.jit(device=True)
+def _finish_ranked(buf, n, k, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
+                   row_flags, tid, nt):
+    """:func:`_compact` then :func:`_finish_chunk` without the sort, for a few candidates.
+
+    ``buf[:n]`` holds distinct composites in any order (n <= RANKED_FINISH_PER_THREAD x nt). Each
+    thread ranks its candidates by counting the larger ones (n shared reads each, broadcast) and
+    writes those of rank < k straight to their place: the same outputs as the sorted buffer's
+    head, with two barriers instead of the bitonic sort's log2(n) (log2(n) + 1) / 2 layers
+    (21 at 64 candidates, ~4.5 us of the H200's 960-row tail, docs/PERFORMANCE.md).
+    """
+    any_bad, big_m, total = _combine_partials(m, s, lo, scratch, tid, nt)
+    single = cuda.gridDim.x == 1
+    lse = big_m + math.log(total)
+    i = tid
+    while i < n:
+        c = buf[i]
+        rank = 0
+        for j in range(n):
+            if buf[j] > c:
+                rank += 1
+        if single:
+            if rank < out_values.shape[1]:
+                out_values[row, rank] = float32(float64(_composite_value(c)) - lse)
+                out_ids[row, rank] = _composite_id(c)
+        elif rank < k:
+            cand[row, chunk, rank] = c
+        i += nt
+    if single:
+        if tid == 0:
+            row_flags[row] = 1 if any_bad else 0
+    else:
+        r = min(n, k) + tid
+        while r < cand.shape[2]:
+            cand[row, chunk, r] = EMPTY
             r += nt
         if tid == 0:
             cmax[row, chunk] = float32(big_m)
@@ -895,7 +975,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         ws = cuda.local.array(unroll, word_type)  # words being processed (registers: static indices)
         nxt = cuda.local.array(unroll, word_type)  # the next iteration's words, in flight meanwhile
         rs = cuda.local.array(rescan_words, word_type)  # re-read segments' words, in flight together
-        its = cuda.local.array(RESCAN_BATCH, int32)  # their iterations (-1: none)
+        its = cuda.local.array(RESCAN_BATCH, int32)  # their segment numbers (-1: none)
 
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -907,6 +987,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         warp = tid // WARP_SIZE
         n_warps = nt // WARP_SIZE
         off = (tid - lane) * unroll + lane  # as chunk_kernel: segment = one warp's words of one iteration
+        seg_words = unroll * WARP_SIZE  # segment w + it n_warps starts at word w_begin + (w + it n_warps) seg_words
         n_seg = (w_end - w_begin + span - 1) // span * n_warps
         segs = buf[cap:cap + n_seg]
         _init_state(count, thresh, thresh_val, tid)
@@ -947,29 +1028,28 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             t_val = _composite_value(uint64(t_key) << SHIFT_32)
         t_comp = uint64(_order_key(uint32(_f32_bits(t_val)))) << SHIFT_32  # smallest composite of value T
 
-        # 3. Re-read the flagged segments: each warp the ones it streamed, RESCAN_BATCH at a time
-        # with their loads in flight together, pushing candidates >= T without a block barrier
-        # (the buffer holds them all unless many elements tie at or above T; then see below).
+        # 3. Re-read the flagged segments, dealt out over the warps in segment order (flagged
+        # segment number f goes to warp f mod n_warps, whoever streamed it), RESCAN_BATCH at a
+        # time per warp with their loads in flight together, pushing candidates >= T without a
+        # block barrier (the buffer holds them all unless many elements tie at or above T; then
+        # see below). Dealing them out evens the rounds: a warp's own share of ~k' flagged
+        # segments varies by several, and every warp round is one HBM latency.
         full = False  # a push of this thread found the buffer full
-        t = 0
-        while k > 0 and t < n_it:  # uniform per warp: the ballot needs all lanes
-            it = t + lane
-            hit = it < n_it and uint32(segs[warp + it * n_warps] >> SHIFT_32) >= t_key
-            todo = uint32(cuda.ballot_sync(FULL_MASK, hit))  # this warp's flagged segments among t .. t + 31
-            while todo != 0:
-                for r in range(RESCAN_BATCH):  # take up to RESCAN_BATCH of them and issue all their loads
-                    its[r] = -1
-                    if todo != 0:
-                        its[r] = t + cuda.ffs(todo) - 1
-                        todo &= todo - uint32(1)
-                        load_words_at(row_words, rs, r * unroll, w_begin + its[r] * span + off, w_end, True)
-                for r in range(RESCAN_BATCH):
-                    if its[r] >= 0:
-                        base = w_begin + its[r] * span + off
-                        left = offer(row_words, base, t_comp, buf, count, cap,
-                                     above_at(rs, r * unroll, base, w_end, t_val, True))
-                        full = full or left != 0
-            t += WARP_SIZE
+        cursor = 0  # this warp's scan of the segment maxima (see _next_dealt_segment)
+        todo = uint32(0)  # this warp's flagged segments among the last 32 scanned
+        while k > 0:  # uniform per warp: the ballots need all lanes
+            for r in range(RESCAN_BATCH):  # take up to RESCAN_BATCH segments and issue all their loads
+                its[r], cursor, todo = _next_dealt_segment(segs, n_seg, t_key, cursor, todo, lane, warp, n_warps)
+                if its[r] >= 0:
+                    load_words_at(row_words, rs, r * unroll, w_begin + its[r] * seg_words + lane, w_end, True)
+            if its[0] < 0:
+                break
+            for r in range(RESCAN_BATCH):
+                if its[r] >= 0:
+                    base = w_begin + its[r] * seg_words + lane
+                    left = offer(row_words, base, t_comp, buf, count, cap,
+                                 above_at(rs, r * unroll, base, w_end, t_val, True))
+                    full = full or left != 0
         if cuda.syncthreads_or(int32(full)):  # barrier: (rare) the buffer overflowed: start over, in rounds
             if tid == 0:
                 count[0] = 0
@@ -992,9 +1072,14 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             if tid == 0:
                 thresh[0] = t_comp
                 thresh_val[0] = t_val
-        _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
-        _finish_chunk(buf, count[0], scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
-                      out_values, out_ids, row_flags, tid, nt)
+        n_cand = count[0]  # final (<= cap): every push came before the last barrier
+        if n_cand <= RANKED_FINISH_PER_THREAD * nt:  # (uniform) typical rows: ~k' to 2 k' candidates
+            _finish_ranked(buf, n_cand, k, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
+                           out_values, out_ids, row_flags, tid, nt)
+        else:
+            _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
+            _finish_chunk(buf, count[0], scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
+                          out_values, out_ids, row_flags, tid, nt)
 
     # --- per-warp mode: each warp filters into its own segment of the buffer, no block barrier
     # until the chunk is read (limits §6: "keeps K candidates per warp").
