@@ -220,11 +220,15 @@ def _candidates_at_threshold(logits: np.ndarray, k: int, seg_elems: int) -> np.n
     return (x >= t[:, None]).sum(axis=1)
 
 
-@pytest.mark.parametrize("threads", [64, 128])
-def test_segment_mode_deals_flagged_segments_and_finishes_both_ways(threads):
-    """Many segments per warp (several 32-segment ballot windows, a partial last iteration),
-    flagged segments dealt over 2 and 4 warps whoever streamed them, and both finishes: a few
-    candidates ranked in place, more than RANKED_FINISH_PER_THREAD a thread sorted."""
+@pytest.mark.parametrize("threads, list_entries", [(64, None), (128, None), (128, 4)])
+def test_segment_mode_deals_flagged_segments_and_finishes_both_ways(threads, list_entries, monkeypatch):
+    """Many segments per warp (two ballot windows and a partial last iteration), the flagged
+    segments listed and dealt over 2 and 4 warps whoever streamed them, and both finishes: a few
+    candidates ranked in place, more than RANKED_FINISH_PER_THREAD a thread sorted. With a list
+    of 4 entries (the simulator reads the constant at run time) every row overflows it and takes
+    the barrier-per-round re-read instead."""
+    if list_entries is not None:
+        monkeypatch.setattr(topk_module, "FLAG_LIST_ENTRIES", list_entries)
     seg_elems = 4 * 4 * 32  # packed bf16: 4 words of 4 elements a lane, 32 lanes
     n_full = 40  # segments: two ballot windows, then the partial last one
     rng = np.random.default_rng(threads)

@@ -121,7 +121,7 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import cuda, float32, float64, int32, int64, types, uint16, uint32, uint64
+from numba import cuda, float32, float64, int16, int32, int64, types, uint16, uint32, uint64
 from numba.core.extending import intrinsic
 
 from sim.install import simulator_active
@@ -165,6 +165,7 @@ RADIX_BINS = 1 << RADIX_BITS
 RADIX_MASK = uint64(RADIX_BINS - 1)
 BINS_PER_LANE = RADIX_BINS // 32  # warp 0 scans the bins
 KEY_BITS = 32
+FLAG_LIST_ENTRIES = 1024  # segment mode: flagged segments listed per block (int16; more: ties at T, re-read in rounds)
 RANKED_FINISH_PER_THREAD = 2  # segment mode: rank (not sort) the final candidates up to this many a thread
 RESCAN_BATCH = 2  # segment mode: flagged segments a warp re-reads with their loads in flight together (4 spill)
 MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
@@ -502,33 +503,6 @@ def _select_kth_key(comps, n, k, hist, select, tid, nt, low_bits):
     return key
 
 
-@cuda.jit(device=True, inline=True)
-def _next_dealt_segment(segs, n_seg, t_key, cursor, todo, lane, warp, n_warps):
-    """The next flagged segment dealt to this warp, or -1; returns (segment, cursor, todo).
-
-    Flagged segments (order key of the maximum ``>= t_key``) are numbered in segment order and
-    number f goes to warp ``f mod n_warps`` (n_warps a power of two <= MAX_WARPS). The warp scans
-    ``segs`` 32 at a time: a ballot of the flagged ones, each lane's number from the popcount of
-    the lanes below it, a second ballot of this warp's share (``todo``). ``cursor`` carries the
-    scan between calls in one register (the 64-register bound): segments scanned x MAX_WARPS +
-    (flagged segments among them mod n_warps). ``cursor`` and ``todo`` are uniform across the
-    warp; all 32 lanes call.
-    """
-    while todo == 0 and cursor // MAX_WARPS < n_seg:
-        scan = cursor // MAX_WARPS
-        i = scan + lane
-        hit = i < n_seg and uint32(segs[i] >> SHIFT_32) >= t_key
-        flagged = uint32(cuda.ballot_sync(FULL_MASK, hit))
-        number = cursor + cuda.popc(flagged & ((uint32(1) << uint32(lane)) - uint32(1)))
-        todo = uint32(cuda.ballot_sync(FULL_MASK, hit and (number & (n_warps - 1)) == warp))
-        cursor = (scan + WARP_SIZE) * MAX_WARPS + ((cursor + cuda.popc(flagged)) & (n_warps - 1))
-    if todo == 0:
-        return -1, cursor, todo
-    seg = cursor // MAX_WARPS - WARP_SIZE + cuda.ffs(todo) - 1
-    todo &= todo - uint32(1)
-    return seg, cursor, todo
-
-
 @cuda.jit(device=True)
 def _push(buf, count, cap, c):
     """Append composite ``c`` to the buffer; False when it is full (the caller retries later)."""
@@ -613,43 +587,57 @@ def _combine_partials(m, s, lo, scratch, tid, nt):
     return any_bad, big_m, total
 
 
-@cuda.jit(device=True)
-def _finish_chunk(buf, n_real, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
-                  row_flags, tid, nt):
-    """Combine the threads' log-sum-exp partials and emit the chunk's result; every thread calls.
-
-    ``buf[:n_real]`` holds the chunk's candidates sorted descending (its top k' first). With one
-    chunk per row the block writes the row's outputs; otherwise the chunk's candidates (EMPTY
-    beyond ``n_real``), reference, sum and non-finite flag go to the workspace.
-    """
-    any_bad, big_m, total = _combine_partials(m, s, lo, scratch, tid, nt)
-    if cuda.gridDim.x == 1:
-        _write_row(buf, big_m + math.log(total), row, out_values, out_ids, tid, nt)
-        if tid == 0:
+@cuda.jit(device=True, inline=True)
+def _emit_state(any_bad, big_m, total, row, chunk, cmax, csum, cflag, row_flags, tid):
+    """Thread 0 writes the row's non-finite flag (one chunk) or the chunk's (max, sum, flag)."""
+    if tid == 0:
+        if cuda.gridDim.x == 1:
             row_flags[row] = 1 if any_bad else 0
-    else:
-        r = tid
-        while r < cand.shape[2]:
-            cand[row, chunk, r] = buf[r] if r < n_real else EMPTY
-            r += nt
-        if tid == 0:
+        else:
             cmax[row, chunk] = float32(big_m)
             csum[row, chunk] = total
             cflag[row, chunk] = 1 if any_bad else 0
 
 
 @cuda.jit(device=True)
-def _finish_ranked(buf, n, k, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
-                   row_flags, tid, nt):
-    """:func:`_compact` then :func:`_finish_chunk` without the sort, for a few candidates.
+def _emit_sorted(buf, n_real, any_bad, big_m, total, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
+                 row_flags, tid, nt):
+    """Emit the chunk's result from ``buf[:n_real]``, sorted descending (its top k' first).
+
+    With one chunk per row the block writes the row's outputs; otherwise the chunk's candidates
+    (EMPTY beyond ``n_real``), reference, sum and non-finite flag go to the workspace.
+    """
+    if cuda.gridDim.x == 1:
+        _write_row(buf, big_m + math.log(total), row, out_values, out_ids, tid, nt)
+    else:
+        r = tid
+        while r < cand.shape[2]:
+            cand[row, chunk, r] = buf[r] if r < n_real else EMPTY
+            r += nt
+    _emit_state(any_bad, big_m, total, row, chunk, cmax, csum, cflag, row_flags, tid)
+
+
+@cuda.jit(device=True)
+def _finish_chunk(buf, n_real, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
+                  row_flags, tid, nt):
+    """Combine the threads' log-sum-exp partials and emit the chunk's result (:func:`_emit_sorted`);
+    every thread calls."""
+    any_bad, big_m, total = _combine_partials(m, s, lo, scratch, tid, nt)
+    _emit_sorted(buf, n_real, any_bad, big_m, total, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
+                 row_flags, tid, nt)
+
+
+@cuda.jit(device=True)
+def _emit_ranked(buf, n, k, any_bad, big_m, total, row, chunk, cand, cmax, csum, cflag, out_values, out_ids,
+                 row_flags, tid, nt):
+    """:func:`_compact` then :func:`_emit_sorted` without the sort, for a few candidates.
 
     ``buf[:n]`` holds distinct composites in any order (n <= RANKED_FINISH_PER_THREAD x nt). Each
     thread ranks its candidates by counting the larger ones (n shared reads each, broadcast) and
     writes those of rank < k straight to their place: the same outputs as the sorted buffer's
-    head, with two barriers instead of the bitonic sort's log2(n) (log2(n) + 1) / 2 layers
+    head, with no barrier instead of the bitonic sort's log2(n) (log2(n) + 1) / 2 layers
     (21 at 64 candidates, ~4.5 us of the H200's 960-row tail, docs/PERFORMANCE.md).
     """
-    any_bad, big_m, total = _combine_partials(m, s, lo, scratch, tid, nt)
     single = cuda.gridDim.x == 1
     lse = big_m + math.log(total)
     i = tid
@@ -666,18 +654,12 @@ def _finish_ranked(buf, n, k, scratch, m, s, lo, row, chunk, cand, cmax, csum, c
         elif rank < k:
             cand[row, chunk, rank] = c
         i += nt
-    if single:
-        if tid == 0:
-            row_flags[row] = 1 if any_bad else 0
-    else:
+    if not single:
         r = min(n, k) + tid
         while r < cand.shape[2]:
             cand[row, chunk, r] = EMPTY
             r += nt
-        if tid == 0:
-            cmax[row, chunk] = float32(big_m)
-            csum[row, chunk] = total
-            cflag[row, chunk] = 1 if any_bad else 0
+    _emit_state(any_bad, big_m, total, row, chunk, cmax, csum, cflag, row_flags, tid)
 
 
 # --- kernels ----------------------------------------------------------------------------------
@@ -972,6 +954,9 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         thresh_val = cuda.shared.array(1, float32)  # logit of T
         hist = cuda.shared.array(RADIX_BINS, int32)  # radix-select histogram of the segment maxima
         select = cuda.shared.array(2, uint32)  # radix select: key prefix found, rank left to find
+        flag_list = cuda.shared.array(FLAG_LIST_ENTRIES, int16)  # flagged segments, in no particular order
+        n_flag = cuda.shared.array(1, int32)  # flagged segments (may exceed FLAG_LIST_ENTRIES)
+        parked = cuda.shared.array(3, float64)  # the block's (max, sum of exp, non-finite flag)
         ws = cuda.local.array(unroll, word_type)  # words being processed (registers: static indices)
         nxt = cuda.local.array(unroll, word_type)  # the next iteration's words, in flight meanwhile
         rs = cuda.local.array(rescan_words, word_type)  # re-read segments' words, in flight together
@@ -990,6 +975,8 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         seg_words = unroll * WARP_SIZE  # segment w + it n_warps starts at word w_begin + (w + it n_warps) seg_words
         n_seg = (w_end - w_begin + span - 1) // span * n_warps
         segs = buf[cap:cap + n_seg]
+        if tid == 0:
+            n_flag[0] = 0
         _init_state(count, thresh, thresh_val, tid)
 
         # 1. Stream: log-sum-exp and each segment's maximum; no threshold, no block barrier.
@@ -1027,29 +1014,55 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             t_key = _select_kth_key(segs, n_seg, max(k, 1), hist, select, tid, nt, KEY_LOW_BITS)
             t_val = _composite_value(uint64(t_key) << SHIFT_32)
         t_comp = uint64(_order_key(uint32(_f32_bits(t_val)))) << SHIFT_32  # smallest composite of value T
+        # The block's log-sum-exp now, parked in shared memory: m, s and lo free their registers
+        # for the re-read's loads in flight.
+        any_bad, big_m, total = _combine_partials(m, s, lo, scratch, tid, nt)
+        if tid == 0:
+            parked[0] = big_m
+            parked[1] = total
+            parked[2] = 1.0 if any_bad else 0.0
 
-        # 3. Re-read the flagged segments, dealt out over the warps in segment order (flagged
-        # segment number f goes to warp f mod n_warps, whoever streamed it), RESCAN_BATCH at a
-        # time per warp with their loads in flight together, pushing candidates >= T without a
-        # block barrier (the buffer holds them all unless many elements tie at or above T; then
-        # see below). Dealing them out evens the rounds: a warp's own share of ~k' flagged
-        # segments varies by several, and every warp round is one HBM latency.
+        # 3. Re-read the flagged segments, RESCAN_BATCH at a time per warp with their loads in
+        # flight together, pushing candidates >= T without a block barrier (the buffer holds them
+        # all unless many elements tie at or above T; then see below). Each warp appends the
+        # flagged segments it streamed to one list (a ballot over its segment maxima, one shared
+        # atomic per 32); then entry e of the list goes to warp e mod n_warps, so every warp
+        # re-reads the same number give or take one (its own share of ~k' flagged segments
+        # varies by several, and each round is one HBM latency). The list's order varies run to
+        # run; the candidates, and so the outputs, do not.
         full = False  # a push of this thread found the buffer full
-        cursor = 0  # this warp's scan of the segment maxima (see _next_dealt_segment)
-        todo = uint32(0)  # this warp's flagged segments among the last 32 scanned
-        while k > 0:  # uniform per warp: the ballots need all lanes
-            for r in range(RESCAN_BATCH):  # take up to RESCAN_BATCH segments and issue all their loads
-                its[r], cursor, todo = _next_dealt_segment(segs, n_seg, t_key, cursor, todo, lane, warp, n_warps)
-                if its[r] >= 0:
-                    load_words_at(row_words, rs, r * unroll, w_begin + its[r] * seg_words + lane, w_end, True)
-            if its[0] < 0:
-                break
-            for r in range(RESCAN_BATCH):
-                if its[r] >= 0:
-                    base = w_begin + its[r] * seg_words + lane
-                    left = offer(row_words, base, t_comp, buf, count, cap,
-                                 above_at(rs, r * unroll, base, w_end, t_val, True))
-                    full = full or left != 0
+        t = 0
+        while k > 0 and t < n_it:  # uniform per warp: the ballot needs all lanes
+            it = t + lane
+            hit = it < n_it and uint32(segs[warp + it * n_warps] >> SHIFT_32) >= t_key
+            flagged = uint32(cuda.ballot_sync(FULL_MASK, hit))
+            first = 0
+            if lane == 0 and flagged != 0:
+                first = cuda.atomic.add(n_flag, 0, cuda.popc(flagged))
+            slot = cuda.shfl_sync(FULL_MASK, first, 0) + cuda.popc(flagged & ((uint32(1) << uint32(lane)) - uint32(1)))
+            if hit and slot < FLAG_LIST_ENTRIES:
+                flag_list[slot] = warp + it * n_warps
+            t += WARP_SIZE
+        cuda.syncthreads()  # the list is complete
+        n_listed = n_flag[0]
+        if n_listed <= FLAG_LIST_ENTRIES:  # (uniform)
+            e = int32(warp)
+            step = int32(n_warps)
+            while e < n_listed:  # uniform per warp
+                for r in range(RESCAN_BATCH):  # take up to RESCAN_BATCH entries and issue all their loads
+                    its[r] = -1
+                    if e < n_listed:
+                        its[r] = flag_list[e]
+                        load_words_at(row_words, rs, r * unroll, w_begin + its[r] * seg_words + lane, w_end, True)
+                        e += step
+                for r in range(RESCAN_BATCH):
+                    if its[r] >= 0:
+                        base = w_begin + its[r] * seg_words + lane
+                        left = offer(row_words, base, t_comp, buf, count, cap,
+                                     above_at(rs, r * unroll, base, w_end, t_val, True))
+                        full = full or left != 0
+        else:  # (rare: ties at T) the list overflowed: re-read in rounds, below
+            full = True
         if cuda.syncthreads_or(int32(full)):  # barrier: (rare) the buffer overflowed: start over, in rounds
             if tid == 0:
                 count[0] = 0
@@ -1073,13 +1086,16 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
                 thresh[0] = t_comp
                 thresh_val[0] = t_val
         n_cand = count[0]  # final (<= cap): every push came before the last barrier
+        big_m = parked[0]
+        total = parked[1]
+        any_bad = parked[2] != 0.0
         if n_cand <= RANKED_FINISH_PER_THREAD * nt:  # (uniform) typical rows: ~k' to 2 k' candidates
-            _finish_ranked(buf, n_cand, k, scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
-                           out_values, out_ids, row_flags, tid, nt)
+            _emit_ranked(buf, n_cand, k, any_bad, big_m, total, row, chunk, cand, cmax, csum, cflag,
+                         out_values, out_ids, row_flags, tid, nt)
         else:
             _compact(buf, count, thresh, thresh_val, k, cap, tid, nt)
-            _finish_chunk(buf, count[0], scratch, m, s, lo, row, chunk, cand, cmax, csum, cflag,
-                          out_values, out_ids, row_flags, tid, nt)
+            _emit_sorted(buf, count[0], any_bad, big_m, total, row, chunk, cand, cmax, csum, cflag,
+                         out_values, out_ids, row_flags, tid, nt)
 
     # --- per-warp mode: each warp filters into its own segment of the buffer, no block barrier
     # until the chunk is read (limits §6: "keeps K candidates per warp").
