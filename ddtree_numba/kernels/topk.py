@@ -694,6 +694,9 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
     rescan_words = RESCAN_BATCH * unroll  # segment mode: words of the segments re-read together
     half_bits = uint64(32)
     KEY_LOW_BITS = 32 - elem_bits  # order keys of bf16 values: the low 16 bits follow from the sign
+    # the packed kernels rank a few final candidates; the scalar ones (unaligned logits) always sort:
+    # with both finishes the bf16 one spilled on sm_120
+    RANKED_FINISH = per_word > 1
 
     @cuda.jit(device=True, inline=True)
     def element_bits(word, e):
@@ -956,7 +959,6 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         select = cuda.shared.array(2, uint32)  # radix select: key prefix found, rank left to find
         flag_list = cuda.shared.array(FLAG_LIST_ENTRIES, int16)  # flagged segments, in no particular order
         n_flag = cuda.shared.array(1, int32)  # flagged segments (may exceed FLAG_LIST_ENTRIES)
-        parked = cuda.shared.array(3, float64)  # the block's (max, sum of exp, non-finite flag)
         ws = cuda.local.array(unroll, word_type)  # words being processed (registers: static indices)
         nxt = cuda.local.array(unroll, word_type)  # the next iteration's words, in flight meanwhile
         rs = cuda.local.array(rescan_words, word_type)  # re-read segments' words, in flight together
@@ -1014,13 +1016,6 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
             t_key = _select_kth_key(segs, n_seg, max(k, 1), hist, select, tid, nt, KEY_LOW_BITS)
             t_val = _composite_value(uint64(t_key) << SHIFT_32)
         t_comp = uint64(_order_key(uint32(_f32_bits(t_val)))) << SHIFT_32  # smallest composite of value T
-        # The block's log-sum-exp now, parked in shared memory: m, s and lo free their registers
-        # for the re-read's loads in flight.
-        any_bad, big_m, total = _combine_partials(m, s, lo, scratch, tid, nt)
-        if tid == 0:
-            parked[0] = big_m
-            parked[1] = total
-            parked[2] = 1.0 if any_bad else 0.0
 
         # 3. Re-read the flagged segments, RESCAN_BATCH at a time per warp with their loads in
         # flight together, pushing candidates >= T without a block barrier (the buffer holds them
@@ -1086,10 +1081,8 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
                 thresh[0] = t_comp
                 thresh_val[0] = t_val
         n_cand = count[0]  # final (<= cap): every push came before the last barrier
-        big_m = parked[0]
-        total = parked[1]
-        any_bad = parked[2] != 0.0
-        if n_cand <= RANKED_FINISH_PER_THREAD * nt:  # (uniform) typical rows: ~k' to 2 k' candidates
+        any_bad, big_m, total = _combine_partials(m, s, lo, scratch, tid, nt)
+        if RANKED_FINISH and n_cand <= RANKED_FINISH_PER_THREAD * nt:  # (uniform) typical rows: ~k' to 2 k' candidates
             _emit_ranked(buf, n_cand, k, any_bad, big_m, total, row, chunk, cand, cmax, csum, cflag,
                          out_values, out_ids, row_flags, tid, nt)
         else:
