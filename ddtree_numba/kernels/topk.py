@@ -49,38 +49,40 @@ without spills (3 blocks of 256 threads per SM). Each warp must find its own top
 ~8x more candidates than the block would (~k' ln(n/k') per warp): cheap ballot rounds, mostly
 in the first iterations.
 
-Segment mode (the default where k' is small against the chunk, ``plan_topk(segments=...)``).
-The block-buffer kernel above spent most of its time outside the arithmetic: on the H200 (960
-bf16 rows of 163840, k 32) ncu counted ~24 issued instructions per element and barrier waits
-as the largest stall (3.7 of 11 cycles per issued instruction), from the per-iteration
-``syncthreads_or``, the offers and the compactions. Segment mode drops the filter from the
-stream: each warp-iteration (unroll x WARP_SIZE consecutive words) is a *segment*, and the
-stream keeps only the log-sum-exp and each segment's maximum (one warp max, a shared store; no
-block barrier). Then the block finds T = the k'-th largest segment maximum by a radix select
-(:func:`_select_kth_key`: four passes of 8-bit digits over the order keys, two for bf16 logits,
-whose keys' low half follows from the sign; three barriers a pass; the bitonic sort of all
-segment maxima it replaced had 45 barrier-separated layers). k'
-segments reach T, so the k'-th largest logit is >= T, and every top-k' element is >= T and
-lies in a segment whose maximum is >= T (the *flagged* segments). The flagged segments are
-dealt out over the warps in segment order (ballots over the segment maxima; flagged segment f
-to warp f mod n_warps, so every warp gets the same number give or take one), each warp re-reads
-its share RESCAN_BATCH at a time with their loads in flight together, and offers the elements
->= T to the candidate buffer (``above`` / ``offer`` as above) with no block barrier. If a push
-finds the buffer full (only when many elements tie at or above T: constant or few-level rows),
+Segment mode (the default where k' is small against the chunk, ``plan_topk(segments=...)``). The
+block-buffer kernel above spent most of its time outside the arithmetic: on the H200 (960 bf16 rows
+of 163840, k 32) ncu counted ~24 issued instructions per element and barrier waits as the largest
+stall (3.7 of 11 cycles per issued instruction), from the per-iteration ``syncthreads_or``, the
+offers and the compactions. Segment mode drops the filter from the stream: each warp-iteration
+(unroll x WARP_SIZE consecutive words) is a *segment*, and the stream keeps only the log-sum-exp
+and each segment's maximum (one warp max, a shared store; no block barrier). Then the block finds T
+= the k'-th largest segment maximum by a radix select (:func:`_select_kth_key`: four passes of
+8-bit digits over the order keys, two for bf16 logits, whose keys' low half follows from the sign;
+three barriers a pass; the bitonic sort of all segment maxima it replaced had 45 barrier-separated
+layers). k' segments reach T, so the k'-th largest logit is >= T, and every top-k' element is >= T
+and lies in a segment whose maximum is >= T (the *flagged* segments). Each warp lists the flagged
+segments it streamed (a ballot over its segment maxima) in one shared list; after one barrier entry
+e of the list goes to warp e mod n_warps (every warp gets the same number give or take one), which
+re-reads its share RESCAN_BATCH at a time with their loads in flight together and offers the
+elements >= T to the candidate buffer (``above`` / ``offer`` as above) with no block barrier. If a
+push finds the buffer full (only when many elements tie at or above T: constant or few-level rows),
 the block empties it and re-reads the flagged segments in the barrier-per-round protocol with
-compactions, so ties and constant rows stay exact. With at most RANKED_FINISH_PER_THREAD
-candidates a thread at the end (typical rows: k' to 2 k'), each thread ranks its candidates by
-counting the larger ones and writes them to their places, without the sort. Typical rows flag ~k' segments, i.e. k' x unroll x 32 words re-read (k
-32, bf16: 10 % of the row); the plan takes segment mode only where k' <= (segments per chunk) /
-SEGMENT_RESCAN_SHARE, and a row of at most SEGMENT_SINGLE_CHUNK_ITERS block-iterations as one
-chunk (no merge launch). With more blocks than one wave of 256-thread blocks (4 per SM), the
-plan launches MANY_ROWS_THREADS = 128 threads: 8 blocks share an SM, so up to 1056 rows stream
-in one wave and their latency-bound tails (selection, re-read, output) overlap once instead of
-twice. Measured on the H200 (docs/PERFORMANCE.md; at f80d338, whose final compaction was
-sorted by one warp): 960 x 163840 bf16, k 32: 116.1 us (1.59 x one read; the first segment
-mode, sorted maxima and one segment per warp per round: 160.7 us; the block kernel: 206.4 us);
-k 8: 101.9 us; 1024 rows, k 32: 119.2 us (1.53 x). Without the selection and the re-read the
-same launch streams in 91.3 us (1.25 x): the rest is the tail.
+compactions, so ties and constant rows stay exact. A list overflow (more than FLAG_LIST_ENTRIES
+flagged segments) takes the same path. With at most RANKED_FINISH_PER_THREAD candidates a thread at
+the end (typical rows: k' to 2 k'), each thread of the packed kernels ranks its candidates by
+counting the larger ones and writes them to their places, without the sort. Typical rows flag ~k'
+segments, i.e. k' x unroll x 32 words re-read (k 32, bf16: 10 % of the row); the plan takes segment
+mode only where k' <= (segments per chunk) / SEGMENT_RESCAN_SHARE, and a row of at most
+SEGMENT_SINGLE_CHUNK_ITERS block-iterations as one chunk (no merge launch). With more blocks than
+one wave of 256-thread blocks (4 per SM), the plan launches MANY_ROWS_THREADS = 128 threads: 8
+blocks share an SM, so up to 1056 rows stream in one wave and their latency-bound tails (selection,
+re-read, output) overlap once instead of twice. Measured on the H200 (docs/PERFORMANCE.md, run
+top-k 3, eeda227): 1024 x 163840 bf16, k 32: 111.1-111.5 us (1.43 x one read); 960 rows:
+108.8-109.2 us (1.49 x; another call of the same session: 111.4); k 8: 97-98 us. Before the list
+and the ranked finish, in the same run: 116.9 and 114.1 us; at f80d338 (sorted maxima replaced by
+the radix select): 119.2 and 116.1; the first segment mode: 160.7 (960 rows); the block kernel:
+206.4. What is left is mostly the stream: the last blocks stop streaming ~90 us in, ~20 us after
+the median block.
 
 Cost of the stream: one read of the logits plus ~6 instructions per bf16 element (unpack,
 subtract, scale, ex2, add; max and min of two elements at once with ``max/min.bf16x2``). The
