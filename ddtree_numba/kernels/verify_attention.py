@@ -54,16 +54,20 @@ cache rows the kernels read included (the reference rejects NaN/inf); device val
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from llvmlite import ir
+from numba import cuda, float32, int32, types, uint32, uint64
+from numba.core.extending import intrinsic
 
 from ddtree_numba.kernels._args import check_array, int_arg, positive_real
 from ddtree_numba.kernels.registry import register
+from sim.install import simulator_active
 from sim.launch import launch
 
 __all__ = [
@@ -108,6 +112,10 @@ class TileConfig:
         merge_threads: threads per block of the segment-merge kernel.
         merge_heads: heads per merge block (a merge block folds ``merge_heads x Dl`` outputs of
             one node; 1 spreads a decode step's merge over H blocks instead of one).
+        prefetch_l2: issue ``prefetch.L2`` for every cache line of a chunk's key rows one
+            chunk ahead (the first chunk at the start), so the key slices' loads hit L2. For
+            launches with few blocks, whose 9 key slices a chunk each wait one HBM latency;
+            layout, not numerics (a prefetch changes no value). A no-op in the simulator.
     """
 
     latent_dim: int
@@ -124,6 +132,7 @@ class TileConfig:
     max_path: int = 64
     merge_threads: int = 128
     merge_heads: int = 1
+    prefetch_l2: bool = False
 
     @property
     def threads(self) -> int:
@@ -170,6 +179,7 @@ class TileConfig:
         checks = [
             (all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields),
              "every field must be a positive int"),
+            (isinstance(self.prefetch_l2, bool), "prefetch_l2 must be a bool"),
             (self.latent_dim % self.k_slice == 0 and self.rope_dim % self.k_slice == 0,
              "k_slice must divide latent_dim and rope_dim"),
             (self.k_slice % self.k_groups == 0, "k_groups must divide k_slice"),
@@ -264,6 +274,31 @@ def _request_ok(past, size, kv_rows, tree_capacity):
     return past >= 0 and size >= 0 and size <= tree_capacity and past + size <= kv_rows
 
 
+if simulator_active():
+    @cuda.jit(device=True, inline="always")
+    def _prefetch_l2(array, index):
+        """No caches to fill: only checks that the line is inside the array."""
+        if index >= array.shape[0]:
+            raise IndexError(f"prefetch_l2 at {index}, past the array's {array.shape[0]} elements")
+else:
+    @intrinsic
+    def _prefetch_l2(typingctx, array, index):
+        """``prefetch.L2`` of the cache line holding ``array[index]`` (a C-contiguous 1-D array):
+        the line comes to L2 without a register waiting for it."""
+        if not (isinstance(array, types.Array) and array.ndim == 1 and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            ptr = builder.gep(ary.data, [context.cast(builder, args[1], signature.args[1], types.intp)])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [ptr])
+            return context.get_dummy_value()
+
+        return types.void(array, index), codegen
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernel factory
 # ----------------------------------------------------------------------------------------------
@@ -310,6 +345,10 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     KT_LEVELS = KEY_TILES.bit_length() - 1      # xor-butterfly levels over the key tiles
     VV = math.gcd(PD, 4)                # consecutive value dims per lane step (one float4)
     MERGE_THREADS = config.merge_threads
+    PREFETCH = config.prefetch_l2
+    LINE_FLOATS = 32                    # one 128-byte cache line
+    DL_LINES = -(-DL // LINE_FLOATS)
+    ROW_LINES = DL_LINES + -(-DR // LINE_FLOATS)    # lines of one key row (latent, then rope)
     MERGE_HEADS = config.merge_heads
     # Staging geometry: a row of KS (or DL) floats is loaded by S_TPR (V_TPR) consecutive lanes.
     S_TPR = min(THREADS, KS)
@@ -408,6 +447,22 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 for cp in range(V_COL_PASSES):
                     bufs[uint64(off + c * DL + v_col + cp * V_TPR)] = v_reg[rp * V_COL_PASSES + cp]
 
+    @cuda.jit(device=True, inline="always")
+    def prefetch_rows(kv_latent, k_rope, rows, rows_off, tid):
+        """``prefetch.L2`` of every line of the chunk's key rows ``rows[rows_off:]``, spread
+        over the block's threads (-1: no key)."""
+        line = uint32(tid)
+        while line < uint32(CHUNK * ROW_LINES):   # uint32: division by a constant is a multiply
+            c = line // uint32(ROW_LINES)
+            part = line - c * uint32(ROW_LINES)
+            row = rows[uint64(rows_off + c)]
+            line += uint32(THREADS)
+            if row >= 0:
+                if part < DL_LINES:
+                    _prefetch_l2(kv_latent, uint64(row * DL + part * LINE_FLOATS))
+                else:
+                    _prefetch_l2(k_rope, uint64(row * DR + (part - DL_LINES) * LINE_FLOATS))
+
     @cuda.jit(**_jit_options(THREADS))
     def attention(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility,
                   tree_capacity, num_heads, kv_rows, vis_words, scale, split, workspace):
@@ -467,6 +522,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 row = kv_base + kv_row(seg_start + tid, past, path)
             rows[tid] = row
         cuda.syncthreads()  # the first chunk's key rows are known
+        if PREFETCH:
+            prefetch_rows(kv_latent, k_rope, rows, 0, tid)
 
         q_base = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
         s_row = tid // S_TPR
@@ -576,6 +633,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                     row = kv_base + kv_row(pos, past, path)
                 rows[uint64(nxt * CHUNK + tid)] = row
             cuda.syncthreads()  # probs, alpha, next rows ready; score readers of bufs done
+            if PREFETCH:   # the next chunk's key rows, to L2 during this chunk's P V
+                prefetch_rows(kv_latent, k_rope, rows, nxt * CHUNK, tid)
 
             # ---- acc = acc * alpha + P V; value slices alternate between the two halves of
             # bufs, each prefetched into registers one slice ahead ----
@@ -904,6 +963,8 @@ KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
 for _name, _config, _what in (
         ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
         ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
+        ("verify_attention_mla_8_heads_prefetch", dataclasses.replace(KIMI_K2_DECODE_CONFIG, prefetch_l2=True),
+         "8-head tiles, key rows prefetched to L2 a chunk ahead (opt-in, TileConfig.prefetch_l2)"),
         ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
              block_threads=_config.threads)
