@@ -1,4 +1,6 @@
 """Host-side pieces of the verify-attention benchmark: random trees' visibility, FLOPs, peer sizing."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -24,3 +26,11 @@ def test_random_visibility_is_an_ancestor_closure(bs, t):
 def test_flops_and_peer_sizing():
     assert bva.flops(8, 33, 32768) == 8 * 2.0 * 33 * 64 * (32768 + 33) * 1088
     assert bva.torch_scores_bytes(1, 33, 1024) == 4.0 * 33 * 64 * (1024 + 33)
+
+
+def test_decode_tiles_differ_only_in_the_prefetch():
+    """The bench's 8-head tiles: the engine's decode tiling, with and without the L2 prefetch
+    (layout, not numerics), so their A/B times the prefetch alone."""
+    assert bva.TILES["h8"].heads == 8 and not bva.TILES["h8"].prefetch_l2
+    assert bva.TILES["h8-prefetch"].prefetch_l2
+    assert dataclasses.replace(bva.TILES["h8-prefetch"], prefetch_l2=False) == bva.TILES["h8"]

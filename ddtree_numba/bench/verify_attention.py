@@ -20,6 +20,7 @@ Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -42,6 +43,8 @@ DEFAULT_SHAPES = ((8, 33, 32768), (1, 33, 32768), (1, 9, 4096), (64, 9, 4096), (
 TILES = {
     "default": va.KIMI_K2_CONFIG,                  # 64 heads per tile, 256 threads
     "h32": va.default_config(512, 64, 32),         # 32 heads per tile (KV read twice per node)
+    "h8": va.KIMI_K2_DECODE_CONFIG,                # 8 heads per tile: the engine's decode steps
+    "h8-prefetch": dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True),  # + key rows to L2 a chunk ahead
 }
 AMPLITUDE = 1.0  # inputs uniform in [-1, 1): scores have std ~1.2 after the scale
 FILL_THREADS = 256
