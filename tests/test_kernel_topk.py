@@ -200,13 +200,21 @@ def test_segment_mode_matches_reference(case, dtype):
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 40, 1000])
-@pytest.mark.parametrize("threads, n_chunks", [(32, 1), (64, 1), (32, 3)])
+@pytest.mark.parametrize("threads, n_chunks", [(32, 1), (64, 1), (32, 3), (32, 16)])
 def test_segment_mode_edge_k_warps_and_chunks(k, threads, n_chunks):
     """k = 0, 1, more than the segments (every segment flagged) and k = V; two warps (segments
-    interleaved by warp); several chunks (each chunk's segments, then the merge)."""
+    interleaved by warp); several chunks (each chunk's segments, then the merge). At 16 chunks a
+    chunk holds ~64 elements: its candidates are ranked, with ranks >= k dropped (k 40) and
+    fewer candidates than k (k 1000), whose slots the chunk fills with EMPTY for the merge. The
+    workspace starts full of the largest composite, so a slot left unwritten would be merged."""
     logits = float32_to_bf16(_gaussian(np.random.default_rng(k + threads), 2, 1000, std=2.5))
-    plan = _check(logits, k, threads=threads, n_chunks=n_chunks, segments=True)
+    plan = plan_topk(2, 1000, k, np.uint16, threads=threads, n_chunks=n_chunks, segments=True)
     assert plan.segments and plan.n_chunks == n_chunks
+    plan.cand.copy_to_device(np.full(plan.cand.shape, np.uint64(0xFFFFFFFFFFFFFFFE)))  # stale, not EMPTY
+    values = np.full((plan.rows, plan.k_out), np.nan, np.float32)
+    ids = np.full((plan.rows, plan.k_out), -7, np.int32)
+    run_topk(plan, logits, values, ids)
+    _assert_matches(values, ids, *_expected(logits, k))
 
 
 def _candidates_at_threshold(logits: np.ndarray, k: int, seg_elems: int) -> np.ndarray:
@@ -220,17 +228,18 @@ def _candidates_at_threshold(logits: np.ndarray, k: int, seg_elems: int) -> np.n
     return (x >= t[:, None]).sum(axis=1)
 
 
-@pytest.mark.parametrize("threads, list_entries", [(64, None), (128, None), (128, 4)])
+@pytest.mark.parametrize("threads, list_entries", [(32, None), (64, None), (128, None), (128, 4)])
 def test_segment_mode_deals_flagged_segments_and_finishes_both_ways(threads, list_entries, monkeypatch):
-    """Many segments per warp (two ballot windows and a partial last iteration), the flagged
-    segments listed and dealt over 2 and 4 warps whoever streamed them, and both finishes: a few
-    candidates ranked in place, more than RANKED_FINISH_PER_THREAD a thread sorted. With a list
-    of 4 entries (the simulator reads the constant at run time) every row overflows it and takes
-    the barrier-per-round re-read instead."""
+    """Many segments per warp (at 32 threads 41 iterations: two ballot windows of the list's
+    appends; a partial last iteration), the flagged segments listed and dealt over 1, 2 and 4
+    warps whoever streamed them, and both finishes: a few candidates ranked in place, more than
+    RANKED_FINISH_PER_THREAD a thread sorted. With a list of 4 entries (the simulator reads the
+    constant at run time; a mutation that skips the overflow path fails this case) every row
+    overflows it and takes the barrier-per-round re-read instead."""
     if list_entries is not None:
         monkeypatch.setattr(topk_module, "FLAG_LIST_ENTRIES", list_entries)
     seg_elems = 4 * 4 * 32  # packed bf16: 4 words of 4 elements a lane, 32 lanes
-    n_full = 40  # segments: two ballot windows, then the partial last one
+    n_full = 40  # full segments, then a partial one
     rng = np.random.default_rng(threads)
     logits = _gaussian(rng, 2, n_full * seg_elems + 100, std=1.0)
     for seg in rng.choice(n_full, size=36, replace=False):  # 36 segments hold 8 copies of one value

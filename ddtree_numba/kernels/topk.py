@@ -77,7 +77,7 @@ SEGMENT_SINGLE_CHUNK_ITERS block-iterations as one chunk (no merge launch). With
 one wave of 256-thread blocks (4 per SM), the plan launches MANY_ROWS_THREADS = 128 threads: 8
 blocks share an SM, so up to 1056 rows stream in one wave and their latency-bound tails (selection,
 re-read, output) overlap once instead of twice. Measured on the H200 (docs/PERFORMANCE.md, run
-top-k 3, eeda227): 1024 x 163840 bf16, k 32: 111.1-111.5 us (1.43 x one read); 960 rows:
+top-k 3, eeda227): 1024 x 163840 bf16, k 32: 111.1-111.5 us (1.42-1.43 x one read); 960 rows:
 108.8-109.2 us (1.49 x; another call of the same session: 111.4); k 8: 97-98 us. Before the list
 and the ranked finish, in the same run: 116.9 and 114.1 us; at f80d338 (sorted maxima replaced by
 the radix select): 119.2 and 116.1; the first segment mode: 160.7 (960 rows); the block kernel:
@@ -168,6 +168,7 @@ RADIX_MASK = uint64(RADIX_BINS - 1)
 BINS_PER_LANE = RADIX_BINS // 32  # warp 0 scans the bins
 KEY_BITS = 32
 FLAG_LIST_ENTRIES = 1024  # segment mode: flagged segments listed per block (int16; more: ties at T, re-read in rounds)
+assert MAX_SEGMENT_SLOTS <= 1 << 15, "flag_list holds segment numbers as int16"
 RANKED_FINISH_PER_THREAD = 2  # segment mode: rank (not sort) the final candidates up to this many a thread
 RESCAN_BATCH = 2  # segment mode: flagged segments a warp re-reads with their loads in flight together (4 spill)
 MIN_CHUNK_ITERS = 2  # a chunk is at least this many block-iterations long (amortises compaction)
@@ -638,7 +639,8 @@ def _emit_ranked(buf, n, k, any_bad, big_m, total, row, chunk, cand, cmax, csum,
     thread ranks its candidates by counting the larger ones (n shared reads each, broadcast) and
     writes those of rank < k straight to their place: the same outputs as the sorted buffer's
     head, with no barrier instead of the bitonic sort's log2(n) (log2(n) + 1) / 2 layers (21 at
-    64 candidates). On the H200 (960 bf16 rows, k 32) the finish took 2.5 us a block instead of
+    64 candidates). (A row with fewer than k' candidates, possible only with non-finite logits,
+    whose outputs are unspecified, keeps its unwritten ranks as they were; the sort wrote padding.) On the H200 (960 bf16 rows, k 32) the finish took 2.5 us a block instead of
     5.75 (docs/PERFORMANCE.md, run top-k 3).
     """
     single = cuda.gridDim.x == 1
@@ -1045,14 +1047,14 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         n_listed = n_flag[0]
         if n_listed <= FLAG_LIST_ENTRIES:  # (uniform)
             e = int32(warp)
-            step = int32(n_warps)
+            deal = int32(n_warps)
             while e < n_listed:  # uniform per warp
                 for r in range(RESCAN_BATCH):  # take up to RESCAN_BATCH entries and issue all their loads
                     its[r] = -1
                     if e < n_listed:
                         its[r] = flag_list[e]
                         load_words_at(row_words, rs, r * unroll, w_begin + its[r] * seg_words + lane, w_end, True)
-                        e += step
+                        e += deal
                 for r in range(RESCAN_BATCH):
                     if its[r] >= 0:
                         base = w_begin + its[r] * seg_words + lane

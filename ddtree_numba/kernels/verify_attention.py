@@ -113,7 +113,9 @@ class TileConfig:
         merge_heads: heads per merge block (a merge block folds ``merge_heads x Dl`` outputs of
             one node; 1 spreads a decode step's merge over H blocks instead of one).
         prefetch_l2: issue ``prefetch.L2`` for every cache line of a chunk's key rows one
-            chunk ahead (the first chunk at the start), so the key slices' loads hit L2. For
+            chunk ahead (the first chunk at the start), so the key slices' loads hit L2 (every
+            line where rows start at multiples of 128 bytes, as Dl = 512 and Dr = 64 rows do in an
+            aligned allocation; otherwise a row's last line may be left out). For
             launches with few blocks, whose 9 key slices a chunk each wait one HBM latency;
             layout, not numerics (a prefetch changes no value). A no-op in the simulator.
     """
