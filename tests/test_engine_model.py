@@ -419,6 +419,19 @@ def test_attention_tile_config_fits_prefill_chunks() -> None:
     assert attention_tile_config(tiny, 1).merge_heads == 4
 
 
+def test_attention_prefetch_switch_changes_only_the_prefetch(monkeypatch) -> None:
+    """engine.model.ATTENTION_PREFETCH_L2 (bench.forward_ab's auto-pf) sets the tiles' L2 prefetch,
+    layout only: every other field of the tiling stays."""
+    import ddtree_numba.engine.model as em
+    kimi = ModelConfig.from_name("small")
+    plain = [attention_tile_config(kimi, rows) for rows in (1, 33)]
+    assert not any(cfg.prefetch_l2 for cfg in plain)
+    monkeypatch.setattr(em, "ATTENTION_PREFETCH_L2", True)
+    for rows, base in zip((1, 33), plain):
+        cfg = attention_tile_config(kimi, rows)
+        assert cfg.prefetch_l2 and dataclasses.replace(cfg, prefetch_l2=False) == base
+
+
 def test_cache_past_lens_and_advance() -> None:
     config, _ = _tiny()
     cache = KVCache(config, 3, 8)

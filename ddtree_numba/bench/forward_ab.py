@@ -6,11 +6,14 @@ set, the launch-plan caches cleared, and a fresh model is built, captured and re
 row count (1: an AR step; 33: a B 32 tree verify; ``bench.profile_forward``'s inputs: a binary
 tree over ``--past`` cached rows).
 
-Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: 16-head tiles
-for a 33-node tree) or ``64`` (the default 64-head tile at every size); COLS = ``auto``
-(``linear.columns``: the 8 x 8 tile on sm_90) or ``4`` (8 x 4 everywhere).
+Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: 8-head tiles for
+an AR step, 16-head tiles for a 33-node tree), ``auto-pf`` (the same tiles with the L2 prefetch
+of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``) or ``64`` (the default
+64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
+``4`` (8 x 4 everywhere).
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
+    python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto
 
 Run 2e050e0 (H200, past 192, us per forward; measured with this module's predecessor script, the
 same method): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
@@ -47,11 +50,12 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     dev.set_current()
     stream = dev.create_stream()
     timing = EventOptions(timing_enabled=True)
-    few, wide = em.FEW_NODES_PER_SM, lin.WIDE_ARCHS
+    few, wide, prefetch = em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2
     results: dict[str, dict[int, float]] = {}
     advanced = False
     for tile, cols in variants:
         em.FEW_NODES_PER_SM = 0 if tile == "64" else few
+        em.ATTENTION_PREFETCH_L2 = tile == "auto-pf"
         lin.WIDE_ARCHS = () if cols == "4" else wide
         for cached in (lin._plan, lin._grid_cols, lin._setup):
             cached.cache_clear()
@@ -80,8 +84,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             per_rows[rows] = round(float(np.median(times)), 1)
             graph.close()
         results[f"{tile}/{cols}"] = per_rows
-        print(f"tile {tile:4s} cols {cols:4s} " + json.dumps(per_rows), flush=True)
-    em.FEW_NODES_PER_SM, lin.WIDE_ARCHS = few, wide
+        print(f"tile {tile:7s} cols {cols:4s} " + json.dumps(per_rows), flush=True)
+    em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2 = few, wide, prefetch
     return results
 
 
@@ -89,8 +93,8 @@ def _variants(text: str) -> list[tuple[str, str]]:
     out = []
     for item in text.split(","):
         tile, _, cols = item.partition("/")
-        if tile not in ("auto", "64") or cols not in ("auto", "4"):
-            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in auto|64, COLS in auto|4")
+        if tile not in ("auto", "auto-pf", "64") or cols not in ("auto", "4"):
+            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in auto|auto-pf|64, COLS in auto|4")
         out.append((tile, cols))
     return out
 

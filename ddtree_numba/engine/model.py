@@ -76,6 +76,9 @@ SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are P
 # block reading the keys once for all its heads.
 DECODE_NODES_PER_SM = 0.25
 FEW_NODES_PER_SM = 2
+# The attention tiles' L2 prefetch of the next chunk's key rows (va.TileConfig.prefetch_l2): layout,
+# not numerics. Off until measured on the H200 (bench.forward_ab's auto-pf variant turns it on).
+ATTENTION_PREFETCH_L2 = False
 STATIC_SMEM_LIMIT = 48 * 1024  # static shared memory per block (limits §4): bounds the attention path table
 PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
 
@@ -192,7 +195,8 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     if h % base.heads:
         raise ValueError(f"config: n_heads={h} must be a multiple of the attention tile's {base.heads} heads")
     room = (STATIC_SMEM_LIMIT - base.static_shared_bytes) // PATH_ENTRY_BYTES
-    return dataclasses.replace(base, max_path=max(base.max_path, min(max_rows, base.max_path + room)))
+    return dataclasses.replace(base, max_path=max(base.max_path, min(max_rows, base.max_path + room)),
+                               prefetch_l2=ATTENTION_PREFETCH_L2)
 
 
 def prefill_visibility(sizes: np.ndarray, tree_capacity: int) -> np.ndarray:
