@@ -639,9 +639,10 @@ def _emit_ranked(buf, n, k, any_bad, big_m, total, row, chunk, cand, cmax, csum,
     thread ranks its candidates by counting the larger ones (n shared reads each, broadcast) and
     writes those of rank < k straight to their place: the same outputs as the sorted buffer's
     head, with no barrier instead of the bitonic sort's log2(n) (log2(n) + 1) / 2 layers (21 at
-    64 candidates). (A row with fewer than k' candidates, possible only with non-finite logits,
-    whose outputs are unspecified, keeps its unwritten ranks as they were; the sort wrote padding.) On the H200 (960 bf16 rows, k 32) the finish took 2.5 us a block instead of
-    5.75 (docs/PERFORMANCE.md, run top-k 3).
+    64 candidates). On the H200 (960 bf16 rows, k 32) the finish took 2.5 us a block instead of
+    5.75 (docs/PERFORMANCE.md, run top-k 3). A row with fewer than k' candidates (possible only
+    with non-finite logits, whose outputs are unspecified) keeps its unwritten ranks as they
+    were, where the sort wrote padding.
     """
     single = cuda.gridDim.x == 1
     lse = big_m + math.log(total)

@@ -114,10 +114,10 @@ class TileConfig:
             one node; 1 spreads a decode step's merge over H blocks instead of one).
         prefetch_l2: issue ``prefetch.L2`` for every cache line of a chunk's key rows one
             chunk ahead (the first chunk at the start), so the key slices' loads hit L2 (every
-            line where rows start at multiples of 128 bytes, as Dl = 512 and Dr = 64 rows do in an
-            aligned allocation; otherwise a row's last line may be left out). For
-            launches with few blocks, whose 9 key slices a chunk each wait one HBM latency;
-            layout, not numerics (a prefetch changes no value). A no-op in the simulator.
+            line where rows start at multiples of 128 bytes, as Dl = 512 and Dr = 64 rows do in
+            an aligned allocation; otherwise a row's last line may be left out). For launches
+            with few blocks, whose 9 key slices a chunk each wait one HBM latency; layout, not
+            numerics (a prefetch changes no value). A no-op in the simulator.
     """
 
     latent_dim: int
@@ -347,11 +347,11 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     KT_LEVELS = KEY_TILES.bit_length() - 1      # xor-butterfly levels over the key tiles
     VV = math.gcd(PD, 4)                # consecutive value dims per lane step (one float4)
     MERGE_THREADS = config.merge_threads
+    MERGE_HEADS = config.merge_heads
     PREFETCH = config.prefetch_l2
     LINE_FLOATS = 32                    # one 128-byte cache line
     DL_LINES = -(-DL // LINE_FLOATS)
     ROW_LINES = DL_LINES + -(-DR // LINE_FLOATS)    # lines of one key row (latent, then rope)
-    MERGE_HEADS = config.merge_heads
     # Staging geometry: a row of KS (or DL) floats is loaded by S_TPR (V_TPR) consecutive lanes.
     S_TPR = min(THREADS, KS)
     S_ROW_STEP = THREADS // S_TPR
