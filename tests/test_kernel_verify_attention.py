@@ -333,6 +333,8 @@ def tiled_baseline():
     dict(heads=4), dict(merge_heads=2), dict(heads=4, merge_heads=4),
     dict(heads=4, qk_rows=1, pv_dims=1),        # 128 threads: other score and value tiles
     dict(prefetch_l2=True),                     # (the simulator checks each prefetched line's index)
+    dict(prefetch_l2=True, prefetch_chunks=2),  # two chunks ahead: tree keys among the prefetched
+    dict(prefetch_l2=True, prefetch_chunks=64), # the whole segment at the start
 ])
 def test_tile_and_merge_heads_are_layout_not_numerics(layout, tiled_baseline):
     """Heads per attention tile and per merge block, and the per-thread tiles, move work
@@ -428,7 +430,7 @@ def test_plan_errors(kwargs, exc, word):
 @pytest.mark.parametrize("change", [
     dict(k_slice=7), dict(k_groups=3), dict(qk_rows=3), dict(pv_dims=3), dict(v_slice=3),
     dict(heads=4, pv_rows=2), dict(chunk=0), dict(merge_threads=48), dict(k_groups=64, k_slice=64),
-    dict(prefetch_l2=1),
+    dict(prefetch_l2=1), dict(prefetch_chunks=0),
 ])
 def test_config_errors(change):
     fields = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
@@ -590,7 +592,9 @@ def test_gpu_kimi_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode_config", [va.KIMI_K2_CONFIG, va.KIMI_K2_SMALL_TREE_CONFIG, va.KIMI_K2_DECODE_CONFIG,
-                                           dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True)])
+                                           dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True),
+                                           dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True,
+                                                               prefetch_chunks=64)])
 def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
     """64-head tree tiles vs decode steps with 64-, 16- or 8-head tiles (the engine's AR model)."""
     rng = np.random.default_rng(11)

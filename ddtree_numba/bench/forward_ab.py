@@ -8,12 +8,13 @@ tree over ``--past`` cached rows).
 
 Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: 8-head tiles for
 an AR step, 16-head tiles for a 33-node tree), ``auto-pf`` (the same tiles with the L2 prefetch
-of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``) or ``64`` (the default
+of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
+segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``) or ``64`` (the default
 64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
 ``4`` (8 x 4 everywhere).
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
-    python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto
+    python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
 
 Run 2e050e0 (H200, past 192, us per forward; measured with this module's predecessor script, the
 same method): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
@@ -28,6 +29,8 @@ import sys
 import numpy as np
 
 REPS = 40
+TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64")
+SEGMENT_CHUNKS = 64  # auto-pfs: the default split (2048 keys) over 32-key chunks, prefetched at the start
 
 
 def time_variants(preset: str, past: int, row_counts: list[int], variants: list[tuple[str, str]],
@@ -50,12 +53,14 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     dev.set_current()
     stream = dev.create_stream()
     timing = EventOptions(timing_enabled=True)
-    few, wide, prefetch = em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2
+    few, wide, prefetch, ahead = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2,
+                                  em.ATTENTION_PREFETCH_CHUNKS)
     results: dict[str, dict[int, float]] = {}
     advanced = False
     for tile, cols in variants:
         em.FEW_NODES_PER_SM = 0 if tile == "64" else few
-        em.ATTENTION_PREFETCH_L2 = tile == "auto-pf"
+        em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
+        em.ATTENTION_PREFETCH_CHUNKS = SEGMENT_CHUNKS if tile == "auto-pfs" else 1
         lin.WIDE_ARCHS = () if cols == "4" else wide
         for cached in (lin._plan, lin._grid_cols, lin._setup):
             cached.cache_clear()
@@ -86,6 +91,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         results[f"{tile}/{cols}"] = per_rows
         print(f"tile {tile:7s} cols {cols:4s} " + json.dumps(per_rows), flush=True)
     em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2 = few, wide, prefetch
+    em.ATTENTION_PREFETCH_CHUNKS = ahead
     return results
 
 
@@ -93,8 +99,8 @@ def _variants(text: str) -> list[tuple[str, str]]:
     out = []
     for item in text.split(","):
         tile, _, cols = item.partition("/")
-        if tile not in ("auto", "auto-pf", "64") or cols not in ("auto", "4"):
-            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in auto|auto-pf|64, COLS in auto|4")
+        if tile not in TILE_VARIANTS or cols not in ("auto", "4"):
+            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}, COLS in auto|4")
         out.append((tile, cols))
     return out
 

@@ -45,6 +45,12 @@ TILES = {
     "h32": va.default_config(512, 64, 32),         # 32 heads per tile (KV read twice per node)
     "h8": va.KIMI_K2_DECODE_CONFIG,                # 8 heads per tile: the engine's decode steps
     "h8-prefetch": dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True),  # + key rows to L2 a chunk ahead
+    # + the whole segment's key rows to L2 at the start (prefetch_chunks = split_size / chunk)
+    "h8-prefetch-seg": dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True,
+                                           prefetch_chunks=va.DEFAULT_SPLIT_SIZE // va.KIMI_K2_DECODE_CONFIG.chunk),
+    "h16": va.KIMI_K2_SMALL_TREE_CONFIG,           # 16 heads per tile: the engine's small trees
+    "h16-prefetch-seg": dataclasses.replace(va.KIMI_K2_SMALL_TREE_CONFIG, prefetch_l2=True,
+                                            prefetch_chunks=va.DEFAULT_SPLIT_SIZE // va.KIMI_K2_SMALL_TREE_CONFIG.chunk),
 }
 AMPLITUDE = 1.0  # inputs uniform in [-1, 1): scores have std ~1.2 after the scale
 FILL_THREADS = 256

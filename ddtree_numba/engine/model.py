@@ -79,6 +79,7 @@ FEW_NODES_PER_SM = 2
 # The attention tiles' L2 prefetch of the next chunk's key rows (va.TileConfig.prefetch_l2): layout,
 # not numerics. Off until measured on the H200 (bench.forward_ab's auto-pf variant turns it on).
 ATTENTION_PREFETCH_L2 = False
+ATTENTION_PREFETCH_CHUNKS = 1  # how far ahead (va.TileConfig.prefetch_chunks); the split / chunk: all at once
 STATIC_SMEM_LIMIT = 48 * 1024  # static shared memory per block (limits §4): bounds the attention path table
 PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
 
@@ -196,7 +197,7 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
         raise ValueError(f"config: n_heads={h} must be a multiple of the attention tile's {base.heads} heads")
     room = (STATIC_SMEM_LIMIT - base.static_shared_bytes) // PATH_ENTRY_BYTES
     return dataclasses.replace(base, max_path=max(base.max_path, min(max_rows, base.max_path + room)),
-                               prefetch_l2=ATTENTION_PREFETCH_L2)
+                               prefetch_l2=ATTENTION_PREFETCH_L2, prefetch_chunks=ATTENTION_PREFETCH_CHUNKS)
 
 
 def prefill_visibility(sizes: np.ndarray, tree_capacity: int) -> np.ndarray:

@@ -118,6 +118,10 @@ class TileConfig:
             an aligned allocation; otherwise a row's last line may be left out). For launches
             with few blocks, whose 9 key slices a chunk each wait one HBM latency; layout, not
             numerics (a prefetch changes no value). A no-op in the simulator.
+        prefetch_chunks: how many chunks ahead ``prefetch_l2`` runs: the first
+            ``prefetch_chunks`` chunks at the start, chunk ``c + prefetch_chunks`` during chunk
+            ``c``'s P V (``split_size // chunk`` or more: the whole segment at the start, one
+            wait for HBM instead of one a chunk). Layout, not numerics.
     """
 
     latent_dim: int
@@ -135,6 +139,7 @@ class TileConfig:
     merge_threads: int = 128
     merge_heads: int = 1
     prefetch_l2: bool = False
+    prefetch_chunks: int = 1
 
     @property
     def threads(self) -> int:
@@ -177,7 +182,8 @@ class TileConfig:
         """Raise ValueError naming 'config' unless the tiling is consistent."""
         fields = (self.latent_dim, self.rope_dim, self.heads, self.chunk, self.k_slice,
                   self.k_groups, self.qk_rows, self.qk_keys, self.pv_rows, self.pv_dims,
-                  self.v_slice, self.max_path, self.merge_threads, self.merge_heads)
+                  self.v_slice, self.max_path, self.merge_threads, self.merge_heads,
+                  self.prefetch_chunks)
         checks = [
             (all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields),
              "every field must be a positive int"),
@@ -349,6 +355,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     MERGE_THREADS = config.merge_threads
     MERGE_HEADS = config.merge_heads
     PREFETCH = config.prefetch_l2
+    PREFETCH_AHEAD = config.prefetch_chunks * CHUNK     # key positions prefetched ahead
     LINE_FLOATS = 32                    # one 128-byte cache line
     DL_LINES = -(-DL // LINE_FLOATS)
     ROW_LINES = DL_LINES + -(-DR // LINE_FLOATS)    # lines of one key row (latent, then rope)
@@ -450,20 +457,20 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                     bufs[uint64(off + c * DL + v_col + cp * V_TPR)] = v_reg[rp * V_COL_PASSES + cp]
 
     @cuda.jit(device=True, inline="always")
-    def prefetch_rows(kv_latent, k_rope, rows, rows_off, tid):
-        """``prefetch.L2`` of every line of the chunk's key rows ``rows[rows_off:]``, spread
-        over the block's threads (-1: no key)."""
+    def prefetch_keys(kv_latent, k_rope, first, end, past, path, kv_base, tid):
+        """``prefetch.L2`` of every line of the key rows at positions ``first .. end - 1`` (all
+        18 lines of a row: latent, then rope), spread over the block's threads."""
+        n_lines = uint32(max(end - first, 0) * ROW_LINES)
         line = uint32(tid)
-        while line < uint32(CHUNK * ROW_LINES):   # uint32: division by a constant is a multiply
+        while line < n_lines:   # uint32: division by a constant is a multiply
             c = line // uint32(ROW_LINES)
             part = line - c * uint32(ROW_LINES)
-            row = rows[uint64(rows_off + c)]
+            row = kv_base + kv_row(first + int32(c), past, path)
             line += uint32(THREADS)
-            if row >= 0:
-                if part < DL_LINES:
-                    _prefetch_l2(kv_latent, uint64(row * DL + part * LINE_FLOATS))
-                else:
-                    _prefetch_l2(k_rope, uint64(row * DR + (part - DL_LINES) * LINE_FLOATS))
+            if part < DL_LINES:
+                _prefetch_l2(kv_latent, uint64(row * DL + part * LINE_FLOATS))
+            else:
+                _prefetch_l2(k_rope, uint64(row * DR + (part - DL_LINES) * LINE_FLOATS))
 
     @cuda.jit(**_jit_options(THREADS))
     def attention(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility,
@@ -524,8 +531,9 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 row = kv_base + kv_row(seg_start + tid, past, path)
             rows[tid] = row
         cuda.syncthreads()  # the first chunk's key rows are known
-        if PREFETCH:
-            prefetch_rows(kv_latent, k_rope, rows, 0, tid)
+        if PREFETCH:   # the first PREFETCH_AHEAD keys (path[] is complete)
+            prefetch_keys(kv_latent, k_rope, seg_start, min(seg_start + PREFETCH_AHEAD, seg_end),
+                          past, path, kv_base, tid)
 
         q_base = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
         s_row = tid // S_TPR
@@ -635,8 +643,10 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                     row = kv_base + kv_row(pos, past, path)
                 rows[uint64(nxt * CHUNK + tid)] = row
             cuda.syncthreads()  # probs, alpha, next rows ready; score readers of bufs done
-            if PREFETCH:   # the next chunk's key rows, to L2 during this chunk's P V
-                prefetch_rows(kv_latent, k_rope, rows, nxt * CHUNK, tid)
+            if PREFETCH:   # the key rows PREFETCH_AHEAD on, to L2 during this chunk's P V
+                ahead = chunk_start + PREFETCH_AHEAD
+                prefetch_keys(kv_latent, k_rope, ahead, min(ahead + CHUNK, seg_end), past, path,
+                              kv_base, tid)
 
             # ---- acc = acc * alpha + P V; value slices alternate between the two halves of
             # bufs, each prefetched into registers one slice ahead ----
@@ -965,7 +975,7 @@ KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
 for _name, _config, _what in (
         ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
         ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
-        ("verify_attention_mla_8_heads_prefetch", dataclasses.replace(KIMI_K2_DECODE_CONFIG, prefetch_l2=True),
+        ("verify_attention_mla_8_heads_prefetch", dataclasses.replace(KIMI_K2_DECODE_CONFIG, prefetch_l2=True, prefetch_chunks=64),
          "8-head tiles, key rows prefetched to L2 a chunk ahead (opt-in, TileConfig.prefetch_l2)"),
         ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
