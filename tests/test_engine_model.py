@@ -432,6 +432,23 @@ def test_attention_prefetch_switch_changes_only_the_prefetch(monkeypatch) -> Non
         assert cfg.prefetch_l2 and dataclasses.replace(cfg, prefetch_l2=False) == base
 
 
+def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:
+    """engine.model.DECODE_TILE / FEW_NODES_TILE as (heads, score_keys): the score-first tiles for
+    an AR step (and a small tree), the same numerics fields as every other tile."""
+    import ddtree_numba.engine.model as em
+    kimi = ModelConfig.from_name("small")
+    monkeypatch.setattr(em, "DECODE_TILE", (4, 128))
+    decode, tree = attention_tile_config(kimi, 1), attention_tile_config(kimi, 33)
+    assert (decode.heads, decode.score_keys) == (4, 128) and tree.score_keys == 0
+    monkeypatch.setattr(em, "FEW_NODES_TILE", (2, 64))
+    tree = attention_tile_config(kimi, 33)
+    assert (tree.heads, tree.score_keys, tree.threads) == (2, 64, 64)
+    wide = attention_tile_config(kimi, 33, batch_size=8)
+    for cfg in (decode, tree):
+        assert (cfg.chunk, cfg.k_groups, cfg.qk_keys) == (wide.chunk, wide.k_groups, wide.qk_keys)
+        assert cfg.static_shared_bytes <= em.STATIC_SMEM_LIMIT   # max_path raised within the limit
+
+
 def test_cache_past_lens_and_advance() -> None:
     config, _ = _tiny()
     cache = KVCache(config, 3, 8)

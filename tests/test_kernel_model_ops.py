@@ -358,6 +358,74 @@ def test_moe_route_tie_heavy_inputs_are_bit_exact(case):
         assert np.array_equal(ids[0], np.arange(config.n_activated_experts))  # all equal: lowest ids
 
 
+# Tie-heavy routing at more shapes: one group and 4 (keep 2); E = 64, more than the simulator's
+# 32-thread block (each thread ranks several experts); k = 1, 4, 8, 32; groups of one expert
+# (softmax: a group scores its max). Bias: one value per group (so top-2 sums tie exactly or
+# differ by >= 0.006), per expert with one group.
+TIE_CASES = {
+    "g1_e12_k1": dict(n_routed_experts=12, n_expert_groups=1, n_limited_groups=1, n_activated_experts=1),
+    "g1_e64_k8": dict(n_routed_experts=64, n_expert_groups=1, n_limited_groups=1, n_activated_experts=8),
+    "g1_e64_k32": dict(n_routed_experts=64, n_expert_groups=1, n_limited_groups=1, n_activated_experts=32),
+    "g4_keep2_e16_k4": dict(n_routed_experts=16, n_expert_groups=4, n_limited_groups=2, n_activated_experts=4),
+    "g4_keep2_e64_k8": dict(n_routed_experts=64, n_expert_groups=4, n_limited_groups=2, n_activated_experts=8),
+    "g16_keep5_softmax": dict(score_func="softmax", n_routed_experts=16, n_expert_groups=16, n_limited_groups=5,
+                              n_activated_experts=4),
+}
+
+
+@pytest.mark.parametrize("case,with_bias", [(case, with_bias) for case in sorted(TIE_CASES) for with_bias in (True, False)
+                                             if with_bias <= ("score_func" not in TIE_CASES[case])])
+def test_moe_route_ranks_ties_at_many_shapes(case, with_bias):
+    """Logits from {-1000, 0, 1/2, 1} (one-hot rows; sigmoid / softmax of -1000 is exactly +0.0):
+    exact ties between experts, between groups and at zero, every other gap >= 0.0025. Every
+    row must match the reference (lower indices first); row 0 (every logit 0) without a bias
+    picks experts 0..k-1."""
+    config = _routing_config(**TIE_CASES[case])
+    rng = np.random.default_rng(21)
+    e, d, g = config.n_routed_experts, config.hidden_size, config.n_expert_groups
+    gate_w = rng.choice([-1000.0, 0.0, 0.5, 1.0], p=[0.2, 0.3, 0.3, 0.2], size=(e, d)).astype(np.float32)
+    xn = np.zeros((16, d), np.float32)
+    xn[np.arange(1, 16), rng.integers(0, d, 15)] = 1.0  # logit = one weight, exactly
+    bias = None
+    if with_bias:
+        levels = rng.choice([0.0, 0.125], size=g if g > 1 else e)
+        bias = np.repeat(levels, e // levels.size).astype(np.float32)
+    ids, gap = _check_routing(config, xn, gate_w, bias, allow_near_ties=False)
+    assert np.count_nonzero(gap == 0) >= 3  # the tie rule decides the selection on several rows
+    if bias is None:
+        assert np.array_equal(ids[0], np.arange(config.n_activated_experts))
+
+
+@pytest.mark.parametrize("k", [4, 7])
+def test_moe_route_nan_scores_rank_last(k):
+    """NaN scores (a NaN input row; NaN gate rows for experts 1, 2 and groups 2, 3) rank as -inf:
+    a group of them scores -inf, and they are picked only when the kept groups hold fewer than k
+    finite values, lowest index first (k = 7: six finite ones). The reference, given those
+    experts' bias as -inf instead, picks the same ids; a row picking a NaN score has NaN weights."""
+    config = _routing_config(n_routed_experts=16, n_expert_groups=4, n_limited_groups=2, n_activated_experts=k)
+    rng = np.random.default_rng(22)
+    d = config.hidden_size
+    xn = rng.standard_normal((5, d)).astype(np.float32)
+    xn[2] = np.nan
+    gate_w = (rng.standard_normal((16, d)) / np.sqrt(d)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(16)).astype(np.float32)
+    dead = np.r_[1, 2, 8:16]
+    gate_w[dead] = np.nan
+    ids, weights, *_ = _route(config, xn, gate_w, bias)
+    clean_w, dead_bias = gate_w.copy(), bias.copy()
+    clean_w[dead], dead_bias[dead] = 0.0, -np.inf
+    with np.errstate(invalid="ignore"):  # k = 7: the expert gap is -inf - -inf
+        ref_ids, ref_w, gap = _reference_route(config, xn, clean_w, dead_bias)
+    live = np.arange(5) != 2
+    assert not np.any((gap[live] > 0) & (gap[live] < NEAR_TIE))
+    assert np.array_equal(ids[live], ref_ids[live])
+    assert np.array_equal(ids[2], np.arange(k))  # all -inf: groups 0, 1 kept, their lowest ids
+    nan_rows = ~live | np.isin(ids, dead).any(axis=1)
+    assert np.count_nonzero(nan_rows) == (5 if k == 7 else 1)
+    assert np.all(np.isnan(weights[nan_rows]))
+    np.testing.assert_allclose(weights[~nan_rows], ref_w[~nan_rows], rtol=W_RTOL, atol=W_ATOL)
+
+
 def test_moe_route_empty_experts():
     """A bias that makes experts 2 and 5 win every row: every other expert gets no entry."""
     config = _routing_config(n_expert_groups=1, n_limited_groups=1)

@@ -335,6 +335,8 @@ def tiled_baseline():
     dict(prefetch_l2=True),                     # (the simulator checks each prefetched line's index)
     dict(prefetch_l2=True, prefetch_chunks=2),  # two chunks ahead: tree keys among the prefetched
     dict(prefetch_l2=True, prefetch_chunks=64), # the whole segment at the start
+    dict(qk_rows=1, score_keys=16),             # score-first: one pass of 16 keys, 64 threads
+    dict(heads=1, qk_rows=1, score_keys=32),    # score-first: one head, a pass past the segment
 ])
 def test_tile_and_merge_heads_are_layout_not_numerics(layout, tiled_baseline):
     """Heads per attention tile and per merge block, and the per-thread tiles, move work
@@ -342,6 +344,32 @@ def test_tile_and_merge_heads_are_layout_not_numerics(layout, tiled_baseline):
     smaller tiles than a tree: default_config's 8-head tile)."""
     inputs, want = tiled_baseline
     got = _run(inputs, 0.3, dataclasses.replace(TILED, **layout), 16)
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
+@pytest.mark.parametrize("layout", [
+    dict(qk_rows=1, score_keys=16),                                 # 4 passes per 64-key segment
+    dict(heads=1, qk_rows=1, score_keys=32, prefetch_l2=True),      # 2 passes, prefetch a chunk on
+    dict(qk_rows=1, score_keys=48),                                 # a partial last pass
+])
+def test_score_first_layout_is_not_numerics(layout):
+    """The score-first layout (few-node launches: scores of many keys at once, then the online
+    softmax chunk by chunk) against the chunk layout, over segments of several passes, a
+    ragged batch and trees whose nodes straddle passes: the same bits."""
+    rng = np.random.default_rng(21)
+    inputs, _ = _batch(rng, TILED, 4, [75, 0, 130, 47], [6, 3, 1, 9], 9, 160)
+    want = _run(inputs, 0.3, TILED, 64)
+    got = _run(inputs, 0.3, dataclasses.replace(TILED, **layout), 64)
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
+def test_score_first_kimi_dims():
+    """The engine's decode tile shape at Kimi dims (2 heads here to keep the simulator quick):
+    score-first equals the chunk layout bit for bit, keys across two passes."""
+    rng = np.random.default_rng(22)
+    inputs, _ = _batch(rng, KIMI_DIMS_H2, 2, [70], [2], 2, 80)
+    want = _run(inputs, 0.3, KIMI_DIMS_H2, 128)
+    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=64), 128)
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
@@ -430,7 +458,8 @@ def test_plan_errors(kwargs, exc, word):
 @pytest.mark.parametrize("change", [
     dict(k_slice=7), dict(k_groups=3), dict(qk_rows=3), dict(pv_dims=3), dict(v_slice=3),
     dict(heads=4, pv_rows=2), dict(chunk=0), dict(merge_threads=48), dict(k_groups=64, k_slice=64),
-    dict(prefetch_l2=1), dict(prefetch_chunks=0),
+    dict(prefetch_l2=1), dict(prefetch_chunks=0), dict(score_keys=12), dict(score_keys=-8),
+    dict(score_keys=8, qk_rows=2),   # 16 threads for 2 heads x 16 softmax lanes
 ])
 def test_config_errors(change):
     fields = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
@@ -594,7 +623,10 @@ def test_gpu_kimi_matches_reference():
 @pytest.mark.parametrize("decode_config", [va.KIMI_K2_CONFIG, va.KIMI_K2_SMALL_TREE_CONFIG, va.KIMI_K2_DECODE_CONFIG,
                                            dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True),
                                            dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True,
-                                                               prefetch_chunks=64)])
+                                                               prefetch_chunks=64),
+                                           va.KIMI_K2_SCORE_FIRST_CONFIG,
+                                           va.default_config(512, 64, 64, tile_heads=2, score_keys=128),
+                                           va.default_config(512, 64, 64, tile_heads=8, score_keys=64)])
 def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
     """64-head tree tiles vs decode steps with 64-, 16- or 8-head tiles (the engine's AR model)."""
     rng = np.random.default_rng(11)

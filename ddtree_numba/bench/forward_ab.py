@@ -9,7 +9,9 @@ tree over ``--past`` cached rows).
 Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: 8-head tiles for
 an AR step, 16-head tiles for a 33-node tree), ``auto-pf`` (the same tiles with the L2 prefetch
 of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
-segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``) or ``64`` (the default
+segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``h8`` (8-head chunk-layout
+decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
+``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too) or ``64`` (the default
 64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
 ``4`` (8 x 4 everywhere).
 
@@ -29,7 +31,7 @@ import sys
 import numpy as np
 
 REPS = 40
-TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64")
+TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
 SEGMENT_CHUNKS = 64  # auto-pfs: the default split (2048 keys) over 32-key chunks, prefetched at the start
 
 
@@ -53,14 +55,23 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     dev.set_current()
     stream = dev.create_stream()
     timing = EventOptions(timing_enabled=True)
-    few, wide, prefetch, ahead = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2,
-                                  em.ATTENTION_PREFETCH_CHUNKS)
+    saved = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
+             em.DECODE_TILE, em.FEW_NODES_TILE)
+    few, wide = saved[0], saved[1]
     results: dict[str, dict[int, float]] = {}
     advanced = False
     for tile, cols in variants:
         em.FEW_NODES_PER_SM = 0 if tile == "64" else few
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
         em.ATTENTION_PREFETCH_CHUNKS = SEGMENT_CHUNKS if tile == "auto-pfs" else 1
+        em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
+        if tile.startswith("sf"):   # sfHxK: score-first decode tiles; sfHxK+: small trees too
+            score_first = _score_first_tile(tile)
+            em.DECODE_TILE = score_first
+            if tile.endswith("+"):
+                em.FEW_NODES_TILE = score_first
+        elif tile == "h8":
+            em.DECODE_TILE = 8
         lin.WIDE_ARCHS = () if cols == "4" else wide
         for cached in (lin._plan, lin._grid_cols, lin._setup):
             cached.cache_clear()
@@ -90,17 +101,25 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             graph.close()
         results[f"{tile}/{cols}"] = per_rows
         print(f"tile {tile:7s} cols {cols:4s} " + json.dumps(per_rows), flush=True)
-    em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2 = few, wide, prefetch
-    em.ATTENTION_PREFETCH_CHUNKS = ahead
+    (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
+     em.DECODE_TILE, em.FEW_NODES_TILE) = saved
     return results
+
+
+def _score_first_tile(tile: str) -> tuple[int, int] | None:
+    """``sfHxK`` or ``sfHxK+`` -> (H heads, K score keys); None for any other name."""
+    body = tile[2:].rstrip("+") if tile.startswith("sf") else ""
+    heads, _, keys = body.partition("x")
+    return (int(heads), int(keys)) if heads.isdigit() and keys.isdigit() else None
 
 
 def _variants(text: str) -> list[tuple[str, str]]:
     out = []
     for item in text.split(","):
         tile, _, cols = item.partition("/")
-        if tile not in TILE_VARIANTS or cols not in ("auto", "4"):
-            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}, COLS in auto|4")
+        if (tile not in TILE_VARIANTS and not _score_first_tile(tile)) or cols not in ("auto", "4"):
+            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}|sfHxK|sfHxK+, "
+                                             "COLS in auto|4")
         out.append((tile, cols))
     return out
 

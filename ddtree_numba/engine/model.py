@@ -76,6 +76,10 @@ SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are P
 # block reading the keys once for all its heads.
 DECODE_NODES_PER_SM = 0.25
 FEW_NODES_PER_SM = 2
+# The tiles of those two launch sizes: a head count (the chunk layout) or (heads, score_keys), the
+# score-first layout (va.TileConfig.score_keys). Layout, not numerics; bench.forward_ab times them.
+DECODE_TILE: int | tuple[int, int] = 8
+FEW_NODES_TILE: int | tuple[int, int] = 16
 # The attention tiles' L2 prefetch of the next chunk's key rows (va.TileConfig.prefetch_l2): layout,
 # not numerics. Off until measured on the H200 (bench.forward_ab's auto-pf variant turns it on).
 ATTENTION_PREFETCH_L2 = False
@@ -182,10 +186,11 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     dl, dr, h = config.kv_lora_rank, config.qk_rope_dim, config.n_heads
     blocks = batch_size * max_rows * (h // math.gcd(h, 64))  # attention blocks with the default tiles
     sms = active_profile().sm_count
-    tile_heads = (None if h % 16 else 8 if blocks < DECODE_NODES_PER_SM * sms
-                  else 16 if blocks < FEW_NODES_PER_SM * sms else None)
+    tile = (None if h % 16 else DECODE_TILE if blocks < DECODE_NODES_PER_SM * sms
+            else FEW_NODES_TILE if blocks < FEW_NODES_PER_SM * sms else None)
+    tile_heads, score_keys = tile if isinstance(tile, tuple) else (tile, 0)
     try:
-        base = va.default_config(dl, dr, h, tile_heads=tile_heads)
+        base = va.default_config(dl, dr, h, tile_heads=tile_heads, score_keys=score_keys)
     except ValueError:
         base = _small_tile_config(dl, dr, h)
     try:

@@ -122,6 +122,14 @@ class TileConfig:
             ``prefetch_chunks`` chunks at the start, chunk ``c + prefetch_chunks`` during chunk
             ``c``'s P V (``split_size // chunk`` or more: the whole segment at the start, one
             wait for HBM instead of one a chunk). Layout, not numerics.
+        score_keys: 0 for the chunk layout; else a multiple of ``chunk``: the score-first layout
+            for launches with few nodes (an AR step), where a block scores ``score_keys`` keys
+            of every tile head at once (``heads / qk_rows * score_keys / qk_keys * k_groups``
+            threads), then runs the online softmax over the pass's chunks on the chunk layout's
+            lanes, then ``P V`` with each thread on ``latent_dim / threads`` dims of every head.
+            Layout, not numerics: every score, running max and sum and accumulator sees the
+            same float32 operations in the same order (``pv_rows``, ``pv_dims`` and ``v_slice``
+            are unused).
     """
 
     latent_dim: int
@@ -140,15 +148,21 @@ class TileConfig:
     merge_heads: int = 1
     prefetch_l2: bool = False
     prefetch_chunks: int = 1
+    score_keys: int = 0
 
     @property
     def threads(self) -> int:
         """Threads per attention block (both GEMM layouts use all of them)."""
-        return (self.heads // self.qk_rows) * (self.chunk // self.qk_keys) * self.k_groups
+        keys = self.score_keys or self.chunk   # keys scored at once
+        return (self.heads // self.qk_rows) * (keys // self.qk_keys) * self.k_groups
 
     @property
     def static_shared_bytes(self) -> int:
         """Static shared memory of the attention kernel, in bytes."""
+        if self.score_keys:   # key and query slices, scores, rescales, path, key rows
+            return 4 * ((self.score_keys + self.heads) * self.k_row + self.heads * self.score_keys
+                        + self.heads * (self.score_keys // self.chunk) + self.max_path
+                        + self.score_keys)
         return 4 * (
             2 * self.buffer_floats
             + self.chunk * self.probs_row
@@ -184,6 +198,7 @@ class TileConfig:
                   self.k_groups, self.qk_rows, self.qk_keys, self.pv_rows, self.pv_dims,
                   self.v_slice, self.max_path, self.merge_threads, self.merge_heads,
                   self.prefetch_chunks)
+        score_first = isinstance(self.score_keys, int) and self.score_keys > 0
         checks = [
             (all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields),
              "every field must be a positive int"),
@@ -198,8 +213,13 @@ class TileConfig:
             (self.chunk % self.qk_keys == 0 and self.chunk % self.v_slice == 0,
              "qk_keys and v_slice must divide chunk"),
             (self.latent_dim % self.pv_dims == 0, "pv_dims must divide latent_dim"),
-            ((self.heads // self.pv_rows) * (self.latent_dim // self.pv_dims) == self.threads,
-             "the score and P·V layouts must use the same thread count"),
+            (score_first or (self.heads // self.pv_rows) * (self.latent_dim // self.pv_dims)
+             == self.threads, "the score and P·V layouts must use the same thread count"),
+            (isinstance(self.score_keys, int) and not isinstance(self.score_keys, bool)
+             and self.score_keys >= 0 and self.chunk > 0 and self.score_keys % self.chunk == 0,
+             "score_keys must be 0 or a multiple of chunk"),
+            (not score_first or self.heads * self.k_groups * (self.chunk // self.qk_keys) <= self.threads,
+             "score_keys: the softmax lanes of every head must fit the block"),
             (self.threads % WARP == 0 and self.threads <= 1024,
              "threads must be a multiple of 32 and <= 1024"),
             (self.heads <= self.threads and self.chunk <= self.threads,
@@ -222,7 +242,7 @@ class TileConfig:
 
 
 def default_config(latent_dim: int, rope_dim: int, num_heads: int, *,
-                   tile_heads: int | None = None) -> TileConfig:
+                   tile_heads: int | None = None, score_keys: int = 0) -> TileConfig:
     """The specialisation :func:`plan` uses for ``(Dl, Dr, H)``; a function of these only.
 
     Dl = 512, Dr = 64 (DeepSeek-V3, Kimi K2 and their tensor-parallel shards; H a multiple of
@@ -231,11 +251,21 @@ def default_config(latent_dim: int, rope_dim: int, num_heads: int, *,
     sm_120, no spills, 46.25 KiB static shared memory; a 512-thread tiling with 8 x 8 accumulators
     spills under its 128-register cap). ``tile_heads`` (8, 16, 32 or 64, dividing H) picks smaller
     tiles: H / tile_heads blocks per node, each reading the node's keys (from L2 after the first),
-    for launches with few nodes (a decode step: one block per 64 heads leaves the GPU idle). The
-    tile size is layout, not numerics: chunk, k_groups and qk_keys stay, so every tile size gives
-    the same bits. Other dims have no preset: pass a :class:`TileConfig`.
+    for launches with few nodes (a decode step: one block per 64 heads leaves the GPU idle).
+    ``score_keys`` > 0 picks the score-first layout (``TileConfig.score_keys``) with ``tile_heads``
+    of 1, 2, 4 or 8 heads (default 4). The tile size and layout are not numerics: chunk, k_groups
+    and qk_keys stay, so every tile gives the same bits. Other dims have no preset: pass a
+    :class:`TileConfig`.
     """
     if (latent_dim, rope_dim) == (512, 64) and num_heads % 16 == 0:
+        if score_keys:
+            heads = 4 if tile_heads is None else tile_heads
+            if heads not in (1, 2, 4, 8) or num_heads % heads:
+                raise ValueError(f"tile_heads must be 1, 2, 4 or 8 and divide num_heads={num_heads} "
+                                 f"with score_keys, got {tile_heads}")
+            return TileConfig(latent_dim=512, rope_dim=64, heads=heads, chunk=32, k_slice=64, k_groups=2,
+                              qk_rows=1, qk_keys=4, pv_rows=1, pv_dims=32, v_slice=8,
+                              score_keys=score_keys)
         heads = math.gcd(num_heads, 64) if tile_heads is None else tile_heads
         if heads not in (8, 16, 32, 64) or num_heads % heads:
             raise ValueError(f"tile_heads must be 8, 16, 32 or 64 and divide num_heads={num_heads}, "
@@ -370,11 +400,60 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     V_COL_PASSES = DL // V_TPR
     V_ROW_PASSES = -(-CS // V_ROW_STEP)
     Q_ROWS_EXACT = HEADS % S_ROW_STEP == 0      # no row guard needed (compile-time)
-    K_ROWS_EXACT = CHUNK % S_ROW_STEP == 0
     V_ROWS_EXACT = CS % V_ROW_STEP == 0
     Q_REGS = Q_ROW_PASSES * S_COL_PASSES
     K_REGS = K_ROW_PASSES * S_COL_PASSES
     V_REGS = V_ROW_PASSES * V_COL_PASSES
+    # Score-first layout (config.score_keys > 0): SB keys scored per pass, then their softmax on
+    # the chunk layout's lanes (LANES per head), then P·V over dims tid + i * THREADS.
+    SB = max(config.score_keys, CHUNK)
+    SCORE_FIRST = config.score_keys > 0
+    SF_KEY_TILES = SB // RC             # thread tiles along the keys of a pass
+    SF_K_ROW_PASSES = -(-SB // S_ROW_STEP)
+    SF_K_REGS = SF_K_ROW_PASSES * S_COL_PASSES
+    SF_CHUNKS = SB // CHUNK             # chunks of a pass
+    LANES = KG * KEY_TILES              # softmax lanes of one head (the chunk layout's row tile)
+    SF_SOFTMAX_THREADS = -(-HEADS * LANES // WARP) * WARP  # whole warps: their shuffles need all lanes
+    SF_DIMS = -(-DL // THREADS)         # latent dims per thread in P·V (each for every head)
+    SF_QBUF = HEADS * KSP
+    SF_BUFS = SF_QBUF + SB * KSP
+    SF_PROBS = HEADS * SB
+    SF_ALPHAS = HEADS * SF_CHUNKS
+
+    @cuda.jit(device=True, inline="always")
+    def block_work(past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words,
+                   split):
+        """This block's (node, first head, segment, request), the request's past and size, the
+        node's visibility row and its segment's key positions ``[seg_start, seg_end)``; an empty
+        range for a padding node, a bad request, a path past MAX_PATH or an empty segment."""
+        head_groups = num_heads // HEADS
+        node = cuda.blockIdx.x // head_groups
+        h0 = (cuda.blockIdx.x % head_groups) * HEADS
+        seg = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        past = past_lens[b]
+        size = tree_sizes[b]
+        vis_base = (b * tree_capacity + node) * vis_words
+        seg_start = seg * split
+        seg_end = seg_start
+        if node < size and _request_ok(past, size, kv_rows, tree_capacity):
+            path_len = _path_length(visibility, vis_base, vis_words, size)
+            if path_len <= MAX_PATH:
+                seg_end = min(seg_start + split, past + path_len)
+        return node, h0, seg, b, past, size, vis_base, seg_start, seg_end
+
+    @cuda.jit(device=True, inline="always")
+    def fill_path(visibility, vis_base, size, path, tid):
+        """The visible tree nodes in node order: path[rank of j] = j, where the rank of j is the
+        number of visible nodes before it."""
+        for j in range(tid, size, THREADS):
+            w = j // 32
+            word = _visible_word(visibility, vis_base, w, size)
+            if (word >> (j % 32)) & 1:
+                rank = cuda.popc(word & ((1 << (j % 32)) - 1))
+                for v in range(w):
+                    rank += cuda.popc(_visible_word(visibility, vis_base, v, size))
+                path[uint64(rank)] = j
 
     @cuda.jit(device=True, inline="always")
     def kv_row(pos, past, path):
@@ -383,55 +462,104 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             return pos
         return past + path[uint64(pos - past)]
 
-    @cuda.jit(device=True, inline="always")
-    def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, rows_off, s_row,
-                      s_col, q_reg, k_reg):
-        """Global -> registers: ``[HEADS, KS]`` query and ``[CHUNK, KS]`` key slices at dim k0.
+    def slice_io(n_keys, k_buf):
+        """(load, store) of ``[HEADS, KS]`` query and ``[n_keys, KS]`` key slices, the keys at
+        ``bufs[k_buf:]`` (compile-time constants: the chunk layout stages CHUNK keys, the
+        score-first layout SB)."""
+        k_row_passes = -(-n_keys // S_ROW_STEP)
+        k_rows_exact = n_keys % S_ROW_STEP == 0
 
-        q_base: flat row of the tile's first head; rows[rows_off:]: the chunk's flat cache rows
-        (-1: no key, staged as zeros). A slice never straddles latent and rope (KS divides DL
-        and DR).
-        """
-        in_latent = k0 < DL
-        for rp in range(Q_ROW_PASSES):
-            r = s_row + rp * S_ROW_STEP
-            for cp in range(S_COL_PASSES):
-                col = k0 + s_col + cp * S_TPR
-                value = float32(0.0)
-                if Q_ROWS_EXACT or r < HEADS:
-                    if in_latent:
-                        value = q_latent[uint64((q_base + r) * DL + col)]
-                    else:
-                        value = q_rope[uint64((q_base + r) * DR + col - DL)]
-                q_reg[rp * S_COL_PASSES + cp] = value
-        for rp in range(K_ROW_PASSES):
-            c = s_row + rp * S_ROW_STEP
-            row = -1
-            if K_ROWS_EXACT or c < CHUNK:
-                row = rows[uint64(rows_off + c)]
-            for cp in range(S_COL_PASSES):
-                col = k0 + s_col + cp * S_TPR
-                value = float32(0.0)
-                if row >= 0:
-                    if in_latent:
-                        value = kv_latent[uint64(row * DL + col)]
-                    else:
-                        value = k_rope[uint64(row * DR + col - DL)]
-                k_reg[rp * S_COL_PASSES + cp] = value
+        @cuda.jit(device=True, inline="always")
+        def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, rows_off, s_row,
+                          s_col, q_reg, k_reg):
+            """Global -> registers: the query and key slices at dim k0.
+
+            q_base: flat row of the tile's first head; rows[rows_off:]: the keys' flat cache
+            rows (-1: no key, staged as zeros). A slice never straddles latent and rope (KS
+            divides DL and DR).
+            """
+            in_latent = k0 < DL
+            for rp in range(Q_ROW_PASSES):
+                r = s_row + rp * S_ROW_STEP
+                for cp in range(S_COL_PASSES):
+                    col = k0 + s_col + cp * S_TPR
+                    value = float32(0.0)
+                    if Q_ROWS_EXACT or r < HEADS:
+                        if in_latent:
+                            value = q_latent[uint64((q_base + r) * DL + col)]
+                        else:
+                            value = q_rope[uint64((q_base + r) * DR + col - DL)]
+                    q_reg[rp * S_COL_PASSES + cp] = value
+            for rp in range(k_row_passes):
+                c = s_row + rp * S_ROW_STEP
+                row = -1
+                if k_rows_exact or c < n_keys:
+                    row = rows[uint64(rows_off + c)]
+                for cp in range(S_COL_PASSES):
+                    col = k0 + s_col + cp * S_TPR
+                    value = float32(0.0)
+                    if row >= 0:
+                        if in_latent:
+                            value = kv_latent[uint64(row * DL + col)]
+                        else:
+                            value = k_rope[uint64(row * DR + col - DL)]
+                    k_reg[rp * S_COL_PASSES + cp] = value
+
+        @cuda.jit(device=True, inline="always")
+        def store_qk_slice(bufs, s_row, s_col, q_reg, k_reg):
+            """Registers -> shared memory: queries at bufs[0:], keys at bufs[k_buf:] (rows of KSP)."""
+            for rp in range(Q_ROW_PASSES):
+                r = s_row + rp * S_ROW_STEP
+                if r < HEADS:
+                    for cp in range(S_COL_PASSES):
+                        bufs[uint64(r * KSP + s_col + cp * S_TPR)] = q_reg[rp * S_COL_PASSES + cp]
+            for rp in range(k_row_passes):
+                c = s_row + rp * S_ROW_STEP
+                if c < n_keys:
+                    for cp in range(S_COL_PASSES):
+                        bufs[uint64(k_buf + c * KSP + s_col + cp * S_TPR)] = k_reg[rp * S_COL_PASSES + cp]
+
+        return load_qk_slice, store_qk_slice
+
+    load_qk_slice, store_qk_slice = slice_io(CHUNK, BUF)
+    sf_load_slice, sf_store_slice = slice_io(SB, SF_QBUF)
 
     @cuda.jit(device=True, inline="always")
-    def store_qk_slice(bufs, s_row, s_col, q_reg, k_reg):
-        """Registers -> shared memory: queries at bufs[0:], keys at bufs[BUF:] (rows of KSP)."""
-        for rp in range(Q_ROW_PASSES):
-            r = s_row + rp * S_ROW_STEP
-            if r < HEADS:
-                for cp in range(S_COL_PASSES):
-                    bufs[uint64(r * KSP + s_col + cp * S_TPR)] = q_reg[rp * S_COL_PASSES + cp]
-        for rp in range(K_ROW_PASSES):
-            c = s_row + rp * S_ROW_STEP
-            if c < CHUNK:
-                for cp in range(S_COL_PASSES):
-                    bufs[uint64(BUF + c * KSP + s_col + cp * S_TPR)] = k_reg[rp * S_COL_PASSES + cp]
+    def score_lane(tid, key_tiles, k_buf):
+        """A score thread's k-group, key tile, row tile and its first q / k offsets in bufs (the
+        lane's first dim kg * VEC included; keys at bufs[k_buf:])."""
+        kg = tid % KG
+        key_tile = (tid // KG) % key_tiles
+        row_tile = tid // (KG * key_tiles)
+        return kg, key_tile, row_tile, row_tile * RM * KSP + kg * VEC, k_buf + key_tile * KSP + kg * VEC
+
+    @cuda.jit(device=True, inline="always")
+    def score_slice(bufs, q_off, k_off, key_stride, q_vec, k_vec, s):
+        """s[i, j] += the staged slice's dims of q row i · key j (key rows key_stride floats
+        apart). Lane kg takes dims in groups of VEC at (g * KG + kg) * VEC: the VEC loads of a
+        row are adjacent and 16-byte aligned, so they merge into one vector load (LDS.128: 8
+        shared loads per 64 FFMA instead of 32), and the constant-trip inner loops unroll to
+        immediate offsets."""
+        for g in range(0, KS, KG * VEC):
+            for i in range(RM):
+                for e in range(VEC):
+                    q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
+            for j in range(RC):
+                for e in range(VEC):
+                    k_vec[j, e] = bufs[uint64(k_off + j * key_stride + g + e)]
+            for e in range(VEC):
+                for i in range(RM):
+                    for j in range(RC):
+                        s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
+
+    @cuda.jit(device=True, inline="always")
+    def sum_k_groups(s):
+        """Sum the k-groups' partial scores; a+b == b+a, so every lane of a group ends with the
+        same bits."""
+        for level in range(BUTTERFLY):
+            for i in range(RM):
+                for j in range(RC):
+                    s[i, j] += cuda.shfl_xor_sync(FULL_MASK, s[i, j], KG >> (level + 1))
 
     @cuda.jit(device=True, inline="always")
     def load_v_slice(kv_latent, rows, rows_off, first, v_row, v_col, v_reg):
@@ -491,34 +619,12 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         rows = cuda.shared.array(TWO_CHUNKS, int32)   # [2, CHUNK] flat cache rows, by parity
 
         tid = cuda.threadIdx.x
-        head_groups = num_heads // HEADS
-        node = cuda.blockIdx.x // head_groups
-        h0 = (cuda.blockIdx.x % head_groups) * HEADS
-        seg = cuda.blockIdx.y
-        b = cuda.blockIdx.z
-        past = past_lens[b]
-        size = tree_sizes[b]
-        # Block-uniform exits (before any barrier): padding node, bad request, empty segment.
-        if node >= size or not _request_ok(past, size, kv_rows, tree_capacity):
-            return
-        vis_base = (b * tree_capacity + node) * vis_words
-        path_len = _path_length(visibility, vis_base, vis_words, size)
-        if path_len > MAX_PATH:
-            return
-        seg_start = seg * split
-        seg_end = min(seg_start + split, past + path_len)
-        if seg_start >= seg_end:
+        node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(
+            past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words, split)
+        if seg_start >= seg_end:   # block-uniform, before any barrier
             return
 
-        # The visible tree nodes in node order: rank of j = visible nodes before j.
-        for j in range(tid, size, THREADS):
-            w = j // 32
-            word = _visible_word(visibility, vis_base, w, size)
-            if (word >> (j % 32)) & 1:
-                rank = cuda.popc(word & ((1 << (j % 32)) - 1))
-                for v in range(w):
-                    rank += cuda.popc(_visible_word(visibility, vis_base, v, size))
-                path[uint64(rank)] = j
+        fill_path(visibility, vis_base, size, path, tid)
         if tid < HEADS:
             m_sh[tid] = float32(NEG_INF)
             l_sh[tid] = float32(0.0)
@@ -541,12 +647,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         v_row = tid // V_TPR
         v_col = tid % V_TPR
         # Score GEMM: k-group fastest, then key tile, so the k-group butterfly and the softmax
-        # reductions over key tiles stay inside a warp; offsets include the lane's first dim kg.
-        kg = tid % KG
-        key_tile = (tid // KG) % KEY_TILES
-        row_tile = tid // (KG * KEY_TILES)
-        q_off = row_tile * RM * KSP + kg * VEC
-        k_off = BUF + key_tile * KSP + kg * VEC
+        # reductions over key tiles stay inside a warp.
+        kg, key_tile, row_tile, q_off, k_off = score_lane(tid, KEY_TILES, BUF)
         # P·V: dims fastest (VV consecutive dims per lane: one LDS.128), so value loads are
         # consecutive across lanes; a warp's rows are uniform, so probs loads broadcast.
         dim_lane = tid % DIM_THREADS
@@ -582,26 +684,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                                   rows, cur * CHUNK, s_row, s_col, q_reg, k_reg)
                 else:   # the chunk's first value slice, in flight during the last score slice
                     load_v_slice(kv_latent, rows, cur * CHUNK, 0, v_row, v_col, v_reg)
-                # Lane kg takes dims in groups of VEC at (g * KG + kg) * VEC: the VEC loads of
-                # a row are adjacent and 16-byte aligned, so they merge into one vector load
-                # (LDS.128: 8 shared loads per 64 FFMA instead of 32), and the constant-trip
-                # inner loops unroll to immediate offsets.
-                for g in range(0, KS, KG * VEC):
-                    for i in range(RM):
-                        for e in range(VEC):
-                            q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
-                    for j in range(RC):
-                        for e in range(VEC):
-                            k_vec[j, e] = bufs[uint64(k_off + j * (KEY_TILES * KSP) + g + e)]
-                    for e in range(VEC):
-                        for i in range(RM):
-                            for j in range(RC):
-                                s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
-            # Sum the k-groups; a+b == b+a, so every lane of a group ends with the same bits.
-            for level in range(BUTTERFLY):
-                for i in range(RM):
-                    for j in range(RC):
-                        s[i, j] += cuda.shfl_xor_sync(FULL_MASK, s[i, j], KG >> (level + 1))
+                score_slice(bufs, q_off, k_off, KEY_TILES * KSP, q_vec, k_vec, s)
+            sum_k_groups(s)
 
             # ---- online softmax in registers: a row's keys live on the KG * KEY_TILES lanes
             # of its row tile; max and sum are xor butterflies over the key tiles (commutative
@@ -740,7 +824,164 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             if d == 0:
                 lse[out_row + h] = m_max + math.log(total)
 
-    return attention, merge
+    @cuda.jit(**_jit_options(THREADS))
+    def attention_score_first(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes,
+                              visibility, tree_capacity, num_heads, kv_rows, vis_words, scale,
+                              split, workspace):
+        """:func:`attention` for few nodes, the same bits: SB keys of every tile head scored per
+        pass (all score threads busy, where the chunk layout has CHUNK keys a pass), then the
+        pass's chunks through the online softmax in chunk order on the chunk layout's lanes
+        (the same max and sum butterflies), then ``acc = acc * alpha + P V`` chunk by chunk.
+        Every (head, key) score, every running (m, l) and every (head, dim) accumulator goes
+        through the same float32 operations in the same order as in :func:`attention`.
+        Same arguments.
+        """
+        bufs = cuda.shared.array(SF_BUFS, float32)     # [HEADS, KSP] query | [SB, KSP] key slice
+        probs = cuda.shared.array(SF_PROBS, float32)   # [HEADS, SB] scores, then probabilities
+        alpha = cuda.shared.array(SF_ALPHAS, float32)  # [HEADS, SF_CHUNKS] acc rescale per chunk
+        path = cuda.shared.array(MAX_PATH, int32)      # tree node at position past + k
+        rows = cuda.shared.array(SB, int32)            # [SB] flat cache rows of the pass (-1: none)
+
+        tid = cuda.threadIdx.x
+        node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(
+            past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words, split)
+        if seg_start >= seg_end:   # block-uniform, before any barrier
+            return
+        fill_path(visibility, vis_base, size, path, tid)
+        cuda.syncthreads()  # path[] complete before any key row is looked up
+        kv_base = b * kv_rows                                   # flat row of (b, cache row 0)
+        if PREFETCH:   # the first PREFETCH_AHEAD keys
+            prefetch_keys(kv_latent, k_rope, seg_start, min(seg_start + PREFETCH_AHEAD, seg_end),
+                          past, path, kv_base, tid)
+
+        q_base = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
+        s_row = tid // S_TPR
+        s_col = tid % S_TPR
+        # Scores: k-group fastest, then key tile (SF_KEY_TILES over the pass), then row tile.
+        kg, key_tile, row_tile, q_off, k_off = score_lane(tid, SF_KEY_TILES, SF_QBUF)
+        # Softmax: head tid // LANES on the chunk layout's lanes (k-group fastest, then key tile).
+        sm_head = min(tid // LANES, HEADS - 1)   # lanes past the heads shadow the last head
+        sm_writer = tid < HEADS * LANES
+        sm_kg = tid % KG
+        sm_tile = (tid // KG) % KEY_TILES
+
+        q_reg = cuda.local.array(Q_REGS, float32)
+        k_reg = cuda.local.array(SF_K_REGS, float32)
+        s = cuda.local.array((RM, RC), float32)
+        q_vec = cuda.local.array((RM, VEC), float32)
+        k_vec = cuda.local.array((RC, VEC), float32)
+        p_key = cuda.local.array(RC, float32)
+        acc = cuda.local.array((HEADS, SF_DIMS), float32)
+        v_val = cuda.local.array((CHUNK, SF_DIMS), float32)
+        for h in range(HEADS):
+            for i in range(SF_DIMS):
+                acc[h, i] = float32(0.0)
+        m_run = float32(NEG_INF)   # running max and sum of head sm_head (softmax lanes)
+        l_run = float32(0.0)
+
+        for pass_start in range(seg_start, seg_end, SB):
+            cuda.syncthreads()  # the previous pass's P·V readers of rows[] and probs[] are done
+            for c in range(tid, SB, THREADS):
+                row = -1
+                if pass_start + c < seg_end:
+                    row = kv_base + kv_row(pass_start + c, past, path)
+                rows[uint64(c)] = row
+            if PREFETCH:   # the key rows PREFETCH_AHEAD on, to L2 during this pass
+                ahead = pass_start + PREFETCH_AHEAD
+                prefetch_keys(kv_latent, k_rope, ahead, min(ahead + SB, seg_end), past, path,
+                              kv_base, tid)
+            cuda.syncthreads()  # the pass's key rows are known
+            n_keys = seg_end - pass_start
+
+            # ---- S = Q Kᵀ for the pass's SB keys, KS dims at a time, next slice prefetched;
+            # per score the chunk kernel's dims in its order (lane kg, groups of VEC) ----
+            for i in range(RM):
+                for j in range(RC):
+                    s[i, j] = float32(0.0)
+            sf_load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, 0, rows, 0, s_row, s_col,
+                          q_reg, k_reg)
+            for ks in range(N_KSLICES):
+                cuda.syncthreads()  # readers of the previous slice are done
+                sf_store_slice(bufs, s_row, s_col, q_reg, k_reg)
+                cuda.syncthreads()  # slice ks staged
+                if ks + 1 < N_KSLICES:
+                    sf_load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, (ks + 1) * KS,
+                                  rows, 0, s_row, s_col, q_reg, k_reg)
+                score_slice(bufs, q_off, k_off, SF_KEY_TILES * KSP, q_vec, k_vec, s)
+            sum_k_groups(s)   # as in the chunk kernel
+            for i in range(RM):
+                for j in range(RC):
+                    key = key_tile + j * SF_KEY_TILES
+                    if j % KG == kg:
+                        score = float32(NEG_INF)
+                        if key < n_keys:
+                            score = s[i, j] * scale
+                        probs[uint64((row_tile * RM + i) * SB + key)] = score
+            cuda.syncthreads()  # every score of the pass is in probs[]
+
+            # ---- online softmax chunk by chunk: the chunk kernel's lanes and butterflies ----
+            if tid < SF_SOFTMAX_THREADS:
+                for ci in range(SF_CHUNKS):
+                    c0 = ci * CHUNK
+                    if c0 < n_keys:
+                        c_max = float32(NEG_INF)
+                        for j in range(RC):
+                            p_key[j] = probs[uint64(sm_head * SB + c0 + sm_tile + j * KEY_TILES)]
+                            c_max = max(c_max, p_key[j])
+                        for level in range(KT_LEVELS):
+                            c_max = max(c_max, cuda.shfl_xor_sync(FULL_MASK, c_max, KG << level))
+                        m_new = max(m_run, c_max)
+                        rescale = math.exp(m_run - m_new)   # exp(-inf) = 0 on the first chunk
+                        p_sum = float32(0.0)
+                        for j in range(RC):
+                            p_key[j] = math.exp(p_key[j] - m_new)
+                            p_sum += p_key[j]
+                        for level in range(KT_LEVELS):
+                            p_sum += cuda.shfl_xor_sync(FULL_MASK, p_sum, KG << level)
+                        l_run = l_run * rescale + p_sum
+                        m_run = m_new
+                        if sm_writer:   # after the shuffles: every lane has read its scores
+                            if sm_tile == 0 and sm_kg == 0:
+                                alpha[uint64(sm_head * SF_CHUNKS + ci)] = rescale
+                            for j in range(RC):
+                                if j % KG == sm_kg:
+                                    probs[uint64(sm_head * SB + c0 + sm_tile + j * KEY_TILES)] = p_key[j]
+            cuda.syncthreads()  # the pass's probabilities and rescales are in shared memory
+
+            # ---- acc = acc * alpha + P V, chunk by chunk, keys in order ----
+            for ci in range(SF_CHUNKS):
+                c0 = ci * CHUNK
+                if c0 < n_keys:
+                    for c in range(CHUNK):   # all of the chunk's value loads first
+                        row = rows[uint64(c0 + c)]
+                        for i in range(SF_DIMS):
+                            value = float32(0.0)
+                            if row >= 0 and tid + i * THREADS < DL:  # zeros: 0 * NaN would poison acc
+                                value = kv_latent[uint64(row * DL + tid + i * THREADS)]
+                            v_val[c, i] = value
+                    for h in range(HEADS):
+                        rescale = alpha[uint64(h * SF_CHUNKS + ci)]
+                        for i in range(SF_DIMS):
+                            acc[h, i] = acc[h, i] * rescale
+                    for c in range(CHUNK):
+                        for h in range(HEADS):
+                            p = probs[uint64(h * SB + c0 + c)]
+                            for i in range(SF_DIMS):
+                                acc[h, i] = cuda.fma(p, v_val[c, i], acc[h, i])
+
+        # ---- segment partial -> workspace [seg, b, node, h, :] ----
+        batch = past_lens.shape[0]
+        ws_row = ((seg * batch + b) * tree_capacity + node) * num_heads + h0
+        for h in range(HEADS):
+            for i in range(SF_DIMS):
+                dim = tid + i * THREADS
+                if dim < DL:
+                    workspace[uint64((ws_row + h) * (DL + 2) + dim)] = acc[h, i]
+        if sm_writer and sm_tile == 0 and sm_kg == 0:
+            workspace[uint64((ws_row + sm_head) * (DL + 2) + DL)] = m_run
+            workspace[uint64((ws_row + sm_head) * (DL + 2) + DL + 1)] = l_run
+
+    return (attention_score_first if SCORE_FIRST else attention), merge
 
 
 # ----------------------------------------------------------------------------------------------
@@ -972,12 +1213,15 @@ _MERGE_SIG = (int32[::1], int32[::1], uint32[::1], *_DIMS, int32, int32, float32
 # The few-node tilings the engine uses for decode steps and small trees (model.attention_tile_config).
 KIMI_K2_DECODE_CONFIG = default_config(512, 64, 64, tile_heads=8)
 KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
+KIMI_K2_SCORE_FIRST_CONFIG = default_config(512, 64, 64, tile_heads=4, score_keys=128)
 for _name, _config, _what in (
         ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
         ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
         ("verify_attention_mla_8_heads_prefetch", dataclasses.replace(KIMI_K2_DECODE_CONFIG, prefetch_l2=True, prefetch_chunks=64),
          "8-head tiles, key rows prefetched to L2 a chunk ahead (opt-in, TileConfig.prefetch_l2)"),
-        ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees")):
+        ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees"),
+        ("verify_attention_mla_score_first", KIMI_K2_SCORE_FIRST_CONFIG,
+         "score-first layout, 4-head tiles, 128 keys a pass (decode steps)")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
              block_threads=_config.threads)
 register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
