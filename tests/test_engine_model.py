@@ -413,8 +413,10 @@ def test_attention_tile_config_fits_prefill_chunks() -> None:
     big = attention_tile_config(kimi, 4096)
     assert 64 <= big.max_path < 4096 and big.static_shared_bytes <= 48 * 1024
     assert attention_tile_config(kimi, 16).max_path == 64
-    # Few nodes: 8-head tiles (an AR step), 16 (a batch-1 tree); many: 64-head tiles (layout only).
-    assert attention_tile_config(kimi, 1).heads == 8 and attention_tile_config(kimi, 33).heads == 16
+    # Few nodes: score-first 2-head tiles (an AR step), 4-head (a batch-1 tree); many: 64-head
+    # chunk-layout tiles (layout only).
+    decode, tree = attention_tile_config(kimi, 1), attention_tile_config(kimi, 33)
+    assert (decode.heads, decode.score_keys, tree.heads, tree.score_keys) == (2, 128, 4, 128)
     assert attention_tile_config(kimi, 33, batch_size=8).heads == 64
     assert attention_tile_config(tiny, 1).merge_heads == 4
 
@@ -438,8 +440,9 @@ def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:
     import ddtree_numba.engine.model as em
     kimi = ModelConfig.from_name("small")
     monkeypatch.setattr(em, "DECODE_TILE", (4, 128))
+    monkeypatch.setattr(em, "FEW_NODES_TILE", 16)
     decode, tree = attention_tile_config(kimi, 1), attention_tile_config(kimi, 33)
-    assert (decode.heads, decode.score_keys) == (4, 128) and tree.score_keys == 0
+    assert (decode.heads, decode.score_keys) == (4, 128) and (tree.heads, tree.score_keys) == (16, 0)
     monkeypatch.setattr(em, "FEW_NODES_TILE", (2, 64))
     tree = attention_tile_config(kimi, 33)
     assert (tree.heads, tree.score_keys, tree.threads) == (2, 64, 64)

@@ -78,8 +78,8 @@ DECODE_NODES_PER_SM = 0.25
 FEW_NODES_PER_SM = 2
 # The tiles of those two launch sizes: a head count (the chunk layout) or (heads, score_keys), the
 # score-first layout (va.TileConfig.score_keys). Layout, not numerics; bench.forward_ab times them.
-DECODE_TILE: int | tuple[int, int] = 8
-FEW_NODES_TILE: int | tuple[int, int] = 16
+DECODE_TILE: int | tuple[int, int] = (2, 128)
+FEW_NODES_TILE: int | tuple[int, int] = (4, 128)
 # The attention tiles' L2 prefetch of the next chunk's key rows (va.TileConfig.prefetch_l2): layout,
 # not numerics. Off until measured on the H200 (bench.forward_ab's auto-pf variant turns it on).
 ATTENTION_PREFETCH_L2 = False

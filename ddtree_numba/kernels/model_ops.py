@@ -45,7 +45,7 @@ import numbers
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 from numba.core import types as nbtypes
 
 from ddtree_numba.config import ROPE_LAYOUTS, ModelConfig
@@ -112,21 +112,26 @@ def _strided_sumsq(x, row, first, stride, n):
 @cuda.jit(device=True)
 def _strided_dot(x, row, w, e, first, stride, n):
     """Σ x[row, j] · w[e, j] over j = first, first + stride, ... < n, ascending (as
-    :func:`_strided_sumsq`)."""
+    :func:`_strided_sumsq`). Column indices are unsigned: a signed index gives every load a
+    negative-index wraparound (64-bit selects), and with it ptxas kept fewer loads ahead of the
+    FMA chain (the routing kernel 2.3x slower at kimi-k2's batch 1 on the H200)."""
     staged_x = cuda.local.array(UNROLL, float32)
     staged_w = cuda.local.array(UNROLL, float32)
     acc = float32(0.0)
-    j = first
-    while j + (UNROLL - 1) * stride < n:
+    j = uint64(first)
+    step = uint64(stride)
+    end = uint64(n)
+    span = uint64(UNROLL - 1) * step
+    while j + span < end:
         for u in range(UNROLL):  # all loads first
-            staged_x[u] = x[row, j + u * stride]
-            staged_w[u] = w[e, j + u * stride]
+            staged_x[u] = x[row, j + uint64(u) * step]
+            staged_w[u] = w[e, j + uint64(u) * step]
         for u in range(UNROLL):
             acc += staged_x[u] * staged_w[u]
-        j += UNROLL * stride
-    while j < n:
+        j += uint64(UNROLL) * step
+    while j < end:
         acc += x[row, j] * w[e, j]
-        j += stride
+        j += step
     return acc
 
 
@@ -309,9 +314,9 @@ def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
         out[m, h, c1] = y1
 
 
-# The block size as a launch bound: without it ptxas interleaved the gate loads with the FMA
-# chain (3-4 loads in flight instead of 16), 1.6x slower at batch 1 on the H200. The simulator
-# rejects launch_bounds.
+# The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
+# gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
+# the H200). The simulator rejects launch_bounds.
 _ROUTE_BOUNDS = {} if simulator_active() else {"launch_bounds": (MAX_ROUTE_THREADS, 1)}
 
 

@@ -940,7 +940,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                             p_sum += cuda.shfl_xor_sync(FULL_MASK, p_sum, KG << level)
                         l_run = l_run * rescale + p_sum
                         m_run = m_new
-                        if sm_writer:   # after the shuffles: every lane has read its scores
+                        cuda.syncwarp()  # every lane has read its scores before any overwrites them
+                        if sm_writer:
                             if sm_tile == 0 and sm_kg == 0:
                                 alpha[uint64(sm_head * SF_CHUNKS + ci)] = rescale
                             for j in range(RC):
@@ -1213,7 +1214,9 @@ _MERGE_SIG = (int32[::1], int32[::1], uint32[::1], *_DIMS, int32, int32, float32
 # The few-node tilings the engine uses for decode steps and small trees (model.attention_tile_config).
 KIMI_K2_DECODE_CONFIG = default_config(512, 64, 64, tile_heads=8)
 KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
-KIMI_K2_SCORE_FIRST_CONFIG = default_config(512, 64, 64, tile_heads=4, score_keys=128)
+# The score-first tilings the engine uses (model.DECODE_TILE, model.FEW_NODES_TILE).
+KIMI_K2_SCORE_FIRST_CONFIG = default_config(512, 64, 64, tile_heads=2, score_keys=128)
+KIMI_K2_SCORE_FIRST_TREE_CONFIG = default_config(512, 64, 64, tile_heads=4, score_keys=128)
 for _name, _config, _what in (
         ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
         ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
@@ -1221,7 +1224,9 @@ for _name, _config, _what in (
          "8-head tiles, key rows prefetched to L2 a chunk ahead (opt-in, TileConfig.prefetch_l2)"),
         ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees"),
         ("verify_attention_mla_score_first", KIMI_K2_SCORE_FIRST_CONFIG,
-         "score-first layout, 4-head tiles, 128 keys a pass (decode steps)")):
+         "score-first layout, 2-head tiles, 128 keys a pass (decode steps)"),
+        ("verify_attention_mla_score_first_4_heads", KIMI_K2_SCORE_FIRST_TREE_CONFIG,
+         "score-first layout, 4-head tiles, 128 keys a pass (small trees)")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
              block_threads=_config.threads)
 register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
