@@ -13,6 +13,17 @@ def test_variants_parse_and_refuse():
             forward_ab._variants(bad)
 
 
+def test_score_first_variants_parse():
+    """sfHxK (AR-step tiles) and sfHxK+ (small trees too) name score-first tiles."""
+    assert forward_ab._variants("sf2x128/auto,sf4x128+/4,h8/auto") == [
+        ("sf2x128", "auto"), ("sf4x128+", "4"), ("h8", "auto")]
+    assert forward_ab._score_first_tile("sf4x128+") == (4, 128)
+    assert forward_ab._score_first_tile("sf2x") is None and forward_ab._score_first_tile("auto") is None
+    for bad in ("sfHxK/auto", "sf2/auto", "sfx128/auto"):
+        with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+            forward_ab._variants(bad)
+
+
 def test_help_explains_the_variants(capsys):
     with pytest.raises(SystemExit) as exc:
         forward_ab.main(["--help"])

@@ -28,6 +28,14 @@ def test_flops_and_peer_sizing():
     assert bva.torch_scores_bytes(1, 33, 1024) == 4.0 * 33 * 64 * (1024 + 33)
 
 
+def test_score_first_tiles_are_the_engines():
+    """The bench's score-first tiles are the ones engine.model picks for AR steps and small trees."""
+    import ddtree_numba.engine.model as em
+    for name, tile in (("sf2x128", em.DECODE_TILE), ("sf4x128", em.FEW_NODES_TILE)):
+        cfg = bva.TILES[name]
+        assert (cfg.heads, cfg.score_keys) == tile
+
+
 def test_decode_tiles_differ_only_in_the_prefetch():
     """The bench's 8-head tiles: the engine's decode tiling, with and without the L2 prefetch
     (layout, not numerics), so their A/B times the prefetch alone."""

@@ -21,6 +21,8 @@ decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 Run 2e050e0 (H200, past 192, us per forward; measured with this module's predecessor script, the
 same method): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
 auto/4 1967.7 / 7155.7, 64/4 1982.6 / 7464.6 (1 / 33 rows); PERFORMANCE.md "decode step".
+Run attention score-first (2df84b9): auto 1793.2 / 3377.4, sf2x128 1424.7 / 3379.0,
+sf4x128+ 1445.1 / 3278.6 (the tiles 6bff5da made the default).
 """
 from __future__ import annotations
 

@@ -51,6 +51,8 @@ TILES = {
     "h16": va.KIMI_K2_SMALL_TREE_CONFIG,           # 16 heads per tile: the engine's small trees
     "h16-prefetch-seg": dataclasses.replace(va.KIMI_K2_SMALL_TREE_CONFIG, prefetch_l2=True,
                                             prefetch_chunks=va.DEFAULT_SPLIT_SIZE // va.KIMI_K2_SMALL_TREE_CONFIG.chunk),
+    "sf2x128": va.KIMI_K2_SCORE_FIRST_CONFIG,      # score-first, 2 heads: the engine's AR steps
+    "sf4x128": va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,  # score-first, 4 heads: the engine's small trees
 }
 AMPLITUDE = 1.0  # inputs uniform in [-1, 1): scores have std ~1.2 after the scale
 FILL_THREADS = 256

@@ -71,17 +71,20 @@ PREP_THREADS = 128  # rows per block of the row-preparation kernel
 COPY_THREADS = 128  # elements per block of the feature copy
 SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are Python threads)
 # Attention tiles by launch size (nodes x default head tiles, against the device's SMs): fewer
-# than a quarter of the SMs (H200: 33) -> 8-head tiles (an AR step: 8 blocks per request instead
-# of 1), fewer than two per SM (264) -> 16-head tiles, else the default (64-head) tiles, each
-# block reading the keys once for all its heads.
+# than a quarter of the SMs (H200: 33) -> DECODE_TILE (an AR step), fewer than two per SM (264)
+# -> FEW_NODES_TILE, else the default (64-head) tiles, each block reading the keys once for all
+# its heads.
 DECODE_NODES_PER_SM = 0.25
 FEW_NODES_PER_SM = 2
 # The tiles of those two launch sizes: a head count (the chunk layout) or (heads, score_keys), the
-# score-first layout (va.TileConfig.score_keys). Layout, not numerics; bench.forward_ab times them.
+# score-first layout (va.TileConfig.score_keys). Layout, not numerics; bench.forward_ab times them
+# (H200, run "attention score-first": an AR forward 1793.2 us with 8-head chunk tiles, 1424.7
+# with (2, 128); a 33-row forward 3377.4 with 16-head tiles, 3278.6 with (4, 128)).
 DECODE_TILE: int | tuple[int, int] = (2, 128)
 FEW_NODES_TILE: int | tuple[int, int] = (4, 128)
 # The attention tiles' L2 prefetch of the next chunk's key rows (va.TileConfig.prefetch_l2): layout,
-# not numerics. Off until measured on the H200 (bench.forward_ab's auto-pf variant turns it on).
+# not numerics. Off: on the H200 it did not pay (forward_ab, run "attention score-first": an AR
+# forward 1889.0 us without, 1890.7 a chunk ahead, 1884.6 the whole segment at the start).
 ATTENTION_PREFETCH_L2 = False
 ATTENTION_PREFETCH_CHUNKS = 1  # how far ahead (va.TileConfig.prefetch_chunks); the split / chunk: all at once
 STATIC_SMEM_LIMIT = 48 * 1024  # static shared memory per block (limits §4): bounds the attention path table
@@ -175,10 +178,11 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     (C = 512, R = 64), a one-warp tiling otherwise; ``max_path`` (the longest visible path, which
     only sizes a shared table, not the numerics) raised to ``max_rows`` as far as static shared
     memory allows, so a prefill chunk of ``max_rows`` causal rows fits. Launches with few
-    (node, default head tile) pairs get smaller head tiles, more blocks: below
-    ``DECODE_NODES_PER_SM`` per SM (an AR step) 8 heads per tile, below ``FEW_NODES_PER_SM`` (a
-    small tree at batch 1) 16. The tile size is layout, not numerics (same bits, so the AR and
-    tree models still agree bit for bit).
+    (node, default head tile) pairs get smaller tiles, more blocks: below ``DECODE_NODES_PER_SM``
+    per SM (an AR step) ``DECODE_TILE``, below ``FEW_NODES_PER_SM`` (a small tree at batch 1)
+    ``FEW_NODES_TILE`` (score-first tiles of 2 and 4 heads; the 8- and 16-head chunk-layout tiles
+    before them). The tiles are layout, not numerics (same bits, so the AR and tree models still
+    agree bit for bit).
 
     Raises:
         ValueError: no valid tiling for the model's attention dims.

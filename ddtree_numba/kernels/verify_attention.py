@@ -45,6 +45,19 @@ Work layout (limits §3, §7; stack §2-3).
     integer instructions per shared load otherwise) and device helpers are ``inline="always"``
     (``compile_ptx`` without a GPU cannot compile called device functions otherwise).
 
+Score-first layout (``TileConfig.score_keys``, few-node launches: an AR step, a small tree).
+    The chunk layout gives a block ``heads / qk_rows * chunk / qk_keys * k_groups`` threads and
+    13 staging phases a chunk; with 8-head tiles an AR step of a 64-head model is 8 blocks of 4
+    warps, one per SM, each issuing ~57k instructions at 3.2 cycles apiece (Nsight Compute, run
+    "attention score-first" in PERFORMANCE.md). The numerics pin only the per-key and per-dim
+    order, not which thread runs it, so the score-first kernel scores ``score_keys`` keys of every
+    tile head per pass (each thread the chunk layout's dims in its order, k-groups summed by the
+    same butterfly), then runs the pass's chunks through the online softmax in chunk order on
+    the chunk layout's lanes (one group of ``k_groups * chunk / qk_keys`` lanes a head: the same
+    max and sum butterflies), then ``acc = acc * alpha + P V`` chunk by chunk with each thread on
+    ``Dl / threads`` dims of every head. Tiles of 2 heads (an AR step: 32 blocks) or 4 (a
+    33-node tree: 528 blocks) give the same bits as the chunk layout.
+
 Inputs that a device-side engine produces (``past_lens``, ``tree_sizes``, ``visibility`` on the
 device) cannot be checked on the host without a copy; the kernels guard them instead: a request
 whose rows do not fit (``past + size > S``, ``size > Tc``), whose path is longer than
@@ -115,9 +128,11 @@ class TileConfig:
         prefetch_l2: issue ``prefetch.L2`` for every cache line of a chunk's key rows one
             chunk ahead (the first chunk at the start), so the key slices' loads hit L2 (every
             line where rows start at multiples of 128 bytes, as Dl = 512 and Dr = 64 rows do in
-            an aligned allocation; otherwise a row's last line may be left out). For launches
-            with few blocks, whose 9 key slices a chunk each wait one HBM latency; layout, not
-            numerics (a prefetch changes no value). A no-op in the simulator.
+            an aligned allocation; otherwise a row's last line may be left out). Built for
+            launches with few blocks, on the guess that their key slices wait for HBM; on the
+            H200 it did not pay (the AR step's attention was issue-bound, PERFORMANCE.md run
+            "attention score-first"), so the engine leaves it off. Layout, not numerics (a
+            prefetch changes no value). A no-op in the simulator.
         prefetch_chunks: how many chunks ahead ``prefetch_l2`` runs: the first
             ``prefetch_chunks`` chunks at the start, chunk ``c + prefetch_chunks`` during chunk
             ``c``'s P V (``split_size // chunk`` or more: the whole segment at the start, one
