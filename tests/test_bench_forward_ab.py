@@ -19,7 +19,7 @@ def test_score_first_variants_parse():
         ("sf2x128", "auto"), ("sf4x128+", "4"), ("h8", "auto")]
     assert forward_ab._score_first_tile("sf4x128+") == (4, 128)
     assert forward_ab._score_first_tile("sf2x") is None and forward_ab._score_first_tile("auto") is None
-    for bad in ("sfHxK/auto", "sf2/auto", "sfx128/auto"):
+    for bad in ("sfHxK/auto", "sf2/auto", "sfx128/auto", "sf16x128/auto"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)
 

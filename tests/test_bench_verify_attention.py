@@ -37,7 +37,7 @@ def test_score_first_tiles_are_the_engines():
 
 
 def test_decode_tiles_differ_only_in_the_prefetch():
-    """The bench's 8-head tiles: the engine's decode tiling, with and without the L2 prefetch
+    """The bench's 8-head tiles: the chunk layout's decode tiling, with and without the L2 prefetch
     (layout, not numerics), so their A/B times the prefetch alone."""
     assert bva.TILES["h8"].heads == 8 and not bva.TILES["h8"].prefetch_l2
     assert bva.TILES["h8-prefetch"].prefetch_l2

@@ -447,8 +447,12 @@ def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:
     tree = attention_tile_config(kimi, 33)
     assert (tree.heads, tree.score_keys, tree.threads) == (2, 64, 64)
     wide = attention_tile_config(kimi, 33, batch_size=8)
+    monkeypatch.setattr(em, "DECODE_TILE", (16, 128))   # no such preset: an error, not a fallback
+    with pytest.raises(ValueError, match="tile_heads"):
+        attention_tile_config(kimi, 1)
     for cfg in (decode, tree):
-        assert (cfg.chunk, cfg.k_groups, cfg.qk_keys) == (wide.chunk, wide.k_groups, wide.qk_keys)
+        assert (cfg.chunk, cfg.k_groups, cfg.qk_keys, cfg.k_slice) == (
+            wide.chunk, wide.k_groups, wide.qk_keys, wide.k_slice)
         assert cfg.static_shared_bytes <= em.STATIC_SMEM_LIMIT   # max_path raised within the limit
 
 

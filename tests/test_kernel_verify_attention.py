@@ -42,7 +42,7 @@ TILED = va.TileConfig(latent_dim=32, rope_dim=8, heads=2, chunk=16, k_slice=8, k
                       merge_threads=32)
 # Kimi latent/rope widths with 2 heads (the golden kimi_dims case), one warp.
 KIMI_DIMS_H2 = va.TileConfig(latent_dim=512, rope_dim=64, heads=2, chunk=32, k_slice=64,
-                             k_groups=2, qk_rows=1, qk_keys=4, pv_rows=1, pv_dims=32, v_slice=16,
+                             k_groups=2, qk_rows=1, qk_keys=4, pv_rows=1, pv_dims=32, v_slice=8,
                              max_path=16, merge_threads=32)
 
 
@@ -333,10 +333,7 @@ def tiled_baseline():
     dict(heads=4), dict(merge_heads=2), dict(heads=4, merge_heads=4),
     dict(heads=4, qk_rows=1, pv_dims=1),        # 128 threads: other score and value tiles
     dict(prefetch_l2=True),                     # (the simulator checks each prefetched line's index)
-    dict(prefetch_l2=True, prefetch_chunks=2),  # two chunks ahead: tree keys among the prefetched
     dict(prefetch_l2=True, prefetch_chunks=64), # the whole segment at the start
-    dict(qk_rows=1, score_keys=16),             # score-first: one pass of 16 keys, 64 threads
-    dict(heads=1, qk_rows=1, score_keys=32),    # score-first: one head, a pass past the segment
 ])
 def test_tile_and_merge_heads_are_layout_not_numerics(layout, tiled_baseline):
     """Heads per attention tile and per merge block, and the per-thread tiles, move work
@@ -347,19 +344,38 @@ def test_tile_and_merge_heads_are_layout_not_numerics(layout, tiled_baseline):
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
+@pytest.fixture(scope="module")
+def score_first_baseline():
+    """A ragged batch whose keys span two 32-key segments (chunk layout result, computed once)."""
+    rng = np.random.default_rng(21)
+    inputs, _ = _batch(rng, TILED, 2, [40, 0, 21], [5, 3, 4], 5, 64)
+    return inputs, _run(inputs, 0.3, TILED, 32)
+
+
 @pytest.mark.parametrize("layout", [
-    dict(qk_rows=1, score_keys=16),                                 # 4 passes per 64-key segment
-    dict(heads=1, qk_rows=1, score_keys=32, prefetch_l2=True),      # 2 passes, prefetch a chunk on
-    dict(qk_rows=1, score_keys=48),                                 # a partial last pass
+    dict(qk_rows=1, score_keys=16),                                 # 2 passes per 32-key segment
+    dict(heads=1, qk_rows=1, score_keys=48, prefetch_l2=True),      # a pass past the segment, prefetch
 ])
-def test_score_first_layout_is_not_numerics(layout):
+def test_score_first_layout_is_not_numerics(layout, score_first_baseline):
     """The score-first layout (few-node launches: scores of many keys at once, then the online
     softmax chunk by chunk) against the chunk layout, over segments of several passes, a
     ragged batch and trees whose nodes straddle passes: the same bits."""
-    rng = np.random.default_rng(21)
-    inputs, _ = _batch(rng, TILED, 4, [75, 0, 130, 47], [6, 3, 1, 9], 9, 160)
-    want = _run(inputs, 0.3, TILED, 64)
-    got = _run(inputs, 0.3, dataclasses.replace(TILED, **layout), 64)
+    inputs, want = score_first_baseline
+    got = _run(inputs, 0.3, dataclasses.replace(TILED, **layout), 32)
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
+@pytest.mark.parametrize("base, layout", [
+    (TINY, dict(heads=1, score_keys=16)),     # 16 softmax lanes + 16 shadow lanes in the warp
+    (TILED, dict(qk_rows=2, score_keys=32)),  # 2 x 2 score tiles, the softmax on two warps
+])
+def test_score_first_shadow_lanes_and_row_tiles(base, layout):
+    """Score-first corners: a warp whose upper lanes shadow the last head's softmax (and must not
+    write), and score threads holding two heads' rows: the same bits as the chunk layout."""
+    rng = np.random.default_rng(23)
+    inputs, _ = _batch(rng, base, 2, [30, 5], [4, 2], 4, 40)
+    want = _run(inputs, 0.3, base, 32)
+    got = _run(inputs, 0.3, dataclasses.replace(base, **layout), 32)
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
@@ -367,9 +383,9 @@ def test_score_first_kimi_dims():
     """The engine's decode tile shape at Kimi dims (2 heads here to keep the simulator quick):
     score-first equals the chunk layout bit for bit, keys across two passes."""
     rng = np.random.default_rng(22)
-    inputs, _ = _batch(rng, KIMI_DIMS_H2, 2, [70], [2], 2, 80)
-    want = _run(inputs, 0.3, KIMI_DIMS_H2, 128)
-    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=64), 128)
+    inputs, _ = _batch(rng, KIMI_DIMS_H2, 2, [40], [2], 2, 48)
+    want = _run(inputs, 0.3, KIMI_DIMS_H2, 64)
+    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=32), 64)
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
@@ -458,13 +474,25 @@ def test_plan_errors(kwargs, exc, word):
 @pytest.mark.parametrize("change", [
     dict(k_slice=7), dict(k_groups=3), dict(qk_rows=3), dict(pv_dims=3), dict(v_slice=3),
     dict(heads=4, pv_rows=2), dict(chunk=0), dict(merge_threads=48), dict(k_groups=64, k_slice=64),
-    dict(prefetch_l2=1), dict(prefetch_chunks=0), dict(score_keys=12), dict(score_keys=-8),
-    dict(score_keys=8, qk_rows=2),   # 16 threads for 2 heads x 16 softmax lanes
+    dict(prefetch_l2=1), dict(prefetch_chunks=0), dict(max_path=12000),
 ])
 def test_config_errors(change):
     fields = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
     with pytest.raises(ValueError, match="config"):
         va.TileConfig(**dict(fields, **change)).validate()
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(qk_rows=2, score_keys=16), "softmax lanes"),                # 32 threads, 2 x 32 lanes
+    (dict(qk_rows=1, score_keys=16, max_path=12000), "static shared"),
+])
+def test_score_first_config_errors(change, why):
+    """The score-first rules, each on its own (TILED: every other check passes). (A pass that is
+    not a multiple of the chunk always breaks a thread-count rule too here.)"""
+    with pytest.raises(ValueError, match=why):
+        dataclasses.replace(TILED, **change).validate()
+    with pytest.raises(ValueError, match="tile_heads"):
+        va.default_config(512, 64, 64, tile_heads=16, score_keys=128)
 
 
 def test_config_rejects_row_keys_beyond_a_warp():
@@ -624,11 +652,12 @@ def test_gpu_kimi_matches_reference():
                                            dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True),
                                            dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True,
                                                                prefetch_chunks=64),
-                                           va.KIMI_K2_SCORE_FIRST_CONFIG,
-                                           va.default_config(512, 64, 64, tile_heads=2, score_keys=128),
+                                           va.KIMI_K2_SCORE_FIRST_CONFIG, va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,
                                            va.default_config(512, 64, 64, tile_heads=8, score_keys=64)])
 def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
-    """64-head tree tiles vs decode steps with 64-, 16- or 8-head tiles (the engine's AR model)."""
+    """64-head tree tiles vs decode steps with the chunk layout's 64-, 16- and 8-head tiles (the
+    last with the L2 prefetch too) and the score-first 2-, 4- and 8-head tiles (the engine's AR
+    model: 2 heads)."""
     rng = np.random.default_rng(11)
     inputs, parents = _kimi_case(rng, [4093, 2047], [33, 9])
     split = va.DEFAULT_SPLIT_SIZE

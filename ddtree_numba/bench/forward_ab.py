@@ -6,12 +6,12 @@ set, the launch-plan caches cleared, and a fresh model is built, captured and re
 row count (1: an AR step; 33: a B 32 tree verify; ``bench.profile_forward``'s inputs: a binary
 tree over ``--past`` cached rows).
 
-Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: 8-head tiles for
-an AR step, 16-head tiles for a 33-node tree), ``auto-pf`` (the same tiles with the L2 prefetch
+Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: score-first 2-head
+tiles for an AR step, 4-head tiles for a 33-node tree), ``auto-pf`` (the same tiles with the L2 prefetch
 of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
 segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``h8`` (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
-``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too) or ``64`` (the default
+``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; H in 1, 2, 4, 8) or ``64`` (the default
 64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
 ``4`` (8 x 4 everywhere).
 
@@ -34,6 +34,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
+SCORE_FIRST_HEADS = (1, 2, 4, 8)  # verify_attention.default_config's score-first tiles
 SEGMENT_CHUNKS = 64  # auto-pfs: the default split (2048 keys) over 32-key chunks, prefetched at the start
 
 
@@ -112,7 +113,9 @@ def _score_first_tile(tile: str) -> tuple[int, int] | None:
     """``sfHxK`` or ``sfHxK+`` -> (H heads, K score keys); None for any other name."""
     body = tile[2:].rstrip("+") if tile.startswith("sf") else ""
     heads, _, keys = body.partition("x")
-    return (int(heads), int(keys)) if heads.isdigit() and keys.isdigit() else None
+    if not (heads.isdigit() and keys.isdigit()):
+        return None
+    return (int(heads), int(keys)) if int(heads) in SCORE_FIRST_HEADS else None
 
 
 def _variants(text: str) -> list[tuple[str, str]]:

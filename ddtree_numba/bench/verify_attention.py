@@ -43,7 +43,7 @@ DEFAULT_SHAPES = ((8, 33, 32768), (1, 33, 32768), (1, 9, 4096), (64, 9, 4096), (
 TILES = {
     "default": va.KIMI_K2_CONFIG,                  # 64 heads per tile, 256 threads
     "h32": va.default_config(512, 64, 32),         # 32 heads per tile (KV read twice per node)
-    "h8": va.KIMI_K2_DECODE_CONFIG,                # 8 heads per tile: the engine's decode steps
+    "h8": va.KIMI_K2_DECODE_CONFIG,                # 8 heads per tile: the chunk layout's decode tiles
     "h8-prefetch": dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True),  # + key rows to L2 a chunk ahead
     # + the whole segment's key rows to L2 at the start (prefetch_chunks = split_size / chunk)
     "h8-prefetch-seg": dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True,

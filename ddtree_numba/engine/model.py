@@ -87,7 +87,7 @@ FEW_NODES_TILE: int | tuple[int, int] = (4, 128)
 # forward 1889.0 us without, 1890.7 a chunk ahead, 1884.6 the whole segment at the start).
 ATTENTION_PREFETCH_L2 = False
 ATTENTION_PREFETCH_CHUNKS = 1  # how far ahead (va.TileConfig.prefetch_chunks); the split / chunk: all at once
-STATIC_SMEM_LIMIT = 48 * 1024  # static shared memory per block (limits §4): bounds the attention path table
+STATIC_SMEM_LIMIT = va.STATIC_SHARED_LIMIT  # static shared memory per block: bounds the attention path table
 PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
 
 
@@ -193,9 +193,9 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     tile = (None if h % 16 else DECODE_TILE if blocks < DECODE_NODES_PER_SM * sms
             else FEW_NODES_TILE if blocks < FEW_NODES_PER_SM * sms else None)
     tile_heads, score_keys = tile if isinstance(tile, tuple) else (tile, 0)
-    try:
+    if (dl, dr) == (512, 64) and h % 16 == 0:   # a preset: a bad tile setting raises (no fallback)
         base = va.default_config(dl, dr, h, tile_heads=tile_heads, score_keys=score_keys)
-    except ValueError:
+    else:   # other numerics than the preset's: every launch size must use this one tiling
         base = _small_tile_config(dl, dr, h)
     try:
         base.validate()

@@ -19,7 +19,8 @@ Numerics: one key sequence, one result.
     the batch or the other queries, so a tree node's output equals, bit for bit, a ``T = 1`` call
     (root only, visibility ``[[1]]``) on the compacted cache of its path: DDTree stays exactly
     lossless (spec §1.4). The invariance holds between calls with the same :class:`TileConfig`
-    numerics (``chunk``, ``k_groups``, ``qk_keys``) and the same ``split_size``; :func:`plan`
+    numerics (``chunk``, ``k_groups``, ``qk_keys``, and ``k_slice`` through the dims a lane
+    takes at once, ``gcd(k_slice / k_groups, 4)``) and the same ``split_size``; :func:`plan`
     picks the config from ``(Dl, Dr, H)`` only, never from ``T``, ``N`` or the batch size.
 
 Work layout (limits §3, §7; stack §2-3).
@@ -101,6 +102,7 @@ NEG_INF = -math.inf
 # Keys per split segment (a multiple of every config's chunk). Part of the numerics: keep it fixed
 # for a model (tree verify and plain decode must use the same value for bit-identical outputs).
 DEFAULT_SPLIT_SIZE = 2048
+STATIC_SHARED_LIMIT = 48 * 1024  # static shared memory of a kernel (limits §4)
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,9 @@ class TileConfig:
     """One compile-time specialisation of the kernels.
 
     ``chunk``, ``k_groups`` and ``qk_keys`` (the lanes a chunk sum is reduced over) fix the order
-    of the floating-point operations (with the plan's ``split_size``); the other fields only move
-    work between threads.
+    of the floating-point operations (with the plan's ``split_size``, and ``k_slice`` through
+    ``gcd(k_slice / k_groups, 4)``, the dims a lane takes at once: 4 in every preset); the other
+    fields only move work between threads.
 
     Attributes:
         latent_dim: Dl, the latent (value) width; 512 for DeepSeek-V3 / Kimi K2.
@@ -144,7 +147,8 @@ class TileConfig:
             lanes, then ``P V`` with each thread on ``latent_dim / threads`` dims of every head.
             Layout, not numerics: every score, running max and sum and accumulator sees the
             same float32 operations in the same order (``pv_rows``, ``pv_dims`` and ``v_slice``
-            are unused).
+            do not shape its work; they are still validated). Its prefetch (``prefetch_l2``)
+            covers, at each pass's start, the keys ``prefetch_chunks`` chunks on, a pass long.
     """
 
     latent_dim: int
@@ -167,7 +171,8 @@ class TileConfig:
 
     @property
     def threads(self) -> int:
-        """Threads per attention block (both GEMM layouts use all of them)."""
+        """Threads per attention block (the chunk layout's score and P·V GEMMs use all of them;
+        the score-first layout's scores and P·V too, its softmax the first whole warps)."""
         keys = self.score_keys or self.chunk   # keys scored at once
         return (self.heads // self.qk_rows) * (keys // self.qk_keys) * self.k_groups
 
@@ -250,6 +255,8 @@ class TileConfig:
              "threads and latent_dim must divide one another"),
             (self.merge_threads % WARP == 0 and self.merge_threads <= 1024,
              "merge_threads must be a multiple of 32 and <= 1024"),
+            (self.static_shared_bytes <= STATIC_SHARED_LIMIT,
+             f"static shared memory must be <= {STATIC_SHARED_LIMIT} bytes"),
         ]
         for ok, why in checks:
             if not ok:
@@ -1226,7 +1233,8 @@ _ATTENTION_SIG = (float32[::1], float32[::1], float32[::1], float32[::1], int32[
                   uint32[::1], *_DIMS, float32, int32, float32[::1])
 _MERGE_SIG = (int32[::1], int32[::1], uint32[::1], *_DIMS, int32, int32, float32[::1],
               float32[::1], float32[::1])
-# The few-node tilings the engine uses for decode steps and small trees (model.attention_tile_config).
+# The chunk-layout few-node tilings (the engine's decode and small-tree tiles before the score-first
+# ones; bench and test baselines).
 KIMI_K2_DECODE_CONFIG = default_config(512, 64, 64, tile_heads=8)
 KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
 # The score-first tilings the engine uses (model.DECODE_TILE, model.FEW_NODES_TILE).
