@@ -269,7 +269,7 @@ def default_config(latent_dim: int, rope_dim: int, num_heads: int, *,
 
     Dl = 512, Dr = 64 (DeepSeek-V3, Kimi K2 and their tensor-parallel shards; H a multiple of
     16): tiles of ``gcd(H, 64)`` heads, 256 threads, chunks of 32 keys, 2 k-groups; for 64 heads
-    each thread holds 8 x 16 accumulators and a 4 x 4 score tile (245 registers on sm_90, 250 on
+    each thread holds 8 x 16 accumulators and a 4 x 4 score tile (247 registers on sm_90, 240 on
     sm_120, no spills, 46.25 KiB static shared memory; a 512-thread tiling with 8 x 8 accumulators
     spills under its 128-register cap). ``tile_heads`` (8, 16, 32 or 64, dividing H) picks smaller
     tiles: H / tile_heads blocks per node, each reading the node's keys (from L2 after the first),
