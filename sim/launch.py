@@ -18,7 +18,8 @@ from typing import Any
 
 from .profiles import DeviceProfile, active_profile
 
-__all__ = ["LaunchConfigError", "Dim3", "check_launch", "launch", "opt_in_shared", "install_simulator_hook"]
+__all__ = ["LaunchConfigError", "Dim3", "check_launch", "launch", "launch_bounds", "opt_in_shared",
+           "install_simulator_hook"]
 
 Dim3 = tuple[int, int, int]
 _HOOK_MARKER = "__ddtree_launch_check__"
@@ -26,6 +27,17 @@ _HOOK_MARKER = "__ddtree_launch_check__"
 
 class LaunchConfigError(ValueError):
     """A launch configuration the target device would reject."""
+
+
+def launch_bounds(threads: int, min_blocks: int | None = None) -> dict[str, Any]:
+    """``cuda.jit`` options that cap a kernel's registers for ``threads`` per block (and
+    ``min_blocks`` resident per SM): ``launch_bounds`` on a GPU, none under the simulator, which
+    rejects the option."""
+    from .install import simulator_active   # imports numba.cuda
+
+    if simulator_active():
+        return {}
+    return {"launch_bounds": threads if min_blocks is None else (threads, min_blocks)}
 
 
 def _normalise_dims(dims: int | Sequence[int], name: str) -> Dim3:

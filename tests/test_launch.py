@@ -241,3 +241,17 @@ def test_launch_helper_checks_before_launching(grid, block, smem, exc):
     with pytest.raises(exc):
         launch(fill_thread_ids, grid, block, 0, smem, out)
     assert np.all(out == SENTINEL)
+
+
+def test_launch_bounds_options():
+    """launch_bounds: the option the GPU needs (threads, or threads and the resident minimum), none
+    under the simulator, which rejects it; the result is accepted by cuda.jit either way."""
+    if cuda.config.ENABLE_CUDASIM:
+        assert launch_mod.launch_bounds(256) == {} and launch_mod.launch_bounds(256, 1) == {}
+    else:
+        assert launch_mod.launch_bounds(256) == {"launch_bounds": 256}
+        assert launch_mod.launch_bounds(512, 2) == {"launch_bounds": (512, 2)}
+    kernel = cuda.jit(**launch_mod.launch_bounds(N_THREADS, 1))(fill_thread_ids.py_func)
+    out = np.zeros(N_THREADS, np.float32)
+    kernel[1, N_THREADS](out)
+    assert np.array_equal(out, np.arange(N_THREADS, dtype=np.float32))

@@ -35,7 +35,6 @@ import numpy as np
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8)  # verify_attention.default_config's score-first tiles
-SEGMENT_CHUNKS = 64  # auto-pfs: the default split (2048 keys) over 32-key chunks, prefetched at the start
 
 
 def time_variants(preset: str, past: int, row_counts: list[int], variants: list[tuple[str, str]],
@@ -46,6 +45,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
 
     import ddtree_numba.engine.model as em
     import ddtree_numba.kernels.linear as lin
+    from ddtree_numba.kernels import verify_attention as va
     from ddtree_numba.bench.profile_forward import forward_inputs
     from ddtree_numba.config import ModelConfig
     from ddtree_numba.engine.graphs import StepGraph
@@ -66,7 +66,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     for tile, cols in variants:
         em.FEW_NODES_PER_SM = 0 if tile == "64" else few
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
-        em.ATTENTION_PREFETCH_CHUNKS = SEGMENT_CHUNKS if tile == "auto-pfs" else 1
+        em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
         em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
         if tile.startswith("sf"):   # sfHxK: score-first decode tiles; sfHxK+: small trees too
             score_first = _score_first_tile(tile)

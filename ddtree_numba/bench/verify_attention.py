@@ -47,10 +47,10 @@ TILES = {
     "h8-prefetch": dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True),  # + key rows to L2 a chunk ahead
     # + the whole segment's key rows to L2 at the start (prefetch_chunks = split_size / chunk)
     "h8-prefetch-seg": dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True,
-                                           prefetch_chunks=va.DEFAULT_SPLIT_SIZE // va.KIMI_K2_DECODE_CONFIG.chunk),
+                                           prefetch_chunks=va.SEGMENT_PREFETCH_CHUNKS),
     "h16": va.KIMI_K2_SMALL_TREE_CONFIG,           # 16 heads per tile: the engine's small trees
     "h16-prefetch-seg": dataclasses.replace(va.KIMI_K2_SMALL_TREE_CONFIG, prefetch_l2=True,
-                                            prefetch_chunks=va.DEFAULT_SPLIT_SIZE // va.KIMI_K2_SMALL_TREE_CONFIG.chunk),
+                                            prefetch_chunks=va.SEGMENT_PREFETCH_CHUNKS),
     "sf2x128": va.KIMI_K2_SCORE_FIRST_CONFIG,      # score-first, 2 heads: the engine's AR steps
     "sf4x128": va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,  # score-first, 4 heads: the engine's small trees
 }

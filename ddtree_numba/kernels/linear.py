@@ -88,7 +88,7 @@ import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint64
 
-from sim.launch import check_launch, launch, opt_in_shared
+from sim.launch import check_launch, launch, launch_bounds, opt_in_shared
 from sim.profiles import active_profile
 
 from ._args import as_kernel_array, is_c_contiguous, is_device_array
@@ -278,12 +278,6 @@ def _tree_sum(red, base):
 
 
 # --- kernel factory ------------------------------------------------------------------------------
-
-def _jit_options(threads: int) -> dict[str, Any]:
-    """``launch_bounds`` (threads, 1 block per SM) on a GPU: without the minimum, ptxas held the
-    1-row tile to 128 registers and spilled; the simulator rejects the option."""
-    return {} if cuda.config.ENABLE_CUDASIM else {"launch_bounds": (threads, 1)}
-
 
 def columns(kind: str, mt: int, arch: str | None = None) -> int:
     """C, the adjacent output columns per warp: WIDE_COLUMNS for the 8-row tile on WIDE_ARCHS
@@ -628,7 +622,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                             put(out, residual_arr, dst_sh, g, col0, n_cols, a, total)
                 cuda.syncthreads()  # comb read before the next column group rewrites it
 
-    options = _jit_options(BLOCK_WARPS * WARP)
+    # One block per SM as the bound's minimum: without it ptxas held the 1-row tile to 128
+    # registers and spilled.
+    options = launch_bounds(BLOCK_WARPS * WARP, 1)
 
     if kind == "linear":
         @cuda.jit(**options)

@@ -51,7 +51,7 @@ from numba.core import types as nbtypes
 from ddtree_numba.config import ROPE_LAYOUTS, ModelConfig
 from reference.model import rope_cos_sin
 from sim.install import simulator_active
-from sim.launch import launch
+from sim.launch import launch, launch_bounds
 
 from ._args import as_kernel_array, check_array, check_shape, host_values
 from .registry import register
@@ -316,11 +316,8 @@ def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
 
 # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
 # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
-# the H200). The simulator rejects launch_bounds.
-_ROUTE_BOUNDS = {} if simulator_active() else {"launch_bounds": (MAX_ROUTE_THREADS, 1)}
-
-
-@cuda.jit(**_ROUTE_BOUNDS)
+# the H200).
+@cuda.jit(**launch_bounds(MAX_ROUTE_THREADS, 1))
 def moe_route_kernel(xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
                      route_scale, topk_ids, topk_w):
     """reference.model.moe_gate, rows blockIdx.x, + gridDim.x, ...; picks in ascending expert id.

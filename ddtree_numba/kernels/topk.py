@@ -127,7 +127,7 @@ from numba import cuda, float32, float64, int16, int32, int64, types, uint16, ui
 from numba.core.extending import intrinsic
 
 from sim.install import simulator_active
-from sim.launch import launch
+from sim.launch import launch, launch_bounds
 
 from ._args import check_array, int_arg
 from .registry import register
@@ -672,10 +672,8 @@ def _emit_ranked(buf, n, k, any_bad, big_m, total, row, chunk, cand, cmax, csum,
 
 # Registers: at most 64 per thread, so 4 blocks of 256 threads fit an SM. Uncapped,
 # ptxas spends a register per in-flight exp of the unrolled loop (92-184) and halves occupancy.
-# The simulator rejects launch_bounds.
-_BOUNDS = {} if simulator_active() else {"launch_bounds": (MAX_THREADS, REGISTER_FILE // (MAX_THREADS * MAX_REGISTERS))}
-_WARP_BOUNDS = {} if simulator_active() else {
-    "launch_bounds": (MAX_THREADS, REGISTER_FILE // (MAX_THREADS * WARP_MAX_REGISTERS))}
+_BOUNDS = launch_bounds(MAX_THREADS, REGISTER_FILE // (MAX_THREADS * MAX_REGISTERS))
+_WARP_BOUNDS = launch_bounds(MAX_THREADS, REGISTER_FILE // (MAX_THREADS * WARP_MAX_REGISTERS))
 
 def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
     """Chunk kernel for words of ``per_word`` packed elements of ``elem_bits`` bits, ``unroll`` words per thread.

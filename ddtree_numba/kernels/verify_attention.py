@@ -82,7 +82,7 @@ from numba.core.extending import intrinsic
 from ddtree_numba.kernels._args import check_array, int_arg, positive_real
 from ddtree_numba.kernels.registry import register
 from sim.install import simulator_active
-from sim.launch import launch
+from sim.launch import launch, launch_bounds
 
 __all__ = [
     "DEFAULT_SPLIT_SIZE",
@@ -363,11 +363,6 @@ else:
 # Kernel factory
 # ----------------------------------------------------------------------------------------------
 
-def _jit_options(threads: int) -> dict[str, Any]:
-    """``launch_bounds`` on a GPU (caps registers for the block size); the simulator rejects it."""
-    return {} if cuda.config.ENABLE_CUDASIM else {"launch_bounds": threads}
-
-
 @functools.cache
 def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     """The (attention, merge) kernels specialised for ``config`` (compiled lazily, cached).
@@ -416,7 +411,6 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     S_ROW_STEP = THREADS // S_TPR
     S_COL_PASSES = KS // S_TPR
     Q_ROW_PASSES = -(-HEADS // S_ROW_STEP)
-    K_ROW_PASSES = -(-CHUNK // S_ROW_STEP)
     V_TPR = min(THREADS, DL)
     V_ROW_STEP = THREADS // V_TPR
     V_COL_PASSES = DL // V_TPR
@@ -424,15 +418,12 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     Q_ROWS_EXACT = HEADS % S_ROW_STEP == 0      # no row guard needed (compile-time)
     V_ROWS_EXACT = CS % V_ROW_STEP == 0
     Q_REGS = Q_ROW_PASSES * S_COL_PASSES
-    K_REGS = K_ROW_PASSES * S_COL_PASSES
     V_REGS = V_ROW_PASSES * V_COL_PASSES
     # Score-first layout (config.score_keys > 0): SB keys scored per pass, then their softmax on
     # the chunk layout's lanes (LANES per head), then P·V over dims tid + i * THREADS.
     SB = max(config.score_keys, CHUNK)
     SCORE_FIRST = config.score_keys > 0
     SF_KEY_TILES = SB // RC             # thread tiles along the keys of a pass
-    SF_K_ROW_PASSES = -(-SB // S_ROW_STEP)
-    SF_K_REGS = SF_K_ROW_PASSES * S_COL_PASSES
     SF_CHUNKS = SB // CHUNK             # chunks of a pass
     LANES = KG * KEY_TILES              # softmax lanes of one head (the chunk layout's row tile)
     SF_SOFTMAX_THREADS = -(-HEADS * LANES // WARP) * WARP  # whole warps: their shuffles need all lanes
@@ -485,7 +476,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         return past + path[uint64(pos - past)]
 
     def slice_io(n_keys, k_buf):
-        """(load, store) of ``[HEADS, KS]`` query and ``[n_keys, KS]`` key slices, the keys at
+        """(load, store, key registers) of ``[HEADS, KS]`` query and ``[n_keys, KS]`` key slices, the keys at
         ``bufs[k_buf:]`` (compile-time constants: the chunk layout stages CHUNK keys, the
         score-first layout SB)."""
         k_row_passes = -(-n_keys // S_ROW_STEP)
@@ -541,10 +532,10 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                     for cp in range(S_COL_PASSES):
                         bufs[uint64(k_buf + c * KSP + s_col + cp * S_TPR)] = k_reg[rp * S_COL_PASSES + cp]
 
-        return load_qk_slice, store_qk_slice
+        return load_qk_slice, store_qk_slice, k_row_passes * S_COL_PASSES
 
-    load_qk_slice, store_qk_slice = slice_io(CHUNK, BUF)
-    sf_load_slice, sf_store_slice = slice_io(SB, SF_QBUF)
+    load_qk_slice, store_qk_slice, K_REGS = slice_io(CHUNK, BUF)
+    sf_load_slice, sf_store_slice, SF_K_REGS = slice_io(SB, SF_QBUF)
 
     @cuda.jit(device=True, inline="always")
     def score_lane(tid, key_tiles, k_buf):
@@ -622,7 +613,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             else:
                 _prefetch_l2(k_rope, uint64(row * DR + (part - DL_LINES) * LINE_FLOATS))
 
-    @cuda.jit(**_jit_options(THREADS))
+    @cuda.jit(**launch_bounds(THREADS))
     def attention(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility,
                   tree_capacity, num_heads, kv_rows, vis_words, scale, split, workspace):
         """One (node, head group, segment): the segment's partial (acc, m, l) -> workspace.
@@ -792,7 +783,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             workspace[uint64((ws_row + tid) * (DL + 2) + DL)] = m_sh[uint64(cur * HEADS + tid)]
             workspace[uint64((ws_row + tid) * (DL + 2) + DL + 1)] = l_sh[uint64(cur * HEADS + tid)]
 
-    @cuda.jit(**_jit_options(MERGE_THREADS))
+    @cuda.jit(**launch_bounds(MERGE_THREADS))
     def merge(past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words,
               split, num_splits, workspace, out, lse):
         """One node's head group: fold its segments, in segment order, into out and lse.
@@ -846,7 +837,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             if d == 0:
                 lse[out_row + h] = m_max + math.log(total)
 
-    @cuda.jit(**_jit_options(THREADS))
+    @cuda.jit(**launch_bounds(THREADS))
     def attention_score_first(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes,
                               visibility, tree_capacity, num_heads, kv_rows, vis_words, scale,
                               split, workspace):
@@ -1237,14 +1228,17 @@ _MERGE_SIG = (int32[::1], int32[::1], uint32[::1], *_DIMS, int32, int32, float32
 # ones; bench and test baselines).
 KIMI_K2_DECODE_CONFIG = default_config(512, 64, 64, tile_heads=8)
 KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
+# prefetch_chunks that covers a whole default segment at the start (32-key chunks in every preset)
+SEGMENT_PREFETCH_CHUNKS = DEFAULT_SPLIT_SIZE // KIMI_K2_CONFIG.chunk
 # The score-first tilings the engine uses (model.DECODE_TILE, model.FEW_NODES_TILE).
 KIMI_K2_SCORE_FIRST_CONFIG = default_config(512, 64, 64, tile_heads=2, score_keys=128)
 KIMI_K2_SCORE_FIRST_TREE_CONFIG = default_config(512, 64, 64, tile_heads=4, score_keys=128)
 for _name, _config, _what in (
         ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
         ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
-        ("verify_attention_mla_8_heads_prefetch", dataclasses.replace(KIMI_K2_DECODE_CONFIG, prefetch_l2=True, prefetch_chunks=64),
-         "8-head tiles, key rows prefetched to L2 a chunk ahead (opt-in, TileConfig.prefetch_l2)"),
+        ("verify_attention_mla_8_heads_prefetch", dataclasses.replace(
+            KIMI_K2_DECODE_CONFIG, prefetch_l2=True, prefetch_chunks=SEGMENT_PREFETCH_CHUNKS),
+         "8-head tiles, the segment's key rows prefetched to L2 at the start (opt-in, TileConfig.prefetch_l2)"),
         ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees"),
         ("verify_attention_mla_score_first", KIMI_K2_SCORE_FIRST_CONFIG,
          "score-first layout, 2-head tiles, 128 keys a pass (decode steps)"),
