@@ -31,9 +31,9 @@ def test_flops_and_peer_sizing():
 def test_score_first_tiles_are_the_engines():
     """The bench's score-first tiles are the ones engine.model picks for AR steps and small trees."""
     import ddtree_numba.engine.model as em
-    for name, tile in (("sf2x128", em.DECODE_TILE), ("sf4x128", em.FEW_NODES_TILE)):
+    for name, tile in (("sf2x128", em.DECODE_TILE), ("sf8x128r4", em.FEW_NODES_TILE)):
         cfg = bva.TILES[name]
-        assert (cfg.heads, cfg.score_keys) == tile
+        assert (cfg.heads, cfg.score_keys, cfg.qk_rows) == (tile + (1,))[:3]
 
 
 def test_decode_tiles_differ_only_in_the_prefetch():

@@ -413,10 +413,10 @@ def test_attention_tile_config_fits_prefill_chunks() -> None:
     big = attention_tile_config(kimi, 4096)
     assert 64 <= big.max_path < 4096 and big.static_shared_bytes <= 48 * 1024
     assert attention_tile_config(kimi, 16).max_path == 64
-    # Few nodes: score-first 2-head tiles (an AR step), 4-head (a batch-1 tree); many: 64-head
-    # chunk-layout tiles (layout only).
+    # Few nodes: score-first 2-head tiles (an AR step), 8-head with 4 x 4 score tiles (a batch-1
+    # tree); many: 64-head chunk-layout tiles (layout only).
     decode, tree = attention_tile_config(kimi, 1), attention_tile_config(kimi, 33)
-    assert (decode.heads, decode.score_keys, tree.heads, tree.score_keys) == (2, 128, 4, 128)
+    assert (decode.heads, decode.score_keys, tree.heads, tree.score_keys, tree.qk_rows) == (2, 128, 8, 128, 4)
     assert attention_tile_config(kimi, 33, batch_size=8).heads == 64
     assert attention_tile_config(tiny, 1).merge_heads == 4
 
@@ -446,11 +446,14 @@ def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:
     monkeypatch.setattr(em, "FEW_NODES_TILE", (2, 64))
     tree = attention_tile_config(kimi, 33)
     assert (tree.heads, tree.score_keys, tree.threads) == (2, 64, 64)
+    monkeypatch.setattr(em, "FEW_NODES_TILE", (8, 128, 4))   # 4 heads a score thread
+    tree_r4 = attention_tile_config(kimi, 33)
+    assert (tree_r4.heads, tree_r4.score_keys, tree_r4.qk_rows, tree_r4.threads) == (8, 128, 4, 128)
     wide = attention_tile_config(kimi, 33, batch_size=8)
-    monkeypatch.setattr(em, "DECODE_TILE", (16, 128))   # no such preset: an error, not a fallback
+    monkeypatch.setattr(em, "DECODE_TILE", (32, 128))   # no such preset: an error, not a fallback
     with pytest.raises(ValueError, match="tile_heads"):
         attention_tile_config(kimi, 1)
-    for cfg in (decode, tree):
+    for cfg in (decode, tree, tree_r4):
         assert (cfg.chunk, cfg.k_groups, cfg.qk_keys, cfg.k_slice) == (
             wide.chunk, wide.k_groups, wide.qk_keys, wide.k_slice)
         assert cfg.static_shared_bytes <= em.STATIC_SMEM_LIMIT   # max_path raised within the limit

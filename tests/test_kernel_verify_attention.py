@@ -379,13 +379,18 @@ def test_score_first_shadow_lanes_and_row_tiles(base, layout):
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
-def test_score_first_kimi_dims():
-    """The engine's decode tile shape at Kimi dims (2 heads here to keep the simulator quick):
-    score-first equals the chunk layout bit for bit, keys across two passes."""
+@pytest.mark.parametrize("layout", [
+    dict(score_keys=32),               # 1 x 4 score tiles, keys across two passes
+    dict(qk_rows=2, score_keys=64),    # 2 x 4 score tiles (both heads a thread), one pass
+])
+def test_score_first_kimi_dims(layout):
+    """The engine's tile shapes at Kimi dims (2 heads here to keep the simulator quick; 16
+    adjacent P·V dims a thread, so the value rows go through the float4 loads): score-first
+    equals the chunk layout bit for bit."""
     rng = np.random.default_rng(22)
     inputs, _ = _batch(rng, KIMI_DIMS_H2, 2, [40], [2], 2, 48)
     want = _run(inputs, 0.3, KIMI_DIMS_H2, 64)
-    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=32), 64)
+    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, **layout), 64)
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
@@ -492,7 +497,9 @@ def test_score_first_config_errors(change, why):
     with pytest.raises(ValueError, match=why):
         dataclasses.replace(TILED, **change).validate()
     with pytest.raises(ValueError, match="tile_heads"):
-        va.default_config(512, 64, 64, tile_heads=16, score_keys=128)
+        va.default_config(512, 64, 64, tile_heads=32, score_keys=128)
+    with pytest.raises(ValueError, match="score_rows"):
+        va.default_config(512, 64, 64, tile_heads=4, score_keys=128, score_rows=8)
 
 
 def test_config_rejects_row_keys_beyond_a_warp():
@@ -555,6 +562,31 @@ def test_run_errors_leave_outputs_untouched(name, bad, exc):
     with pytest.raises(exc, match=rf"^{name}\b"):
         va.run(p, **args)
     assert not np.any(args["out"]) and not np.any(args["lse"]) and not np.any(args["workspace"])
+
+
+def _misaligned(a):
+    """A C-contiguous copy of ``a`` that starts 4 bytes past a 16-byte boundary."""
+    buf = np.zeros(a.size + 4, a.dtype)
+    skip = (-buf.ctypes.data % 16) // a.itemsize + 1
+    out = buf[skip:skip + a.size].reshape(a.shape)
+    out[...] = a
+    assert out.ctypes.data % 16 == 4
+    return out
+
+
+@pytest.mark.parametrize("name", ["q_latent", "kv_latent", "k_rope"])
+def test_score_first_needs_16_byte_aligned_rows(name):
+    """The score-first tiles load query and key rows as float4s: a misaligned array is refused
+    before the launch (the chunk layout takes it)."""
+    p, args = _good_run_args()
+    args[name] = _misaligned(args[name])
+    va.run(p, **args)   # chunk layout: scalar loads
+    sf = va.plan(2, 4, 2, 12, latent_dim=16, rope_dim=8, split_size=8,
+                 config=dataclasses.replace(TINY, score_keys=16))
+    args["out"][...], args["lse"][...], args["workspace"][...] = 0.0, 0.0, 0.0
+    with pytest.raises(ValueError, match=rf"^{name}\b.*16-byte"):
+        va.run(sf, **args)
+    assert not np.any(args["out"]) and not np.any(args["workspace"])
 
 
 def test_unread_non_finite_rows_are_accepted():
@@ -653,11 +685,14 @@ def test_gpu_kimi_matches_reference():
                                            dataclasses.replace(va.KIMI_K2_DECODE_CONFIG, prefetch_l2=True,
                                                                prefetch_chunks=64),
                                            va.KIMI_K2_SCORE_FIRST_CONFIG, va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,
-                                           va.default_config(512, 64, 64, tile_heads=8, score_keys=64)])
+                                           va.default_config(512, 64, 64, tile_heads=8, score_keys=64),
+                                           va.default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=4),
+                                           va.default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=2),
+                                           va.default_config(512, 64, 64, tile_heads=16, score_keys=128, score_rows=4)])
 def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
     """64-head tree tiles vs decode steps with the chunk layout's 64-, 16- and 8-head tiles (the
-    last with the L2 prefetch too) and the score-first 2-, 4- and 8-head tiles (the engine's AR
-    model: 2 heads)."""
+    last with the L2 prefetch too) and the score-first 2-, 4-, 8- and 16-head tiles (the engine's AR
+    model: 2 heads; 8 and 16 with 2 or 4 heads a score thread, 16 with 32-dim key slices)."""
     rng = np.random.default_rng(11)
     inputs, parents = _kimi_case(rng, [4093, 2047], [33, 9])
     split = va.DEFAULT_SPLIT_SIZE

@@ -52,7 +52,8 @@ TILES = {
     "h16-prefetch-seg": dataclasses.replace(va.KIMI_K2_SMALL_TREE_CONFIG, prefetch_l2=True,
                                             prefetch_chunks=va.SEGMENT_PREFETCH_CHUNKS),
     "sf2x128": va.KIMI_K2_SCORE_FIRST_CONFIG,      # score-first, 2 heads: the engine's AR steps
-    "sf4x128": va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,  # score-first, 4 heads: the engine's small trees
+    "sf4x128": va.default_config(512, 64, 64, tile_heads=4, score_keys=128),  # the small trees' tile before
+    "sf8x128r4": va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,  # score-first, 8 heads, 4 x 4 score tiles: the engine's small trees
 }
 AMPLITUDE = 1.0  # inputs uniform in [-1, 1): scores have std ~1.2 after the scale
 FILL_THREADS = 256

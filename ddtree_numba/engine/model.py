@@ -76,12 +76,14 @@ SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are P
 # its heads.
 DECODE_NODES_PER_SM = 0.25
 FEW_NODES_PER_SM = 2
-# The tiles of those two launch sizes: a head count (the chunk layout) or (heads, score_keys), the
-# score-first layout (va.TileConfig.score_keys). Layout, not numerics; bench.forward_ab times them
+# The tiles of those two launch sizes: a head count (the chunk layout) or (heads, score_keys[,
+# score_rows]), the score-first layout (va.TileConfig.score_keys; score_rows heads per thread in the
+# score tile, default 1). Layout, not numerics; bench.forward_ab times them
 # (H200, run "attention score-first": an AR forward 1793.2 us with 8-head chunk tiles, 1424.7
-# with (2, 128); a 33-row forward 3377.4 with 16-head tiles, 3278.6 with (4, 128)).
-DECODE_TILE: int | tuple[int, int] = (2, 128)
-FEW_NODES_TILE: int | tuple[int, int] = (4, 128)
+# with (2, 128); a 33-row forward 3377.4 with 16-head tiles, 3278.6 with (4, 128); run "score
+# rows": a 33-row forward 3151.9 with (4, 128), 2829.8 with (8, 128, 4), 2993.9 with (8, 128, 2)).
+DECODE_TILE: int | tuple[int, ...] = (2, 128)
+FEW_NODES_TILE: int | tuple[int, ...] = (8, 128, 4)
 # The attention tiles' L2 prefetch of the next chunk's key rows (va.TileConfig.prefetch_l2): layout,
 # not numerics. Off: on the H200 it did not pay (forward_ab, run "attention score-first": an AR
 # forward 1889.0 us without, 1890.7 a chunk ahead, 1884.6 the whole segment at the start).
@@ -180,8 +182,8 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     memory allows, so a prefill chunk of ``max_rows`` causal rows fits. Launches with few
     (node, default head tile) pairs get smaller tiles, more blocks: below ``DECODE_NODES_PER_SM``
     per SM (an AR step) ``DECODE_TILE``, below ``FEW_NODES_PER_SM`` (a small tree at batch 1)
-    ``FEW_NODES_TILE`` (score-first tiles of 2 and 4 heads; the 8- and 16-head chunk-layout tiles
-    before them). The tiles are layout, not numerics (same bits, so the AR and tree models still
+    ``FEW_NODES_TILE`` (score-first tiles of 2 heads, and of 8 heads with 4 a score thread; the
+    8- and 16-head chunk-layout tiles before them). The tiles are layout, not numerics (same bits, so the AR and tree models still
     agree bit for bit).
 
     Raises:
@@ -192,9 +194,10 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     sms = active_profile().sm_count
     tile = (None if h % 16 else DECODE_TILE if blocks < DECODE_NODES_PER_SM * sms
             else FEW_NODES_TILE if blocks < FEW_NODES_PER_SM * sms else None)
-    tile_heads, score_keys = tile if isinstance(tile, tuple) else (tile, 0)
+    tile_heads, score_keys, score_rows = (tile + (1,))[:3] if isinstance(tile, tuple) else (tile, 0, 1)
     if (dl, dr) == (512, 64) and h % 16 == 0:   # a preset: a bad tile setting raises (no fallback)
-        base = va.default_config(dl, dr, h, tile_heads=tile_heads, score_keys=score_keys)
+        base = va.default_config(dl, dr, h, tile_heads=tile_heads, score_keys=score_keys,
+                                 score_rows=score_rows)
     else:   # other numerics than the preset's: every launch size must use this one tiling
         base = _small_tile_config(dl, dr, h)
     try:

@@ -80,6 +80,7 @@ from numba import cuda, float32, int32, types, uint32, uint64
 from numba.core.extending import intrinsic
 
 from ddtree_numba.kernels._args import check_array, int_arg, positive_real
+from ddtree_numba.kernels.linear import _address, load_f32x4
 from ddtree_numba.kernels.registry import register
 from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
@@ -180,7 +181,7 @@ class TileConfig:
     def static_shared_bytes(self) -> int:
         """Static shared memory of the attention kernel, in bytes."""
         if self.score_keys:   # key and query slices, scores, rescales, path, key rows
-            return 4 * ((self.score_keys + self.heads) * self.k_row + self.heads * self.score_keys
+            return 4 * ((self.score_keys + self.heads) * self.k_row + self.score_keys * self.score_probs_row
                         + self.heads * (self.score_keys // self.chunk) + self.max_path
                         + self.score_keys)
         return 4 * (
@@ -204,6 +205,13 @@ class TileConfig:
         """Padded row of the key-major probabilities ``[chunk, heads + 4]``: 16-byte rows (a
         lane's ``pv_rows`` probabilities are one vector load), stores spread over the banks."""
         return self.heads + 4
+
+    @property
+    def score_probs_row(self) -> int:
+        """Row of the score-first layout's key-major probabilities ``[score_keys, row]``: the
+        tile's heads, padded to whole float4s from 4 heads on (P·V reads a key's probabilities of
+        every head as vector loads)."""
+        return self.heads if self.heads < 4 else -(-self.heads // 4) * 4
 
     @property
     def k_row(self) -> int:
@@ -264,7 +272,7 @@ class TileConfig:
 
 
 def default_config(latent_dim: int, rope_dim: int, num_heads: int, *,
-                   tile_heads: int | None = None, score_keys: int = 0) -> TileConfig:
+                   tile_heads: int | None = None, score_keys: int = 0, score_rows: int = 1) -> TileConfig:
     """The specialisation :func:`plan` uses for ``(Dl, Dr, H)``; a function of these only.
 
     Dl = 512, Dr = 64 (DeepSeek-V3, Kimi K2 and their tensor-parallel shards; H a multiple of
@@ -275,19 +283,28 @@ def default_config(latent_dim: int, rope_dim: int, num_heads: int, *,
     tiles: H / tile_heads blocks per node, each reading the node's keys (from L2 after the first),
     for launches with few nodes (a decode step: one block per 64 heads leaves the GPU idle).
     ``score_keys`` > 0 picks the score-first layout (``TileConfig.score_keys``) with ``tile_heads``
-    of 1, 2, 4 or 8 heads (default 4). The tile size and layout are not numerics: chunk, k_groups
-    and qk_keys stay, so every tile gives the same bits. Other dims have no preset: pass a
-    :class:`TileConfig`.
+    of 1, 2, 4, 8 or 16 heads (default 4) and ``score_rows`` heads per thread in the score tile
+    (``qk_rows``: 1, 2, 4 or 8, dividing the tile; a 4 x 4 tile takes 8 shared loads per 64 FMAs,
+    a 1 x 4 tile 5 per 16); key slices of 64 dims, or 32 where 64 would pass the static shared
+    memory limit (16 heads). The tile size and layout are not numerics: chunk, k_groups and
+    qk_keys stay, and the dims a lane takes at once (4) too, so every tile gives the same bits.
+    Other dims have no preset: pass a :class:`TileConfig`.
     """
     if (latent_dim, rope_dim) == (512, 64) and num_heads % 16 == 0:
         if score_keys:
             heads = 4 if tile_heads is None else tile_heads
-            if heads not in (1, 2, 4, 8) or num_heads % heads:
-                raise ValueError(f"tile_heads must be 1, 2, 4 or 8 and divide num_heads={num_heads} "
+            if heads not in (1, 2, 4, 8, 16) or num_heads % heads:
+                raise ValueError(f"tile_heads must be 1, 2, 4, 8 or 16 and divide num_heads={num_heads} "
                                  f"with score_keys, got {tile_heads}")
-            return TileConfig(latent_dim=512, rope_dim=64, heads=heads, chunk=32, k_slice=64, k_groups=2,
-                              qk_rows=1, qk_keys=4, pv_rows=1, pv_dims=32, v_slice=8,
-                              score_keys=score_keys)
+            if score_rows not in (1, 2, 4, 8) or heads % score_rows:
+                raise ValueError(f"score_rows must be 1, 2, 4 or 8 and divide tile_heads={heads}, "
+                                 f"got {score_rows}")
+            config = TileConfig(latent_dim=512, rope_dim=64, heads=heads, chunk=32, k_slice=64, k_groups=2,
+                                qk_rows=score_rows, qk_keys=4, pv_rows=1, pv_dims=32, v_slice=8,
+                                score_keys=score_keys)
+            if config.static_shared_bytes > STATIC_SHARED_LIMIT:   # half the key slice, same bits
+                config = dataclasses.replace(config, k_slice=32)
+            return config
         heads = math.gcd(num_heads, 64) if tile_heads is None else tile_heads
         if heads not in (8, 16, 32, 64) or num_heads % heads:
             raise ValueError(f"tile_heads must be 8, 16, 32 or 64 and divide num_heads={num_heads}, "
@@ -427,10 +444,23 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     SF_CHUNKS = SB // CHUNK             # chunks of a pass
     LANES = KG * KEY_TILES              # softmax lanes of one head (the chunk layout's row tile)
     SF_SOFTMAX_THREADS = -(-HEADS * LANES // WARP) * WARP  # whole warps: their shuffles need all lanes
-    SF_DIMS = -(-DL // THREADS)         # latent dims per thread in P·V (each for every head)
+    SF_DIMS = -(-DL // THREADS)         # adjacent latent dims per thread in P·V (each for every head)
+    SF_VEC4 = SF_DIMS % 4 == 0          # a thread's dims of a value row are whole float4s
+    # value rows loaded before their FMAs: the most that divide CHUNK in <= 64 registers
+    SF_VKEYS = max(v for v in range(1, CHUNK + 1) if CHUNK % v == 0 and v * SF_DIMS <= max(64, SF_DIMS))
+    SF_PROW = config.score_probs_row    # key-major probabilities [SB, SF_PROW]: a key's heads adjacent
     SF_QBUF = HEADS * KSP
+    # Score-first staging in float4s where rows and slices are whole float4s (every preset): a
+    # row of KS floats by V4_TPR lanes (16-byte global loads, aligned allocations: see run()).
+    SF_STAGE_VEC4 = KS % 4 == 0 and DL % 4 == 0 and DR % 4 == 0
+    V4_TPR = min(THREADS, KS // 4) if SF_STAGE_VEC4 else 1
+    V4_ROW_STEP = THREADS // V4_TPR
+    V4_COL_PASSES = max(1, (KS // 4) // V4_TPR)
+    V4_Q_ROW_PASSES = -(-HEADS // V4_ROW_STEP)
+    V4_Q_ROWS_EXACT = HEADS % V4_ROW_STEP == 0
+    SF_Q_REGS = V4_Q_ROW_PASSES * V4_COL_PASSES * 4 if SF_STAGE_VEC4 else Q_REGS
     SF_BUFS = SF_QBUF + SB * KSP
-    SF_PROBS = HEADS * SB
+    SF_PROBS = SB * SF_PROW
     SF_ALPHAS = HEADS * SF_CHUNKS
 
     @cuda.jit(device=True, inline="always")
@@ -534,8 +564,72 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
 
         return load_qk_slice, store_qk_slice, k_row_passes * S_COL_PASSES
 
+    @cuda.jit(device=True, inline="always")
+    def load_row_f32x4(latent, rope, row, col, live, regs, base):
+        """regs[base : base + 4] = dims col .. col + 3 of flat row ``row`` (latent dims, then rope:
+        4 | Dl, so a float4 never straddles them); zeros unless ``live``."""
+        v0 = float32(0.0)
+        v1 = float32(0.0)
+        v2 = float32(0.0)
+        v3 = float32(0.0)
+        if live:
+            if col < DL:
+                v0, v1, v2, v3 = load_f32x4(latent, uint64(row * DL + col))
+            else:
+                v0, v1, v2, v3 = load_f32x4(rope, uint64(row * DR + col - DL))
+        regs[base] = v0
+        regs[base + 1] = v1
+        regs[base + 2] = v2
+        regs[base + 3] = v3
+
+    def slice_io_vec4(n_keys, k_buf):
+        """:func:`slice_io` with float4 loads and stores: a row of KS floats by V4_TPR lanes, 4
+        adjacent dims each (one 16-byte global load, one shared store). Returns (load, store, key
+        registers) with the same arguments; ``s_col`` is the lane's first dim (a multiple of 4)."""
+        k_row_passes = -(-n_keys // V4_ROW_STEP)
+        k_rows_exact = n_keys % V4_ROW_STEP == 0
+
+        @cuda.jit(device=True, inline="always")
+        def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, rows_off, s_row,
+                          s_col, q_reg, k_reg):
+            for rp in range(V4_Q_ROW_PASSES):
+                r = s_row + rp * V4_ROW_STEP
+                for cp in range(V4_COL_PASSES):
+                    load_row_f32x4(q_latent, q_rope, q_base + r, k0 + s_col + cp * 4 * V4_TPR,
+                                   V4_Q_ROWS_EXACT or r < HEADS, q_reg, (rp * V4_COL_PASSES + cp) * 4)
+            for rp in range(k_row_passes):
+                c = s_row + rp * V4_ROW_STEP
+                row = -1
+                if k_rows_exact or c < n_keys:
+                    row = rows[uint64(rows_off + c)]
+                for cp in range(V4_COL_PASSES):
+                    load_row_f32x4(kv_latent, k_rope, row, k0 + s_col + cp * 4 * V4_TPR, row >= 0,
+                                   k_reg, (rp * V4_COL_PASSES + cp) * 4)
+
+        @cuda.jit(device=True, inline="always")
+        def store_qk_slice(bufs, s_row, s_col, q_reg, k_reg):
+            for rp in range(V4_Q_ROW_PASSES):
+                r = s_row + rp * V4_ROW_STEP
+                if r < HEADS:
+                    for cp in range(V4_COL_PASSES):
+                        off = uint64(r * KSP + s_col + cp * 4 * V4_TPR)
+                        for e in range(4):
+                            bufs[off + uint64(e)] = q_reg[(rp * V4_COL_PASSES + cp) * 4 + e]
+            for rp in range(k_row_passes):
+                c = s_row + rp * V4_ROW_STEP
+                if c < n_keys:
+                    for cp in range(V4_COL_PASSES):
+                        off = uint64(k_buf + c * KSP + s_col + cp * 4 * V4_TPR)
+                        for e in range(4):
+                            bufs[off + uint64(e)] = k_reg[(rp * V4_COL_PASSES + cp) * 4 + e]
+
+        return load_qk_slice, store_qk_slice, k_row_passes * V4_COL_PASSES * 4
+
     load_qk_slice, store_qk_slice, K_REGS = slice_io(CHUNK, BUF)
-    sf_load_slice, sf_store_slice, SF_K_REGS = slice_io(SB, SF_QBUF)
+    if SF_STAGE_VEC4:
+        sf_load_slice, sf_store_slice, SF_K_REGS = slice_io_vec4(SB, SF_QBUF)
+    else:
+        sf_load_slice, sf_store_slice, SF_K_REGS = slice_io(SB, SF_QBUF)
 
     @cuda.jit(device=True, inline="always")
     def score_lane(tid, key_tiles, k_buf):
@@ -850,7 +944,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         Same arguments.
         """
         bufs = cuda.shared.array(SF_BUFS, float32)     # [HEADS, KSP] query | [SB, KSP] key slice
-        probs = cuda.shared.array(SF_PROBS, float32)   # [HEADS, SB] scores, then probabilities
+        probs = cuda.shared.array(SF_PROBS, float32)   # [SB, SF_PROW] scores, then probabilities
         alpha = cuda.shared.array(SF_ALPHAS, float32)  # [HEADS, SF_CHUNKS] acc rescale per chunk
         path = cuda.shared.array(MAX_PATH, int32)      # tree node at position past + k
         rows = cuda.shared.array(SB, int32)            # [SB] flat cache rows of the pass (-1: none)
@@ -868,8 +962,12 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                           past, path, kv_base, tid)
 
         q_base = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
-        s_row = tid // S_TPR
-        s_col = tid % S_TPR
+        if SF_STAGE_VEC4:   # V4_TPR lanes a staged row, 4 adjacent dims each
+            s_row = tid // V4_TPR
+            s_col = (tid % V4_TPR) * 4
+        else:
+            s_row = tid // S_TPR
+            s_col = tid % S_TPR
         # Scores: k-group fastest, then key tile (SF_KEY_TILES over the pass), then row tile.
         kg, key_tile, row_tile, q_off, k_off = score_lane(tid, SF_KEY_TILES, SF_QBUF)
         # Softmax: head tid // LANES on the chunk layout's lanes (k-group fastest, then key tile).
@@ -878,14 +976,16 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         sm_kg = tid % KG
         sm_tile = (tid // KG) % KEY_TILES
 
-        q_reg = cuda.local.array(Q_REGS, float32)
+        q_reg = cuda.local.array(SF_Q_REGS, float32)
         k_reg = cuda.local.array(SF_K_REGS, float32)
         s = cuda.local.array((RM, RC), float32)
         q_vec = cuda.local.array((RM, VEC), float32)
         k_vec = cuda.local.array((RC, VEC), float32)
         p_key = cuda.local.array(RC, float32)
         acc = cuda.local.array((HEADS, SF_DIMS), float32)
-        v_val = cuda.local.array((CHUNK, SF_DIMS), float32)
+        v_val = cuda.local.array((SF_VKEYS, SF_DIMS), float32)
+        p_head = cuda.local.array(HEADS, float32)
+        dim0 = tid * SF_DIMS        # this thread's P·V dims: dim0 .. dim0 + SF_DIMS - 1
         for h in range(HEADS):
             for i in range(SF_DIMS):
                 acc[h, i] = float32(0.0)
@@ -929,7 +1029,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                         score = float32(NEG_INF)
                         if key < n_keys:
                             score = s[i, j] * scale
-                        probs[uint64((row_tile * RM + i) * SB + key)] = score
+                        probs[uint64(key * SF_PROW + row_tile * RM + i)] = score
             cuda.syncthreads()  # every score of the pass is in probs[]
 
             # ---- online softmax chunk by chunk: the chunk kernel's lanes and butterflies ----
@@ -939,7 +1039,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                     if c0 < n_keys:
                         c_max = float32(NEG_INF)
                         for j in range(RC):
-                            p_key[j] = probs[uint64(sm_head * SB + c0 + sm_tile + j * KEY_TILES)]
+                            p_key[j] = probs[uint64((c0 + sm_tile + j * KEY_TILES) * SF_PROW + sm_head)]
                             c_max = max(c_max, p_key[j])
                         for level in range(KT_LEVELS):
                             c_max = max(c_max, cuda.shfl_xor_sync(FULL_MASK, c_max, KG << level))
@@ -959,36 +1059,52 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                                 alpha[uint64(sm_head * SF_CHUNKS + ci)] = rescale
                             for j in range(RC):
                                 if j % KG == sm_kg:
-                                    probs[uint64(sm_head * SB + c0 + sm_tile + j * KEY_TILES)] = p_key[j]
+                                    probs[uint64((c0 + sm_tile + j * KEY_TILES) * SF_PROW + sm_head)] = p_key[j]
             cuda.syncthreads()  # the pass's probabilities and rescales are in shared memory
 
-            # ---- acc = acc * alpha + P V, chunk by chunk, keys in order ----
+            # ---- acc = acc * alpha + P V, chunk by chunk, keys in order; SF_VKEYS value rows
+            # loaded before their FMAs, a key's HEADS probabilities adjacent (vector loads) ----
             for ci in range(SF_CHUNKS):
                 c0 = ci * CHUNK
                 if c0 < n_keys:
-                    for c in range(CHUNK):   # all of the chunk's value loads first
-                        row = rows[uint64(c0 + c)]
-                        for i in range(SF_DIMS):
-                            value = float32(0.0)
-                            if row >= 0 and tid + i * THREADS < DL:  # zeros: 0 * NaN would poison acc
-                                value = kv_latent[uint64(row * DL + tid + i * THREADS)]
-                            v_val[c, i] = value
                     for h in range(HEADS):
                         rescale = alpha[uint64(h * SF_CHUNKS + ci)]
                         for i in range(SF_DIMS):
                             acc[h, i] = acc[h, i] * rescale
-                    for c in range(CHUNK):
-                        for h in range(HEADS):
-                            p = probs[uint64(h * SB + c0 + c)]
-                            for i in range(SF_DIMS):
-                                acc[h, i] = cuda.fma(p, v_val[c, i], acc[h, i])
+                    for cb in range(0, CHUNK, SF_VKEYS):
+                        for c in range(SF_VKEYS):
+                            row = rows[uint64(c0 + cb + c)]
+                            if SF_VEC4:
+                                for i in range(0, SF_DIMS, 4):
+                                    v0 = float32(0.0)   # zeros: 0 * NaN would poison acc
+                                    v1 = float32(0.0)
+                                    v2 = float32(0.0)
+                                    v3 = float32(0.0)
+                                    if row >= 0:
+                                        v0, v1, v2, v3 = load_f32x4(kv_latent, uint64(row * DL + dim0 + i))
+                                    v_val[c, i] = v0
+                                    v_val[c, i + 1] = v1
+                                    v_val[c, i + 2] = v2
+                                    v_val[c, i + 3] = v3
+                            else:
+                                for i in range(SF_DIMS):
+                                    value = float32(0.0)
+                                    if row >= 0 and dim0 + i < DL:
+                                        value = kv_latent[uint64(row * DL + dim0 + i)]
+                                    v_val[c, i] = value
+                        for c in range(SF_VKEYS):
+                            for h in range(HEADS):
+                                p_head[h] = probs[uint64((c0 + cb + c) * SF_PROW + h)]
+                            for h in range(HEADS):
+                                for i in range(SF_DIMS):
+                                    acc[h, i] = cuda.fma(p_head[h], v_val[c, i], acc[h, i])
 
         # ---- segment partial -> workspace [seg, b, node, h, :] ----
         batch = past_lens.shape[0]
         ws_row = ((seg * batch + b) * tree_capacity + node) * num_heads + h0
         for h in range(HEADS):
             for i in range(SF_DIMS):
-                dim = tid + i * THREADS
+                dim = dim0 + i
                 if dim < DL:
                     workspace[uint64((ws_row + h) * (DL + 2) + dim)] = acc[h, i]
         if sm_writer and sm_tile == 0 and sm_kg == 0:
@@ -1171,6 +1287,12 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
     lse = check_array(lse, "lse", np.float32, shape=(bs, tc, h))
     workspace = check_array(workspace, "workspace", np.float32, shape=p.workspace_shape)
     scale = positive_real(scale, "scale")
+    if cfg.score_keys:   # its float4 loads of query and key rows need 16-byte aligned arrays
+        for name, arr in (("q_latent", q_latent), ("q_rope", q_rope), ("kv_latent", kv_latent),
+                          ("k_rope", k_rope)):
+            if _address(arr) % 16:
+                raise ValueError(f"{name} must start on a 16-byte boundary for the score-first "
+                                 f"tiles (config.score_keys), got address {_address(arr):#x}")
     _check_host_values(p, past_lens, tree_sizes, visibility)
     _check_host_finite(dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope),
                        past_lens, tree_sizes)
@@ -1232,7 +1354,7 @@ KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
 SEGMENT_PREFETCH_CHUNKS = DEFAULT_SPLIT_SIZE // KIMI_K2_CONFIG.chunk
 # The score-first tilings the engine uses (model.DECODE_TILE, model.FEW_NODES_TILE).
 KIMI_K2_SCORE_FIRST_CONFIG = default_config(512, 64, 64, tile_heads=2, score_keys=128)
-KIMI_K2_SCORE_FIRST_TREE_CONFIG = default_config(512, 64, 64, tile_heads=4, score_keys=128)
+KIMI_K2_SCORE_FIRST_TREE_CONFIG = default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=4)
 for _name, _config, _what in (
         ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
         ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
@@ -1242,8 +1364,8 @@ for _name, _config, _what in (
         ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees"),
         ("verify_attention_mla_score_first", KIMI_K2_SCORE_FIRST_CONFIG,
          "score-first layout, 2-head tiles, 128 keys a pass (decode steps)"),
-        ("verify_attention_mla_score_first_4_heads", KIMI_K2_SCORE_FIRST_TREE_CONFIG,
-         "score-first layout, 4-head tiles, 128 keys a pass (small trees)")):
+        ("verify_attention_mla_score_first_8_heads", KIMI_K2_SCORE_FIRST_TREE_CONFIG,
+         "score-first layout, 8-head tiles (4 x 4 score tiles), 128 keys a pass (small trees)")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
              block_threads=_config.threads)
 register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
