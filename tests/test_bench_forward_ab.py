@@ -7,19 +7,23 @@ from ddtree_numba.bench import forward_ab
 
 
 def test_variants_parse_and_refuse():
-    assert forward_ab._variants("auto/auto,64/4,auto-pf/auto") == [("auto", "auto"), ("64", "4"), ("auto-pf", "auto")]
-    for bad in ("32/auto", "auto/8", "auto", "64/auto,", "64-pf/auto"):
+    assert forward_ab._variants("auto/auto,64/4,auto-pf/auto,auto/auto-plain") == [
+        ("auto", "auto"), ("64", "4"), ("auto-pf", "auto"), ("auto", "auto-plain")]
+    for bad in ("32/auto", "auto/8", "auto", "64/auto,", "64-pf/auto", "auto/plain"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)
 
 
 def test_score_first_variants_parse():
-    """sfHxK (AR-step tiles) and sfHxK+ (small trees too) name score-first tiles."""
-    assert forward_ab._variants("sf2x128/auto,sf4x128+/4,h8/auto") == [
-        ("sf2x128", "auto"), ("sf4x128+", "4"), ("h8", "auto")]
-    assert forward_ab._score_first_tile("sf4x128+") == (4, 128)
+    """sfHxK[rR] (AR-step tiles), sfHxK[rR]+ (small trees too) and tsfHxK[rR] (small trees only)
+    name score-first tiles (R: heads per thread in the score tile)."""
+    assert forward_ab._variants("sf2x128/auto,sf4x128+/4,h8/auto,tsf8x128r4/auto") == [
+        ("sf2x128", "auto"), ("sf4x128+", "4"), ("h8", "auto"), ("tsf8x128r4", "auto")]
+    assert forward_ab._score_first_tile("sf4x128+") == (4, 128, 1)
+    assert forward_ab._score_first_tile("sf16x128r4") == (16, 128, 4)
     assert forward_ab._score_first_tile("sf2x") is None and forward_ab._score_first_tile("auto") is None
-    for bad in ("sfHxK/auto", "sf2/auto", "sfx128/auto", "sf16x128/auto"):
+    for bad in ("sfHxK/auto", "sf2/auto", "sfx128/auto", "sf32x128/auto", "sf8x128r3/auto",
+                "sf2x128r4/auto", "tsf4/auto"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)
 

@@ -89,17 +89,17 @@ def test_reduction_order_is_the_documented_one(m_rows, n_cols, k_dim):
 
 
 def _shuffle_linear(x, w, kind_prologue="none", columns=None, mt=None, phase_steps=None,
-                    shuffles=True):
+                    shuffles=True, pipelined=None):
     """linear() through the GPU build's reduction (the transposed shuffle butterfly; the tree
     with ``shuffles=False``), launched directly under the simulator: grid (row tiles, 1 column
     block looping over all); ``columns``, ``mt``, ``phase_steps``: the tile's C, row tile and
-    staged steps per phase (default the plan's)."""
+    staged steps per phase (default the plan's); ``pipelined``: the weight ring or not."""
     m_rows, n_cols, k_dim = x.shape[0], w.shape[0], w.shape[1]
     plan = lin.plan_linear(m_rows, n_cols, k_dim)
     mt = mt or plan.mt
     phase_steps = phase_steps or plan.phase_steps
     kernel = lin.get_kernel("linear", kind_prologue, False, mt, columns=columns or plan.columns,
-                            shuffles=shuffles)
+                            shuffles=shuffles, pipelined=pipelined)
     out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
     geometry = plan.geometry(n_cols, k_dim)[:4] + (phase_steps, plan.vec_steps)
     kernel[(-(-m_rows // mt), 1, 1), plan.threads, 0, 4 * mt * plan.k_split * phase_steps * lin.STEP](
@@ -336,6 +336,87 @@ def test_row_tile_width_is_layout_not_numerics(columns, shuffles):
     np.testing.assert_array_equal(
         _shuffle_linear(x, w, columns=columns, mt=8, phase_steps=4, shuffles=shuffles),
         _run_linear(x, w))
+
+
+def _with_ring(monkeypatch, pipelined, call):
+    """(call(), the kernels it launched) with every kernel the wrappers launch built with
+    ``pipelined`` (their own plans, grids and prologues; the launch cache cleared around it)."""
+    real, built = lin.get_kernel, []
+
+    def forced(*args, **kwargs):
+        built.append(real(*args, **{**kwargs, "pipelined": pipelined}))
+        return built[-1]
+    monkeypatch.setattr(lin, "get_kernel", forced)
+    lin._setup.cache_clear()
+    try:
+        return call(), built
+    finally:
+        monkeypatch.setattr(lin, "get_kernel", real)
+        lin._setup.cache_clear()
+
+
+def _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng):
+    """A call of the wrapper of ``kind`` on fresh random inputs, its output poisoned with NaN."""
+    kx = 2 * k_dim if prologue == "swiglu" else k_dim
+    if kind == "head":
+        x, w = _dev(_rand(m_rows, 2, k_dim, rng=rng)), _dev(_rand(2, n_cols, k_dim, rng=rng))
+
+        def call():
+            out = cuda.to_device(np.full((m_rows, 2, n_cols), np.nan, np.float32))
+            return lin.head_linear(x, w, out).copy_to_host()
+        return call
+    if kind == "expert":
+        experts = 3
+        x, w = _dev(_rand(m_rows, kx, rng=rng)), _dev(_rand(experts, n_cols, k_dim, rng=rng))
+        offsets, index, _ = _routing(rng, m_rows, experts, 2)
+
+        def call():
+            out = cuda.to_device(np.full((2 * m_rows, n_cols), np.nan, np.float32))
+            return lin.expert_linear(x, w, out, _dev(offsets), _dev(index),
+                                     swiglu=prologue == "swiglu").copy_to_host()
+        return call
+    x, w = _dev(_rand(m_rows, kx, rng=rng)), _dev(_rand(n_cols, k_dim, rng=rng))
+    res = _rand(m_rows, n_cols, rng=rng)
+    kwargs = {"swiglu": prologue == "swiglu"}
+    if prologue == "rmsnorm":
+        kwargs = {"norm_weight": _dev(_rand(k_dim, rng=rng)), "eps": 1e-6}
+
+    def call():
+        out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
+        return lin.linear(x, w, out, residual=_dev(res), **kwargs).copy_to_host()
+    return call
+
+
+@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim", [
+    ("linear", "none", 1, 5, 2100),     # 1 x 4 tile, U 4: segments of 9 and 7 vector steps, the
+                                         # ring's loop then its last 5 and 3 steps (clamped loads)
+    ("linear", "rmsnorm", 5, 11, 1000),  # 8 x 8 tile, U 2: 7 vector steps (3 turns + 1), tail 104
+    ("linear", "swiglu", 33, 6, 300),    # 5 tiles of 8 x 8: 2 vector steps, no full turn
+    ("head", "none", 5, 7, 650),         # 8 x 8: 5 vector steps (2 turns + 1)
+    ("expert", "swiglu", 5, 6, 520)])    # 8 x 8: 4 vector steps (1 turn + 2)
+def test_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols, k_dim):
+    """The pipelined weight loop (loads of the next steps before the current step's FMAs) gives
+    the bits of the load-then-FMA loop; every element written (NaN-poisoned outputs). N is not a
+    multiple of C, K has a tail past its 16-byte steps."""
+    call = _ring_case(kind, prologue, m_rows, n_cols, k_dim, np.random.default_rng(k_dim + m_rows))
+    ring, ring_kernels = _with_ring(monkeypatch, True, call)
+    plain, plain_kernels = _with_ring(monkeypatch, False, call)
+    assert ring_kernels and plain_kernels and not set(ring_kernels) & set(plain_kernels)
+    assert not np.isnan(ring).any()
+    np.testing.assert_array_equal(ring, plain)
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
+def test_weight_ring_in_phases_is_layout_not_numerics():
+    """Rows staged in phases of 3 steps (the ring restarts per phase: 3 vector steps of a 1-row
+    tile, U 4, never a full ring turn, then 2 and a tail), through the shuffle butterfly."""
+    rng = np.random.default_rng(1100)
+    x, w = _rand(2, 1100, rng=rng), _rand(5, 1100, rng=rng)
+    assert lin.get_kernel("linear", "none", False, 1, pipelined=True) is not \
+        lin.get_kernel("linear", "none", False, 1, pipelined=False)
+    ring, plain = (_shuffle_linear(x, w, mt=1, phase_steps=3, pipelined=p) for p in (True, False))
+    np.testing.assert_array_equal(ring, plain)
+    np.testing.assert_array_equal(ring, _run_linear(x, w))
 
 
 def test_row_tile_shrinks_to_stage_once(monkeypatch):

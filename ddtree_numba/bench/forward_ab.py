@@ -11,9 +11,12 @@ tiles for an AR step, 4-head tiles for a 33-node tree), ``auto-pf`` (the same ti
 of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
 segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``h8`` (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
-``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; H in 1, 2, 4, 8) or ``64`` (the default
-64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
-``4`` (8 x 4 everywhere).
+``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
+``engine.model.FEW_NODES_TILE``; H in 1, 2, 4, 8, 16; a suffix ``rR`` before the ``+``: R heads
+per thread in the score tile, ``score_rows``) or ``64`` (the default 64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
+``4`` (8 x 4 everywhere), either with ``-plain`` (the linears' load-then-FMA weight loop for every
+row tile, ``linear.PIPELINE_WEIGHTS`` off) or ``-ring1`` (the weight ring for every row tile,
+``linear.PIPELINE_MIN_ROW_TILE`` 1; by default the ring runs from 4-row tiles on).
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
@@ -34,7 +37,9 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
-SCORE_FIRST_HEADS = (1, 2, 4, 8)  # verify_attention.default_config's score-first tiles
+SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
+SCORE_FIRST_ROWS = (1, 2, 4, 8)
+COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1")
 
 
 def time_variants(preset: str, past: int, row_counts: list[int], variants: list[tuple[str, str]],
@@ -59,7 +64,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     stream = dev.create_stream()
     timing = EventOptions(timing_enabled=True)
     saved = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
-             em.DECODE_TILE, em.FEW_NODES_TILE)
+             em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE)
     few, wide = saved[0], saved[1]
     results: dict[str, dict[int, float]] = {}
     advanced = False
@@ -68,14 +73,18 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
         em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
         em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
-        if tile.startswith("sf"):   # sfHxK: score-first decode tiles; sfHxK+: small trees too
+        if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
+            em.FEW_NODES_TILE = _score_first_tile(tile[1:])
+        elif tile.startswith("sf"):   # sfHxK[rR]: score-first decode tiles; a trailing +: small trees too
             score_first = _score_first_tile(tile)
             em.DECODE_TILE = score_first
             if tile.endswith("+"):
                 em.FEW_NODES_TILE = score_first
         elif tile == "h8":
             em.DECODE_TILE = 8
-        lin.WIDE_ARCHS = () if cols == "4" else wide
+        lin.WIDE_ARCHS = () if cols.startswith("4") else wide
+        lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
+        lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
         for cached in (lin._plan, lin._grid_cols, lin._setup):
             cached.cache_clear()
         per_rows = {}
@@ -103,28 +112,34 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             per_rows[rows] = round(float(np.median(times)), 1)
             graph.close()
         results[f"{tile}/{cols}"] = per_rows
-        print(f"tile {tile:7s} cols {cols:4s} " + json.dumps(per_rows), flush=True)
+        print(f"tile {tile:11s} cols {cols:10s} " + json.dumps(per_rows), flush=True)
     (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
-     em.DECODE_TILE, em.FEW_NODES_TILE) = saved
+     em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE) = saved
     return results
 
 
-def _score_first_tile(tile: str) -> tuple[int, int] | None:
-    """``sfHxK`` or ``sfHxK+`` -> (H heads, K score keys); None for any other name."""
+def _score_first_tile(tile: str) -> tuple[int, int, int] | None:
+    """``sfHxK[rR][+]`` -> (H heads, K score keys, R score rows, default 1); None for any other
+    name (``tsf...`` is parsed without its ``t``)."""
     body = tile[2:].rstrip("+") if tile.startswith("sf") else ""
-    heads, _, keys = body.partition("x")
-    if not (heads.isdigit() and keys.isdigit()):
+    heads, _, rest = body.partition("x")
+    keys, _, rows = rest.partition("r")
+    rows = rows or "1"
+    if not (heads.isdigit() and keys.isdigit() and rows.isdigit()):
         return None
-    return (int(heads), int(keys)) if int(heads) in SCORE_FIRST_HEADS else None
+    if int(heads) not in SCORE_FIRST_HEADS or int(rows) not in SCORE_FIRST_ROWS or int(heads) % int(rows):
+        return None
+    return int(heads), int(keys), int(rows)
 
 
 def _variants(text: str) -> list[tuple[str, str]]:
     out = []
     for item in text.split(","):
         tile, _, cols = item.partition("/")
-        if (tile not in TILE_VARIANTS and not _score_first_tile(tile)) or cols not in ("auto", "4"):
-            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}|sfHxK|sfHxK+, "
-                                             "COLS in auto|4")
+        score_first = _score_first_tile(tile[1:] if tile.startswith("tsf") else tile)
+        if (tile not in TILE_VARIANTS and not score_first) or cols not in COLS_VARIANTS:
+            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}|sfHxK[rR][+]|tsfHxK[rR], "
+                                             f"COLS in {'|'.join(COLS_VARIANTS)}")
         out.append((tile, cols))
     return out
 

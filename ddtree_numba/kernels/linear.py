@@ -43,6 +43,15 @@ Work layout (limits §3, §7).
     in warp_sum_f32 (bit-identical, a + b == b + a) with MT * C - 1 shuffles instead of
     5 * MT * C; lane l then owns fixed elements (:func:`get_kernel`'s ``owned_element``).
 
+Weight ring (row tiles of at least ``PIPELINE_MIN_ROW_TILE`` rows, :func:`ring_for`;
+    :func:`get_kernel`'s ``pipelined``). The U weight slots of a lane form a ring: the loads of step j + U - 1 are issued before the FMAs of step j, so U - 1
+    steps of loads stay in flight through every FMA phase instead of a warp issuing its loads
+    and then waiting on them (long_scoreboard stalls with 8 warps per SM). A segment's last
+    steps come from the ring too, loads past its vector steps clamped to the last one (never out
+    of bounds, unused); the 8-row tiles (U = 2) load their last 1-2 steps one at a time
+    (registers). Layout, not numerics: the same fma chains in the same order, bit for bit with
+    the load-then-FMA loop (tested both ways), in the same U x C x 4 weight registers.
+
 Decode (M = 1..16) streams W at HBM bandwidth when enough loads are in flight: C = 4 columns
 and U = 2-4 steps per lane, 8 warps per block. Large K is split over up to 8 warps
 (``k_split``) so that narrow outputs (N = 2048, K = 8192) still fill the GPU. The simulator
@@ -171,6 +180,20 @@ I32 = np.dtype(np.int32)
 MAX_DIM = np.iinfo(np.int32).max // 2   # int32 geometry with room for offsets
 
 
+# The weight loop per row tile: the ring (module docstring: the next steps' loads issued before
+# the current step's FMAs) for row tiles of at least PIPELINE_MIN_ROW_TILE rows (a tree verify),
+# load-then-FMA below (an AR step: a first version of the ring slowed the 1-row forward of
+# `small` on the H200 and sped up the 33-row one, PERFORMANCE.md run "score rows").
+# PIPELINE_WEIGHTS off: load-then-FMA everywhere. Layout only: the same bits either way.
+PIPELINE_WEIGHTS = True
+PIPELINE_MIN_ROW_TILE = 4
+
+
+def ring_for(mt: int) -> bool:
+    """Whether row tiles of ``mt`` rows stream their weights through the ring."""
+    return PIPELINE_WEIGHTS and mt >= PIPELINE_MIN_ROW_TILE
+
+
 def _unroll(mt: int, c: int) -> int:
     """Weight steps loaded before their FMAs (U x C float4 loads in flight per lane; the 4 x 4
     tile takes 4: 64 registers of weights next to 16 accumulators)."""
@@ -296,7 +319,7 @@ def _device_arch() -> str:
 
 @functools.cache
 def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: int = COLUMNS,
-               shuffles: bool = not SIM_TREE) -> Any:
+               shuffles: bool = not SIM_TREE, pipelined: bool | None = None) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
     kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
@@ -306,7 +329,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     tile, one of ROW_TILES; columns: C, COLUMNS or (not argmax) WIDE_COLUMNS (:func:`columns`
     picks it per architecture); shuffles: reduce the lane partials with the transposed shuffle
     butterfly (the GPU build) rather than its tree in shared memory (the simulator's default,
-    same bits; tests run the shuffles under the simulator too).
+    same bits; tests run the shuffles under the simulator too); pipelined: stream the weights
+    through a ring of U register slots, the next steps' loads issued before the current step's
+    FMAs (None: :func:`ring_for`, by the row tile; same bits).
     """
     if kind not in KINDS or prologue not in PROLOGUES or mt not in ROW_TILES or \
             columns not in (COLUMNS, WIDE_COLUMNS) or (kind == "argmax" and columns != COLUMNS):
@@ -320,6 +345,12 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     C = columns
     U = _unroll(mt, C)
     MTC = MT * C
+    PIPELINED = ring_for(mt) if pipelined is None else bool(pipelined)
+    AHEAD = U - 1                  # ring: steps loaded ahead of the one whose FMAs run
+    # The last steps of a segment come from the ring's slots with U = 4; the 8-row tiles (U = 2:
+    # 1-2 steps, the first already loaded) re-load them instead: a ring live past the loop
+    # spilled the 8 x 8 head_linear tile on sm_90.
+    RING_TAIL = AHEAD > 1
     RMS = prologue == "rmsnorm"
     SWIGLU = prologue == "swiglu"
     RESIDUAL = residual
@@ -448,13 +479,37 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         xo0 = seg * kcw + VEC * lane - j0 * STEP   # xs offset of step j is xo0 + j * STEP
         jv = min(j1, max(j0, vec_steps))
         j = j0
-        while j + U <= jv:                          # U steps: all loads, then all FMAs
-            for u in range(U):
-                load_step(w, wbase, j + u, wv, u)
-            for u in range(U):
-                fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
-            j += U
-        while j < jv:
+        if PIPELINED:
+            if j < jv:
+                # A ring of U slots: slot u holds step j + u at the top of the loop; step
+                # j + u + AHEAD goes into the slot step j + u - 1 freed, before step j + u's FMAs.
+                jl = jv - 1
+                for u in range(AHEAD):
+                    load_step(w, wbase, min(j + u, jl), wv, u)
+                # Every load in range: unclamped, so the steps' addresses share one base (the
+                # loop's pointers plus immediate offsets, as the plain loop's; clamped ones
+                # each took a register pair and spilled the 8 x 8 tile).
+                while j + 2 * U - 1 <= jv:
+                    for u in range(U):
+                        load_step(w, wbase, j + u + AHEAD, wv, (u + AHEAD) % U)
+                        fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
+                    j += U
+                if RING_TAIL:
+                    # The last jv - j <= 2U - 2 steps from the ring: loads clamped to step jl (a
+                    # re-read past it, never out of bounds, unused), FMAs for steps < jv only.
+                    for t in range(2 * U - 2):
+                        load_step(w, wbase, min(j + t + AHEAD, jl), wv, (t + AHEAD) % U)
+                        if j + t < jv:
+                            fma_step(xs, xo0 + (j + t) * STEP, row_floats, wv, t % U, acc)
+                    j = jv
+        else:
+            while j + U <= jv:                      # U steps: all loads, then all FMAs
+                for u in range(U):
+                    load_step(w, wbase, j + u, wv, u)
+                for u in range(U):
+                    fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
+                j += U
+        while j < jv:                               # single steps (and the 2-slot ring's last)
             load_step(w, wbase, j, wv, 0)
             fma_step(xs, xo0 + j * STEP, row_floats, wv, 0, acc)
             j += 1
@@ -1000,7 +1055,10 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     opt_in = _opts_in(plan.shared_bytes)
     check_launch(grid, plan.threads, plan.shared_bytes, opt_in=opt_in,
                  static_shared_bytes=STATIC_BOUND_BYTES if opt_in else 0)
-    return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns), grid, plan.threads,
+    # The loop is read per launch shape (not get_kernel's default, frozen at import): a bench can
+    # switch PIPELINE_WEIGHTS / PIPELINE_MIN_ROW_TILE and clear this cache.
+    return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns,
+                       pipelined=ring_for(plan.mt)), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
 
