@@ -56,8 +56,12 @@ Score-first layout (``TileConfig.score_keys``, few-node launches: an AR step, a 
     same butterfly), then runs the pass's chunks through the online softmax in chunk order on
     the chunk layout's lanes (one group of ``k_groups * chunk / qk_keys`` lanes a head: the same
     max and sum butterflies), then ``acc = acc * alpha + P V`` chunk by chunk with each thread on
-    ``Dl / threads`` dims of every head. Tiles of 2 heads (an AR step: 32 blocks) or 4 (a
-    33-node tree: 528 blocks) give the same bits as the chunk layout.
+    ``Dl / threads`` adjacent dims of every head. A score thread holds ``qk_rows x qk_keys``
+    scores (heads x keys: a 4 x 4 tile takes 8 shared loads per 64 FFMA), the probabilities are
+    stored key-major (P·V reads a key's heads as float4s), and query / key slices and value rows
+    move as float4s (16-byte aligned arrays, checked in :func:`run`). Tiles of 2 heads (an AR
+    step: 32 blocks) or 8 heads with 4 x 4 score tiles (a 33-node tree: 264 blocks) give the
+    same bits as the chunk layout.
 
 Inputs that a device-side engine produces (``past_lens``, ``tree_sizes``, ``visibility`` on the
 device) cannot be checked on the host without a copy; the kernels guard them instead: a request
