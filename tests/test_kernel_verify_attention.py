@@ -379,14 +379,12 @@ def test_score_first_shadow_lanes_and_row_tiles(base, layout):
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
-@pytest.mark.parametrize("layout", [
-    dict(score_keys=32),               # 1 x 4 score tiles, keys across two passes
-    dict(qk_rows=2, score_keys=64),    # 2 x 4 score tiles (both heads a thread), one pass
-])
-def test_score_first_kimi_dims(layout):
-    """The engine's tile shapes at Kimi dims (2 heads here to keep the simulator quick; 16
+def test_score_first_kimi_dims():
+    """The engine's tile shape at Kimi dims (2 heads here to keep the simulator quick; 16
     adjacent P·V dims a thread, so the value rows go through the float4 loads): score-first
-    equals the chunk layout bit for bit."""
+    equals the chunk layout bit for bit, keys across two passes. (Score tiles over several
+    heads: test_score_first_shadow_lanes_and_row_tiles; at Kimi dims the GPU bitwise test.)"""
+    layout = dict(score_keys=32)
     rng = np.random.default_rng(22)
     inputs, _ = _batch(rng, KIMI_DIMS_H2, 2, [40], [2], 2, 48)
     want = _run(inputs, 0.3, KIMI_DIMS_H2, 64)
