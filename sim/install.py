@@ -1,5 +1,5 @@
-"""Install the simulator extensions (warp intrinsics, launch check, thread-safe shared arrays)
-when the simulator is on."""
+"""Install the simulator extensions (warp intrinsics, launch check, thread-safe shared arrays, an
+event-driven block scheduler) when the simulator is on."""
 from __future__ import annotations
 
 _installed = False
@@ -22,10 +22,11 @@ def install() -> bool:
         return True
     if not simulator_active():
         return False
-    from . import launch, shared, warp
+    from . import launch, scheduler, shared, warp
 
     warp.install()
     shared.install()
+    scheduler.install()
     launch.install_simulator_hook()
     _installed = True
     return True
