@@ -587,6 +587,19 @@ def test_score_first_needs_16_byte_aligned_rows(name):
     assert not np.any(args["out"]) and not np.any(args["workspace"])
 
 
+def test_float4_loads_follow_the_config():
+    """run() checks exactly the arrays the kernel reads as float4s: none for the chunk layout;
+    query / key slices where k_slice, latent and rope dims are whole float4s; value rows (kv_latent)
+    where a thread's P·V dims are."""
+    assert va.float4_loads(TINY) == (False, False) and va.float4_loads(TINY).arrays == ()
+    tiny_sf = va.float4_loads(dataclasses.replace(TINY, score_keys=16))   # 16 dims / 32 threads
+    assert tiny_sf == (True, False) and tiny_sf.arrays == ("q_latent", "q_rope", "kv_latent", "k_rope")
+    kimi_sf = va.float4_loads(dataclasses.replace(KIMI_DIMS_H2, score_keys=32))   # 512 / 32 = 16
+    assert kimi_sf == (True, True)
+    odd = va.float4_loads(dataclasses.replace(KIMI_DIMS_H2, score_keys=32, k_slice=2))
+    assert odd == (False, True) and odd.arrays == ("kv_latent",)
+
+
 def test_unread_non_finite_rows_are_accepted():
     """Only the rows the kernels read must be finite: padding queries and stale cache rows
     (already NaN in _batch) may hold anything; the live outputs are unchanged."""

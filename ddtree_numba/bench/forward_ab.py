@@ -42,9 +42,25 @@ SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1")
 
 
-def time_variants(preset: str, past: int, row_counts: list[int], variants: list[tuple[str, str]],
+class Variant(tuple):
+    """One ``TILE/COLS`` variant: the pair ``(tile, cols)`` (equal to that plain tuple) and
+    ``score_first``, the parsed (H heads, K keys, R score rows) of an ``sfHxK[rR][+]`` or
+    ``tsfHxK[rR]`` tile (None for any other tile): :func:`_variants` parses a name once."""
+
+    score_first: tuple[int, int, int] | None
+
+    def __new__(cls, tile: str, cols: str, score_first: tuple[int, int, int] | None = None) -> Variant:
+        self = super().__new__(cls, (tile, cols))
+        self.score_first = score_first
+        return self
+
+    def __getnewargs__(self) -> tuple:   # copy and pickle call __new__ with these
+        return (*self, self.score_first)
+
+
+def time_variants(preset: str, past: int, row_counts: list[int], variants: list[Variant],
                   seed: int = 0) -> dict[str, dict[int, float]]:
-    """Median microseconds per forward, per variant and row count."""
+    """Median microseconds per forward, per variant and row count (variants from :func:`_variants`)."""
     from cuda.core import Device, EventOptions
     from numba import cuda
 
@@ -68,18 +84,18 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     few, wide = saved[0], saved[1]
     results: dict[str, dict[int, float]] = {}
     advanced = False
-    for tile, cols in variants:
+    for variant in variants:
+        tile, cols = variant
         em.FEW_NODES_PER_SM = 0 if tile == "64" else few
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
         em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
         em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
         if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
-            em.FEW_NODES_TILE = _score_first_tile(tile[1:])
+            em.FEW_NODES_TILE = variant.score_first
         elif tile.startswith("sf"):   # sfHxK[rR]: score-first decode tiles; a trailing +: small trees too
-            score_first = _score_first_tile(tile)
-            em.DECODE_TILE = score_first
+            em.DECODE_TILE = variant.score_first
             if tile.endswith("+"):
-                em.FEW_NODES_TILE = score_first
+                em.FEW_NODES_TILE = variant.score_first
         elif tile == "h8":
             em.DECODE_TILE = 8
         lin.WIDE_ARCHS = () if cols.startswith("4") else wide
@@ -132,7 +148,8 @@ def _score_first_tile(tile: str) -> tuple[int, int, int] | None:
     return int(heads), int(keys), int(rows)
 
 
-def _variants(text: str) -> list[tuple[str, str]]:
+def _variants(text: str) -> list[Variant]:
+    """``TILE/COLS,...`` -> its variants (argparse type: ArgumentTypeError naming a bad one)."""
     out = []
     for item in text.split(","):
         tile, _, cols = item.partition("/")
@@ -140,7 +157,7 @@ def _variants(text: str) -> list[tuple[str, str]]:
         if (tile not in TILE_VARIANTS and not score_first) or cols not in COLS_VARIANTS:
             raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}|sfHxK[rR][+]|tsfHxK[rR], "
                                              f"COLS in {'|'.join(COLS_VARIANTS)}")
-        out.append((tile, cols))
+        out.append(Variant(tile, cols, score_first))
     return out
 
 

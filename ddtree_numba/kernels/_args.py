@@ -28,6 +28,19 @@ def as_kernel_array(x: Any, name: str) -> Any:
     raise TypeError(f"{name} must be a NumPy array or a CUDA device array, got {type(x).__name__}")
 
 
+def data_address(x: Any) -> int:
+    """The address of an array's first element, for alignment checks: a numba device array's
+    pointer (cheaper than building its ``__cuda_array_interface__``), else the interface's, else
+    a NumPy array's."""
+    pointer = getattr(x, "device_ctypes_pointer", None)
+    if pointer is not None:
+        return pointer.value or 0
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is not None:
+        return int(interface["data"][0])
+    return int(x.ctypes.data)
+
+
 def is_c_contiguous(x: Any) -> bool:
     """C-contiguity of a NumPy or numba device array."""
     return x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_c_contiguous()

@@ -100,7 +100,7 @@ from numba import cuda, float32, int32, int64, types, uint64
 from sim.launch import check_launch, launch, launch_bounds, opt_in_shared
 from sim.profiles import active_profile
 
-from ._args import as_kernel_array, is_c_contiguous, is_device_array
+from ._args import as_kernel_array, data_address, is_c_contiguous, is_device_array
 from .accept import NEG_INF_F32, NO_INDEX, outranks
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_min_i32, warp_sum_f32
@@ -995,21 +995,9 @@ def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> Linea
                       groups * split * WARP, col_blocks, 4 * mt * split * phase_steps * STEP)
 
 
-def _address(x: Any) -> int:
-    """The data address: a numba device array's pointer (cheaper than building its
-    ``__cuda_array_interface__``), else the interface's, else a NumPy array's."""
-    pointer = getattr(x, "device_ctypes_pointer", None)
-    if pointer is not None:
-        return pointer.value or 0
-    interface = getattr(x, "__cuda_array_interface__", None)
-    if interface is not None:
-        return int(interface["data"][0])
-    return int(x.ctypes.data)
-
-
 def _aligned(w: Any, k_dim: int) -> bool:
     """Every weight row starts on 16 bytes (the vector loads' requirement)."""
-    return k_dim % VEC == 0 and _address(w) % (4 * VEC) == 0
+    return k_dim % VEC == 0 and data_address(w) % (4 * VEC) == 0
 
 
 def plan_linear(rows: int, n_cols: int, k_dim: int, *, w: Any = None,

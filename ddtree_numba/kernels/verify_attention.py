@@ -76,24 +76,26 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, int32, types, uint32, uint64
 from numba.core.extending import intrinsic
 
-from ddtree_numba.kernels._args import check_array, int_arg, positive_real
-from ddtree_numba.kernels.linear import _address, load_f32x4
+from ddtree_numba.kernels._args import check_array, data_address, int_arg, positive_real
+from ddtree_numba.kernels.linear import load_f32x4
 from ddtree_numba.kernels.registry import register
 from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
 
 __all__ = [
     "DEFAULT_SPLIT_SIZE",
+    "Float4Loads",
     "TileConfig",
     "VerifyPlan",
     "default_config",
+    "float4_loads",
     "get_kernels",
     "plan",
     "run",
@@ -324,6 +326,32 @@ def default_config(latent_dim: int, rope_dim: int, num_heads: int, *,
         f"num_heads={num_heads}; pass a TileConfig")
 
 
+class Float4Loads(NamedTuple):
+    """Which global loads of a config's attention kernel are float4s (16-byte loads: the arrays
+    must start on 16 bytes, checked in :func:`run`). The chunk layout loads scalars only."""
+
+    slices: bool    # score-first query and key slices: q_latent, q_rope, kv_latent, k_rope
+    values: bool    # score-first P·V value rows: kv_latent
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """The :func:`run` arguments read with float4 loads."""
+        if self.slices:
+            return ("q_latent", "q_rope", "kv_latent", "k_rope")
+        return ("kv_latent",) if self.values else ()
+
+
+def float4_loads(config: TileConfig) -> Float4Loads:
+    """The float4 loads of ``config``'s attention kernel (host only; :func:`get_kernels` builds
+    its kernel from the same flags). The score-first layout moves query / key slices as float4s
+    where ``k_slice``, ``latent_dim`` and ``rope_dim`` are whole float4s (every preset), and value
+    rows where a thread's ``ceil(latent_dim / threads)`` P·V dims are."""
+    if not config.score_keys:
+        return Float4Loads(False, False)
+    slices = config.k_slice % 4 == 0 and config.latent_dim % 4 == 0 and config.rope_dim % 4 == 0
+    return Float4Loads(slices, -(-config.latent_dim // config.threads) % 4 == 0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Device helpers shared by both kernels (arrays are flat C-order views, see run())
 # ----------------------------------------------------------------------------------------------
@@ -427,18 +455,13 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     LINE_FLOATS = 32                    # one 128-byte cache line
     DL_LINES = -(-DL // LINE_FLOATS)
     ROW_LINES = DL_LINES + -(-DR // LINE_FLOATS)    # lines of one key row (latent, then rope)
-    # Staging geometry: a row of KS (or DL) floats is loaded by S_TPR (V_TPR) consecutive lanes.
-    S_TPR = min(THREADS, KS)
-    S_ROW_STEP = THREADS // S_TPR
-    S_COL_PASSES = KS // S_TPR
-    Q_ROW_PASSES = -(-HEADS // S_ROW_STEP)
+    # Value staging geometry: a row of DL floats is loaded by V_TPR consecutive lanes (q / k
+    # slices: slice_io).
     V_TPR = min(THREADS, DL)
     V_ROW_STEP = THREADS // V_TPR
     V_COL_PASSES = DL // V_TPR
     V_ROW_PASSES = -(-CS // V_ROW_STEP)
-    Q_ROWS_EXACT = HEADS % S_ROW_STEP == 0      # no row guard needed (compile-time)
-    V_ROWS_EXACT = CS % V_ROW_STEP == 0
-    Q_REGS = Q_ROW_PASSES * S_COL_PASSES
+    V_ROWS_EXACT = CS % V_ROW_STEP == 0         # no row guard needed (compile-time)
     V_REGS = V_ROW_PASSES * V_COL_PASSES
     # Score-first layout (config.score_keys > 0): SB keys scored per pass, then their softmax on
     # the chunk layout's lanes (LANES per head), then P·V over dims tid + i * THREADS.
@@ -449,20 +472,14 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     LANES = KG * KEY_TILES              # softmax lanes of one head (the chunk layout's row tile)
     SF_SOFTMAX_THREADS = -(-HEADS * LANES // WARP) * WARP  # whole warps: their shuffles need all lanes
     SF_DIMS = -(-DL // THREADS)         # adjacent latent dims per thread in P·V (each for every head)
-    SF_VEC4 = SF_DIMS % 4 == 0          # a thread's dims of a value row are whole float4s
+    # Float4 moves (16-byte global loads, aligned arrays: run() checks them with the same
+    # function): query / key slices where rows and slices are whole float4s (every preset), value
+    # rows where a thread's dims of a row are (then THREADS divides DL: they end inside DL).
+    SF_STAGE_VEC4, SF_VEC4 = float4_loads(config)
     # value rows loaded before their FMAs: the most that divide CHUNK in <= 64 registers
     SF_VKEYS = max(v for v in range(1, CHUNK + 1) if CHUNK % v == 0 and v * SF_DIMS <= max(64, SF_DIMS))
     SF_PROW = config.score_probs_row    # key-major probabilities [SB, SF_PROW]: a key's heads adjacent
     SF_QBUF = HEADS * KSP
-    # Score-first staging in float4s where rows and slices are whole float4s (every preset): a
-    # row of KS floats by V4_TPR lanes (16-byte global loads, aligned allocations: see run()).
-    SF_STAGE_VEC4 = KS % 4 == 0 and DL % 4 == 0 and DR % 4 == 0
-    V4_TPR = min(THREADS, KS // 4) if SF_STAGE_VEC4 else 1
-    V4_ROW_STEP = THREADS // V4_TPR
-    V4_COL_PASSES = max(1, (KS // 4) // V4_TPR)
-    V4_Q_ROW_PASSES = -(-HEADS // V4_ROW_STEP)
-    V4_Q_ROWS_EXACT = HEADS % V4_ROW_STEP == 0
-    SF_Q_REGS = V4_Q_ROW_PASSES * V4_COL_PASSES * 4 if SF_STAGE_VEC4 else Q_REGS
     SF_BUFS = SF_QBUF + SB * KSP
     SF_PROBS = SB * SF_PROW
     SF_ALPHAS = HEADS * SF_CHUNKS
@@ -509,12 +526,67 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             return pos
         return past + path[uint64(pos - past)]
 
-    def slice_io(n_keys, k_buf):
-        """(load, store, key registers) of ``[HEADS, KS]`` query and ``[n_keys, KS]`` key slices, the keys at
-        ``bufs[k_buf:]`` (compile-time constants: the chunk layout stages CHUNK keys, the
-        score-first layout SB)."""
-        k_row_passes = -(-n_keys // S_ROW_STEP)
-        k_rows_exact = n_keys % S_ROW_STEP == 0
+    @cuda.jit(device=True, inline="always")
+    def load_row_f32x4(latent, rope, row, col, in_latent, live, regs, base):
+        """regs[base : base + 4] = dims col .. col + 3 of flat row ``row``: latent dims where
+        ``in_latent`` (``col < DL``; 4 | Dl, so a float4 never straddles latent and rope), else
+        rope; zeros unless ``live``. The caller passes the test: P·V's value dims are latent by
+        construction, and a constant True leaves the rope path out of its unrolled loop."""
+        v0 = float32(0.0)
+        v1 = float32(0.0)
+        v2 = float32(0.0)
+        v3 = float32(0.0)
+        if live:
+            if in_latent:
+                v0, v1, v2, v3 = load_f32x4(latent, uint64(row * DL + col))
+            else:
+                v0, v1, v2, v3 = load_f32x4(rope, uint64(row * DR + col - DL))
+        regs[base] = v0
+        regs[base + 1] = v1
+        regs[base + 2] = v2
+        regs[base + 3] = v3
+
+    def slice_io(n_keys, k_buf, lane_floats):
+        """(load, store, lane, query registers, key registers) of ``[HEADS, KS]`` query and
+        ``[n_keys, KS]`` key slices, the keys at ``bufs[k_buf:]`` (compile-time constants: the
+        chunk layout stages CHUNK keys, the score-first layout SB).
+
+        A row of KS floats is moved by TPR consecutive lanes, ``lane_floats`` adjacent dims each:
+        1 (scalar loads and stores) or 4 (one 16-byte global load: whole-float4 rows and slices,
+        aligned arrays, see :func:`float4_loads`). ``lane(tid)`` is a thread's ``(s_row,
+        s_col)``: its first staged row and first dim (a multiple of ``lane_floats``).
+        """
+        assert lane_floats in (1, 4) and KS % lane_floats == 0, lane_floats
+        LANE = lane_floats
+        TPR = min(THREADS, KS // LANE)          # lanes a row
+        ROW_STEP = THREADS // TPR               # rows staged at once
+        COL_PASSES = max(1, KS // LANE // TPR)  # a lane's moves a row, COL_STEP floats apart
+        COL_STEP = TPR * LANE
+        q_row_passes = -(-HEADS // ROW_STEP)
+        q_rows_exact = HEADS % ROW_STEP == 0    # no row guard needed (compile-time)
+        k_row_passes = -(-n_keys // ROW_STEP)
+        k_rows_exact = n_keys % ROW_STEP == 0
+
+        @cuda.jit(device=True, inline="always")
+        def lane(tid):
+            """This thread's first staged row and first dim."""
+            return tid // TPR, (tid % TPR) * LANE
+
+        @cuda.jit(device=True, inline="always")
+        def load_lane(latent, rope, row, col, in_latent, live, regs, base):
+            """regs[base : base + LANE] = dims col .. col + LANE - 1 of flat row ``row`` (latent
+            dims where ``in_latent``, else rope); zeros unless ``live``."""
+            if LANE == 4:   # compile-time. The per-lane col < DL (not the slice-wide in_latent,
+                # the same values) keeps NVVM's unrolling of the staging loop as it was
+                load_row_f32x4(latent, rope, row, col, col < DL, live, regs, base)
+            else:
+                value = float32(0.0)
+                if live:
+                    if in_latent:
+                        value = latent[uint64(row * DL + col)]
+                    else:
+                        value = rope[uint64(row * DR + col - DL)]
+                regs[base] = value
 
         @cuda.jit(device=True, inline="always")
         def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, rows_off, s_row,
@@ -526,114 +598,44 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             divides DL and DR).
             """
             in_latent = k0 < DL
-            for rp in range(Q_ROW_PASSES):
-                r = s_row + rp * S_ROW_STEP
-                for cp in range(S_COL_PASSES):
-                    col = k0 + s_col + cp * S_TPR
-                    value = float32(0.0)
-                    if Q_ROWS_EXACT or r < HEADS:
-                        if in_latent:
-                            value = q_latent[uint64((q_base + r) * DL + col)]
-                        else:
-                            value = q_rope[uint64((q_base + r) * DR + col - DL)]
-                    q_reg[rp * S_COL_PASSES + cp] = value
+            for rp in range(q_row_passes):
+                r = s_row + rp * ROW_STEP
+                for cp in range(COL_PASSES):
+                    load_lane(q_latent, q_rope, q_base + r, k0 + s_col + cp * COL_STEP, in_latent,
+                              q_rows_exact or r < HEADS, q_reg, (rp * COL_PASSES + cp) * LANE)
             for rp in range(k_row_passes):
-                c = s_row + rp * S_ROW_STEP
+                c = s_row + rp * ROW_STEP
                 row = -1
                 if k_rows_exact or c < n_keys:
                     row = rows[uint64(rows_off + c)]
-                for cp in range(S_COL_PASSES):
-                    col = k0 + s_col + cp * S_TPR
-                    value = float32(0.0)
-                    if row >= 0:
-                        if in_latent:
-                            value = kv_latent[uint64(row * DL + col)]
-                        else:
-                            value = k_rope[uint64(row * DR + col - DL)]
-                    k_reg[rp * S_COL_PASSES + cp] = value
+                for cp in range(COL_PASSES):
+                    load_lane(kv_latent, k_rope, row, k0 + s_col + cp * COL_STEP, in_latent,
+                              row >= 0, k_reg, (rp * COL_PASSES + cp) * LANE)
 
         @cuda.jit(device=True, inline="always")
         def store_qk_slice(bufs, s_row, s_col, q_reg, k_reg):
             """Registers -> shared memory: queries at bufs[0:], keys at bufs[k_buf:] (rows of KSP)."""
-            for rp in range(Q_ROW_PASSES):
-                r = s_row + rp * S_ROW_STEP
+            for rp in range(q_row_passes):
+                r = s_row + rp * ROW_STEP
                 if r < HEADS:
-                    for cp in range(S_COL_PASSES):
-                        bufs[uint64(r * KSP + s_col + cp * S_TPR)] = q_reg[rp * S_COL_PASSES + cp]
+                    for cp in range(COL_PASSES):
+                        off = uint64(r * KSP + s_col + cp * COL_STEP)
+                        for e in range(LANE):
+                            bufs[off + uint64(e)] = q_reg[(rp * COL_PASSES + cp) * LANE + e]
             for rp in range(k_row_passes):
-                c = s_row + rp * S_ROW_STEP
+                c = s_row + rp * ROW_STEP
                 if c < n_keys:
-                    for cp in range(S_COL_PASSES):
-                        bufs[uint64(k_buf + c * KSP + s_col + cp * S_TPR)] = k_reg[rp * S_COL_PASSES + cp]
+                    for cp in range(COL_PASSES):
+                        off = uint64(k_buf + c * KSP + s_col + cp * COL_STEP)
+                        for e in range(LANE):
+                            bufs[off + uint64(e)] = k_reg[(rp * COL_PASSES + cp) * LANE + e]
 
-        return load_qk_slice, store_qk_slice, k_row_passes * S_COL_PASSES
+        return (load_qk_slice, store_qk_slice, lane, q_row_passes * COL_PASSES * LANE,
+                k_row_passes * COL_PASSES * LANE)
 
-    @cuda.jit(device=True, inline="always")
-    def load_row_f32x4(latent, rope, row, col, live, regs, base):
-        """regs[base : base + 4] = dims col .. col + 3 of flat row ``row`` (latent dims, then rope:
-        4 | Dl, so a float4 never straddles them); zeros unless ``live``."""
-        v0 = float32(0.0)
-        v1 = float32(0.0)
-        v2 = float32(0.0)
-        v3 = float32(0.0)
-        if live:
-            if col < DL:
-                v0, v1, v2, v3 = load_f32x4(latent, uint64(row * DL + col))
-            else:
-                v0, v1, v2, v3 = load_f32x4(rope, uint64(row * DR + col - DL))
-        regs[base] = v0
-        regs[base + 1] = v1
-        regs[base + 2] = v2
-        regs[base + 3] = v3
-
-    def slice_io_vec4(n_keys, k_buf):
-        """:func:`slice_io` with float4 loads and stores: a row of KS floats by V4_TPR lanes, 4
-        adjacent dims each (one 16-byte global load, one shared store). Returns (load, store, key
-        registers) with the same arguments; ``s_col`` is the lane's first dim (a multiple of 4)."""
-        k_row_passes = -(-n_keys // V4_ROW_STEP)
-        k_rows_exact = n_keys % V4_ROW_STEP == 0
-
-        @cuda.jit(device=True, inline="always")
-        def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, rows_off, s_row,
-                          s_col, q_reg, k_reg):
-            for rp in range(V4_Q_ROW_PASSES):
-                r = s_row + rp * V4_ROW_STEP
-                for cp in range(V4_COL_PASSES):
-                    load_row_f32x4(q_latent, q_rope, q_base + r, k0 + s_col + cp * 4 * V4_TPR,
-                                   V4_Q_ROWS_EXACT or r < HEADS, q_reg, (rp * V4_COL_PASSES + cp) * 4)
-            for rp in range(k_row_passes):
-                c = s_row + rp * V4_ROW_STEP
-                row = -1
-                if k_rows_exact or c < n_keys:
-                    row = rows[uint64(rows_off + c)]
-                for cp in range(V4_COL_PASSES):
-                    load_row_f32x4(kv_latent, k_rope, row, k0 + s_col + cp * 4 * V4_TPR, row >= 0,
-                                   k_reg, (rp * V4_COL_PASSES + cp) * 4)
-
-        @cuda.jit(device=True, inline="always")
-        def store_qk_slice(bufs, s_row, s_col, q_reg, k_reg):
-            for rp in range(V4_Q_ROW_PASSES):
-                r = s_row + rp * V4_ROW_STEP
-                if r < HEADS:
-                    for cp in range(V4_COL_PASSES):
-                        off = uint64(r * KSP + s_col + cp * 4 * V4_TPR)
-                        for e in range(4):
-                            bufs[off + uint64(e)] = q_reg[(rp * V4_COL_PASSES + cp) * 4 + e]
-            for rp in range(k_row_passes):
-                c = s_row + rp * V4_ROW_STEP
-                if c < n_keys:
-                    for cp in range(V4_COL_PASSES):
-                        off = uint64(k_buf + c * KSP + s_col + cp * 4 * V4_TPR)
-                        for e in range(4):
-                            bufs[off + uint64(e)] = k_reg[(rp * V4_COL_PASSES + cp) * 4 + e]
-
-        return load_qk_slice, store_qk_slice, k_row_passes * V4_COL_PASSES * 4
-
-    load_qk_slice, store_qk_slice, K_REGS = slice_io(CHUNK, BUF)
-    if SF_STAGE_VEC4:
-        sf_load_slice, sf_store_slice, SF_K_REGS = slice_io_vec4(SB, SF_QBUF)
-    else:
-        sf_load_slice, sf_store_slice, SF_K_REGS = slice_io(SB, SF_QBUF)
+    load_qk_slice, store_qk_slice, stage_lane, Q_REGS, K_REGS = slice_io(CHUNK, BUF, 1)
+    sf_load_slice, sf_store_slice, sf_stage_lane, SF_Q_REGS, SF_K_REGS = slice_io(
+        SB, SF_QBUF, 4 if SF_STAGE_VEC4 else 1)
 
     @cuda.jit(device=True, inline="always")
     def score_lane(tid, key_tiles, k_buf):
@@ -753,8 +755,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                           past, path, kv_base, tid)
 
         q_base = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
-        s_row = tid // S_TPR
-        s_col = tid % S_TPR
+        s_row, s_col = stage_lane(tid)
         v_row = tid // V_TPR
         v_col = tid % V_TPR
         # Score GEMM: k-group fastest, then key tile, so the k-group butterfly and the softmax
@@ -966,12 +967,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                           past, path, kv_base, tid)
 
         q_base = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
-        if SF_STAGE_VEC4:   # V4_TPR lanes a staged row, 4 adjacent dims each
-            s_row = tid // V4_TPR
-            s_col = (tid % V4_TPR) * 4
-        else:
-            s_row = tid // S_TPR
-            s_col = tid % S_TPR
+        s_row, s_col = sf_stage_lane(tid)   # float4 lanes where SF_STAGE_VEC4
         # Scores: k-group fastest, then key tile (SF_KEY_TILES over the pass), then row tile.
         kg, key_tile, row_tile, q_off, k_off = score_lane(tid, SF_KEY_TILES, SF_QBUF)
         # Softmax: head tid // LANES on the chunk layout's lanes (k-group fastest, then key tile).
@@ -987,7 +983,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         k_vec = cuda.local.array((RC, VEC), float32)
         p_key = cuda.local.array(RC, float32)
         acc = cuda.local.array((HEADS, SF_DIMS), float32)
-        v_val = cuda.local.array((SF_VKEYS, SF_DIMS), float32)
+        v_val = cuda.local.array((SF_VKEYS, SF_DIMS), float32)   # 2-D: a flat one went to the stack
         p_head = cuda.local.array(HEADS, float32)
         dim0 = tid * SF_DIMS        # this thread's P·V dims: dim0 .. dim0 + SF_DIMS - 1
         for h in range(HEADS):
@@ -1078,18 +1074,10 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                     for cb in range(0, CHUNK, SF_VKEYS):
                         for c in range(SF_VKEYS):
                             row = rows[uint64(c0 + cb + c)]
-                            if SF_VEC4:
-                                for i in range(0, SF_DIMS, 4):
-                                    v0 = float32(0.0)   # zeros: 0 * NaN would poison acc
-                                    v1 = float32(0.0)
-                                    v2 = float32(0.0)
-                                    v3 = float32(0.0)
-                                    if row >= 0:
-                                        v0, v1, v2, v3 = load_f32x4(kv_latent, uint64(row * DL + dim0 + i))
-                                    v_val[c, i] = v0
-                                    v_val[c, i + 1] = v1
-                                    v_val[c, i + 2] = v2
-                                    v_val[c, i + 3] = v3
+                            if SF_VEC4:   # zeros for row -1: 0 * NaN would poison acc
+                                for i in range(0, SF_DIMS, 4):   # latent: THREADS divides DL here
+                                    load_row_f32x4(kv_latent, k_rope, row, dim0 + i, True, row >= 0,
+                                                   v_val[c], i)
                             else:
                                 for i in range(SF_DIMS):
                                     value = float32(0.0)
@@ -1291,12 +1279,13 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
     lse = check_array(lse, "lse", np.float32, shape=(bs, tc, h))
     workspace = check_array(workspace, "workspace", np.float32, shape=p.workspace_shape)
     scale = positive_real(scale, "scale")
-    if cfg.score_keys:   # its float4 loads of query and key rows need 16-byte aligned arrays
-        for name, arr in (("q_latent", q_latent), ("q_rope", q_rope), ("kv_latent", kv_latent),
-                          ("k_rope", k_rope)):
-            if _address(arr) % 16:
-                raise ValueError(f"{name} must start on a 16-byte boundary for the score-first "
-                                 f"tiles (config.score_keys), got address {_address(arr):#x}")
+    float4_arrays = float4_loads(cfg).arrays   # 16-byte loads need 16-byte aligned arrays
+    for name, arr in (("q_latent", q_latent), ("q_rope", q_rope), ("kv_latent", kv_latent),
+                      ("k_rope", k_rope)):
+        if name in float4_arrays and data_address(arr) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary for the score-first "
+                             f"tiles' float4 loads (config.score_keys), got address "
+                             f"{data_address(arr):#x}")
     _check_host_values(p, past_lens, tree_sizes, visibility)
     _check_host_finite(dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope),
                        past_lens, tree_sizes)
