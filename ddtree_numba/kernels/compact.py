@@ -30,7 +30,7 @@ from numba import cuda, int32, int64, uint8, uint16, uint32, uint64
 
 from sim.launch import launch
 
-from ._args import as_kernel_array, check_array, check_shape, host_values, is_c_contiguous
+from ._args import as_kernel_array, check_array, check_shape, data_address, host_values, is_c_contiguous
 from .accept import check_threads
 from .registry import register
 
@@ -129,14 +129,6 @@ class CompactionPlan:
     min_rows: int
 
 
-def _address(x: Any) -> int:
-    """Address of the first element of a NumPy or device array."""
-    interface = getattr(x, "__cuda_array_interface__", None)
-    if interface is not None:
-        return int(interface["data"][0])
-    return int(x.ctypes.data)  # NumPy, and the simulator's FakeCUDAArray (wraps NumPy)
-
-
 def word_bytes_for(row_bytes: int, address: int) -> int:
     """The widest word size that divides both the row size and the address."""
     for nbytes in WORD_BYTES:
@@ -154,7 +146,7 @@ def _word_view(cache: Any, name: str) -> tuple[Any, int]:
         raise ValueError(f"{name} must be C-contiguous (compaction moves whole rows in place)")
     bs, n_rows = cache.shape[0], cache.shape[1]
     row_bytes = int(np.prod(cache.shape[2:], dtype=np.int64)) * np.dtype(cache.dtype).itemsize
-    nbytes = word_bytes_for(row_bytes, _address(cache)) if row_bytes else 1
+    nbytes = word_bytes_for(row_bytes, data_address(cache)) if row_bytes else 1
     rows = cache.reshape(bs, n_rows, row_bytes // np.dtype(cache.dtype).itemsize)  # [bs, S, D]
     return rows.view(_WORD_DTYPES[nbytes]), nbytes
 

@@ -129,7 +129,7 @@ from numba.core.extending import intrinsic
 from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
 
-from ._args import check_array, int_arg
+from ._args import check_array, data_address, int_arg
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_max_f32
 
@@ -1656,12 +1656,6 @@ def _raise_bad_rows(bad: np.ndarray) -> None:
                          f"{' ...' if bad.size > 8 else ''})")
 
 
-def _address(x: Any) -> int:
-    """Address of the first element (device or host)."""
-    iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
-    return int(iface["data"][0])
-
-
 def run_topk(
     plan: TopKPlan,
     logits: Any,
@@ -1702,7 +1696,7 @@ def run_topk(
         _check_host_finite(logits, plan.dtype)
 
     per_word = _WORD_BYTES * 8 // _ELEM_BITS[plan.dtype]
-    packed = plan.vocab % per_word == 0 and _address(logits) % _WORD_BYTES == 0
+    packed = plan.vocab % per_word == 0 and data_address(logits) % _WORD_BYTES == 0
     if packed:
         words, chunk_words = logits.view(np.uint64), plan.chunk_elems // per_word
     else:
