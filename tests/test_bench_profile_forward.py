@@ -31,3 +31,5 @@ def test_main_prints_the_table(capsys):
     assert pf.main(["--table", str(PROFILE)]) == 0
     assert "share" in capsys.readouterr().out
     assert pf.main(["--rows", "0"]) == 2
+    assert pf.main(["--ddtree", "8", "--rows", "1"]) == 2      # a tree needs a budget >= 1
+    assert pf.main(["--ddtree", "-1"]) == 2

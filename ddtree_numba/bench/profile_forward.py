@@ -13,6 +13,12 @@ ncu serialises the kernels and, by default, flushes the caches before each one, 
 whose inputs would sit in L2 during a graph replay read them from DRAM here: the sum of the
 kernel times is an upper bound of the replayed step, and the ranking is what it is for. With
 ``--cache-control none`` ncu leaves the caches alone, as a replay would (serialised still).
+
+``--ddtree N`` profiles a whole DDTree generation instead: batch 1, ``--rows`` - 1 as the budget
+(default B = 32), block 16, the oracle drafter at accuracy 1.0 fed an AR run's tokens, N new
+tokens, CUDA graphs as in the decode-step bench. Its table has one section per target forward:
+a section is a forward (the prefill, then each round's verify) with the kernels that follow it
+up to the next forward (accept, compaction, the next round's draft, top-k and build).
 """
 from __future__ import annotations
 
@@ -79,6 +85,38 @@ def run_forwards(preset: str, past: int, row_counts: list[int], seed: int = 0) -
     cuda.profile_stop()
 
 
+def run_ddtree(preset: str, budget: int, new_tokens: int, block: int = 16, seed: int = 0) -> None:
+    """A batch-1 DDTree generation (oracle drafter at accuracy 1.0 fed an AR run's tokens, CUDA
+    graphs) run twice to compile and warm up, then once more between profile_start / profile_stop."""
+    from numba import cuda
+
+    from ddtree_numba.config import ModelConfig
+    from ddtree_numba.engine.decode import generate_ar, generate_ddtree, required_kv_capacity
+    from ddtree_numba.engine.drafters import OracleDrafter
+    from ddtree_numba.engine.model import TargetModel
+    from reference.weights import init_weights
+
+    config = ModelConfig.from_name(preset)
+    prompts = [np.random.default_rng(seed).integers(3, config.vocab_size, size=64).tolist()]
+    capacity = required_kv_capacity([len(prompts[0])], new_tokens, budget)
+    model = TargetModel(config, init_weights(config, seed), batch_size=1, kv_capacity=capacity,
+                        max_rows=budget + 1)
+    ar = generate_ar(model, prompts, max_new_tokens=new_tokens)
+    ref = np.asarray(ar.tokens, dtype=np.int64)                     # [1, new_tokens]
+
+    def run() -> None:
+        drafter = OracleDrafter(ref, config.vocab_size, block - 1, accuracy=1.0, entropy=0.5, seed=seed)
+        generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, max_new_tokens=new_tokens)
+
+    run()
+    run()
+    cuda.synchronize()
+    cuda.profile_start()
+    run()
+    cuda.synchronize()
+    cuda.profile_stop()
+
+
 def read_table(path: Path) -> list[list[tuple[str, str, str, int, float]]]:
     """ncu CSV -> per forward, rows (kernel, grid, block, calls, total us), slowest first."""
     with open(path, newline="") as f:
@@ -116,15 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=192, help="cached rows before the forward (default: %(default)s)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 33],
                         help="rows per forward, one profiled forward each (default: 1 33: an AR step, a B = 32 tree)")
+    parser.add_argument("--ddtree", type=int, metavar="N", default=0,
+                        help="profile a DDTree generation of N new tokens (budget: the largest --rows - 1) "
+                             "instead of single forwards")
     parser.add_argument("--table", type=Path, help="print the per-kernel table of this ncu CSV instead of running")
     args = parser.parse_args(argv)
     if args.table is not None:
         print(format_table(read_table(args.table)))
         return 0
-    if args.past < 0 or min(args.rows) < 1:
-        print("error: --past must be >= 0 and --rows >= 1", file=sys.stderr)
+    if args.past < 0 or min(args.rows) < 1 or args.ddtree < 0 or (args.ddtree and max(args.rows) < 2):
+        print("error: --past and --ddtree must be >= 0, --rows >= 1 (>= 2 with --ddtree)", file=sys.stderr)
         return 2
-    run_forwards(args.preset, args.past, args.rows)
+    if args.ddtree:
+        run_ddtree(args.preset, max(args.rows) - 1, args.ddtree)
+    else:
+        run_forwards(args.preset, args.past, args.rows)
     return 0
 
 
