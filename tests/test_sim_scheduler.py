@@ -16,7 +16,7 @@ ROUNDS = 5
 
 @cuda.jit
 def _ring_rounds(out):
-    """Each round, thread t adds its left neighbour's value from the last round: ROUNDS barriers
+    """Each round, thread t adds its left neighbour's value from the last round: ROUNDS barrier
     pairs, so any early release reads a value of the wrong round."""
     buf = cuda.shared.array(128, int32)
     t = cuda.threadIdx.x

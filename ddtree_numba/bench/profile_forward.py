@@ -90,6 +90,7 @@ def run_ddtree(preset: str, budget: int, new_tokens: int, block: int = 16, seed:
     graphs) run twice to compile and warm up, then once more between profile_start / profile_stop."""
     from numba import cuda
 
+    from ddtree_numba.bench.decode_step import _prompts
     from ddtree_numba.config import ModelConfig
     from ddtree_numba.engine.decode import generate_ar, generate_ddtree, required_kv_capacity
     from ddtree_numba.engine.drafters import OracleDrafter
@@ -97,7 +98,7 @@ def run_ddtree(preset: str, budget: int, new_tokens: int, block: int = 16, seed:
     from reference.weights import init_weights
 
     config = ModelConfig.from_name(preset)
-    prompts = [np.random.default_rng(seed).integers(3, config.vocab_size, size=64).tolist()]
+    prompts = _prompts(np.random.default_rng(seed), 1, 64, config.vocab_size)   # the decode-step bench's
     capacity = required_kv_capacity([len(prompts[0])], new_tokens, budget)
     model = TargetModel(config, init_weights(config, seed), batch_size=1, kv_capacity=capacity,
                         max_rows=budget + 1)
