@@ -23,7 +23,8 @@ from ddtree_numba.config import ModelConfig
 from ddtree_numba.engine import decode
 from ddtree_numba.engine.cache import KVCache
 from ddtree_numba.engine.decode import GenerateResult, generate_ar, generate_ddtree, required_kv_capacity
-from ddtree_numba.engine.drafters import TOP_SCORE, Drafter, OracleDrafter, oracle_logits_reference
+from ddtree_numba.engine.drafters import (PHILOX_WORDS, TOP_SCORE, Drafter, OracleDrafter, oracle_logits_kernel,
+                                          oracle_logits_reference, oracle_parts)
 from ddtree_numba.engine.graphs import GraphCaptureError, StepGraph
 from reference.sampling import sample_posterior
 from sim.install import simulator_active
@@ -200,6 +201,41 @@ def test_oracle_kernel_matches_reference(vocab, horizon, seed):
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert isinstance(drafter, Drafter) and drafter.feature_layers == ()
+
+
+def test_oracle_kernel_split_vocabulary():
+    # 32 threads x 4 groups per block: 1290 tokens = 323 groups (the last of 2 tokens) in
+    # 3 parts of 128, 128 and 67 groups; the rows must not depend on the split
+    vocab, horizon, seed = 1290, 2, 11
+    assert oracle_parts(vocab, 32) == (3, 128)
+    rng = np.random.default_rng(5)
+    ref = rng.integers(0, vocab, size=(3, 6))
+    prompt_lens = np.array([2, 4, 1], dtype=np.int32)
+    start = np.array([1, 5, 9], dtype=np.int32)  # request 2 drafts past its reference: a drawn top
+    drafter = OracleDrafter(ref, vocab, horizon, accuracy=0.5, entropy=0.6, seed=seed, threads=32)
+    assert drafter.parts == 3
+    drafter.begin(None, cuda.to_device(prompt_lens))
+    d_start = cuda.to_device(start)
+    got = drafter.draft(cuda.to_device(np.zeros(3, np.int32)), d_start).copy_to_host()
+    whole = cuda.device_array_like(got)
+    n_groups = -(-vocab // PHILOX_WORDS)
+    launch(oracle_logits_kernel, (horizon, 3, 1), 32, 0, 0, drafter._ref, drafter._prompt_lens, d_start,
+           np.uint64(seed), np.float64(0.5), np.float64(1 / 0.6), np.int32(n_groups), whole)
+    np.testing.assert_array_equal(got, whole.copy_to_host())  # bit for bit: only the work moved
+    want = oracle_logits_reference(ref, prompt_lens, start, horizon, vocab, accuracy=0.5, entropy=0.6, seed=seed)
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_oracle_parts():
+    assert oracle_parts(1, 128) == (1, 512)
+    assert oracle_parts(32768, 128) == (16, 512)  # the small preset: 15 x 16 blocks at batch 1
+    parts, per_part = oracle_parts(2**31 - 1, 32)  # capped at grid z's 65535
+    assert parts <= 65535 and (parts - 1) * per_part < -(-(2**31 - 1) // PHILOX_WORDS) <= parts * per_part
+    with pytest.raises(ValueError, match="vocab_size"):
+        oracle_parts(0, 32)
+    with pytest.raises(TypeError, match="threads"):
+        oracle_parts(64, 32.0)
 
 
 def test_oracle_reference_distribution():

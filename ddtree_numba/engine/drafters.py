@@ -11,7 +11,9 @@ emits distributions with a tunable accuracy and entropy: a synthetic drafter who
 rate is known in advance, for tests and for the forward-pass / speed measurements. Its logits are
 written on the device by one kernel per round from Philox noise keyed by (seed, request,
 position), so a round is deterministic and batch-invariant; :func:`oracle_logits_reference` is
-the NumPy definition the kernel is tested against.
+the NumPy definition the kernel is tested against. Every logit is a pure function of (request,
+depth, token), so the kernel splits each row's vocabulary over several blocks
+(:func:`oracle_parts`): at batch 1 a row-per-block grid would leave most of the GPU idle.
 
 Oracle distribution of row (b, j), position p = start[b] + j + 1, generated index
 g = p - prompt_lens[b]:
@@ -42,13 +44,15 @@ from sim.launch import launch
 
 __all__ = [
     "Drafter", "OracleDrafter", "oracle_logits_kernel", "oracle_logits_reference",
-    "TOP_SCORE", "ORACLE_THREADS",
+    "TOP_SCORE", "ORACLE_THREADS", "oracle_parts",
 ]
 
 TOP_SCORE = 7.0  # above every Box-Muller normal from 32-bit words: sqrt(-2 ln 2^-33) ~= 6.77
 ORACLE_THREADS = 128  # threads per (request, depth) row on a GPU
 SIM_THREADS = 32  # the simulator runs each thread as a Python thread: keep blocks small
 PHILOX_WORDS = 4  # tokens 4g..4g+3 share one Philox call (two Box-Muller pairs)
+GROUPS_PER_THREAD = 4  # Philox groups per thread per block: enough blocks to fill the GPU at batch 1
+MAX_PARTS = 65535  # gridDim.z limit
 UNIT_SCALE = 2.0**-32  # (w + 0.5) * 2^-32 maps a uint32 into (0, 1)
 TWO_PI = 2.0 * math.pi
 MASK32 = np.uint64(0xFFFFFFFF)
@@ -131,16 +135,19 @@ def _top_token(ref, prompt_lens, b, position, c1, c2, k0, k1, accuracy, vocab):
 
 
 @cuda.jit
-def oracle_logits_kernel(ref, prompt_lens, start, seed, accuracy, inv_entropy, out):
+def oracle_logits_kernel(ref, prompt_lens, start, seed, accuracy, inv_entropy, groups_per_part, out):
     """Oracle draft logits of every (request, depth) row.
 
     ref int32 [bs, n] (the target's continuation, -1 where unknown), prompt_lens int32 [bs],
     start int32 [bs] (the root's position), seed uint64, accuracy float64 in [0, 1],
-    inv_entropy float64 (1 / entropy) -> out float32 [bs, L, V]. Grid (L, bs): one block per
-    row; each thread takes groups of PHILOX_WORDS tokens (one Philox call each).
+    inv_entropy float64 (1 / entropy), groups_per_part int32 >= 1 -> out float32 [bs, L, V].
+    Grid (L, bs, parts): block (j, b, p) writes the tokens of Philox groups
+    [p * groups_per_part, (p + 1) * groups_per_part) of row (b, j), PHILOX_WORDS tokens per
+    group (one Philox call each); each block recomputes the row's top token (one Philox call).
     """
     j = cuda.blockIdx.x
     b = cuda.blockIdx.y
+    part = cuda.blockIdx.z
     tid = cuda.threadIdx.x
     vocab = out.shape[2]
     position = int64(start[b]) + j + 1
@@ -153,8 +160,10 @@ def oracle_logits_kernel(ref, prompt_lens, start, seed, accuracy, inv_entropy, o
     top_logit = float32(TOP_SCORE * inv_entropy)
     noise_stream = uint64(2 * b + NOISE_STREAM)
     n_groups = (vocab + PHILOX_WORDS - 1) // PHILOX_WORDS
-    group = tid
-    while group < n_groups:
+    first_group = int64(part) * groups_per_part
+    end_group = min(first_group + groups_per_part, n_groups)
+    group = first_group + tid
+    while group < end_group:
         words = _philox4x32_10(uint64(group), c1, c2, noise_stream, k0, k1)
         n0, n1 = _box_muller(words[0], words[1])
         n2, n3 = _box_muller(words[2], words[3])
@@ -168,9 +177,20 @@ def oracle_logits_kernel(ref, prompt_lens, start, seed, accuracy, inv_entropy, o
 
 
 register("oracle_logits", oracle_logits_kernel,
-         ((int32[:, ::1], int32[::1], int32[::1], uint64, float64, float64, float32[:, :, ::1]),),
+         ((int32[:, ::1], int32[::1], int32[::1], uint64, float64, float64, int32, float32[:, :, ::1]),),
          "oracle drafter: per-(request, depth) draft logits from Philox noise, truth on top "
-         "with the given accuracy", block_threads=ORACLE_THREADS)
+         "with the given accuracy; each row's vocabulary split over grid z", block_threads=ORACLE_THREADS)
+
+
+def oracle_parts(vocab_size: int, threads: int) -> tuple[int, int]:
+    """(parts, groups_per_part): how :class:`OracleDrafter` splits a row's Philox groups over
+    grid z: GROUPS_PER_THREAD groups per thread, fewer parts when that would exceed MAX_PARTS;
+    every part holds at least one group, the last one the remainder."""
+    vocab_size = require_int(vocab_size, "vocab_size", minimum=1, maximum=2**31 - 1)
+    threads = require_int(threads, "threads", minimum=1, maximum=1024)
+    n_groups = -(-vocab_size // PHILOX_WORDS)
+    per_part = max(threads * GROUPS_PER_THREAD, -(-n_groups // MAX_PARTS))
+    return -(-n_groups // per_part), per_part
 
 
 # --- NumPy reference -------------------------------------------------------------------------
@@ -294,6 +314,9 @@ class OracleDrafter:
         seed: int in [0, 2^64), keys every draw with (request, position).
         threads: block size (default ORACLE_THREADS on a GPU, SIM_THREADS in the simulator).
 
+    Attributes:
+        parts: blocks per (request, depth) row, from :func:`oracle_parts` (vocab, threads).
+
     Device buffers (allocated once): the reference, prompt lengths, logits [bs, L, V].
     """
 
@@ -315,6 +338,7 @@ class OracleDrafter:
         self._ref = cuda.to_device(padded)
         self._prompt_lens = cuda.to_device(np.zeros(self.batch_size, dtype=np.int32))
         self._logits = cuda.device_array((self.batch_size, self.horizon, self.vocab_size), dtype=np.float32)
+        self.parts, self._groups_per_part = oracle_parts(self.vocab_size, self.threads)
 
     def begin(self, features: Any, prompt_lens: Any, stream: Any = 0) -> None:
         """Record the prompt lengths (the features are not needed)."""
@@ -322,13 +346,14 @@ class OracleDrafter:
         self._prompt_lens.copy_to_device(prompt_lens, stream=stream)
 
     def draft(self, bonus: Any, start: Any, stream: Any = 0) -> Any:
-        """Oracle logits float32 [bs, L, V] for positions start + 1 .. start + L (one launch)."""
+        """Oracle logits float32 [bs, L, V] for positions start + 1 .. start + L (one launch of
+        L x bs x parts blocks)."""
         _check_batch_vector(bonus, "bonus", self.batch_size)
         start = _check_batch_vector(start, "start", self.batch_size)
         if self.horizon:
-            launch(oracle_logits_kernel, (self.horizon, self.batch_size), self.threads, stream, 0,
+            launch(oracle_logits_kernel, (self.horizon, self.batch_size, self.parts), self.threads, stream, 0,
                    self._ref, self._prompt_lens, start, np.uint64(self.seed), np.float64(self.accuracy),
-                   np.float64(self._inv_entropy), self._logits)
+                   np.float64(self._inv_entropy), np.int32(self._groups_per_part), self._logits)
         return self._logits
 
     def commit(self, features: Any, accepted: Any, lengths: Any, stream: Any = 0) -> None:
