@@ -16,7 +16,9 @@ decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 per thread in the score tile, ``score_rows``) or ``64`` (the default 64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
 ``4`` (8 x 4 everywhere), either with ``-plain`` (the linears' load-then-FMA weight loop for every
 row tile, ``linear.PIPELINE_WEIGHTS`` off) or ``-ring1`` (the weight ring for every row tile,
-``linear.PIPELINE_MIN_ROW_TILE`` 1; by default the ring runs from 4-row tiles on).
+``linear.PIPELINE_MIN_ROW_TILE`` 1; by default the ring runs from 4-row tiles on), or ``auto-lanes``
+(the MLA absorbs of a tree in the warp layout too, ``linear.SERIAL_HEADS`` off: by default
+``head_linear`` of >= 8 rows runs the thread-serial kernel).
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
@@ -39,7 +41,7 @@ REPS = 40
 TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
-COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1")
+COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-lanes")
 
 
 class Variant(tuple):
@@ -80,7 +82,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     stream = dev.create_stream()
     timing = EventOptions(timing_enabled=True)
     saved = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
-             em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE)
+             em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
+             lin.SERIAL_HEADS)
     few, wide = saved[0], saved[1]
     results: dict[str, dict[int, float]] = {}
     advanced = False
@@ -101,7 +104,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.WIDE_ARCHS = () if cols.startswith("4") else wide
         lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
         lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
-        for cached in (lin._plan, lin._grid_cols, lin._setup):
+        lin.SERIAL_HEADS = saved[8] and not cols.endswith("-lanes")
+        for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
             cached.cache_clear()
         per_rows = {}
         for rows in row_counts:
@@ -130,7 +134,10 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         results[f"{tile}/{cols}"] = per_rows
         print(f"tile {tile:11s} cols {cols:10s} " + json.dumps(per_rows), flush=True)
     (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
-     em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE) = saved
+     em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
+     lin.SERIAL_HEADS) = saved
+    for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
+        cached.cache_clear()
     return results
 
 

@@ -131,6 +131,10 @@ __all__ = [
     "linear_split_k",
     "swiglu_rows",
     "get_kernel",
+    "SERIAL_HEADS",
+    "SERIAL_MIN_ROWS",
+    "serial_plan",
+    "get_serial_kernel",
 ]
 
 WARP = 32
@@ -1182,6 +1186,9 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
 def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
     """Per-group products ``out[m, g] = x[m, g] @ w[g].T`` (MLA absorb), batch-invariant.
 
+    From SERIAL_MIN_ROWS rows (a tree verify) a one-segment K runs in the thread-serial kernel
+    (:func:`serial_plan`), fewer rows in the warp layout: the same bits either way.
+
     Args:
         x: float32 [M, G, K], unit inner stride (a view such as q[:, :, :nope] is fine).
         w: float32 [G, N, K], C-contiguous.
@@ -1201,11 +1208,181 @@ def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
     out = _check_out(out, "out", (m_rows, groups, n_cols))
     if m_rows == 0 or groups == 0:
         return out
+    aligned = _aligned(w, k_dim)
+    serial = serial_plan(m_rows, groups, n_cols, k_dim) if aligned else None
+    if serial is not None:   # many rows: the thread-serial kernel, the same bits
+        smt, sc, steps, grid, threads, row_warps = serial
+        get_serial_kernel(smt, sc, steps)[grid, threads, _stream(stream), 0](
+            x, _kernel_weight(w), out, n_cols, k_dim, row_warps)
+        return out
     mt = row_tile(m_rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
-        "head", "none", False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), groups)
+        "head", "none", False, mt, n_cols, k_dim, aligned, -(-m_rows // mt), groups)
     _configured(kernel, grid, threads, stream, smem)(x, _kernel_weight(w), out, *geometry)
     return out
+
+
+# --- head products of many rows, one thread per output tile (same order, no butterfly) ------------
+#
+# A one-segment product (k_split(K) == 1: the MLA absorbs, K = 128 and 512) sums, per output, 32
+# lane chains (lane l: k = 128 j + 4 l + e, j then e ascending) by the butterfly of offsets 16, 8,
+# 4, 2, 1. One thread can run that exact order alone: the butterfly is a perfect binary tree whose
+# leaves, read left to right, are the lanes in 5-bit bit-reversed order (0, 16, 8, 24, 4, ...), so
+# the thread runs lane bitrev(i)'s chain for i = 0..31 and folds each finished subtree into the next
+# level (a binary counter of five partial sums, each starting at -0.0: -0.0 + v == v bit for bit,
+# +0.0 included). Every output gets the same fmas and adds as in the warp layout (a + b == b + a),
+# so the bits are head_linear's whatever kernel runs. Where the warp layout spends a block's
+# staging, barrier and 31 shuffles per output on 4 fmas a lane (K = 128: ~24 % of its instructions
+# fmas in a 33-row verify), a thread here keeps SERIAL_COLUMNS x MT outputs and runs their chains
+# back to back. Rows of a warp are warp-uniform (x loads are broadcasts), its lanes take adjacent
+# columns (lane + 32 c): each 16-byte weight load is one lane's k-chunk of its own column.
+# Used from SERIAL_MIN_ROWS rows (a tree verify); an AR step keeps the warp layout, whose weight
+# stream is the work there.
+
+SERIAL_HEADS = True           # the thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows
+SERIAL_MIN_ROWS = 8
+SERIAL_ROW_TILES = (4, 3, 2, 1)   # rows per thread: the one wasting fewest rows (ties: larger)
+SERIAL_COLUMNS = (4, 2)           # columns per thread: the widest giving SERIAL_MIN_BLOCKS blocks
+SERIAL_MIN_BLOCKS = 256           # about two blocks per SM on the H200
+SERIAL_MAX_WARPS = 8
+SIM_SERIAL_WARPS = 2              # the simulator's threads are Python threads: small blocks
+SERIAL_LEVELS = 5                 # log2(WARP): the butterfly's depth
+NEG_ZERO = np.float32(-0.0)
+
+
+def _bit_reverse5(i: int) -> int:
+    return int(f"{i:05b}"[::-1], 2)
+
+
+@functools.cache
+def get_serial_kernel(mt: int, columns_: int, steps: int) -> Any:
+    """The thread-serial head kernel: ``mt`` rows x ``columns_`` columns per thread, K of at most
+    ``steps`` steps of STEP values (one segment). Compiled lazily, cached."""
+    if mt not in SERIAL_ROW_TILES or columns_ not in SERIAL_COLUMNS or not 1 <= steps <= SPLIT_STEPS:
+        raise ValueError(f"no serial head kernel for mt={mt!r}, columns={columns_!r}, steps={steps!r}")
+    MT, C, J = mt, columns_, steps
+    MTC = MT * C
+
+    @cuda.jit(device=True, inline="always")
+    def leaf_lane(i):
+        """The lane whose chain is leaf i of the butterfly's tree (5-bit bit reversal)."""
+        return (((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4))
+
+    @cuda.jit(device=True, inline="always")
+    def promote(level, t):
+        """Level t holds a finished subtree: add it to level t + 1 and restart level t."""
+        for a in range(MTC):
+            level[t + 1, a] += level[t, a]
+            level[t, a] = NEG_ZERO
+
+    @cuda.jit(**launch_bounds(SERIAL_MAX_WARPS * WARP))
+    def kernel(x, w, out, n_cols, k_dim, row_warps):
+        """out[m, g] = x[m, g] @ w[g].T in head_linear's order. x [M, G, K], w flat [G * N * K]
+        (16-byte aligned rows, K % 4 == 0), out [M, G, N]. Grid (column blocks, row blocks, G);
+        warp (rw, cw) of a block of row_warps x cw warps takes rows (blockIdx.y * row_warps + rw)
+        * MT + i and columns (blockIdx.x * cw + cw) * 32 C + 32 c + lane. No shared memory."""
+        p = cuda.local.array(MTC, float32)                    # the current leaf's chains
+        level = cuda.local.array((SERIAL_LEVELS, MTC), float32)   # unfinished subtrees
+        wv = cuda.local.array((C, VEC), float32)
+        xv = cuda.local.array((MT, VEC), float32)
+        rows = cuda.local.array(MT, int32)
+        cols = cuda.local.array(C, int32)
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        col_warps = (cuda.blockDim.x // WARP) // row_warps
+        rw = warp // col_warps
+        cw = warp - rw * col_warps
+        g = cuda.blockIdx.z
+        m_rows = x.shape[0]
+        row0 = (cuda.blockIdx.y * row_warps + rw) * MT
+        col0 = (cuda.blockIdx.x * col_warps + cw) * WARP * C + lane
+        if row0 >= m_rows or col0 - lane >= n_cols:   # warp-uniform: nothing of this warp's exists
+            return
+        for i in range(MT):
+            rows[i] = min(row0 + i, m_rows - 1)       # rows past M re-read the last, not stored
+        for c in range(C):
+            cols[c] = min(col0 + WARP * c, n_cols - 1)
+        for a in range(MTC):
+            for t in range(SERIAL_LEVELS):
+                level[t, a] = NEG_ZERO
+        for i in range(WARP):
+            k_lane = VEC * leaf_lane(i)
+            for a in range(MTC):
+                p[a] = ZERO
+            for j in range(J):
+                k = j * STEP + k_lane
+                if k < k_dim:                         # the chunk is whole (K % 4 == 0)
+                    for c in range(C):
+                        w0, w1, w2, w3 = load_f32x4(w, (g * n_cols + cols[c]) * k_dim + k)
+                        wv[c, 0] = w0
+                        wv[c, 1] = w1
+                        wv[c, 2] = w2
+                        wv[c, 3] = w3
+                    for r in range(MT):
+                        for e in range(VEC):
+                            xv[r, e] = x[rows[r], g, k + e]
+                    for r in range(MT):
+                        for c in range(C):
+                            a = p[r * C + c]
+                            for e in range(VEC):
+                                a = cuda.fma(xv[r, e], wv[c, e], a)
+                            p[r * C + c] = a
+            # Leaf i done: into level 0; each subtree it finishes (i's low bits all set) moves up
+            # a level (constant indices, so the levels stay in registers).
+            for a in range(MTC):
+                level[0, a] += p[a]
+            if i & 1:
+                promote(level, 0)
+                if i & 2:
+                    promote(level, 1)
+                    if i & 4:
+                        promote(level, 2)
+                        if i & 8:
+                            promote(level, 3)
+        for r in range(MT):
+            if row0 + r < m_rows:
+                for c in range(C):
+                    if col0 + WARP * c < n_cols:
+                        out[row0 + r, g, col0 + WARP * c] = level[SERIAL_LEVELS - 1, r * C + c]
+
+    return kernel
+
+
+
+def _serial_sigs() -> tuple:
+    a3 = float32[:, :, :]
+    return ((a3, float32[:, :, ::1], a3, int32, int32, int32),)
+
+
+# The compile check: the widest footprint (4 x 4 outputs, K 512 unrolled) and the K 128 tile the
+# 33-row verify's W_UK takes.
+for _mt, _c, _steps in ((4, 4, 4), (3, 4, 1)):
+    register(f"head_linear_serial_mt{_mt}_c{_c}_s{_steps}", get_serial_kernel(_mt, _c, _steps), _serial_sigs(),
+             f"head_linear's order run by one thread per {_mt} x {_c} outputs (no butterfly), "
+             f"K <= {_steps * STEP}", block_threads=SERIAL_MAX_WARPS * WARP)
+
+
+@functools.lru_cache(maxsize=1024)
+def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> tuple | None:
+    """The thread-serial launch of a head product: (mt, columns, steps, grid, threads, row_warps),
+    or None where the warp layout runs (fewer than SERIAL_MIN_ROWS rows, K of several segments or
+    not a multiple of 4, SERIAL_HEADS off). A function of the shapes; layout, never the order."""
+    if not SERIAL_HEADS or rows < SERIAL_MIN_ROWS or k_split(k_dim) != 1 or k_dim % VEC:
+        return None
+    max_warps = SIM_SERIAL_WARPS if SIM_TREE else SERIAL_MAX_WARPS
+    mt = min(SERIAL_ROW_TILES, key=lambda t: (-(-rows // t) * t - rows, -t))
+    row_groups = -(-rows // mt)
+    row_blocks = -(-row_groups // max_warps)
+    row_warps = -(-row_groups // row_blocks)        # balanced over the row blocks
+    for c in SERIAL_COLUMNS:
+        col_groups = -(-n_cols // (WARP * c))
+        col_warps = max(1, min(col_groups, max_warps // row_warps))
+        grid = (-(-col_groups // col_warps), row_blocks, groups)
+        if grid[0] * grid[1] * grid[2] >= SERIAL_MIN_BLOCKS:
+            break
+    threads = row_warps * col_warps * WARP
+    check_launch(grid, threads, 0)
+    return mt, c, -(-k_dim // STEP), grid, threads, row_warps
 
 
 # --- split K: a product whose rows overflow the staging budget, as per-segment products --------
