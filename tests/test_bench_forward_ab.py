@@ -28,6 +28,17 @@ def test_score_first_variants_parse():
             forward_ab._variants(bad)
 
 
+def test_merge_and_lanes_variants_parse():
+    """automTxH: the small trees' segment merge in blocks of T threads and H heads; auto-lanes:
+    the absorbs in the warp layout at every row count."""
+    assert forward_ab._variants("autom512x1/auto,autom256x8/auto-lanes") == [
+        ("autom512x1", "auto"), ("autom256x8", "auto-lanes")]
+    assert forward_ab._merge_tile("autom128x4") == (128, 4) and forward_ab._merge_tile("auto") is None
+    for bad in ("autom100x1/auto", "autom2048x1/auto", "autom128x3/auto", "autom128/auto", "auto/lanes"):
+        with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+            forward_ab._variants(bad)
+
+
 def test_help_explains_the_variants(capsys):
     with pytest.raises(SystemExit) as exc:
         forward_ab.main(["--help"])

@@ -421,6 +421,22 @@ def test_attention_tile_config_fits_prefill_chunks() -> None:
     assert attention_tile_config(tiny, 1).merge_heads == 4
 
 
+def test_few_nodes_merge_sets_only_the_small_tree_merge(monkeypatch) -> None:
+    """engine.model.FEW_NODES_MERGE (bench.forward_ab's automTxH) sets the merge blocks of the
+    small-tree launches only, layout: every other field and every other launch size stay."""
+    import ddtree_numba.engine.model as em
+    kimi = ModelConfig.from_name("small")
+    plain = {rows: attention_tile_config(kimi, rows) for rows in (1, 33, 264)}
+    assert (plain[33].merge_threads, plain[33].merge_heads) == em.FEW_NODES_MERGE
+    monkeypatch.setattr(em, "FEW_NODES_MERGE", (256, 8))
+    for rows, base in plain.items():
+        cfg = attention_tile_config(kimi, rows)
+        if rows == 33:
+            assert (cfg.merge_threads, cfg.merge_heads) == (256, 8)
+            cfg = dataclasses.replace(cfg, merge_threads=base.merge_threads, merge_heads=base.merge_heads)
+        assert cfg == base
+
+
 def test_attention_prefetch_switch_changes_only_the_prefetch(monkeypatch) -> None:
     """engine.model.ATTENTION_PREFETCH_L2 (bench.forward_ab's auto-pf) sets the tiles' L2 prefetch,
     layout only: every other field of the tiling stays."""

@@ -13,7 +13,9 @@ segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``h8
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
 ``engine.model.FEW_NODES_TILE``; H in 1, 2, 4, 8, 16; a suffix ``rR`` before the ``+``: R heads
-per thread in the score tile, ``score_rows``) or ``64`` (the default 64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
+per thread in the score tile, ``score_rows``), ``automTxH`` (the default tiles, the small trees'
+segment merge in blocks of T threads and H heads, ``engine.model.FEW_NODES_MERGE``) or ``64`` (the
+default 64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 x 8 tile on sm_90) or
 ``4`` (8 x 4 everywhere), either with ``-plain`` (the linears' load-then-FMA weight loop for every
 row tile, ``linear.PIPELINE_WEIGHTS`` off) or ``-ring1`` (the weight ring for every row tile,
 ``linear.PIPELINE_MIN_ROW_TILE`` 1; by default the ring runs from 4-row tiles on), or ``auto-lanes``
@@ -83,7 +85,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     timing = EventOptions(timing_enabled=True)
     saved = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
              em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
-             lin.SERIAL_HEADS)
+             lin.SERIAL_HEADS, em.FEW_NODES_MERGE)
     few, wide = saved[0], saved[1]
     results: dict[str, dict[int, float]] = {}
     advanced = False
@@ -101,6 +103,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                 em.FEW_NODES_TILE = variant.score_first
         elif tile == "h8":
             em.DECODE_TILE = 8
+        em.FEW_NODES_MERGE = _merge_tile(tile) or saved[9]
         lin.WIDE_ARCHS = () if cols.startswith("4") else wide
         lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
         lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
@@ -135,7 +138,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         print(f"tile {tile:11s} cols {cols:10s} " + json.dumps(per_rows), flush=True)
     (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
      em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
-     lin.SERIAL_HEADS) = saved
+     lin.SERIAL_HEADS, em.FEW_NODES_MERGE) = saved
     for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
         cached.cache_clear()
     return results
@@ -155,14 +158,23 @@ def _score_first_tile(tile: str) -> tuple[int, int, int] | None:
     return int(heads), int(keys), int(rows)
 
 
+def _merge_tile(tile: str) -> tuple[int, int] | None:
+    """``automTxH`` -> (T merge threads, H merge heads) of the small-tree launches; None else."""
+    threads, _, heads = tile[5:].partition("x") if tile.startswith("autom") else ("", "", "")
+    if not (threads.isdigit() and heads.isdigit()) or int(threads) % 32 or not 32 <= int(threads) <= 1024 \
+            or int(heads) not in (1, 2, 4, 8, 16):
+        return None
+    return int(threads), int(heads)
+
+
 def _variants(text: str) -> list[Variant]:
     """``TILE/COLS,...`` -> its variants (argparse type: ArgumentTypeError naming a bad one)."""
     out = []
     for item in text.split(","):
         tile, _, cols = item.partition("/")
         score_first = _score_first_tile(tile[1:] if tile.startswith("tsf") else tile)
-        if (tile not in TILE_VARIANTS and not score_first) or cols not in COLS_VARIANTS:
-            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}|sfHxK[rR][+]|tsfHxK[rR], "
+        if (tile not in TILE_VARIANTS and not score_first and not _merge_tile(tile)) or cols not in COLS_VARIANTS:
+            raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}|sfHxK[rR][+]|tsfHxK[rR]|automTxH, "
                                              f"COLS in {'|'.join(COLS_VARIANTS)}")
         out.append(Variant(tile, cols, score_first))
     return out

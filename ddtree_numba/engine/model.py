@@ -88,6 +88,9 @@ FEW_NODES_TILE: int | tuple[int, ...] = (8, 128, 4)
 # not numerics. Off: on the H200 it did not pay (forward_ab, run "attention score-first": an AR
 # forward 1889.0 us without, 1890.7 a chunk ahead, 1884.6 the whole segment at the start).
 ATTENTION_PREFETCH_L2 = False
+# The segment merge of FEW_NODES_TILE launches: (threads per block, heads per block), va.TileConfig's
+# merge_threads / merge_heads (layout, not numerics); the other launches keep the config's default.
+FEW_NODES_MERGE: tuple[int, int] = (128, 1)
 ATTENTION_PREFETCH_CHUNKS = 1  # how far ahead (va.TileConfig.prefetch_chunks); the split / chunk: all at once
 STATIC_SMEM_LIMIT = va.STATIC_SHARED_LIMIT  # static shared memory per block: bounds the attention path table
 PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
@@ -192,12 +195,15 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
     dl, dr, h = config.kv_lora_rank, config.qk_rope_dim, config.n_heads
     blocks = batch_size * max_rows * (h // math.gcd(h, 64))  # attention blocks with the default tiles
     sms = active_profile().sm_count
-    tile = (None if h % 16 else DECODE_TILE if blocks < DECODE_NODES_PER_SM * sms
-            else FEW_NODES_TILE if blocks < FEW_NODES_PER_SM * sms else None)
+    decode = h % 16 == 0 and blocks < DECODE_NODES_PER_SM * sms
+    few = h % 16 == 0 and not decode and blocks < FEW_NODES_PER_SM * sms
+    tile = DECODE_TILE if decode else FEW_NODES_TILE if few else None
     tile_heads, score_keys, score_rows = (tile + (1,))[:3] if isinstance(tile, tuple) else (tile, 0, 1)
     if (dl, dr) == (512, 64) and h % 16 == 0:   # a preset: a bad tile setting raises (no fallback)
         base = va.default_config(dl, dr, h, tile_heads=tile_heads, score_keys=score_keys,
                                  score_rows=score_rows)
+        if few:
+            base = dataclasses.replace(base, merge_threads=FEW_NODES_MERGE[0], merge_heads=FEW_NODES_MERGE[1])
     else:   # other numerics than the preset's: every launch size must use this one tiling
         base = _small_tile_config(dl, dr, h)
     try:
