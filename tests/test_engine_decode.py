@@ -632,29 +632,31 @@ def test_gpu_step_graph_capture_records_without_running():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bs, seed", [(1, 2), (4, 3)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_gpu_small_graph_replay_equals_eager(small_model, temperature):
+def test_gpu_small_graph_replay_equals_eager(small_model, temperature, bs, seed):
     """small, batch 1 and 4: graph-replayed AR steps and DDTree rounds (B = 32, b = 16) give the
-    eager tokens, token for token; on the caller's numba stream too."""
+    eager tokens, token for token; on the caller's numba stream too. One case per batch size: a
+    case compiles the kernels of its batch's AR and tree row counts (~4 min on a cold H200)."""
     from ddtree_numba.engine.model import TargetModel
 
     config, base = small_model
-    one = TargetModel(config, base.weights, batch_size=1, kv_capacity=1024, max_rows=64)
+    model = base if bs == base.batch_size else TargetModel(config, base.weights, batch_size=bs, kv_capacity=1024,
+                                                           max_rows=64)
     n = 64
-    for model, seed in ((one, 2), (base, 3)):
-        prompts = _small_prompts(model.batch_size, seed, config.vocab_size)
-        eager = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=seed, graphs=False)
-        replayed = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=seed, graphs=True)
-        assert replayed.graphs and replayed.replay_s.size == replayed.rounds - 1
-        assert replayed.tokens == eager.tokens
-        ref = reference_matrix(eager.tokens, n)
-        trees = []
-        for graphs, stream in ((False, 0), (True, 0), (True, cuda.stream())):
-            drafter = OracleDrafter(ref, config.vocab_size, 15, accuracy=0.8, entropy=0.5, seed=seed)
-            tree = generate_ddtree(model, drafter, prompts, budget=32, block_size=16, max_new_tokens=n,
-                                   temperature=temperature, seed=seed, stream=stream, graphs=graphs)
-            assert tree.tokens == eager.tokens and tree.graphs is graphs
-            check_statistics(tree, 16)
-            trees.append(tree)
-        for tree in trees[1:]:
-            np.testing.assert_array_equal(tree.acceptance, trees[0].acceptance)
+    prompts = _small_prompts(model.batch_size, seed, config.vocab_size)
+    eager = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=seed, graphs=False)
+    replayed = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=seed, graphs=True)
+    assert replayed.graphs and replayed.replay_s.size == replayed.rounds - 1
+    assert replayed.tokens == eager.tokens
+    ref = reference_matrix(eager.tokens, n)
+    trees = []
+    for graphs, stream in ((False, 0), (True, 0), (True, cuda.stream())):
+        drafter = OracleDrafter(ref, config.vocab_size, 15, accuracy=0.8, entropy=0.5, seed=seed)
+        tree = generate_ddtree(model, drafter, prompts, budget=32, block_size=16, max_new_tokens=n,
+                               temperature=temperature, seed=seed, stream=stream, graphs=graphs)
+        assert tree.tokens == eager.tokens and tree.graphs is graphs
+        check_statistics(tree, 16)
+        trees.append(tree)
+    for tree in trees[1:]:
+        np.testing.assert_array_equal(tree.acceptance, trees[0].acceptance)
