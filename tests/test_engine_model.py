@@ -25,6 +25,7 @@ import ddtree_numba.engine.model as model_module
 from ddtree_numba.engine.cache import KVCache
 from ddtree_numba.engine.model import TargetModel, attention_tile_config, prefill_visibility
 from ddtree_numba.engine.weights import DeviceWeights, kernel_layouts
+from ddtree_numba.kernels._args import data_address
 from ddtree_numba.golden import read_all
 from reference import build_tree, pack_visibility
 from reference.golden_cases import GOLDEN_FILES, MODEL_PRESET, MODEL_TREE, MODEL_WEIGHTS_SEED, build_cases
@@ -473,6 +474,22 @@ def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:
         assert (cfg.chunk, cfg.k_groups, cfg.qk_keys, cfg.k_slice) == (
             wide.chunk, wide.k_groups, wide.qk_keys, wide.k_slice)
         assert cfg.static_shared_bytes <= em.STATIC_SMEM_LIMIT   # max_path raised within the limit
+
+
+def test_cache_layers_view_the_stacked_arrays() -> None:
+    """Every layer's buffers are C-contiguous views of KVCache.stacked(), 16 bytes aligned."""
+    config, _ = _tiny()
+    cache = KVCache(config, 3, 5)  # odd bs * S: the layers' offsets are multiples of C and R floats
+    latents, ropes = cache.stacked()
+    n = config.n_layers
+    assert latents.shape == (n, 3, 5, config.kv_lora_rank) and ropes.shape == (n, 3, 5, config.qk_rope_dim)
+    for i, kv in enumerate(cache.layers):
+        for view, stack in ((kv.latent, latents), (kv.k_rope, ropes)):
+            assert view.is_c_contiguous() and view.shape == stack.shape[1:] and view.dtype == np.float32
+            assert data_address(view) == data_address(stack) + i * view.size * 4 and data_address(view) % 16 == 0
+    cache.layers[-1].k_rope.copy_to_device(np.full((3, 5, config.qk_rope_dim), 2.5, np.float32))
+    host = ropes.copy_to_host()
+    assert np.all(host[-1] == 2.5) and not host[:-1].any()  # written through the view, one layer only
 
 
 def test_cache_past_lens_and_advance() -> None:

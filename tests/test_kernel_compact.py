@@ -1,8 +1,9 @@
 """In-place KV compaction kernel against reference.compact_batch, bit for bit.
 
 Simulator tests: tiny caches (bs <= 4, S <= 40, row sizes <= 256 B) of several dtypes and word
-sizes, overlapping rows across several passes, plans over several buffers, the golden file, the
-device-side bounds guard and every argument check. ``gpu`` tests move a 61-layer bf16 cache at
+sizes, overlapping rows across several passes, plans over several buffers, stacked (layered)
+buffers against per-buffer compaction, the golden file, the device-side bounds guard and every
+argument check. ``gpu`` tests move a 61-layer bf16 cache at
 bs 64 on the H200 (skipped under the simulator).
 """
 from __future__ import annotations
@@ -105,6 +106,66 @@ def test_one_plan_several_buffers_several_rounds():
         kc.run_compaction(plan, cuda.to_device(past_lens), cuda.to_device(accepted), cuda.to_device(lengths))
     for h, d in zip(host, device):
         assert _same_bits(d.copy_to_host(), h)
+
+
+def _compact_layers_one_by_one(stacks, past_lens, accepted, lengths) -> list[np.ndarray]:
+    """Each [G, bs, S, ...] stack compacted as G separate [bs, S, ...] buffers (one plan, G launches each)."""
+    device = [cuda.to_device(np.ascontiguousarray(layer)) for stack in stacks for layer in stack]
+    kc.run_compaction(kc.plan_compaction(device, threads=32), past_lens, accepted, lengths)
+    out, layers = [], iter(device)
+    for stack in stacks:
+        out.append(np.stack([next(layers).copy_to_host() for _ in range(stack.shape[0])]))
+    return out
+
+
+@pytest.mark.parametrize("case", ["random", "dense", "roots_only"])
+def test_layered_compaction_equals_per_buffer(case):
+    """Stacks of every layer's latent / rope rows and a 2-byte-word side buffer, compacted in one
+    launch each (layered=True), give the bits of per-layer compaction and of compact_batch per layer."""
+    rng = np.random.default_rng(11)
+    bs, n_rows, width = 4, 40, 17
+    stacks = [_random_cache(rng, (3, bs, n_rows, 16), np.float32), _random_cache(rng, (3, bs, n_rows, 4), np.float32),
+              _random_cache(rng, (2, bs, n_rows, 3), np.float16)]
+    if case == "random":  # a different past_len and acceptance per request
+        past_lens, accepted, lengths = _random_round(rng, bs, n_rows, 6, 12)
+    elif case == "dense":  # 17 rows over 3 passes, every destination a later row's source
+        dense = np.r_[0, np.arange(1, 33, 2)]
+        accepted = np.stack([dense, np.r_[0, 1, 2, np.arange(4, 32, 2)], dense, dense]).astype(np.int32)
+        past_lens = np.array([3, 6, 0, 7], np.int32)
+        lengths = np.array([17, 16, 9, 1], np.int32)
+    else:  # the root only: nothing moves
+        accepted = np.full((bs, width), -1, np.int32)
+        accepted[:, 0] = 0
+        past_lens = np.array([0, 5, 39, 12], np.int32)
+        lengths = np.ones(bs, np.int32)
+    expected = [np.stack([compact_batch(layer, past_lens, accepted, lengths) for layer in stack]) for stack in stacks]
+    device = [cuda.to_device(stack) for stack in stacks]
+    plan = kc.plan_compaction(device, threads=32, layered=True)
+    assert plan.word_bytes == (8, 8, 2) and plan.batch_size == bs and plan.min_rows == n_rows
+    assert plan.grids == ((1, bs, 3), (1, bs, 3), (1, bs, 2))
+    kc.run_compaction(plan, cuda.to_device(past_lens), cuda.to_device(accepted), cuda.to_device(lengths))
+    one_by_one = _compact_layers_one_by_one(stacks, cuda.to_device(past_lens), cuda.to_device(accepted),
+                                            cuda.to_device(lengths))
+    for d, per_buffer, want in zip(device, one_by_one, expected):
+        assert _same_bits(d.copy_to_host(), per_buffer)
+        assert _same_bits(per_buffer, want)
+
+
+def test_layered_single_buffer_and_host_values():
+    """One [G, bs, S, ...] array (not a sequence) with host round inputs, value-checked on the host
+    against the stack's S."""
+    rng = np.random.default_rng(12)
+    stack = _random_cache(rng, (5, 2, 12, 7), np.float32)  # 28 B rows: 4-byte words
+    past_lens = np.array([2, 0], np.int32)
+    accepted = np.array([[0, 3, 4, 9], [0, 1, 5, -1]], np.int32)
+    lengths = np.array([4, 3], np.int32)
+    expected = np.stack([compact_batch(layer, past_lens, accepted, lengths) for layer in stack])
+    plan = kc.plan_compaction(stack, layered=True)
+    assert plan.word_bytes == (4,) and plan.grids == ((1, 2, 5),) and plan.min_rows == 12
+    with pytest.raises(ValueError, match="accepted"):  # 2 + 10 is outside S = 12
+        kc.run_compaction(plan, past_lens, np.array([[0, 3, 4, 10], [0, 1, 5, -1]], np.int32), lengths)
+    kc.run_compaction(plan, past_lens, accepted, lengths)
+    assert _same_bits(stack, expected)
 
 
 def test_word_size_follows_row_size_and_alignment():
@@ -222,6 +283,18 @@ def test_plan_rejects_bad_caches(caches, error, name):
         kc.plan_compaction(caches)
 
 
+@pytest.mark.parametrize("caches, layered, error, name", [
+    (np.zeros((2, 8, 4), np.float32), 1, TypeError, "layered"),
+    (np.zeros((2, 8), np.float32), True, ValueError, "caches"),
+    (np.zeros((3, 2, 8, 4), np.float32)[:, :, :, ::2], True, ValueError, "caches"),
+    ([np.zeros((3, 2, 8, 4), np.float32), np.zeros((3, 1, 8, 4), np.float32)], True, ValueError, r"caches\[1\]"),
+    ([np.zeros((3, 2, 8, 4), np.float32), np.zeros((2, 8), np.float32)], True, ValueError, r"caches\[1\]"),
+])
+def test_plan_rejects_bad_layered_caches(caches, layered, error, name):
+    with pytest.raises(error, match=name):
+        kc.plan_compaction(caches, layered=layered)
+
+
 def test_plan_rejects_bad_threads():
     with pytest.raises(ValueError, match="threads"):
         kc.plan_compaction(np.zeros((2, 8, 4), np.float32), threads=100)
@@ -292,3 +365,21 @@ def test_gpu_per_layer_buffers_bs64():
     kc.run_compaction(plan, cuda.to_device(past_lens), cuda.to_device(accepted), cuda.to_device(lengths))
     for h, d in zip(host, device):
         assert _same_bits(d.copy_to_host(), compact_batch(h, past_lens, accepted, lengths))
+
+
+@pytest.mark.gpu
+def test_gpu_layered_61_layer_cache_bs8():
+    """KVCache.stacked()'s layout at Kimi dims: 61 layers of latent [8, S, 512] and rope [8, S, 64]
+    bf16 bits, two launches, against compact_batch per layer."""
+    rng = np.random.default_rng(203)
+    bs, capacity, width = 8, 513, 17
+    n_rows = 16 + capacity
+    host = [_random_cache(rng, (61, bs, n_rows, 512), np.uint16), _random_cache(rng, (61, bs, n_rows, 64), np.uint16)]
+    device = [cuda.to_device(h) for h in host]
+    plan = kc.plan_compaction(device, layered=True)
+    assert plan.word_bytes == (8, 8) and plan.grids == ((1, bs, 61), (1, bs, 61))  # 128 and 16 words a row
+    past_lens, accepted, lengths = _random_round(rng, bs, n_rows, width, capacity)
+    kc.run_compaction(plan, cuda.to_device(past_lens), cuda.to_device(accepted), cuda.to_device(lengths))
+    for h, d in zip(host, device):
+        want = np.stack([compact_batch(layer, past_lens, accepted, lengths) for layer in h])
+        assert _same_bits(d.copy_to_host(), want)

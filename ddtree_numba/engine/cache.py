@@ -5,9 +5,14 @@ value) and the RoPE'd shared key, ``C + R`` = 576 floats per token and layer for
 ``b`` owns rows ``[0, S)`` of its slice; ``past_lens[b]`` (device int32) counts its committed rows.
 A forward writes its new rows at ``past_lens[b] + i`` without advancing ``past_lens``: the caller
 either advances it (:meth:`KVCache.advance`, prefill / AR step) or compacts the accepted tree rows
-(``ddtree_numba.kernels.compact`` over :meth:`KVCache.buffers`, spec §1.5).
+(``ddtree_numba.kernels.compact`` over :meth:`KVCache.stacked`, or :meth:`KVCache.buffers`, spec §1.5).
 
-Each layer's buffers are one :class:`LayerKV` object (the unit of placement on a GPU).
+Each layer's buffers are one :class:`LayerKV` object, what the layer's kernels take. They are
+views of two arrays holding every layer (so all layers live on one device), latents
+[n_layers, bs, S, C] and rope keys [n_layers, bs, S, R] (:meth:`KVCache.stacked`), so a round's
+compaction is two launches however many layers there are. A layer's view starts l * bs * S * C floats in, a multiple of 16 bytes
+when C % 4 == 0 (R likewise): the attention kernels' float4 loads, used only at such dims
+(C = 512, R = 64), need that, and ``verify_attention.run`` checks it.
 """
 from __future__ import annotations
 
@@ -62,7 +67,8 @@ def _positive_int(value: Any, name: str) -> int:
 
 class KVCache:
     """Per-layer latent caches of ``batch_size`` requests with ``capacity`` rows each, zero-filled,
-    and ``past_lens`` (device int32 [bs], zero). Everything is allocated here, once."""
+    and ``past_lens`` (device int32 [bs], zero). Everything is allocated here, once: one latent and
+    one rope array for all layers, which ``layers`` views layer by layer."""
 
     def __init__(self, config: ModelConfig, batch_size: int, capacity: int, *, stream: Any = 0) -> None:
         if not isinstance(config, ModelConfig):
@@ -70,16 +76,23 @@ class KVCache:
         self.config = config
         self.batch_size = _positive_int(batch_size, "batch_size")
         self.capacity = _positive_int(capacity, "capacity")
-        bs, s = self.batch_size, self.capacity
+        bs, s, n_layers = self.batch_size, self.capacity, config.n_layers
+        self._latents = cuda.to_device(np.zeros((n_layers, bs, s, config.kv_lora_rank), np.float32),
+                                       stream=stream)  # [L, bs, S, C]
+        self._ropes = cuda.to_device(np.zeros((n_layers, bs, s, config.qk_rope_dim), np.float32),
+                                     stream=stream)  # [L, bs, S, R]
         self.layers: tuple[LayerKV, ...] = tuple(
-            LayerKV(latent=cuda.to_device(np.zeros((bs, s, config.kv_lora_rank), np.float32), stream=stream),
-                    k_rope=cuda.to_device(np.zeros((bs, s, config.qk_rope_dim), np.float32), stream=stream))
-            for _ in range(config.n_layers))
+            LayerKV(latent=self._latents[i], k_rope=self._ropes[i]) for i in range(n_layers))
         self.past_lens = cuda.to_device(np.zeros(bs, np.int32), stream=stream)  # [bs]
+
+    def stacked(self) -> tuple[Any, Any]:
+        """The arrays every layer's buffers view: latents [n_layers, bs, S, C] and rope keys
+        [n_layers, bs, S, R], e.g. for ``kernels.compact.plan_compaction(..., layered=True)``."""
+        return self._latents, self._ropes
 
     def buffers(self) -> list[Any]:
         """Every cache buffer ([bs, S, ...] each: latent then k_rope, per layer), e.g. for
-        ``kernels.compact.plan_compaction``."""
+        ``kernels.compact.plan_compaction`` (one launch per buffer; :meth:`stacked` takes two)."""
         return [buf for layer in self.layers for buf in (layer.latent, layer.k_rope)]
 
     def set_past_lens(self, values: np.ndarray, *, stream: Any = 0) -> None:

@@ -13,9 +13,10 @@ Then
 - **DDTree round** (:func:`generate_ddtree`, spec §1.1): draft logits [bs, L, V] -> fused top-k
   (K = min(B, V)) -> best-first tree build (positions past_len + depth, packed ancestor mask) ->
   one target forward over the 1 + B tree rows -> posterior of every node -> acceptance walk ->
-  in-place compaction of every layer's latent and RoPE cache (spec §1.5) and of the drafter's
-  context (``Drafter.commit``, spec §1.6) -> commit kernel (append the accepted tokens and the
-  bonus, stop / length checks, past_len += acceptance length, per-round statistics).
+  in-place compaction of every layer's latent and RoPE cache (two launches over
+  ``KVCache.stacked``, spec §1.5) and of the drafter's context (``Drafter.commit``, spec §1.6)
+  -> commit kernel (append the accepted tokens and the bonus, stop / length checks, past_len +=
+  acceptance length, per-round statistics).
 
 Everything stays on the device: each step or round reads its per-step values (past lengths, root
 tokens, tree sizes) from device buffers and launches with fixed shapes, so there is no per-request
@@ -827,7 +828,8 @@ def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int
     posterior = cuda.device_array((bs, n_cap), dtype=np.int32, stream=stream)
     accepted = cuda.device_array((bs, depth + 1), dtype=np.int32, stream=stream)  # W = 1 + max depth
     lengths = cuda.device_array(bs, dtype=np.int32, stream=stream)
-    compaction = plan_compaction(model.cache.buffers(), threads=_threads(COMPACT_THREADS))
+    # every layer's latents, then rope keys, as one buffer each: two launches per round
+    compaction = plan_compaction(model.cache.stacked(), threads=_threads(COMPACT_THREADS), layered=True)
 
     def begin(prefill_out: Any) -> None:
         if drafting:

@@ -4,17 +4,21 @@ Row ``past_len + accepted[j]`` of request b moves to row ``past_len + j`` (spec 
 latent cache, the rope cache and any per-token side buffer (e.g. drafter context features):
 bit-exact against ``reference.compact_batch``.
 
-Layout: a buffer is a C-contiguous [bs, S, ...] array of any dtype; its rows are moved as raw
-bits, viewed as [bs, S, D_words] of the widest unsigned word (8, 4, 2 or 1 bytes) that divides
-the row size and the buffer's address, so a bf16 row of 576 values moves as 144 uint64 words.
-Grid (ceil(D_words / threads), bs): each thread owns one word column of one request.
+Layout: a buffer is a C-contiguous [bs, S, ...] array of any dtype, or a stack of G such
+buffers [G, bs, S, ...] (``layered=True``: e.g. every layer's latent cache as one array, which
+moves in one launch instead of G; every group moves the same rows, ``reference.compact_batch``
+applied to each). Rows are moved as raw bits, viewed as [G, bs, S, D_words] (G = 1 for a plain
+buffer) of the widest unsigned word (8, 4, 2 or 1 bytes) that divides the row size and the
+buffer's address, so a bf16 row of 576 values moves as 144 uint64 words.
+Grid (ceil(D_words / threads), bs, G): each thread owns one word column of one (group, request).
 
-In-place safety, without a barrier: a column belongs to exactly one thread, so no two threads
-ever touch the same word. Within its column a thread copies in passes of ROWS_PER_PASS rows,
-loading every source of the pass before storing any. accepted[0] = 0 and accepted strictly
-increases, so accepted[j] >= j: a pass starting at row j0 reads rows >= past_len + j0, while all
-earlier passes wrote rows < past_len + j0, and inside a pass all loads precede the stores. Rows
-with accepted[j] = j (the root at least) are neither read nor written.
+In-place safety, without a barrier: a column belongs to exactly one thread (groups are disjoint
+memory), so no two threads ever touch the same word. Within its column a thread copies in
+passes of ROWS_PER_PASS rows, loading every source of the pass before storing any.
+accepted[0] = 0 and accepted strictly increases, so accepted[j] >= j: a pass starting at row j0
+reads rows >= past_len + j0, while all earlier passes wrote rows < past_len + j0, and inside a
+pass all loads precede the stores. Rows with accepted[j] = j (the root at least) are neither
+read nor written.
 
 :func:`plan_compaction` builds the word views once (the caches' addresses and shapes are fixed
 for an engine's lifetime); :func:`run_compaction` only launches (graph-capturable).
@@ -67,8 +71,9 @@ def _make_compact_kernel(word: Any) -> Any:
 
     @cuda.jit
     def compact_kernel(cache, past_lens, accepted, lengths):
-        """cache [bs, S, D] words, in place; past_lens int32 [bs], accepted int32 [bs, M]
-        (accepted node indices, -1 padded), lengths int32 [bs]. Grid (ceil(D / blockDim), bs).
+        """cache [G, bs, S, D] words, in place; past_lens int32 [bs], accepted int32 [bs, M]
+        (accepted node indices, -1 padded), lengths int32 [bs]. Grid (ceil(D / blockDim), bs, G):
+        group g = blockIdx.z moves the same rows as every other group.
 
         Rows that would fall outside [0, S) are skipped (the host checks host-side values;
         device-side values are trusted but never indexed out of bounds: a request with a
@@ -77,33 +82,34 @@ def _make_compact_kernel(word: Any) -> Any:
         """
         staged = cuda.local.array(ROWS_PER_PASS, word)  # registers once the pass is unrolled
         b = cuda.blockIdx.y
+        g = cuda.blockIdx.z
         col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         past = int64(past_lens[b])  # int64 sums: past_len + node index cannot wrap
-        if col >= cache.shape[2] or past < 0:  # a negative past_len (invalid) moves nothing
+        if col >= cache.shape[3] or past < 0:  # a negative past_len (invalid) moves nothing
             return
-        n_rows = cache.shape[1]
+        n_rows = cache.shape[2]
         length = min(lengths[b], accepted.shape[1])
         for first in range(0, length, ROWS_PER_PASS):
             for k in range(ROWS_PER_PASS):  # every source of the pass is read ...
                 j = first + k
                 if j < length and _moves(past + accepted[b, j], past + j, n_rows):
-                    staged[k] = cache[b, past + accepted[b, j], col]
+                    staged[k] = cache[g, b, past + accepted[b, j], col]
             for k in range(ROWS_PER_PASS):  # ... before any destination is written
                 j = first + k
                 if j < length and _moves(past + accepted[b, j], past + j, n_rows):
-                    cache[b, past + j, col] = staged[k]
+                    cache[g, b, past + j, col] = staged[k]
 
     return compact_kernel
 
 
 def _signature(word: Any) -> tuple:
-    return (word[:, :, ::1], int32[::1], int32[:, ::1], int32[::1])
+    return (word[:, :, :, ::1], int32[::1], int32[:, ::1], int32[::1])
 
 
 COMPACT_KERNELS = {
     nbytes: register(f"compact_u{8 * nbytes}", _make_compact_kernel(word), (_signature(word),),
                      f"in-place KV compaction of accepted tree rows, {nbytes}-byte words, "
-                     "one thread per (request, word column)", block_threads=MAX_COMPACT_THREADS)
+                     "one thread per (group, request, word column)", block_threads=MAX_COMPACT_THREADS)
     for nbytes, word in ((8, uint64), (4, uint32), (2, uint16), (1, uint8))
 }
 
@@ -113,9 +119,10 @@ class CompactionPlan:
     """Word views of the buffers to compact and their launch shapes (from :func:`plan_compaction`).
 
     Attributes:
-        views: per buffer, a [bs, S, D_words] unsigned view of the same memory.
+        views: per buffer, a [G, bs, S, D_words] unsigned view of the same memory (G = 1 for a
+            plain [bs, S, ...] buffer).
         word_bytes: per buffer, the word size (8, 4, 2 or 1).
-        grids: per buffer, the launch grid (ceil(D_words / threads), bs).
+        grids: per buffer, the launch grid (ceil(D_words / threads), bs, G).
         threads: the block size.
         batch_size: bs, shared by every buffer.
         min_rows: the smallest S over the buffers (host-side value checks use it).
@@ -123,7 +130,7 @@ class CompactionPlan:
 
     views: tuple[Any, ...]
     word_bytes: tuple[int, ...]
-    grids: tuple[tuple[int, int], ...]
+    grids: tuple[tuple[int, int, int], ...]
     threads: int
     batch_size: int
     min_rows: int
@@ -137,21 +144,23 @@ def word_bytes_for(row_bytes: int, address: int) -> int:
     return 1
 
 
-def _word_view(cache: Any, name: str) -> tuple[Any, int]:
-    """A [bs, S, D_words] unsigned-word view of a C-contiguous [bs, S, ...] buffer."""
+def _word_view(cache: Any, name: str, layered: bool) -> tuple[Any, int]:
+    """A [G, bs, S, D_words] unsigned-word view of a C-contiguous [G, bs, S, ...] buffer
+    (``layered``) or [bs, S, ...] one (G = 1)."""
     cache = as_kernel_array(cache, name)
-    if len(cache.shape) < 2:
-        raise ValueError(f"{name} must have at least 2 dimensions [bs, S, ...], got shape {tuple(cache.shape)}")
+    lead, layout = (3, "[G, bs, S, ...] (layered=True)") if layered else (2, "[bs, S, ...]")
+    if len(cache.shape) < lead:
+        raise ValueError(f"{name} must have at least {lead} dimensions {layout}, got shape {tuple(cache.shape)}")
     if not is_c_contiguous(cache):
         raise ValueError(f"{name} must be C-contiguous (compaction moves whole rows in place)")
-    bs, n_rows = cache.shape[0], cache.shape[1]
-    row_bytes = int(np.prod(cache.shape[2:], dtype=np.int64)) * np.dtype(cache.dtype).itemsize
+    groups, bs, n_rows = cache.shape[:3] if layered else (1, *cache.shape[:2])
+    row_bytes = int(np.prod(cache.shape[lead:], dtype=np.int64)) * np.dtype(cache.dtype).itemsize
     nbytes = word_bytes_for(row_bytes, data_address(cache)) if row_bytes else 1
-    rows = cache.reshape(bs, n_rows, row_bytes // np.dtype(cache.dtype).itemsize)  # [bs, S, D]
+    rows = cache.reshape(groups, bs, n_rows, row_bytes // np.dtype(cache.dtype).itemsize)  # [G, bs, S, D]
     return rows.view(_WORD_DTYPES[nbytes]), nbytes
 
 
-def plan_compaction(caches: Any, *, threads: int = COMPACT_THREADS) -> CompactionPlan:
+def plan_compaction(caches: Any, *, threads: int = COMPACT_THREADS, layered: bool = False) -> CompactionPlan:
     """Plan the in-place compaction of one buffer or a sequence of buffers.
 
     Args:
@@ -160,14 +169,20 @@ def plan_compaction(caches: Any, *, threads: int = COMPACT_THREADS) -> Compactio
             (S and the trailing shape may differ): the latent cache [bs, S, 512], the rope
             cache [bs, S, 64], a 61-layer cache [bs, S, 61 * 576], a side buffer, ...
         threads: block size, a multiple of 32 up to 1024.
+        layered: every buffer is a stack [G, bs, S, ...] of G caches (e.g. ``KVCache.stacked()``:
+            [n_layers, bs, S, C] and [n_layers, bs, S, R]), compacted in one launch as G
+            [bs, S, ...] buffers would be; G may differ between buffers, bs may not.
 
     Returns:
         A CompactionPlan; keep it and call :func:`run_compaction` every round.
 
     Raises:
-        TypeError / ValueError naming ``caches`` (or ``caches[i]``), or ``threads``.
+        TypeError / ValueError naming ``caches`` (or ``caches[i]``), ``threads`` or ``layered``.
     """
     threads = check_threads(threads, maximum=MAX_COMPACT_THREADS)
+    if not isinstance(layered, (bool, np.bool_)):
+        raise TypeError(f"layered must be a bool, got {type(layered).__name__}")
+    layered = bool(layered)
     single = not isinstance(caches, Sequence)
     buffers = [caches] if single else list(caches)
     if not buffers:
@@ -175,14 +190,14 @@ def plan_compaction(caches: Any, *, threads: int = COMPACT_THREADS) -> Compactio
     views, words, grids = [], [], []
     for i, cache in enumerate(buffers):
         name = "caches" if single else f"caches[{i}]"
-        view, nbytes = _word_view(cache, name)
-        if views and view.shape[0] != views[0].shape[0]:
-            raise ValueError(f"{name} has batch size {view.shape[0]}, caches[0] has {views[0].shape[0]}")
+        view, nbytes = _word_view(cache, name, layered)
+        if views and view.shape[1] != views[0].shape[1]:
+            raise ValueError(f"{name} has batch size {view.shape[1]}, caches[0] has {views[0].shape[1]}")
         views.append(view)
         words.append(nbytes)
-        grids.append((-(-view.shape[2] // threads), view.shape[0]))
+        grids.append((-(-view.shape[3] // threads), view.shape[1], view.shape[0]))
     return CompactionPlan(tuple(views), tuple(words), tuple(grids), threads,
-                          int(views[0].shape[0]), int(min(v.shape[1] for v in views)))
+                          int(views[0].shape[1]), int(min(v.shape[2] for v in views)))
 
 
 def _check_round(plan: CompactionPlan, past_lens: Any, accepted: Any, lengths: Any) -> tuple[Any, Any, Any]:
@@ -213,7 +228,8 @@ def _check_round(plan: CompactionPlan, past_lens: Any, accepted: Any, lengths: A
 
 def run_compaction(plan: CompactionPlan, past_lens: Any, accepted: Any, lengths: Any, *,
                    stream: Any = 0) -> None:
-    """Compact every planned buffer in place: one launch per buffer, no host sync.
+    """Compact every planned buffer in place: one launch per buffer (a layered one included), no
+    host sync.
 
     Args:
         plan: from :func:`plan_compaction`.
@@ -229,12 +245,13 @@ def run_compaction(plan: CompactionPlan, past_lens: Any, accepted: Any, lengths:
         raise TypeError(f"plan must be a CompactionPlan, got {type(plan).__name__}")
     past_lens, accepted, lengths = _check_round(plan, past_lens, accepted, lengths)
     for view, nbytes, grid in zip(plan.views, plan.word_bytes, plan.grids):
-        if view.shape[2] and plan.batch_size:
+        if view.shape[3] and plan.batch_size and view.shape[0]:  # an empty grid axis: nothing to move
             launch(COMPACT_KERNELS[nbytes], grid, plan.threads, stream, 0,
                    view, past_lens, accepted, lengths)
 
 
 def compact_kv(caches: Any, past_lens: Any, accepted: Any, lengths: Any, *, stream: Any = 0,
-               threads: int = COMPACT_THREADS) -> None:
+               threads: int = COMPACT_THREADS, layered: bool = False) -> None:
     """Plan and run in one call (see :func:`plan_compaction`, :func:`run_compaction`)."""
-    run_compaction(plan_compaction(caches, threads=threads), past_lens, accepted, lengths, stream=stream)
+    run_compaction(plan_compaction(caches, threads=threads, layered=layered), past_lens, accepted, lengths,
+                   stream=stream)
