@@ -197,7 +197,7 @@ def _head(x, w, *, serial):
         assert (lin.serial_plan(x.shape[0], w.shape[0], w.shape[1], w.shape[2]) is not None) == serial
         wide = np.concatenate([x, _rand(*x.shape[:2], 4)], axis=2)   # [M, G, K + 4]: a strided view
         out = cuda.to_device(np.full((x.shape[0], w.shape[0], w.shape[1]), np.nan, np.float32))
-        lin.head_linear(_dev(wide)[:, :, :x.shape[2]], _dev(w), out)
+        lin.head_linear(_dev(wide)[:, :, :x.shape[2]], _dev(w), out, w_kn=_dev(w.transpose(0, 2, 1)))
         return out.copy_to_host()
     finally:
         lin.SERIAL_HEADS = saved
@@ -210,6 +210,7 @@ def _head(x, w, *, serial):
     (9, 1, 33, 48),      # 3 x 3, K < 128: lanes past K hold +0.0 chains
     (33, 2, 64, 512),    # the verify's W_UV shape per head: 11 x 3, four steps a lane
     (13, 1, 5, 260),     # a short last step, N < 32
+    (8, 1, 40, 126),     # K % 4 != 0: a lane's last chunk is partial
 ])
 def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_cols, k_dim):
     """The thread-serial kernel (leaves in bit-reversed lane order, a five-level binary counter)
@@ -246,7 +247,6 @@ def test_serial_plan():
     with K of several segments the warp layout runs."""
     assert lin.serial_plan(lin.SERIAL_MIN_ROWS - 1, 64, 512, 128) is None
     assert lin.serial_plan(33, 64, 512, 4096) is None           # k_split 2
-    assert lin.serial_plan(33, 64, 512, 126) is None            # K % 4
     for rows, want_mt in ((33, 3), (132, 4), (8, 4), (10, 2)):
         mt, c, steps, grid, threads, row_warps = lin.serial_plan(rows, 64, 512, 128)
         assert mt == want_mt and steps == 1 and threads % 32 == 0 and grid[2] == 64
@@ -352,6 +352,8 @@ def _good():
     (lambda x, w, o: lin.linear([[1.0]], w, o), TypeError, "x"),
     (lambda x, w, o: lin.head_linear(_dev(_rand(2, 3, 8)), _dev(_rand(2, 4, 8)), o), ValueError, "x"),
     (lambda x, w, o: lin.head_linear(_dev(_rand(2, 2, 8)), _dev(_rand(2, 4, 8)), o), ValueError, "out"),
+    (lambda x, w, o: lin.head_linear(_dev(_rand(2, 2, 8)), _dev(_rand(2, 4, 8)), _dev(np.zeros((2, 2, 4), np.float32)),
+                                     w_kn=_dev(_rand(2, 4, 8))), ValueError, "w_kn"),
     (lambda x, w, o: lin.expert_linear(x, _dev(_rand(2, 3, 8)), o, _dev(np.array([0, 1, 2], np.int64)),
                                        _dev(np.zeros(2, np.int32))), TypeError, "row_offsets"),
     (lambda x, w, o: lin.expert_linear(x, _dev(_rand(2, 3, 8)), o, np.array([0, 2, 1], np.int32),

@@ -49,8 +49,8 @@ from ddtree_numba.engine.cache import KVCache, LayerKV
 from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
 from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels._args import check_array, int_arg
-from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, split_k_pays,
-                                         split_k_segments, swiglu_rows)
+from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
+                                         split_k_pays, split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, moe_combine, moe_route, rms_norm,
                                             rope_tables)
 from ddtree_numba.kernels.registry import register
@@ -432,6 +432,12 @@ class TargetModel:
         m, d, hv, inter = self.batch_size * self.max_rows, config.hidden_size, config.n_heads * config.v_head_dim, \
             config.dense_intermediate
         self._wo_split = self._w2_split = None
+        # The absorbs of many rows in head_linear's thread-serial kernel, which reads the weights
+        # k-major (linear.serial_plan; the same bits as the warp layout an AR step keeps).
+        self._absorb_kn = None
+        if serial_plan(m, config.n_heads, config.kv_lora_rank, config.qk_nope_dim) is not None:
+            self._absorb_kn = (self.weights.k_major("w_uk_t", stream=stream),  # per layer [H, nope, C]
+                               self.weights.k_major("w_uv", stream=stream))    # per layer [H, C, v]
         if split_k_pays(m, hv):
             g = split_k_segments(hv)
             self._wo_split = (self.weights.split("w_o", stream=stream),  # per layer [G, D, Hv / G]
@@ -542,13 +548,14 @@ class TargetModel:
             linear(b.x, w.w_q, v.q2, norm_weight=w.norm, eps=eps, stream=stream)
         mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
                    stream=stream)  # [M, H, R]
-        head_linear(v.q_nope, w.w_uk_t, v.q_latent, stream=stream)  # [M, H, C]
+        uk_kn, uv_kn = (None, None) if self._absorb_kn is None else (kn[lw.index] for kn in self._absorb_kn)
+        head_linear(v.q_nope, w.w_uk_t, v.q_latent, w_kn=uk_kn, stream=stream)  # [M, H, C]
         latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
         mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
                      latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream)  # [bs, Tc, H, C]
-        head_linear(v.attn, w.w_uv, b.heads, stream=stream)  # [M, H, v]
+        head_linear(v.attn, w.w_uv, b.heads, w_kn=uv_kn, stream=stream)  # [M, H, v]
         if self._wo_split is None:
             linear(v.heads, w.w_o, b.x, residual=b.x, stream=stream)  # [M, D]
         else:

@@ -10,7 +10,8 @@ linear weights) into float32 host arrays in kernel layouts, pure NumPy (testable
 - ``w_uk_t[h] = W_UK[h]ᵀ`` ([C, nope]) so ``head_linear`` gives the absorbed query
   ``q_latent[m, h] = q_nope[m, h] @ W_UK[h]``; ``w_uv[h] = W_UV[h]`` ([v, C]) takes the latent
   attention output to the head's values (limits §2: ``kv_b_proj`` rows of head h are
-  ``[W_UK[h] (nope rows) | W_UV[h] (v rows)]``);
+  ``[W_UK[h] (nope rows) | W_UV[h] (v rows)]``); models of many rows also read both k-major
+  (:meth:`DeviceWeights.k_major`, made on first use: ``head_linear``'s thread-serial kernel);
 - SwiGLU weights stack ``[gate | up]`` rows (``linear(..., swiglu=True)`` reads
   ``silu(x[:, :I]) * x[:, I:]``): the dense FFN, the shared expert, and the routed experts
   stacked ``[E, 2I, D]`` (down projections ``[E, D, I]``).
@@ -171,6 +172,20 @@ class DeviceWeights:
     final_norm: Any  # [D] model.norm
     lm_head: Any  # [V, D]
     _split: dict = field(default_factory=dict, compare=False, repr=False)
+    _k_major: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def k_major(self, name: str, *, stream: Any = 0) -> tuple[Any, ...]:
+        """Per layer, the absorb weight ``w_uk_t`` ([H, C, nope]) or ``w_uv`` ([H, v, C]) k-major,
+        ``[H, K, N]`` (``w_kn[h, k, n] = w[h, n, k]``): what ``linear.head_linear``'s thread-serial
+        kernel reads, coalesced (made on first use, once for every model sharing these weights:
+        the models of tree verifies)."""
+        if name not in ("w_uk_t", "w_uv"):
+            raise ValueError(f"name must be 'w_uk_t' or 'w_uv', got {name!r}")
+        if name not in self._k_major:
+            self._k_major[name] = tuple(
+                cuda.to_device(np.ascontiguousarray(getattr(lw.attn, name).copy_to_host().transpose(0, 2, 1)),
+                               stream=stream) for lw in self.layers)
+        return self._k_major[name]
 
     def split(self, name: str, *, stream: Any = 0) -> tuple[Any, ...]:
         """Per layer, ``w_o`` (o_proj) or ``w2`` (a dense FFN's down_proj; None in MoE layers)

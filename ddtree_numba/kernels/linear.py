@@ -1183,16 +1183,19 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
     return out
 
 
-def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
+def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) -> Any:
     """Per-group products ``out[m, g] = x[m, g] @ w[g].T`` (MLA absorb), batch-invariant.
 
-    From SERIAL_MIN_ROWS rows (a tree verify) a one-segment K runs in the thread-serial kernel
-    (:func:`serial_plan`), fewer rows in the warp layout: the same bits either way.
+    Given ``w_kn``, a product of SERIAL_MIN_ROWS rows or more (a tree verify) with a one-segment
+    K runs in the thread-serial kernel (:func:`serial_plan`), fewer rows in the warp layout: the
+    same bits either way.
 
     Args:
         x: float32 [M, G, K], unit inner stride (a view such as q[:, :, :nope] is fine).
         w: float32 [G, N, K], C-contiguous.
         out: float32 [M, G, N], unit inner stride.
+        w_kn: None, or w k-major: float32 [G, K, N], C-contiguous, ``w_kn[g, k, n] == w[g, n, k]``
+            (the caller's copy; its values are not checked).
         stream: as :func:`linear`.
 
     Returns:
@@ -1206,18 +1209,22 @@ def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
         raise ValueError(f"x must have shape (M, {groups}, {k_dim}) (G and K from w), got "
                          f"{tuple(x.shape)}")
     out = _check_out(out, "out", (m_rows, groups, n_cols))
+    if w_kn is not None:
+        w_kn = _f32(w_kn, "w_kn", 3)
+        if tuple(w_kn.shape) != (groups, k_dim, n_cols) or not is_c_contiguous(w_kn):
+            raise ValueError(f"w_kn must be C-contiguous with shape {(groups, k_dim, n_cols)} (w k-major), "
+                             f"got {tuple(w_kn.shape)}")
     if m_rows == 0 or groups == 0:
         return out
-    aligned = _aligned(w, k_dim)
-    serial = serial_plan(m_rows, groups, n_cols, k_dim) if aligned else None
+    serial = serial_plan(m_rows, groups, n_cols, k_dim) if w_kn is not None else None
     if serial is not None:   # many rows: the thread-serial kernel, the same bits
         smt, sc, steps, grid, threads, row_warps = serial
         get_serial_kernel(smt, sc, steps)[grid, threads, _stream(stream), 0](
-            x, _kernel_weight(w), out, n_cols, k_dim, row_warps)
+            x, _kernel_weight(w_kn), out, n_cols, k_dim, row_warps)
         return out
     mt = row_tile(m_rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
-        "head", "none", False, mt, n_cols, k_dim, aligned, -(-m_rows // mt), groups)
+        "head", "none", False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), groups)
     _configured(kernel, grid, threads, stream, smem)(x, _kernel_weight(w), out, *geometry)
     return out
 
@@ -1233,11 +1240,13 @@ def head_linear(x: Any, w: Any, out: Any, *, stream: Any = 0) -> Any:
 # +0.0 included). Every output gets the same fmas and adds as in the warp layout (a + b == b + a),
 # so the bits are head_linear's whatever kernel runs. Where the warp layout spends a block's
 # staging, barrier and 31 shuffles per output on 4 fmas a lane (K = 128: ~24 % of its instructions
-# fmas in a 33-row verify), a thread here keeps SERIAL_COLUMNS x MT outputs and runs their chains
-# back to back. Rows of a warp are warp-uniform (x loads are broadcasts), its lanes take adjacent
-# columns (lane + 32 c): each 16-byte weight load is one lane's k-chunk of its own column.
-# Used from SERIAL_MIN_ROWS rows (a tree verify); an AR step keeps the warp layout, whose weight
-# stream is the work there.
+# fmas in a 33-row verify), a thread here keeps MT x C outputs and runs their chains back to back.
+# The weights come k-major (``w_kn [G, K, N]``, a copy the model keeps beside ``w``): a warp's
+# lanes take adjacent columns (lane + 32 c), so each k is one coalesced 128-byte load per c (read
+# [G, N, K] that way, each lane's 16-byte chunk sat in its own line: the 33-row forward took 6.57
+# ms instead of 2.83 on the H200, run "serial heads"). Rows of a warp are warp-uniform (x loads
+# are broadcasts). Used from SERIAL_MIN_ROWS rows (a tree verify); an AR step keeps the warp
+# layout, whose weight stream is the work there.
 
 SERIAL_HEADS = True           # the thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows
 SERIAL_MIN_ROWS = 8
@@ -1248,10 +1257,6 @@ SERIAL_MAX_WARPS = 8
 SIM_SERIAL_WARPS = 2              # the simulator's threads are Python threads: small blocks
 SERIAL_LEVELS = 5                 # log2(WARP): the butterfly's depth
 NEG_ZERO = np.float32(-0.0)
-
-
-def _bit_reverse5(i: int) -> int:
-    return int(f"{i:05b}"[::-1], 2)
 
 
 @functools.cache
@@ -1276,15 +1281,15 @@ def get_serial_kernel(mt: int, columns_: int, steps: int) -> Any:
             level[t, a] = NEG_ZERO
 
     @cuda.jit(**launch_bounds(SERIAL_MAX_WARPS * WARP))
-    def kernel(x, w, out, n_cols, k_dim, row_warps):
-        """out[m, g] = x[m, g] @ w[g].T in head_linear's order. x [M, G, K], w flat [G * N * K]
-        (16-byte aligned rows, K % 4 == 0), out [M, G, N]. Grid (column blocks, row blocks, G);
-        warp (rw, cw) of a block of row_warps x cw warps takes rows (blockIdx.y * row_warps + rw)
-        * MT + i and columns (blockIdx.x * cw + cw) * 32 C + 32 c + lane. No shared memory."""
-        p = cuda.local.array(MTC, float32)                    # the current leaf's chains
+    def kernel(x, w_kn, out, n_cols, k_dim, row_warps):
+        """out[m, g] = x[m, g] @ w[g].T in head_linear's order. x [M, G, K], w_kn flat
+        [G * K * N] (w k-major: w_kn[g, k, n] = w[g, n, k]), out [M, G, N]. Grid (column blocks,
+        row blocks, G); warp (rw, cw) of a block of row_warps x cw warps takes rows
+        (blockIdx.y * row_warps + rw) * MT + i and columns (blockIdx.x * cw + cw) * 32 C + 32 c +
+        lane. No shared memory."""
+        p = cuda.local.array(MTC, float32)                        # the current leaf's chains
         level = cuda.local.array((SERIAL_LEVELS, MTC), float32)   # unfinished subtrees
-        wv = cuda.local.array((C, VEC), float32)
-        xv = cuda.local.array((MT, VEC), float32)
+        wv = cuda.local.array(C, float32)
         rows = cuda.local.array(MT, int32)
         cols = cuda.local.array(C, int32)
         lane = cuda.threadIdx.x % WARP
@@ -1310,23 +1315,15 @@ def get_serial_kernel(mt: int, columns_: int, steps: int) -> Any:
             for a in range(MTC):
                 p[a] = ZERO
             for j in range(J):
-                k = j * STEP + k_lane
-                if k < k_dim:                         # the chunk is whole (K % 4 == 0)
-                    for c in range(C):
-                        w0, w1, w2, w3 = load_f32x4(w, (g * n_cols + cols[c]) * k_dim + k)
-                        wv[c, 0] = w0
-                        wv[c, 1] = w1
-                        wv[c, 2] = w2
-                        wv[c, 3] = w3
-                    for r in range(MT):
-                        for e in range(VEC):
-                            xv[r, e] = x[rows[r], g, k + e]
-                    for r in range(MT):
+                for e in range(VEC):
+                    k = j * STEP + k_lane + e
+                    if k < k_dim:                     # warp-uniform
                         for c in range(C):
-                            a = p[r * C + c]
-                            for e in range(VEC):
-                                a = cuda.fma(xv[r, e], wv[c, e], a)
-                            p[r * C + c] = a
+                            wv[c] = load_f32(w_kn, (g * k_dim + k) * n_cols + cols[c])
+                        for r in range(MT):
+                            xv = x[rows[r], g, k]
+                            for c in range(C):
+                                p[r * C + c] = cuda.fma(xv, wv[c], p[r * C + c])
             # Leaf i done: into level 0; each subtree it finishes (i's low bits all set) moves up
             # a level (constant indices, so the levels stay in registers).
             for a in range(MTC):
@@ -1348,7 +1345,6 @@ def get_serial_kernel(mt: int, columns_: int, steps: int) -> Any:
     return kernel
 
 
-
 def _serial_sigs() -> tuple:
     a3 = float32[:, :, :]
     return ((a3, float32[:, :, ::1], a3, int32, int32, int32),)
@@ -1365,9 +1361,9 @@ for _mt, _c, _steps in ((4, 4, 4), (3, 4, 1)):
 @functools.lru_cache(maxsize=1024)
 def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> tuple | None:
     """The thread-serial launch of a head product: (mt, columns, steps, grid, threads, row_warps),
-    or None where the warp layout runs (fewer than SERIAL_MIN_ROWS rows, K of several segments or
-    not a multiple of 4, SERIAL_HEADS off). A function of the shapes; layout, never the order."""
-    if not SERIAL_HEADS or rows < SERIAL_MIN_ROWS or k_split(k_dim) != 1 or k_dim % VEC:
+    or None where the warp layout runs (fewer than SERIAL_MIN_ROWS rows, K of several segments,
+    SERIAL_HEADS off). A function of the shapes; layout, never the order."""
+    if not SERIAL_HEADS or rows < SERIAL_MIN_ROWS or k_split(k_dim) != 1:
         return None
     max_warps = SIM_SERIAL_WARPS if SIM_TREE else SERIAL_MAX_WARPS
     mt = min(SERIAL_ROW_TILES, key=lambda t: (-(-rows // t) * t - rows, -t))
