@@ -29,12 +29,12 @@ def test_score_first_variants_parse():
 
 
 def test_merge_and_lanes_variants_parse():
-    """automTxH: the small trees' segment merge in blocks of T threads and H heads; auto-lanes:
-    the absorbs in the warp layout at every row count."""
-    assert forward_ab._variants("autom512x1/auto,autom256x8/auto-lanes") == [
-        ("autom512x1", "auto"), ("autom256x8", "auto-lanes")]
+    """automTxH: the small trees' segment merge in blocks of T threads and H heads; auto-serial:
+    the absorbs of many rows in the thread-serial kernel."""
+    assert forward_ab._variants("autom512x1/auto,autom256x8/auto-serial") == [
+        ("autom512x1", "auto"), ("autom256x8", "auto-serial")]
     assert forward_ab._merge_tile("autom128x4") == (128, 4) and forward_ab._merge_tile("auto") is None
-    for bad in ("autom100x1/auto", "autom2048x1/auto", "autom128x3/auto", "autom128/auto", "auto/lanes"):
+    for bad in ("autom100x1/auto", "autom2048x1/auto", "autom128x3/auto", "autom128/auto", "auto/serial"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)
 

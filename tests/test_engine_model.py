@@ -326,6 +326,33 @@ def test_split_k_o_proj_gives_the_same_bits(monkeypatch, scenario) -> None:
     np.testing.assert_array_equal(_host(got.features), want[1])
 
 
+def test_serial_absorbs_give_the_same_bits(monkeypatch, scenario) -> None:
+    """A model whose MLA absorbs run in head_linear's thread-serial kernel (linear.SERIAL_HEADS on:
+    k-major weight copies from DeviceWeights.k_major) computes its prefill bit for bit as the warp
+    layout does (the scenario's prefill model, same weights, inputs and shapes)."""
+    from ddtree_numba.kernels import linear as lin
+
+    config, weights = _tiny()
+    pre = _golden_built()["prefill"]
+    inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
+                          pre.in_visibility.values, 9)
+    want = (scenario["prefill"]["logits"], scenario["prefill"]["features"])  # the warp layout
+    monkeypatch.setattr(lin, "SERIAL_HEADS", True)
+    lin.serial_plan.cache_clear()
+    try:
+        serial = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
+                             capture_layers=(0, 1))
+        assert serial._absorb_kn is not None
+        uk, uv = (kn[0].copy_to_host() for kn in serial._absorb_kn)
+        np.testing.assert_array_equal(uk, serial.weights.layers[0].attn.w_uk_t.copy_to_host().transpose(0, 2, 1))
+        np.testing.assert_array_equal(uv, serial.weights.layers[0].attn.w_uv.copy_to_host().transpose(0, 2, 1))
+        got = serial.forward(*inputs)
+    finally:
+        lin.serial_plan.cache_clear()
+    np.testing.assert_array_equal(_host(got.logits), want[0])
+    np.testing.assert_array_equal(_host(got.features), want[1])
+
+
 def test_no_low_rank_q_path_matches_reference() -> None:
     """q_lora_rank = 0 (q_proj instead of q_a / q_b, no fused q path) matches the reference."""
     base, _ = _tiny()

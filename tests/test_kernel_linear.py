@@ -242,9 +242,14 @@ def test_gpu_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows):
             _assert_close(got[:, g], x[:, g], w[g])
 
 
-def test_serial_plan():
+def test_serial_plan(monkeypatch, request):
     """Rows per thread waste the fewest rows, warps stay within a block, below SERIAL_MIN_ROWS or
-    with K of several segments the warp layout runs."""
+    with K of several segments (or SERIAL_HEADS off, the default) the warp layout runs."""
+    request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
+    lin.serial_plan.cache_clear()
+    assert not lin.SERIAL_HEADS and lin.serial_plan(33, 64, 512, 128) is None
+    monkeypatch.setattr(lin, "SERIAL_HEADS", True)
+    lin.serial_plan.cache_clear()
     assert lin.serial_plan(lin.SERIAL_MIN_ROWS - 1, 64, 512, 128) is None
     assert lin.serial_plan(33, 64, 512, 4096) is None           # k_split 2
     for rows, want_mt in ((33, 3), (132, 4), (8, 4), (10, 2)):

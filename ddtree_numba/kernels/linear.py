@@ -1186,9 +1186,9 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
 def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) -> Any:
     """Per-group products ``out[m, g] = x[m, g] @ w[g].T`` (MLA absorb), batch-invariant.
 
-    Given ``w_kn``, a product of SERIAL_MIN_ROWS rows or more (a tree verify) with a one-segment
-    K runs in the thread-serial kernel (:func:`serial_plan`), fewer rows in the warp layout: the
-    same bits either way.
+    With SERIAL_HEADS on (off by default) and ``w_kn`` given, a product of SERIAL_MIN_ROWS rows
+    or more (a tree verify) with a one-segment K runs in the thread-serial kernel
+    (:func:`serial_plan`), fewer rows in the warp layout: the same bits either way.
 
     Args:
         x: float32 [M, G, K], unit inner stride (a view such as q[:, :, :nope] is fine).
@@ -1245,10 +1245,16 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
 # lanes take adjacent columns (lane + 32 c), so each k is one coalesced 128-byte load per c (read
 # [G, N, K] that way, each lane's 16-byte chunk sat in its own line: the 33-row forward took 6.57
 # ms instead of 2.83 on the H200, run "serial heads"). Rows of a warp are warp-uniform (x loads
-# are broadcasts). Used from SERIAL_MIN_ROWS rows (a tree verify); an AR step keeps the warp
+# are broadcasts). Meant for SERIAL_MIN_ROWS rows or more (a tree verify); an AR step keeps the warp
 # layout, whose weight stream is the work there.
+#
+# OFF by default: k-major it is still slower than the warp layout on the H200 (a 33-row forward of
+# `small`: 4381.6 us against 2813.2, forward_ab auto-serial vs auto, run "serial heads"): per k a
+# warp issues C coalesced loads and MT broadcast loads with their 64-bit index arithmetic for only
+# MT x C fmas. Kept as the tested, bit-exact base of a staged version (bench.forward_ab
+# ``auto-serial`` switches it on).
 
-SERIAL_HEADS = True           # the thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows
+SERIAL_HEADS = False          # the thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows
 SERIAL_MIN_ROWS = 8
 SERIAL_ROW_TILES = (4, 3, 2, 1)   # rows per thread: the one wasting fewest rows (ties: larger)
 SERIAL_COLUMNS = (4, 2)           # columns per thread: the widest giving SERIAL_MIN_BLOCKS blocks
