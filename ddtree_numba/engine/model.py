@@ -432,8 +432,9 @@ class TargetModel:
         m, d, hv, inter = self.batch_size * self.max_rows, config.hidden_size, config.n_heads * config.v_head_dim, \
             config.dense_intermediate
         self._wo_split = self._w2_split = None
-        # The absorbs of many rows in head_linear's thread-serial kernel, which reads the weights
-        # k-major (linear.serial_plan; the same bits as the warp layout an AR step keeps).
+        # With linear.SERIAL_HEADS on (off by default: slower on the H200), the absorbs of many rows
+        # run in head_linear's thread-serial kernel, which reads the weights k-major
+        # (linear.serial_plan; the same bits as the warp layout).
         self._absorb_kn = None
         if serial_plan(m, config.n_heads, config.kv_lora_rank, config.qk_nope_dim) is not None:
             self._absorb_kn = (self.weights.k_major("w_uk_t", stream=stream),  # per layer [H, nope, C]
