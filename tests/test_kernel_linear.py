@@ -187,40 +187,44 @@ def test_row_is_bit_identical_alone_in_7_and_in_33(k_dim, prologue):
         np.testing.assert_array_equal(got[where], alone)
 
 
-def _head(x, w, *, serial):
-    """head_linear of a view x [M, G, K] (of wider rows), through the thread-serial kernel or the
-    warp layout."""
-    saved = lin.SERIAL_HEADS
+def _head(x, w, *, serial, leaf_groups=None):
+    """head_linear of a view x [M, G, K] (of wider rows), through the thread-serial kernel (its
+    leaves over ``leaf_groups`` warps, default the plan's) or the warp layout."""
+    saved = lin.SERIAL_HEADS, lin.SERIAL_LEAF_GROUPS
     lin.SERIAL_HEADS = serial
+    if leaf_groups is not None:
+        lin.SERIAL_LEAF_GROUPS = (leaf_groups,)
     lin.serial_plan.cache_clear()
     try:
-        assert (lin.serial_plan(x.shape[0], w.shape[0], w.shape[1], w.shape[2]) is not None) == serial
+        plan = lin.serial_plan(x.shape[0], w.shape[0], w.shape[1], w.shape[2])
+        assert (plan is not None) == serial and (leaf_groups is None or plan[1] == leaf_groups)
         wide = np.concatenate([x, _rand(*x.shape[:2], 4)], axis=2)   # [M, G, K + 4]: a strided view
         out = cuda.to_device(np.full((x.shape[0], w.shape[0], w.shape[1]), np.nan, np.float32))
         lin.head_linear(_dev(wide)[:, :, :x.shape[2]], _dev(w), out, w_kn=_dev(w.transpose(0, 2, 1)))
         return out.copy_to_host()
     finally:
-        lin.SERIAL_HEADS = saved
+        lin.SERIAL_HEADS, lin.SERIAL_LEAF_GROUPS = saved
         lin.serial_plan.cache_clear()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")
-@pytest.mark.parametrize("m_rows, groups, n_cols, k_dim", [
-    (8, 2, 70, 128),     # 2 x 4 row tiles, ragged column group
-    (9, 1, 33, 48),      # 3 x 3, K < 128: lanes past K hold +0.0 chains
-    (33, 2, 64, 512),    # the verify's W_UV shape per head: 11 x 3, four steps a lane
-    (13, 1, 5, 260),     # a short last step, N < 32
-    (8, 1, 40, 126),     # K % 4 != 0: a lane's last chunk is partial
+@pytest.mark.parametrize("m_rows, groups, n_cols, k_dim, leaf_groups", [
+    (8, 2, 132, 128, 1),   # 2 x 4 row tiles, a ragged second warp of columns
+    (9, 1, 36, 48, 2),     # 3 x 3, K < 128: lanes past K hold +0.0 chains
+    (33, 2, 64, 512, 4),   # the verify's W_UV shape per head: 11 x 3, four steps a lane
+    (13, 1, 8, 260, 4),    # a short last step, N < 32
+    (10, 1, 12, 256, 1),   # 5 x 2
 ])
-def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_cols, k_dim):
-    """The thread-serial kernel (leaves in bit-reversed lane order, a five-level binary counter)
-    gives the warp layout's bits, and the documented order's (the emulation) under the simulator."""
+def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_cols, k_dim, leaf_groups):
+    """The thread-serial kernel (leaves in bit-reversed lane order, a five-level binary counter,
+    split over 1, 2 or 4 warps) gives the warp layout's bits, and the documented order's (the
+    emulation) under the simulator."""
     rng = np.random.default_rng(m_rows * 1000 + k_dim)
     x, w = _rand(m_rows, groups, k_dim, rng=rng), _rand(groups, n_cols, k_dim, rng=rng)
     x[1, :, : k_dim // 2] = 0.0          # zero chains and exact cancellations
     w[:, 0] = -w[:, 1]
     x[-1, 0, 5] = np.float32(3e38)       # an overflow to inf in one chain
-    got = _head(x, w, serial=True)
+    got = _head(x, w, serial=True, leaf_groups=leaf_groups)
     np.testing.assert_array_equal(got, _head(x, w, serial=False))
     if SIMULATED:
         for g in range(groups):
@@ -231,20 +235,24 @@ def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_col
 @pytest.mark.parametrize("m_rows", [8, 33, 132])
 def test_gpu_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows):
     """The absorbs of `small`'s verify (64 heads: W_UK K 128 -> 512, W_UV K 512 -> 128) at a
-    B 7 / B 32 tree and four B 32 trees: the thread-serial kernel equals the warp layout."""
+    B 7 / B 32 tree and four B 32 trees: the thread-serial kernel (each leaf split) equals the warp
+    layout."""
     rng = np.random.default_rng(m_rows)
     for n_cols, k_dim in ((512, 128), (128, 512)):
         x, w = _rand(m_rows, 64, k_dim, rng=rng), _rand(64, n_cols, k_dim, rng=rng)
-        got = _head(x, w, serial=True)
-        assert not np.isnan(got).any()
-        np.testing.assert_array_equal(got, _head(x, w, serial=False))
+        want = _head(x, w, serial=False)
+        for leaf_groups in lin.SERIAL_LEAF_GROUPS:
+            got = _head(x, w, serial=True, leaf_groups=leaf_groups)
+            assert not np.isnan(got).any()
+            np.testing.assert_array_equal(got, want)
         for g in (0, 63):
-            _assert_close(got[:, g], x[:, g], w[g])
+            _assert_close(want[:, g], x[:, g], w[g])
 
 
 def test_serial_plan(monkeypatch, request):
-    """Rows per thread waste the fewest rows, warps stay within a block, below SERIAL_MIN_ROWS or
-    with K of several segments (or SERIAL_HEADS off, the default) the warp layout runs."""
+    """Rows per thread waste the fewest rows, warps stay within a block, narrow outputs split the
+    leaves; below SERIAL_MIN_ROWS, with K of several segments, K or N not a multiple of 4 (or
+    SERIAL_HEADS off, the default) the warp layout runs."""
     request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
     lin.serial_plan.cache_clear()
     assert not lin.SERIAL_HEADS and lin.serial_plan(33, 64, 512, 128) is None
@@ -252,11 +260,17 @@ def test_serial_plan(monkeypatch, request):
     lin.serial_plan.cache_clear()
     assert lin.serial_plan(lin.SERIAL_MIN_ROWS - 1, 64, 512, 128) is None
     assert lin.serial_plan(33, 64, 512, 4096) is None           # k_split 2
-    for rows, want_mt in ((33, 3), (132, 4), (8, 4), (10, 2)):
-        mt, c, steps, grid, threads, row_warps = lin.serial_plan(rows, 64, 512, 128)
-        assert mt == want_mt and steps == 1 and threads % 32 == 0 and grid[2] == 64
+    assert lin.serial_plan(33, 64, 512, 126) is None and lin.serial_plan(33, 64, 510, 128) is None
+    max_warps = lin.SIM_SERIAL_WARPS if SIMULATED else lin.SERIAL_MAX_WARPS
+    for rows, n_cols, k_dim, want_mt in ((33, 512, 128, 3), (33, 128, 512, 3), (132, 512, 128, 4), (8, 512, 128, 4),
+                                         (10, 512, 128, 2)):
+        mt, lg, steps, grid, threads, row_warps = lin.serial_plan(rows, 64, n_cols, k_dim)
+        assert mt == want_mt and steps == k_dim // 128 and lg in lin.SERIAL_LEAF_GROUPS and grid[2] == 64
+        assert threads == lg * row_warps * 32 <= max_warps * 32
         assert grid[1] * row_warps * mt >= rows > (grid[1] - 1) * row_warps * mt   # no empty row block
-        assert grid[0] * (threads // 32 // row_warps) * 32 * c >= 512
+        assert grid[0] * 128 >= n_cols > (grid[0] - 1) * 128
+    if not SIMULATED:   # the H200: W_UK's 4 column warps need no split, W_UV's 128 columns four
+        assert lin.serial_plan(33, 64, 512, 128)[1] == 1 and lin.serial_plan(33, 64, 128, 512)[1] == 4
 
 
 def test_head_linear_matches_linear_per_group():

@@ -1183,12 +1183,18 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
     return out
 
 
+def _rows_aligned(x: Any) -> bool:
+    """Every x[m, g] starts on 16 bytes (the serial kernel's vector row loads)."""
+    return data_address(x) % 16 == 0 and all(s % 16 == 0 for s in tuple(x.strides)[:-1])
+
+
 def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) -> Any:
     """Per-group products ``out[m, g] = x[m, g] @ w[g].T`` (MLA absorb), batch-invariant.
 
     With SERIAL_HEADS on (off by default) and ``w_kn`` given, a product of SERIAL_MIN_ROWS rows
     or more (a tree verify) with a one-segment K runs in the thread-serial kernel
-    (:func:`serial_plan`), fewer rows in the warp layout: the same bits either way.
+    (:func:`serial_plan`; K and N multiples of 4, x's rows on 16 bytes), anything else in the warp
+    layout: the same bits either way.
 
     Args:
         x: float32 [M, G, K], unit inner stride (a view such as q[:, :, :nope] is fine).
@@ -1216,10 +1222,10 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
                              f"got {tuple(w_kn.shape)}")
     if m_rows == 0 or groups == 0:
         return out
-    serial = serial_plan(m_rows, groups, n_cols, k_dim) if w_kn is not None else None
+    serial = serial_plan(m_rows, groups, n_cols, k_dim) if w_kn is not None and _rows_aligned(x) else None
     if serial is not None:   # many rows: the thread-serial kernel, the same bits
-        smt, sc, steps, grid, threads, row_warps = serial
-        get_serial_kernel(smt, sc, steps)[grid, threads, _stream(stream), 0](
+        smt, leaf_groups, steps, grid, threads, row_warps = serial
+        get_serial_kernel(smt, leaf_groups, steps)[grid, threads, _stream(stream), 0](
             x, _kernel_weight(w_kn), out, n_cols, k_dim, row_warps)
         return out
     mt = row_tile(m_rows, k_dim)
@@ -1238,41 +1244,87 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
 # the thread runs lane bitrev(i)'s chain for i = 0..31 and folds each finished subtree into the next
 # level (a binary counter of five partial sums, each starting at -0.0: -0.0 + v == v bit for bit,
 # +0.0 included). Every output gets the same fmas and adds as in the warp layout (a + b == b + a),
-# so the bits are head_linear's whatever kernel runs. Where the warp layout spends a block's
-# staging, barrier and 31 shuffles per output on 4 fmas a lane (K = 128: ~24 % of its instructions
-# fmas in a 33-row verify), a thread here keeps MT x C outputs and runs their chains back to back.
-# The weights come k-major (``w_kn [G, K, N]``, a copy the model keeps beside ``w``): a warp's
-# lanes take adjacent columns (lane + 32 c), so each k is one coalesced 128-byte load per c (read
-# [G, N, K] that way, each lane's 16-byte chunk sat in its own line: the 33-row forward took 6.57
-# ms instead of 2.83 on the H200, run "serial heads"). Rows of a warp are warp-uniform (x loads
-# are broadcasts). Meant for SERIAL_MIN_ROWS rows or more (a tree verify); an AR step keeps the warp
-# layout, whose weight stream is the work there.
+# so the bits are head_linear's whatever kernel runs. The leaves may be split over LG warps (each a
+# subtree; warp 0 folds the subtrees in the same order), which narrow outputs need for parallelism.
+# A thread keeps MT rows x 4 adjacent columns: per k one 16-byte load of the weights read k-major
+# (``w_kn [G, K, N]``, a copy the model keeps beside ``w``; coalesced over the warp) feeds 4 MT
+# fmas, and per 4 k one 16-byte broadcast load per row feeds the rest.
 #
-# OFF by default: k-major it is still slower than the warp layout on the H200 (a 33-row forward of
-# `small`: 4381.6 us against 2813.2, forward_ab auto-serial vs auto, run "serial heads"): per k a
-# warp issues C coalesced loads and MT broadcast loads with their 64-bit index arithmetic for only
-# MT x C fmas. Kept as the tested, bit-exact base of a staged version (bench.forward_ab
-# ``auto-serial`` switches it on).
+# History (H200, forward_ab, a 33-row forward of `small`; the warp layout: 2833.9 / 2813.2 us, run
+# "serial heads"): the first version read w [G, N, K] with each lane's 16-byte chunk of its own
+# column in its own line (6567.4 us); the second read k-major but one column and one scalar x load
+# per lane and k for 12 fmas (4381.6 us). This third version has not run on a GPU yet: OFF by
+# default (bench.forward_ab ``auto-serial`` switches it on). An AR step keeps the warp layout
+# either way: its weight stream is the work there.
 
 SERIAL_HEADS = False          # the thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows
 SERIAL_MIN_ROWS = 8
 SERIAL_ROW_TILES = (4, 3, 2, 1)   # rows per thread: the one wasting fewest rows (ties: larger)
-SERIAL_COLUMNS = (4, 2)           # columns per thread: the widest giving SERIAL_MIN_BLOCKS blocks
-SERIAL_MIN_BLOCKS = 256           # about two blocks per SM on the H200
+SERIAL_COLS = VEC                 # adjacent columns per lane: one 16-byte k-major weight load per k
+SERIAL_WARP_COLS = WARP * SERIAL_COLS
+SERIAL_LEAF_GROUPS = (1, 2, 4)    # warps sharing an output tile, each a subtree of the butterfly
+SERIAL_MIN_WARPS = 2048           # the fewest leaf groups giving ~16 warps per SM on the H200
 SERIAL_MAX_WARPS = 8
-SIM_SERIAL_WARPS = 2              # the simulator's threads are Python threads: small blocks
+SIM_SERIAL_WARPS = 4              # the simulator's threads are Python threads: small blocks
 SERIAL_LEVELS = 5                 # log2(WARP): the butterfly's depth
 NEG_ZERO = np.float32(-0.0)
 
 
+def _make_row_load() -> Any:
+    """``load_x4(x, r, g, k) -> x[r, g, k : k + 4]`` for a float32 [M, G, K] array of any strides
+    whose element (r, g, k) is 16-byte aligned: one ``ld.global.nc.v4.f32`` on a GPU (numba-cuda has
+    no vector load, stack §1), four element reads under the simulator."""
+    if cuda.config.ENABLE_CUDASIM:
+        def load_x4(x, r, g, k):
+            return x[r, g, k], x[r, g, k + 1], x[r, g, k + 2], x[r, g, k + 3]
+        return load_x4
+
+    from numba.core import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load_x4(typingctx, array, r, g, k):
+        if not (isinstance(array, types.Array) and array.ndim == 3 and array.dtype == types.float32
+                and all(isinstance(t, types.Integer) for t in (r, g, k))):
+            return None
+        sig = types.UniTuple(types.float32, 4)(array, r, g, k)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            strides = cgutils.unpack_tuple(builder, ary.strides, 3)   # bytes
+            r_, g_, k_ = (context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:]))
+            intp = context.get_value_type(types.intp)
+            offset = builder.add(builder.add(builder.mul(r_, strides[0]), builder.mul(g_, strides[1])),
+                                 builder.mul(k_, ir.Constant(intp, 4)))
+            ptr = builder.inttoptr(builder.add(builder.ptrtoint(ary.data, intp), offset), ary.data.type)
+            f32 = ir.FloatType()
+            result = ir.LiteralStructType([f32, f32, f32, f32])
+            asm = ir.InlineAsm(ir.FunctionType(result, [ptr.type]),
+                               "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
+            value = builder.call(asm, [ptr])
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(value, e) for e in range(VEC)])
+
+        return sig, codegen
+
+    return load_x4
+
+
+load_x4 = _make_row_load()
+
+
 @functools.cache
-def get_serial_kernel(mt: int, columns_: int, steps: int) -> Any:
-    """The thread-serial head kernel: ``mt`` rows x ``columns_`` columns per thread, K of at most
-    ``steps`` steps of STEP values (one segment). Compiled lazily, cached."""
-    if mt not in SERIAL_ROW_TILES or columns_ not in SERIAL_COLUMNS or not 1 <= steps <= SPLIT_STEPS:
-        raise ValueError(f"no serial head kernel for mt={mt!r}, columns={columns_!r}, steps={steps!r}")
-    MT, C, J = mt, columns_, steps
+def get_serial_kernel(mt: int, leaf_groups: int, steps: int) -> Any:
+    """The thread-serial head kernel: ``mt`` rows x SERIAL_COLS columns per thread, the 32 leaves
+    of the butterfly split over ``leaf_groups`` warps, K of ``steps`` steps of STEP values (one
+    segment, K % 4 == 0). Compiled lazily, cached."""
+    if mt not in SERIAL_ROW_TILES or leaf_groups not in SERIAL_LEAF_GROUPS or not 1 <= steps <= SPLIT_STEPS:
+        raise ValueError(f"no serial head kernel for mt={mt!r}, leaf_groups={leaf_groups!r}, steps={steps!r}")
+    MT, C, J, LG = mt, SERIAL_COLS, steps, leaf_groups
     MTC = MT * C
+    LEAVES = WARP // LG                        # leaves of a warp's subtree
+    TOP = SERIAL_LEVELS - (LG.bit_length() - 1)   # subtrees fold here (a warp's own root forms in TOP - 1)
+    PART = max(1, (LG - 1) * (SERIAL_MAX_WARPS // LG) * WARP * MTC)   # the subtrees of warps q > 0
 
     @cuda.jit(device=True, inline="always")
     def leaf_lane(i):
@@ -1286,67 +1338,93 @@ def get_serial_kernel(mt: int, columns_: int, steps: int) -> Any:
             level[t + 1, a] += level[t, a]
             level[t, a] = NEG_ZERO
 
+    @cuda.jit(device=True, inline="always")
+    def fold(level, i):
+        """Leaf i (its chains in level 0) done: every subtree it finishes moves up a level, below
+        the warp's own subtree (whose root forms in level TOP - 1). Constant indices: the levels
+        stay in registers."""
+        if TOP > 1 and i & 1:
+            promote(level, 0)
+            if TOP > 2 and i & 2:
+                promote(level, 1)
+                if TOP > 3 and i & 4:
+                    promote(level, 2)
+                    if TOP > 4 and i & 8:
+                        promote(level, 3)
+
     @cuda.jit(**launch_bounds(SERIAL_MAX_WARPS * WARP))
     def kernel(x, w_kn, out, n_cols, k_dim, row_warps):
-        """out[m, g] = x[m, g] @ w[g].T in head_linear's order. x [M, G, K], w_kn flat
-        [G * K * N] (w k-major: w_kn[g, k, n] = w[g, n, k]), out [M, G, N]. Grid (column blocks,
-        row blocks, G); warp (rw, cw) of a block of row_warps x cw warps takes rows
-        (blockIdx.y * row_warps + rw) * MT + i and columns (blockIdx.x * cw + cw) * 32 C + 32 c +
-        lane. No shared memory."""
-        p = cuda.local.array(MTC, float32)                        # the current leaf's chains
+        """out[m, g] = x[m, g] @ w[g].T in head_linear's order. x [M, G, K] (16-byte aligned rows,
+        K % 4 == 0), w_kn flat [G * K * N] (w k-major: w_kn[g, k, n] = w[g, n, k]; N % 4 == 0),
+        out [M, G, N]. Grid (ceil(N / 128), row blocks, G), blocks of LG x row_warps warps: warp
+        (q, rw) takes rows (blockIdx.y * row_warps + rw) * MT + i, columns blockIdx.x * 128 +
+        4 lane + c, and leaves [q * 32 / LG, (q + 1) * 32 / LG) of the traversal; warps q > 0
+        park their subtrees in shared memory and warp 0 adds them in the tree's order."""
+        parts = cuda.shared.array(PART, float32)   # [LG - 1, row_warps, 32, MTC] subtrees of q > 0
+        p = cuda.local.array(MTC, float32)         # the current leaf's chains
         level = cuda.local.array((SERIAL_LEVELS, MTC), float32)   # unfinished subtrees
-        wv = cuda.local.array(C, float32)
+        xv = cuda.local.array((MT, VEC), float32)
         rows = cuda.local.array(MT, int32)
-        cols = cuda.local.array(C, int32)
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        col_warps = (cuda.blockDim.x // WARP) // row_warps
-        rw = warp // col_warps
-        cw = warp - rw * col_warps
+        q = warp // row_warps                      # the leaf group
+        rw = warp - q * row_warps
         g = cuda.blockIdx.z
         m_rows = x.shape[0]
         row0 = (cuda.blockIdx.y * row_warps + rw) * MT
-        col0 = (cuda.blockIdx.x * col_warps + cw) * WARP * C + lane
-        if row0 >= m_rows or col0 - lane >= n_cols:   # warp-uniform: nothing of this warp's exists
-            return
+        col0 = cuda.blockIdx.x * SERIAL_WARP_COLS + C * lane
+        col = min(col0, n_cols - C)                # columns past N re-read the last four, not stored
+        live = row0 < m_rows                       # warp-uniform; no early return: a barrier follows
         for i in range(MT):
-            rows[i] = min(row0 + i, m_rows - 1)       # rows past M re-read the last, not stored
-        for c in range(C):
-            cols[c] = min(col0 + WARP * c, n_cols - 1)
+            rows[i] = min(row0 + i, m_rows - 1)    # rows past M re-read the last, not stored
         for a in range(MTC):
             for t in range(SERIAL_LEVELS):
                 level[t, a] = NEG_ZERO
-        for i in range(WARP):
-            k_lane = VEC * leaf_lane(i)
-            for a in range(MTC):
-                p[a] = ZERO
-            for j in range(J):
-                for e in range(VEC):
-                    k = j * STEP + k_lane + e
-                    if k < k_dim:                     # warp-uniform
-                        for c in range(C):
-                            wv[c] = load_f32(w_kn, (g * k_dim + k) * n_cols + cols[c])
+        if live:
+            for i in range(q * LEAVES, (q + 1) * LEAVES):
+                k_lane = VEC * leaf_lane(i)
+                for a in range(MTC):
+                    p[a] = ZERO
+                for j in range(J):
+                    k0 = j * STEP + k_lane
+                    if k0 < k_dim:                 # the chunk is whole (K % 4 == 0)
                         for r in range(MT):
-                            xv = x[rows[r], g, k]
-                            for c in range(C):
-                                p[r * C + c] = cuda.fma(xv, wv[c], p[r * C + c])
-            # Leaf i done: into level 0; each subtree it finishes (i's low bits all set) moves up
-            # a level (constant indices, so the levels stay in registers).
-            for a in range(MTC):
-                level[0, a] += p[a]
-            if i & 1:
-                promote(level, 0)
-                if i & 2:
-                    promote(level, 1)
-                    if i & 4:
-                        promote(level, 2)
-                        if i & 8:
-                            promote(level, 3)
-        for r in range(MT):
-            if row0 + r < m_rows:
-                for c in range(C):
-                    if col0 + WARP * c < n_cols:
-                        out[row0 + r, g, col0 + WARP * c] = level[SERIAL_LEVELS - 1, r * C + c]
+                            x0, x1, x2, x3 = load_x4(x, rows[r], g, k0)
+                            xv[r, 0] = x0
+                            xv[r, 1] = x1
+                            xv[r, 2] = x2
+                            xv[r, 3] = x3
+                        for e in range(VEC):       # the chain: j, then e ascending
+                            w0, w1, w2, w3 = load_f32x4(w_kn, (g * k_dim + k0 + e) * n_cols + col)
+                            for r in range(MT):
+                                p[r * C] = cuda.fma(xv[r, e], w0, p[r * C])
+                                p[r * C + 1] = cuda.fma(xv[r, e], w1, p[r * C + 1])
+                                p[r * C + 2] = cuda.fma(xv[r, e], w2, p[r * C + 2])
+                                p[r * C + 3] = cuda.fma(xv[r, e], w3, p[r * C + 3])
+                for a in range(MTC):
+                    level[0, a] += p[a]
+                fold(level, i)
+        if LG > 1:
+            if q > 0:
+                base = (((q - 1) * row_warps + rw) * WARP + lane) * MTC
+                for a in range(MTC):
+                    parts[base + a] = level[TOP - 1, a]
+            cuda.syncthreads()   # every warp's subtree parked
+            if q == 0:
+                # The subtrees are the tree's nodes of height 5 - log2(LG), in traversal order:
+                # folded by the same counter from level TOP on (warp 0's own first).
+                for qq in range(LG):
+                    base = (((qq - 1) * row_warps + rw) * WARP + lane) * MTC
+                    for a in range(MTC):
+                        level[TOP, a] += level[TOP - 1, a] if qq == 0 else parts[base + a]
+                    if qq & 1 and TOP + 1 < SERIAL_LEVELS:
+                        promote(level, TOP)
+        if q == 0 and live:
+            for r in range(MT):
+                if row0 + r < m_rows:
+                    for c in range(C):
+                        if col0 + c < n_cols:
+                            out[row0 + r, g, col0 + c] = level[SERIAL_LEVELS - 1, r * C + c]
 
     return kernel
 
@@ -1356,36 +1434,35 @@ def _serial_sigs() -> tuple:
     return ((a3, float32[:, :, ::1], a3, int32, int32, int32),)
 
 
-# The compile check: the widest footprint (4 x 4 outputs, K 512 unrolled) and the K 128 tile the
-# 33-row verify's W_UK takes.
-for _mt, _c, _steps in ((4, 4, 4), (3, 4, 1)):
-    register(f"head_linear_serial_mt{_mt}_c{_c}_s{_steps}", get_serial_kernel(_mt, _c, _steps), _serial_sigs(),
-             f"head_linear's order run by one thread per {_mt} x {_c} outputs (no butterfly), "
-             f"K <= {_steps * STEP}", block_threads=SERIAL_MAX_WARPS * WARP)
+# The compile check: the widest footprint (4 x 4 outputs, K 512 unrolled, four leaf groups) and the
+# K 128 tile the 33-row verify's W_UK takes.
+for _mt, _lg, _steps in ((4, 4, 4), (3, 1, 1)):
+    register(f"head_linear_serial_mt{_mt}_lg{_lg}_s{_steps}", get_serial_kernel(_mt, _lg, _steps), _serial_sigs(),
+             f"head_linear's order run by one thread per {_mt} x {SERIAL_COLS} outputs and {WARP // _lg} "
+             f"leaves (no butterfly), K <= {_steps * STEP}", block_threads=SERIAL_MAX_WARPS * WARP)
 
 
 @functools.lru_cache(maxsize=1024)
 def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> tuple | None:
-    """The thread-serial launch of a head product: (mt, columns, steps, grid, threads, row_warps),
-    or None where the warp layout runs (fewer than SERIAL_MIN_ROWS rows, K of several segments,
-    SERIAL_HEADS off). A function of the shapes; layout, never the order."""
-    if not SERIAL_HEADS or rows < SERIAL_MIN_ROWS or k_split(k_dim) != 1:
+    """The thread-serial launch of a head product: (mt, leaf_groups, steps, grid, threads,
+    row_warps), or None where the warp layout runs (SERIAL_HEADS off, fewer than SERIAL_MIN_ROWS
+    rows, K of several segments, K or N not a multiple of 4). A function of the shapes; layout,
+    never the order. Leaf groups: the fewest that give SERIAL_MIN_WARPS warps (narrow outputs:
+    W_UV's 128 columns take four)."""
+    if not SERIAL_HEADS or rows < SERIAL_MIN_ROWS or k_split(k_dim) != 1 or k_dim % VEC or n_cols % SERIAL_COLS:
         return None
     max_warps = SIM_SERIAL_WARPS if SIM_TREE else SERIAL_MAX_WARPS
     mt = min(SERIAL_ROW_TILES, key=lambda t: (-(-rows // t) * t - rows, -t))
     row_groups = -(-rows // mt)
-    row_blocks = -(-row_groups // max_warps)
+    col_blocks = -(-n_cols // SERIAL_WARP_COLS)
+    lg = next((g for g in SERIAL_LEAF_GROUPS if col_blocks * row_groups * groups * g >= SERIAL_MIN_WARPS),
+              SERIAL_LEAF_GROUPS[-1])
+    row_blocks = -(-row_groups // (max_warps // lg))
     row_warps = -(-row_groups // row_blocks)        # balanced over the row blocks
-    for c in SERIAL_COLUMNS:
-        col_groups = -(-n_cols // (WARP * c))
-        col_warps = max(1, min(col_groups, max_warps // row_warps))
-        grid = (-(-col_groups // col_warps), row_blocks, groups)
-        if grid[0] * grid[1] * grid[2] >= SERIAL_MIN_BLOCKS:
-            break
-    threads = row_warps * col_warps * WARP
+    grid = (col_blocks, row_blocks, groups)
+    threads = lg * row_warps * WARP
     check_launch(grid, threads, 0)
-    return mt, c, -(-k_dim // STEP), grid, threads, row_warps
-
+    return mt, lg, -(-k_dim // STEP), grid, threads, row_warps
 
 # --- split K: a product whose rows overflow the staging budget, as per-segment products --------
 #
