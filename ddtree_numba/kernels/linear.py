@@ -206,6 +206,16 @@ def _unroll(mt: int, c: int) -> int:
 
 # --- the 16-byte weight load --------------------------------------------------------------------
 
+def vector_load(context: Any, builder: Any, signature: Any, ptr: Any) -> Any:
+    """Codegen of a 16-byte ``ld.global.nc.v4.f32`` at ``ptr`` (float*), returned as the
+    intrinsic's UniTuple(float32, 4) (GPU build only; x and weights are read-only in a kernel)."""
+    f32 = ir.FloatType()
+    asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * VEC), [ptr.type]),
+                       "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
+    value = builder.call(asm, [ptr])
+    return context.make_tuple(builder, signature.return_type, [builder.extract_value(value, e) for e in range(VEC)])
+
+
 def _make_loads() -> tuple[Any, Any]:
     """``load_f32x4(w, i) -> (w.flat[i], ..., w.flat[i + 3])`` and ``load_f32(w, i) -> w.flat[i]``
     for a C-contiguous float32 weight of any rank, element i 16-byte aligned for the vector load:
@@ -239,15 +249,8 @@ def _make_loads() -> tuple[Any, Any]:
         sig = types.UniTuple(types.float32, 4)(array, index)
 
         def codegen(context, builder, signature, args):
-            ptr = _pointer(context, builder, signature, args)
-            f32 = ir.FloatType()
-            result = ir.LiteralStructType([f32, f32, f32, f32])
             # Weights are read-only for the kernel's lifetime: the non-coherent path is safe.
-            asm = ir.InlineAsm(ir.FunctionType(result, [ptr.type]),
-                               "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
-            value = builder.call(asm, [ptr])
-            return context.make_tuple(builder, signature.return_type,
-                                      [builder.extract_value(value, e) for e in range(VEC)])
+            return vector_load(context, builder, signature, _pointer(context, builder, signature, args))
 
         return sig, codegen
 
@@ -1297,13 +1300,7 @@ def _make_row_load() -> Any:
             offset = builder.add(builder.add(builder.mul(r_, strides[0]), builder.mul(g_, strides[1])),
                                  builder.mul(k_, ir.Constant(intp, 4)))
             ptr = builder.inttoptr(builder.add(builder.ptrtoint(ary.data, intp), offset), ary.data.type)
-            f32 = ir.FloatType()
-            result = ir.LiteralStructType([f32, f32, f32, f32])
-            asm = ir.InlineAsm(ir.FunctionType(result, [ptr.type]),
-                               "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
-            value = builder.call(asm, [ptr])
-            return context.make_tuple(builder, signature.return_type,
-                                      [builder.extract_value(value, e) for e in range(VEC)])
+            return vector_load(context, builder, signature, ptr)
 
         return sig, codegen
 
