@@ -299,12 +299,14 @@ def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
     assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
 
 
-def test_split_k_o_proj_gives_the_same_bits(monkeypatch, scenario) -> None:
+def test_split_k_and_serial_absorbs_give_the_same_bits(monkeypatch, request, scenario) -> None:
     """A model whose o_proj and dense down_proj run as per-segment products (linear.linear_split_k,
-    what the H200's many-row verify launches take; the down_proj after swiglu_rows) computes its
-    prefill bit for bit as linear() does (the scenario's prefill model, same weights, inputs and
-    shapes). tiny's K are one segment, so the split is forced with G = 1 here; the segment
-    combine of G > 1 is tested against linear() in test_kernel_linear.py."""
+    what the H200's many-row verify launches take; the down_proj after swiglu_rows) and whose MLA
+    absorbs run in head_linear's thread-serial kernel (linear.SERIAL_HEADS, off by default: k-major
+    copies from DeviceWeights.k_major) computes its prefill bit for bit as the default layouts do
+    (the scenario's prefill model, same weights, inputs and shapes; one forward for both switches,
+    each layout only). tiny's K are one segment, so the split is forced with G = 1 here; the
+    segment combine of G > 1 is tested against linear() in test_kernel_linear.py."""
     import ddtree_numba.engine.model as em
     from ddtree_numba.kernels import linear as lin
 
@@ -318,37 +320,16 @@ def test_split_k_o_proj_gives_the_same_bits(monkeypatch, scenario) -> None:
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
+    monkeypatch.setattr(lin, "SERIAL_HEADS", True)
+    request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
+    lin.serial_plan.cache_clear()
     split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
                         capture_layers=(0, 1))
-    assert split._wo_split is not None and split._w2_split is not None
+    assert split._wo_split is not None and split._w2_split is not None and split._absorb_kn is not None
+    attn = split.weights.layers[0].attn
+    for kn, w in zip((kn[0] for kn in split._absorb_kn), (attn.w_uk_t, attn.w_uv)):
+        np.testing.assert_array_equal(kn.copy_to_host(), w.copy_to_host().transpose(0, 2, 1))
     got = split.forward(*inputs)
-    np.testing.assert_array_equal(_host(got.logits), want[0])
-    np.testing.assert_array_equal(_host(got.features), want[1])
-
-
-def test_serial_absorbs_give_the_same_bits(monkeypatch, scenario) -> None:
-    """A model whose MLA absorbs run in head_linear's thread-serial kernel (linear.SERIAL_HEADS on:
-    k-major weight copies from DeviceWeights.k_major) computes its prefill bit for bit as the warp
-    layout does (the scenario's prefill model, same weights, inputs and shapes)."""
-    from ddtree_numba.kernels import linear as lin
-
-    config, weights = _tiny()
-    pre = _golden_built()["prefill"]
-    inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
-                          pre.in_visibility.values, 9)
-    want = (scenario["prefill"]["logits"], scenario["prefill"]["features"])  # the warp layout
-    monkeypatch.setattr(lin, "SERIAL_HEADS", True)
-    lin.serial_plan.cache_clear()
-    try:
-        serial = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
-                             capture_layers=(0, 1))
-        assert serial._absorb_kn is not None
-        uk, uv = (kn[0].copy_to_host() for kn in serial._absorb_kn)
-        np.testing.assert_array_equal(uk, serial.weights.layers[0].attn.w_uk_t.copy_to_host().transpose(0, 2, 1))
-        np.testing.assert_array_equal(uv, serial.weights.layers[0].attn.w_uv.copy_to_host().transpose(0, 2, 1))
-        got = serial.forward(*inputs)
-    finally:
-        lin.serial_plan.cache_clear()
     np.testing.assert_array_equal(_host(got.logits), want[0])
     np.testing.assert_array_equal(_host(got.features), want[1])
 
