@@ -299,14 +299,12 @@ def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
     assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
 
 
-def test_split_k_and_serial_absorbs_give_the_same_bits(monkeypatch, request, scenario) -> None:
+def test_split_k_o_proj_gives_the_same_bits(monkeypatch, scenario) -> None:
     """A model whose o_proj and dense down_proj run as per-segment products (linear.linear_split_k,
-    what the H200's many-row verify launches take; the down_proj after swiglu_rows) and whose MLA
-    absorbs run in head_linear's thread-serial kernel (linear.SERIAL_HEADS, off by default: k-major
-    copies from DeviceWeights.k_major) computes its prefill bit for bit as the default layouts do
-    (the scenario's prefill model, same weights, inputs and shapes; one forward for both switches,
-    each layout only). tiny's K are one segment, so the split is forced with G = 1 here; the
-    segment combine of G > 1 is tested against linear() in test_kernel_linear.py."""
+    what the H200's many-row verify launches take; the down_proj after swiglu_rows) computes its
+    prefill bit for bit as linear() does (the scenario's prefill model, same weights, inputs and
+    shapes). tiny's K are one segment, so the split is forced with G = 1 here; the segment
+    combine of G > 1 is tested against linear() in test_kernel_linear.py."""
     import ddtree_numba.engine.model as em
     from ddtree_numba.kernels import linear as lin
 
@@ -317,21 +315,37 @@ def test_split_k_and_serial_absorbs_give_the_same_bits(monkeypatch, request, sce
     want = (scenario["prefill"]["logits"], scenario["prefill"]["features"])  # linear() throughout
     plain = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
     assert plain._wo_split is None and plain._w2_split is None  # (not run: the scenario ran its twin)
+    assert plain._absorb_kn is None                             # linear.SERIAL_HEADS is off by default
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
-    monkeypatch.setattr(lin, "SERIAL_HEADS", True)
-    request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
-    lin.serial_plan.cache_clear()
     split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
                         capture_layers=(0, 1))
-    assert split._wo_split is not None and split._w2_split is not None and split._absorb_kn is not None
-    attn = split.weights.layers[0].attn
-    for kn, w in zip((kn[0] for kn in split._absorb_kn), (attn.w_uk_t, attn.w_uv)):
-        np.testing.assert_array_equal(kn.copy_to_host(), w.copy_to_host().transpose(0, 2, 1))
+    assert split._wo_split is not None and split._w2_split is not None
     got = split.forward(*inputs)
     np.testing.assert_array_equal(_host(got.logits), want[0])
     np.testing.assert_array_equal(_host(got.features), want[1])
+
+
+def test_serial_absorbs_take_k_major_copies(monkeypatch, request) -> None:
+    """With linear.SERIAL_HEADS on, a many-row model keeps the absorbs' k-major copies
+    (DeviceWeights.k_major, w_kn[h, k, n] = w[h, n, k]) that head_linear's thread-serial kernel
+    reads; the kernel's bits are the warp layout's (test_kernel_linear.py, and on the H200). No
+    forward here: one tiny prefill through the serial kernel costs ~35 s of simulator CI."""
+    from ddtree_numba.kernels import linear as lin
+
+    config, weights = _tiny()
+    monkeypatch.setattr(lin, "SERIAL_HEADS", True)
+    request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
+    lin.serial_plan.cache_clear()
+    model = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9)
+    assert model._absorb_kn is not None
+    for layer, lw in enumerate(model.weights.layers):
+        for kn, w in zip((kn[layer] for kn in model._absorb_kn), (lw.attn.w_uk_t, lw.attn.w_uv)):
+            np.testing.assert_array_equal(kn.copy_to_host(), w.copy_to_host().transpose(0, 2, 1))
+    assert model.weights.k_major("w_uv") is model._absorb_kn[1]   # made once, shared
+    with pytest.raises(ValueError, match="name"):
+        model.weights.k_major("w_o")
 
 
 def test_no_low_rank_q_path_matches_reference() -> None:

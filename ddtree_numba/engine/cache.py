@@ -10,9 +10,9 @@ either advances it (:meth:`KVCache.advance`, prefill / AR step) or compacts the 
 Each layer's buffers are one :class:`LayerKV` object, what the layer's kernels take. They are
 views of two arrays holding every layer (so all layers live on one device), latents
 [n_layers, bs, S, C] and rope keys [n_layers, bs, S, R] (:meth:`KVCache.stacked`), so a round's
-compaction is two launches however many layers there are. A layer's view starts l * bs * S * C floats in, a multiple of 16 bytes
-when C % 4 == 0 (R likewise): the attention kernels' float4 loads, used only at such dims
-(C = 512, R = 64), need that, and ``verify_attention.run`` checks it.
+compaction is two launches however many layers there are. A layer's view starts l * bs * S * C
+floats in, a multiple of 16 bytes when C % 4 == 0 (R likewise): the attention kernels' float4
+loads, used only at such dims (C = 512, R = 64), need that, and ``verify_attention.run`` checks it.
 """
 from __future__ import annotations
 
