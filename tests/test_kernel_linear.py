@@ -187,44 +187,44 @@ def test_row_is_bit_identical_alone_in_7_and_in_33(k_dim, prologue):
         np.testing.assert_array_equal(got[where], alone)
 
 
-def _head(x, w, *, serial, leaf_groups=None):
+def _head(x, w, *, serial, phases=None):
     """head_linear of a view x [M, G, K] (of wider rows), through the thread-serial kernel (its
-    leaves over ``leaf_groups`` warps, default the plan's) or the warp layout."""
-    saved = lin.SERIAL_HEADS, lin.SERIAL_LEAF_GROUPS
+    leaves in ``phases`` staged phases, default the plan's) or the warp layout."""
+    saved = lin.SERIAL_HEADS, lin.SERIAL_PHASES
     lin.SERIAL_HEADS = serial
-    if leaf_groups is not None:
-        lin.SERIAL_LEAF_GROUPS = (leaf_groups,)
+    if phases is not None:
+        lin.SERIAL_PHASES = (phases,)
     lin.serial_plan.cache_clear()
     try:
         plan = lin.serial_plan(x.shape[0], w.shape[0], w.shape[1], w.shape[2])
-        assert (plan is not None) == serial and (leaf_groups is None or plan[1] == leaf_groups)
+        assert (plan is not None) == serial and (phases is None or plan.phases == phases)
         wide = np.concatenate([x, _rand(*x.shape[:2], 4)], axis=2)   # [M, G, K + 4]: a strided view
         out = cuda.to_device(np.full((x.shape[0], w.shape[0], w.shape[1]), np.nan, np.float32))
         lin.head_linear(_dev(wide)[:, :, :x.shape[2]], _dev(w), out, w_kn=_dev(w.transpose(0, 2, 1)))
         return out.copy_to_host()
     finally:
-        lin.SERIAL_HEADS, lin.SERIAL_LEAF_GROUPS = saved
+        lin.SERIAL_HEADS, lin.SERIAL_PHASES = saved
         lin.serial_plan.cache_clear()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")
-@pytest.mark.parametrize("m_rows, groups, n_cols, k_dim, leaf_groups", [
-    (8, 2, 132, 128, 1),   # 2 x 4 row tiles, a ragged second warp of columns
-    (9, 1, 36, 48, 2),     # 3 x 3, K < 128: lanes past K hold +0.0 chains
-    (12, 1, 64, 512, 4),   # W_UV's K: four steps a lane, 3 x 4 (the GPU test runs 33 rows)
-    (13, 1, 8, 260, 4),    # a short last step, N < 32
-    (10, 1, 12, 256, 1),   # 5 x 2
+@pytest.mark.parametrize("m_rows, groups, n_cols, k_dim, phases", [
+    (8, 2, 132, 128, 1),   # 2-row threads, a ragged last slab of columns
+    (9, 1, 36, 48, 2),     # 3-row threads, K < 128: lanes past K hold +0.0 chains
+    (12, 1, 64, 512, 4),   # W_UV's K: four steps a lane (the GPU test runs 33 rows)
+    (13, 1, 8, 260, 32),   # a short last step, N < 32, one leaf a phase
+    (40, 1, 12, 256, 8),   # 2-row threads, three row blocks (grid y), the last one part empty
 ])
-def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_cols, k_dim, leaf_groups):
+def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_cols, k_dim, phases):
     """The thread-serial kernel (leaves in bit-reversed lane order, a five-level binary counter,
-    split over 1, 2 or 4 warps) gives the warp layout's bits, and the documented order's (the
+    staged in 1 to 32 phases) gives the warp layout's bits, and the documented order's (the
     emulation) under the simulator."""
     rng = np.random.default_rng(m_rows * 1000 + k_dim)
     x, w = _rand(m_rows, groups, k_dim, rng=rng), _rand(groups, n_cols, k_dim, rng=rng)
     x[1, :, : k_dim // 2] = 0.0          # zero chains and exact cancellations
     w[:, 0] = -w[:, 1]
     x[-1, 0, 5] = np.float32(3e38)       # an overflow to inf in one chain
-    got = _head(x, w, serial=True, leaf_groups=leaf_groups)
+    got = _head(x, w, serial=True, phases=phases)
     np.testing.assert_array_equal(got, _head(x, w, serial=False))
     if SIMULATED:
         for g in range(groups):
@@ -235,14 +235,14 @@ def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_col
 @pytest.mark.parametrize("m_rows", [8, 33, 132])
 def test_gpu_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows):
     """The absorbs of `small`'s verify (64 heads: W_UK K 128 -> 512, W_UV K 512 -> 128) at a
-    B 7 / B 32 tree and four B 32 trees: the thread-serial kernel (each leaf split) equals the warp
-    layout."""
+    B 7 / B 32 tree and four B 32 trees: the thread-serial kernel (the plan's phases, 4 and 32)
+    equals the warp layout."""
     rng = np.random.default_rng(m_rows)
     for n_cols, k_dim in ((512, 128), (128, 512)):
         x, w = _rand(m_rows, 64, k_dim, rng=rng), _rand(64, n_cols, k_dim, rng=rng)
         want = _head(x, w, serial=False)
-        for leaf_groups in lin.SERIAL_LEAF_GROUPS:
-            got = _head(x, w, serial=True, leaf_groups=leaf_groups)
+        for phases in (None, 4, 32):
+            got = _head(x, w, serial=True, phases=phases)
             assert not np.isnan(got).any()
             np.testing.assert_array_equal(got, want)
         for g in (0, 63):
@@ -250,9 +250,10 @@ def test_gpu_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows):
 
 
 def test_serial_plan(monkeypatch, request):
-    """Rows per thread waste the fewest rows, warps stay within a block, narrow outputs split the
-    leaves; below SERIAL_MIN_ROWS, with K of several segments, K or N not a multiple of 4 (or
-    SERIAL_HEADS off, the default) the warp layout runs."""
+    """Rows per thread waste the fewest rows, a block holds every row up to its row-warp cap (then
+    grid y), blocks stay within SERIAL_MAX_WARPS warps, phases are the fewest whose staging fits;
+    below SERIAL_MIN_ROWS, with K of several segments, K or N not a multiple of 4 (or SERIAL_HEADS
+    off, the default) the warp layout runs."""
     request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
     lin.serial_plan.cache_clear()
     assert not lin.SERIAL_HEADS and lin.serial_plan(33, 64, 512, 128) is None
@@ -261,16 +262,24 @@ def test_serial_plan(monkeypatch, request):
     assert lin.serial_plan(lin.SERIAL_MIN_ROWS - 1, 64, 512, 128) is None
     assert lin.serial_plan(33, 64, 512, 4096) is None           # k_split 2
     assert lin.serial_plan(33, 64, 512, 126) is None and lin.serial_plan(33, 64, 510, 128) is None
-    max_warps = lin.SIM_SERIAL_WARPS if SIMULATED else lin.SERIAL_MAX_WARPS
-    for rows, n_cols, k_dim, want_mt in ((33, 512, 128, 3), (33, 128, 512, 3), (132, 512, 128, 4), (8, 512, 128, 4),
-                                         (10, 512, 128, 2)):
-        mt, lg, steps, grid, threads, row_warps = lin.serial_plan(rows, 64, n_cols, k_dim)
-        assert mt == want_mt and steps == k_dim // 128 and lg in lin.SERIAL_LEAF_GROUPS and grid[2] == 64
-        assert threads == lg * row_warps * 32 <= max_warps * 32
-        assert grid[1] * row_warps * mt >= rows > (grid[1] - 1) * row_warps * mt   # no empty row block
-        assert grid[0] * 128 >= n_cols > (grid[0] - 1) * 128
-    if not SIMULATED:   # the H200: W_UK's 4 column warps need no split, W_UV's 128 columns four
-        assert lin.serial_plan(33, 64, 512, 128)[1] == 1 and lin.serial_plan(33, 64, 128, 512)[1] == 4
+    budget = lin._serial_budget()
+    for rows, n_cols, k_dim, want_mt in ((33, 512, 128, 3), (33, 128, 512, 3), (132, 512, 128, 3), (8, 512, 128, 2),
+                                         (10, 512, 128, 3), (16, 512, 128, 4)):
+        plan = lin.serial_plan(rows, 64, n_cols, k_dim)
+        assert plan.mt == want_mt and plan.steps == k_dim // 128 and plan.grid[2] == 64
+        assert plan.threads == plan.col_warps * plan.row_warps * 32 <= lin.SERIAL_MAX_WARPS * 32
+        assert plan.grid[1] * plan.block_rows >= rows > plan.grid[1] * plan.block_rows - plan.block_rows
+        slab = plan.col_warps * lin.SERIAL_WARP_COLS
+        assert plan.grid[0] * slab >= n_cols > (plan.grid[0] - 1) * slab
+        w_floats, x_floats, _ = lin._serial_floats(plan.mt, plan.steps, plan.phases, plan.col_warps, plan.row_warps)
+        assert plan.shared_bytes == 4 * (w_floats + x_floats) <= budget
+        if plan.phases > 1:   # the fewest phases: half as many would not fit
+            assert 4 * sum(lin._serial_floats(plan.mt, plan.steps, plan.phases // 2, plan.col_warps,
+                                              plan.row_warps)[:2]) > budget
+    if not SIMULATED:   # the H200: a 33-row verify's absorbs, every row in one block
+        uk, uv = lin.serial_plan(33, 64, 512, 128), lin.serial_plan(33, 64, 128, 512)
+        assert (uk.grid, uk.threads, uk.phases) == ((8, 1, 64), 192, 1)
+        assert (uv.grid, uv.threads, uv.phases) == ((4, 1, 64), 96, 2)
 
 
 def test_head_linear_matches_linear_per_group():

@@ -1227,9 +1227,9 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
         return out
     serial = serial_plan(m_rows, groups, n_cols, k_dim) if w_kn is not None and _rows_aligned(x) else None
     if serial is not None:   # many rows: the thread-serial kernel, the same bits
-        smt, leaf_groups, steps, grid, threads, row_warps = serial
-        get_serial_kernel(smt, leaf_groups, steps)[grid, threads, _stream(stream), 0](
-            x, _kernel_weight(w_kn), out, n_cols, k_dim, row_warps)
+        kernel = get_serial_kernel(serial.mt, serial.steps, serial.phases, serial.col_warps, serial.row_warps)
+        _configured(kernel, serial.grid, serial.threads, stream, serial.shared_bytes)(
+            x, _kernel_weight(w_kn), out, n_cols, k_dim)
         return out
     mt = row_tile(m_rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
@@ -1247,28 +1247,42 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
 # the thread runs lane bitrev(i)'s chain for i = 0..31 and folds each finished subtree into the next
 # level (a binary counter of five partial sums, each starting at -0.0: -0.0 + v == v bit for bit,
 # +0.0 included). Every output gets the same fmas and adds as in the warp layout (a + b == b + a),
-# so the bits are head_linear's whatever kernel runs. The leaves may be split over LG warps (each a
-# subtree; warp 0 folds the subtrees in the same order), which narrow outputs need for parallelism.
-# A thread keeps MT rows x 4 adjacent columns: per k one 16-byte load of the weights read k-major
-# (``w_kn [G, K, N]``, a copy the model keeps beside ``w``; coalesced over the warp) feeds 4 MT
-# fmas, and per 4 k one 16-byte broadcast load per row feeds the rest.
+# so the bits are head_linear's whatever kernel runs.
 #
-# History (H200, forward_ab, a 33-row forward of `small`; the warp layout: 2833.9 / 2813.2 us, run
-# "serial heads"): the first version read w [G, N, K] with each lane's 16-byte chunk of its own
-# column in its own line (6567.4 us); the second read k-major but one column and one scalar x load
-# per lane and k for 12 fmas (4381.6 us). This third version has not run on a GPU yet: OFF by
-# default (bench.forward_ab ``auto-serial`` switches it on). An AR step keeps the warp layout
-# either way: its weight stream is the work there.
+# Layout (the fourth version): a block holds one head's column slab of NB = 32 x CW columns for
+# every row of the launch (RB = 4 x RW x MT rows, grid y only past that), so the head's weights come
+# from HBM once per launch. The leaves run in P phases of 32 / P leaves; per phase the block stages
+# the weights' k-rows those leaves read (w_kn [G, K, N], the k-major copy the model keeps beside
+# w: 16-byte coalesced loads, SERIAL_STAGE_LOADS in flight per thread) and the rows' matching x
+# chunks into shared memory, leaf-major, then computes from shared memory. A warp is 8 column lanes
+# (4 adjacent columns each) x 4 row lanes (MT rows each): per leaf step of 4 k, MT 16-byte x loads
+# (4 rows, bank-spread by a 4-float pad) and 4 16-byte weight loads (32 adjacent columns, broadcast
+# over the row lanes), one shared wavefront each, feed 16 MT fmas.
+#
+# History (H200, forward_ab, a 33-row forward of `small`, warp layout 2813-2837 us): weights read
+# [G, N, K] per lane from global memory 6567.4 us; k-major, one column and one scalar x load per
+# lane and k 4381.6 us; k-major, 4 adjacent columns and 16-byte x loads per lane (each thread a
+# chain of 32 dependent global round trips) 2904.0 us, run "staged absorbs". OFF by default until
+# this version is measured faster (bench.forward_ab ``auto-serial`` switches it on). An AR step keeps
+# the warp layout either way: its weight stream is the work there.
 
 SERIAL_HEADS = False          # the thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows
 SERIAL_MIN_ROWS = 8
 SERIAL_ROW_TILES = (4, 3, 2, 1)   # rows per thread: the one wasting fewest rows (ties: larger)
-SERIAL_COLS = VEC                 # adjacent columns per lane: one 16-byte k-major weight load per k
-SERIAL_WARP_COLS = WARP * SERIAL_COLS
-SERIAL_LEAF_GROUPS = (1, 2, 4)    # warps sharing an output tile, each a subtree of the butterfly
-SERIAL_MIN_WARPS = 2048           # the fewest leaf groups giving ~16 warps per SM on the H200
-SERIAL_MAX_WARPS = 8
-SIM_SERIAL_WARPS = 4              # the simulator's threads are Python threads: small blocks
+SERIAL_COLS = VEC                 # adjacent columns per thread: 16-byte loads of a staged k-row
+SERIAL_COL_LANES = 8              # lanes of a warp across columns (lane % 8) ...
+SERIAL_ROW_LANES = WARP // SERIAL_COL_LANES   # ... and across row groups (lane // 8)
+SERIAL_WARP_COLS = SERIAL_COL_LANES * SERIAL_COLS
+SERIAL_COL_WARPS = (4, 2, 1)      # column warps per block: the widest giving SERIAL_MIN_BLOCKS blocks
+SERIAL_MAX_ROW_WARPS = 8          # row warps per block; more rows take grid y
+SERIAL_MAX_WARPS = 8              # warps per block: up to 255 registers a thread
+SIM_SERIAL_ROW_WARPS = 2          # the simulator's threads are Python threads: small blocks (one
+                                  # column warp, two row warps)
+SERIAL_PHASES = (1, 2, 4, 8, 16, 32)   # leaf phases: the fewest whose staging fits SERIAL_SMEM
+SERIAL_SMEM = 72 * 1024           # staged bytes per block on a GPU: three blocks an SM on the H200
+SERIAL_MIN_BLOCKS = 2 * 132       # two blocks per H200 SM
+SERIAL_STAGE_LOADS = 8            # 16-byte staging loads in flight per thread
+SERIAL_X_PAD = VEC                # floats after each staged x row: a warp's 4 rows on distinct banks
 SERIAL_LEVELS = 5                 # log2(WARP): the butterfly's depth
 NEG_ZERO = np.float32(-0.0)
 
@@ -1310,18 +1324,122 @@ def _make_row_load() -> Any:
 load_x4 = _make_row_load()
 
 
+def _make_shared_x4() -> tuple[Any, Any]:
+    """``shared_x4(a, i) -> a[i : i + 4]`` and ``shared_put4(a, i, v0, v1, v2, v3)`` for a float32
+    shared array, i a multiple of 4 from a 16-byte aligned start: one ``ld.shared.v4.f32`` /
+    ``st.shared.v4.f32`` on a GPU (NVVM leaves four scalar accesses of computed indices scalar),
+    element accesses under the simulator."""
+    if cuda.config.ENABLE_CUDASIM:
+        def shared_x4(a, i):
+            return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+        def shared_put4(a, i, v0, v1, v2, v3):
+            a[i] = v0
+            a[i + 1] = v1
+            a[i + 2] = v2
+            a[i + 3] = v3
+        return shared_x4, shared_put4
+
+    from numba.cuda.extending import intrinsic
+
+    def _vector_pointer(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+        idx = context.cast(builder, args[1], signature.args[1], types.intp)
+        generic = builder.gep(ary.data, [idx])
+        f32x4 = ir.VectorType(ir.FloatType(), VEC)
+        return builder.bitcast(builder.addrspacecast(generic, ir.PointerType(ir.FloatType(), 3)),
+                               ir.PointerType(f32x4, 3))
+
+    def _accepts(array, index) -> bool:
+        return isinstance(array, types.Array) and array.dtype == types.float32 and isinstance(index, types.Integer)
+
+    @intrinsic
+    def shared_x4(typingctx, array, index):
+        if not _accepts(array, index):
+            return None
+        sig = types.UniTuple(types.float32, 4)(array, index)
+
+        def codegen(context, builder, signature, args):
+            value = builder.load(_vector_pointer(context, builder, signature, args), align=16)
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_element(value, ir.Constant(ir.IntType(32), e))
+                                       for e in range(VEC)])
+
+        return sig, codegen
+
+    @intrinsic
+    def shared_put4(typingctx, array, index, v0, v1, v2, v3):
+        if not _accepts(array, index) or any(v != types.float32 for v in (v0, v1, v2, v3)):
+            return None
+        sig = types.void(array, index, v0, v1, v2, v3)
+
+        def codegen(context, builder, signature, args):
+            value = ir.Constant(ir.VectorType(ir.FloatType(), VEC), None)
+            for e in range(VEC):
+                value = builder.insert_element(value, args[2 + e], ir.Constant(ir.IntType(32), e))
+            builder.store(value, _vector_pointer(context, builder, signature, args), align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return shared_x4, shared_put4
+
+
+shared_x4, shared_put4 = _make_shared_x4()
+
+
+@dataclass(frozen=True)
+class SerialPlan:
+    """A thread-serial head launch (a function of the shapes; layout, never the order).
+
+    Attributes:
+        mt: rows per thread; steps: J, steps of STEP values covering K; phases: P, leaf phases;
+        col_warps / row_warps: the block's warps across columns / row groups; grid: (column
+        slabs, row blocks, G); threads; shared_bytes: the dynamic shared memory of one phase.
+    """
+
+    mt: int
+    steps: int
+    phases: int
+    col_warps: int
+    row_warps: int
+    grid: tuple[int, int, int]
+    threads: int
+    shared_bytes: int
+
+    @property
+    def block_rows(self) -> int:
+        return SERIAL_ROW_LANES * self.row_warps * self.mt
+
+
+def _serial_floats(mt: int, steps: int, phases: int, col_warps: int, row_warps: int) -> tuple[int, int, int]:
+    """(staged weight floats, staged x floats, x row stride) of one phase."""
+    phase_k = (WARP // phases) * steps * VEC          # k values the phase's leaves read
+    x_stride = phase_k + SERIAL_X_PAD
+    return phase_k * col_warps * SERIAL_WARP_COLS, SERIAL_ROW_LANES * row_warps * mt * x_stride, x_stride
+
+
 @functools.cache
-def get_serial_kernel(mt: int, leaf_groups: int, steps: int) -> Any:
-    """The thread-serial head kernel: ``mt`` rows x SERIAL_COLS columns per thread, the 32 leaves
-    of the butterfly split over ``leaf_groups`` warps, K of ``steps`` steps of STEP values (one
-    segment, K % 4 == 0). Compiled lazily, cached."""
-    if mt not in SERIAL_ROW_TILES or leaf_groups not in SERIAL_LEAF_GROUPS or not 1 <= steps <= SPLIT_STEPS:
-        raise ValueError(f"no serial head kernel for mt={mt!r}, leaf_groups={leaf_groups!r}, steps={steps!r}")
-    MT, C, J, LG = mt, SERIAL_COLS, steps, leaf_groups
+def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warps: int) -> Any:
+    """The thread-serial head kernel (compiled lazily, cached): ``mt`` rows x SERIAL_COLS columns a
+    thread, K of ``steps`` steps of STEP values (one segment, K % 4 == 0), the 32 leaves in
+    ``phases`` staged phases, blocks of ``col_warps`` x ``row_warps`` warps."""
+    if mt not in SERIAL_ROW_TILES or not 1 <= steps <= SPLIT_STEPS or phases not in SERIAL_PHASES or \
+            col_warps not in SERIAL_COL_WARPS or not 1 <= row_warps <= SERIAL_MAX_ROW_WARPS:
+        raise ValueError(f"no serial head kernel for mt={mt!r}, steps={steps!r}, phases={phases!r}, "
+                         f"col_warps={col_warps!r}, row_warps={row_warps!r}")
+    MT, C, J, P = mt, SERIAL_COLS, steps, phases
     MTC = MT * C
-    LEAVES = WARP // LG                        # leaves of a warp's subtree
-    TOP = SERIAL_LEVELS - (LG.bit_length() - 1)   # subtrees fold here (a warp's own root forms in TOP - 1)
-    PART = max(1, (LG - 1) * (SERIAL_MAX_WARPS // LG) * WARP * MTC)   # the subtrees of warps q > 0
+    LP = WARP // P                             # leaves per phase
+    NB = col_warps * SERIAL_WARP_COLS          # the block's columns
+    N4 = NB // VEC                             # 16-byte chunks of a staged weight k-row
+    RB = SERIAL_ROW_LANES * row_warps * MT     # the block's rows
+    CHUNKS = LP * J                            # x chunks of 4 k a row holds per phase
+    THREADS = col_warps * row_warps * WARP
+    SL = SERIAL_STAGE_LOADS
+    W_FLOATS, _, XS = _serial_floats(mt, steps, phases, col_warps, row_warps)
+    W_CHUNKS = W_FLOATS // VEC
+    X_CHUNKS = RB * CHUNKS
 
     @cuda.jit(device=True, inline="always")
     def leaf_lane(i):
@@ -1337,129 +1455,172 @@ def get_serial_kernel(mt: int, leaf_groups: int, steps: int) -> Any:
 
     @cuda.jit(device=True, inline="always")
     def fold(level, i):
-        """Leaf i (its chains in level 0) done: every subtree it finishes moves up a level, below
-        the warp's own subtree (whose root forms in level TOP - 1). Constant indices: the levels
-        stay in registers."""
-        if TOP > 1 and i & 1:
+        """Leaf i (its chains added to level 0) done: every subtree it finishes moves up a level;
+        the root forms in the top level. Constant indices: the levels stay in registers."""
+        if i & 1:
             promote(level, 0)
-            if TOP > 2 and i & 2:
+            if i & 2:
                 promote(level, 1)
-                if TOP > 3 and i & 4:
+                if i & 4:
                     promote(level, 2)
-                    if TOP > 4 and i & 8:
+                    if i & 8:
                         promote(level, 3)
 
-    @cuda.jit(**launch_bounds(SERIAL_MAX_WARPS * WARP))
-    def kernel(x, w_kn, out, n_cols, k_dim, row_warps):
+    @cuda.jit(device=True, inline="always")
+    def stage(x, w_kn, sh, buf, g, ph, row_base, col_base, n_cols, k_dim):
+        """Phase ph's staging: weights [CHUNKS * 4 k, NB] (k-row (li * J + j) * 4 + e is k = 128 j +
+        4 bitrev(ph * LP + li) + e) and x [RB, XS] (chunk li * J + j of a row: its 4 k); zeros
+        past K, past N and past M. SL 16-byte loads in flight a thread, then their stores."""
+        tid = int32(cuda.threadIdx.x)
+        m_rows = x.shape[0]
+        for base in range(tid, W_CHUNKS, THREADS * SL):
+            for s in range(SL):
+                idx = int32(base + s * THREADS)
+                v0 = v1 = v2 = v3 = ZERO
+                if idx < W_CHUNKS:
+                    t = idx // N4
+                    col = col_base + (idx - t * N4) * VEC
+                    k = (t // VEC % J) * STEP + VEC * leaf_lane(ph * LP + t // (VEC * J)) + t % VEC
+                    if k < k_dim and col < n_cols:
+                        v0, v1, v2, v3 = load_f32x4(w_kn, (int64(g) * k_dim + k) * n_cols + col)
+                buf[s, 0] = v0
+                buf[s, 1] = v1
+                buf[s, 2] = v2
+                buf[s, 3] = v3
+            for s in range(SL):
+                idx = int32(base + s * THREADS)
+                if idx < W_CHUNKS:
+                    shared_put4(sh, idx * VEC, buf[s, 0], buf[s, 1], buf[s, 2], buf[s, 3])
+        for base in range(tid, X_CHUNKS, THREADS * SL):
+            for s in range(SL):
+                idx = int32(base + s * THREADS)
+                v0 = v1 = v2 = v3 = ZERO
+                if idx < X_CHUNKS:
+                    r = idx // CHUNKS
+                    c = idx - r * CHUNKS
+                    k0 = (c % J) * STEP + VEC * leaf_lane(ph * LP + c // J)
+                    if k0 < k_dim and row_base + r < m_rows:
+                        v0, v1, v2, v3 = load_x4(x, row_base + r, g, k0)
+                buf[s, 0] = v0
+                buf[s, 1] = v1
+                buf[s, 2] = v2
+                buf[s, 3] = v3
+            for s in range(SL):
+                idx = int32(base + s * THREADS)
+                if idx < X_CHUNKS:
+                    r = idx // CHUNKS
+                    shared_put4(sh, W_FLOATS + r * XS + (idx - r * CHUNKS) * VEC,
+                                buf[s, 0], buf[s, 1], buf[s, 2], buf[s, 3])
+
+    @cuda.jit(**launch_bounds(THREADS))
+    def kernel(x, w_kn, out, n_cols, k_dim):
         """out[m, g] = x[m, g] @ w[g].T in head_linear's order. x [M, G, K] (16-byte aligned rows,
         K % 4 == 0), w_kn flat [G * K * N] (w k-major: w_kn[g, k, n] = w[g, n, k]; N % 4 == 0),
-        out [M, G, N]. Grid (ceil(N / 128), row blocks, G), blocks of LG x row_warps warps: warp
-        (q, rw) takes rows (blockIdx.y * row_warps + rw) * MT + i, columns blockIdx.x * 128 +
-        4 lane + c, and leaves [q * 32 / LG, (q + 1) * 32 / LG) of the traversal; warps q > 0
-        park their subtrees in shared memory and warp 0 adds them in the tree's order."""
-        parts = cuda.shared.array(PART, float32)   # [LG - 1, row_warps, 32, MTC] subtrees of q > 0
-        p = cuda.local.array(MTC, float32)         # the current leaf's chains
+        out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G); dynamic shared memory: one phase's
+        staging, W_FLOATS + RB * XS floats."""
+        sh = cuda.shared.array(0, float32)     # [CHUNKS * 4, NB] weights | [RB, XS] x chunks
+        buf = cuda.local.array((SL, VEC), float32)
+        p = cuda.local.array(MTC, float32)     # the current leaf's chains
         level = cuda.local.array((SERIAL_LEVELS, MTC), float32)   # unfinished subtrees
         xv = cuda.local.array((MT, VEC), float32)
-        rows = cuda.local.array(MT, int32)
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.threadIdx.x // WARP
-        q = warp // row_warps                      # the leaf group
-        rw = warp - q * row_warps
-        g = cuda.blockIdx.z
-        m_rows = x.shape[0]
-        row0 = (cuda.blockIdx.y * row_warps + rw) * MT
-        col0 = cuda.blockIdx.x * SERIAL_WARP_COLS + C * lane
-        col = min(col0, n_cols - C)                # columns past N re-read the last four, not stored
-        live = row0 < m_rows                       # warp-uniform; no early return: a barrier follows
-        for i in range(MT):
-            rows[i] = min(row0 + i, m_rows - 1)    # rows past M re-read the last, not stored
+        wv = cuda.local.array((VEC, C), float32)
+        lane = int32(cuda.threadIdx.x) % WARP
+        warp = int32(cuda.threadIdx.x) // WARP
+        g = int32(cuda.blockIdx.z)
+        row_base = int32(cuda.blockIdx.y) * RB
+        col_base = int32(cuda.blockIdx.x) * NB
+        c_sh = (warp % col_warps) * SERIAL_WARP_COLS + (lane % SERIAL_COL_LANES) * C   # staged column
+        r_sh = ((warp // col_warps) * SERIAL_ROW_LANES + lane // SERIAL_COL_LANES) * MT   # staged row
+        x_at = W_FLOATS + r_sh * XS            # the thread's first staged x row
         for a in range(MTC):
             for t in range(SERIAL_LEVELS):
                 level[t, a] = NEG_ZERO
-        if live:
-            for i in range(q * LEAVES, (q + 1) * LEAVES):
+        for ph in range(P):
+            if ph > 0:
+                cuda.syncthreads()             # every warp done with the previous phase's staging
+            stage(x, w_kn, sh, buf, g, ph, row_base, col_base, n_cols, k_dim)
+            cuda.syncthreads()                 # the phase's staging visible to every warp
+            for li in range(LP):
+                i = ph * LP + li
                 k_lane = VEC * leaf_lane(i)
                 for a in range(MTC):
                     p[a] = ZERO
                 for j in range(J):
-                    k0 = j * STEP + k_lane
-                    if k0 < k_dim:                 # the chunk is whole (K % 4 == 0)
+                    if j * STEP + k_lane < k_dim:      # the chunk is whole (K % 4 == 0)
+                        at = int32((li * J + j) * VEC)
                         for r in range(MT):
-                            x0, x1, x2, x3 = load_x4(x, rows[r], g, k0)
-                            xv[r, 0] = x0
-                            xv[r, 1] = x1
-                            xv[r, 2] = x2
-                            xv[r, 3] = x3
-                        for e in range(VEC):       # the chain: j, then e ascending
-                            w0, w1, w2, w3 = load_f32x4(w_kn, (g * k_dim + k0 + e) * n_cols + col)
+                            xv[r, 0], xv[r, 1], xv[r, 2], xv[r, 3] = shared_x4(sh, x_at + r * XS + at)
+                        for e in range(VEC):
+                            wv[e, 0], wv[e, 1], wv[e, 2], wv[e, 3] = shared_x4(sh, (at + e) * NB + c_sh)
+                        for e in range(VEC):   # the chain: j, then e ascending
                             for r in range(MT):
-                                p[r * C] = cuda.fma(xv[r, e], w0, p[r * C])
-                                p[r * C + 1] = cuda.fma(xv[r, e], w1, p[r * C + 1])
-                                p[r * C + 2] = cuda.fma(xv[r, e], w2, p[r * C + 2])
-                                p[r * C + 3] = cuda.fma(xv[r, e], w3, p[r * C + 3])
+                                for c in range(C):
+                                    p[r * C + c] = cuda.fma(xv[r, e], wv[e, c], p[r * C + c])
                 for a in range(MTC):
                     level[0, a] += p[a]
                 fold(level, i)
-        if LG > 1:
-            if q > 0:
-                base = (((q - 1) * row_warps + rw) * WARP + lane) * MTC
-                for a in range(MTC):
-                    parts[base + a] = level[TOP - 1, a]
-            cuda.syncthreads()   # every warp's subtree parked
-            if q == 0:
-                # The subtrees are the tree's nodes of height 5 - log2(LG), in traversal order:
-                # folded by the same counter from level TOP on (warp 0's own first).
-                for qq in range(LG):
-                    base = (((qq - 1) * row_warps + rw) * WARP + lane) * MTC
-                    for a in range(MTC):
-                        level[TOP, a] += level[TOP - 1, a] if qq == 0 else parts[base + a]
-                    if qq & 1 and TOP + 1 < SERIAL_LEVELS:
-                        promote(level, TOP)
-        if q == 0 and live:
-            for r in range(MT):
-                if row0 + r < m_rows:
-                    for c in range(C):
-                        if col0 + c < n_cols:
-                            out[row0 + r, g, col0 + c] = level[SERIAL_LEVELS - 1, r * C + c]
+        m_rows = x.shape[0]
+        for r in range(MT):
+            row = row_base + r_sh + r
+            if row < m_rows:
+                for c in range(C):
+                    col = col_base + c_sh + c
+                    if col < n_cols:
+                        out[row, g, col] = level[SERIAL_LEVELS - 1, r * C + c]
 
     return kernel
 
 
 def _serial_sigs() -> tuple:
     a3 = float32[:, :, :]
-    return ((a3, float32[:, :, ::1], a3, int32, int32, int32),)
+    return ((a3, float32[:, :, ::1], a3, int32, int32),)
 
 
-# The compile check: the widest footprint (4 x 4 outputs, K 512 unrolled, four leaf groups) only:
-# the kernel is off by default and each entry costs CI time.
-for _mt, _lg, _steps in ((4, 4, 4),):
-    register(f"head_linear_serial_mt{_mt}_lg{_lg}_s{_steps}", get_serial_kernel(_mt, _lg, _steps), _serial_sigs(),
-             f"head_linear's order run by one thread per {_mt} x {SERIAL_COLS} outputs and {WARP // _lg} "
-             f"leaves (no butterfly), K <= {_steps * STEP}", block_threads=SERIAL_MAX_WARPS * WARP)
+# The compile check: W_UV's launch of a 33-row verify on the H200 (3 rows a thread, K 512 in two
+# phases, one column warp, three row warps): the kernel is off by default and each entry costs CI
+# time.
+for _args in ((3, 4, 2, 1, 3),):
+    register("head_linear_serial_mt{}_s{}_p{}_c{}_r{}".format(*_args), get_serial_kernel(*_args), _serial_sigs(),
+             f"head_linear's order run by one thread per {_args[0]} x {SERIAL_COLS} outputs from staged leaves "
+             f"(no butterfly), K <= {_args[1] * STEP}", block_threads=_args[3] * _args[4] * WARP)
+
+
+def _serial_budget() -> int:
+    """Staged bytes a serial block may take: SERIAL_SMEM on a GPU (within the opt-in limit), the
+    default limit's XS_BUDGET_BYTES under the simulator."""
+    return XS_BUDGET_BYTES if SIM_TREE else min(SERIAL_SMEM, xs_budget())
 
 
 @functools.lru_cache(maxsize=1024)
-def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> tuple | None:
-    """The thread-serial launch of a head product: (mt, leaf_groups, steps, grid, threads,
-    row_warps), or None where the warp layout runs (SERIAL_HEADS off, fewer than SERIAL_MIN_ROWS
-    rows, K of several segments, K or N not a multiple of 4). A function of the shapes; layout,
-    never the order. Leaf groups: the fewest that give SERIAL_MIN_WARPS warps (narrow outputs:
-    W_UV's 128 columns take four)."""
+def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> SerialPlan | None:
+    """The thread-serial launch of a head product, or None where the warp layout runs
+    (SERIAL_HEADS off, fewer than SERIAL_MIN_ROWS rows, K of several segments, K or N not a
+    multiple of 4, or no phase count whose staging fits). Rows per thread: the fewest wasted rows;
+    column warps: the widest slab giving SERIAL_MIN_BLOCKS blocks (else one); phases: the fewest
+    that fit the staging budget. A function of the shapes; layout, never the order."""
     if not SERIAL_HEADS or rows < SERIAL_MIN_ROWS or k_split(k_dim) != 1 or k_dim % VEC or n_cols % SERIAL_COLS:
         return None
-    max_warps = SIM_SERIAL_WARPS if SIM_TREE else SERIAL_MAX_WARPS
-    mt = min(SERIAL_ROW_TILES, key=lambda t: (-(-rows // t) * t - rows, -t))
-    row_groups = -(-rows // mt)
-    col_blocks = -(-n_cols // SERIAL_WARP_COLS)
-    lg = next((g for g in SERIAL_LEAF_GROUPS if col_blocks * row_groups * groups * g >= SERIAL_MIN_WARPS),
-              SERIAL_LEAF_GROUPS[-1])
-    row_blocks = -(-row_groups // (max_warps // lg))
-    row_warps = -(-row_groups // row_blocks)        # balanced over the row blocks
-    grid = (col_blocks, row_blocks, groups)
-    threads = lg * row_warps * WARP
-    check_launch(grid, threads, 0)
-    return mt, lg, -(-k_dim // STEP), grid, threads, row_warps
+    mt = min(SERIAL_ROW_TILES, key=lambda t: (-(-rows // (SERIAL_ROW_LANES * t)) * SERIAL_ROW_LANES * t - rows, -t))
+    row_groups = -(-rows // (SERIAL_ROW_LANES * mt))      # warp rows needed
+    row_blocks = -(-row_groups // (SIM_SERIAL_ROW_WARPS if SIM_TREE else SERIAL_MAX_ROW_WARPS))
+    row_warps = -(-row_groups // row_blocks)              # balanced over the row blocks
+    steps = -(-k_dim // STEP)
+    widths = [c for c in SERIAL_COL_WARPS if c * row_warps <= SERIAL_MAX_WARPS] or SERIAL_COL_WARPS[-1:]
+    for col_warps in widths[-1:] if SIM_TREE else widths:
+        slabs = -(-n_cols // (col_warps * SERIAL_WARP_COLS))
+        if slabs * row_blocks * groups >= SERIAL_MIN_BLOCKS or col_warps == SERIAL_COL_WARPS[-1]:
+            break
+    for phases in SERIAL_PHASES:
+        w_floats, x_floats, _ = _serial_floats(mt, steps, phases, col_warps, row_warps)
+        smem = 4 * (w_floats + x_floats)
+        if smem <= _serial_budget():
+            break
+    else:
+        return None
+    grid = (slabs, row_blocks, groups)
+    threads = col_warps * row_warps * WARP
+    check_launch(grid, threads, smem, opt_in=_opts_in(smem))
+    return SerialPlan(mt, steps, phases, col_warps, row_warps, grid, threads, smem)
 
 # --- split K: a product whose rows overflow the staging budget, as per-segment products --------
 #
