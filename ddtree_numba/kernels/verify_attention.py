@@ -15,7 +15,10 @@ Numerics: one key sequence, one result.
     keys: keys are processed in chunks of ``CHUNK`` positions at multiples of ``CHUNK``, grouped in
     segments of ``split_size`` positions at multiples of ``split_size``; every chunk is reduced in a
     fixed order (online softmax, limits §7), every segment's partial ``(m, l, acc[Dl])`` goes to the
-    workspace, and the merge kernel folds the segments in segment order. Nothing depends on ``T``,
+    workspace, and the merge kernel folds the segments in segment order (a node whose keys end
+    inside segment 0, ``N + path length < split_size``, gets the merge's arithmetic in its attention
+    block, written straight to ``out`` / ``lse``, and the merge skips it: the same operations, so
+    the same bits, one launch's work and a workspace round trip less). Nothing depends on ``T``,
     the batch or the other queries, so a tree node's output equals, bit for bit, a ``T = 1`` call
     (root only, visibility ``[[1]]``) on the compacted cache of its path: DDTree stays exactly
     lossless (spec §1.4). The invariance holds between calls with the same :class:`TileConfig`
@@ -485,6 +488,24 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     SF_ALPHAS = HEADS * SF_CHUNKS
 
     @cuda.jit(device=True, inline="always")
+    def one_segment(seg, seg_end, split):
+        """Whether this block's node has all its keys in segment 0, short of its end (past +
+        path_len < split: the merge's own test, so exactly one of the two writes out)."""
+        return seg == 0 and seg_end < split
+
+    @cuda.jit(device=True, inline="always")
+    def merged(acc, m, l):
+        """The merge's output element for one segment: the same operations (w = exp(m - m),
+        fma(x, w, 0)), so the same bits."""
+        w = math.exp(m - m)
+        return cuda.fma(acc, w, float32(0.0)) / cuda.fma(l, w, float32(0.0))
+
+    @cuda.jit(device=True, inline="always")
+    def merged_lse(m, l):
+        """The merge's lse for one segment (same operations, same bits)."""
+        return m + math.log(cuda.fma(l, math.exp(m - m), float32(0.0)))
+
+    @cuda.jit(device=True, inline="always")
     def block_work(past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words,
                    split):
         """This block's (node, first head, segment, request), the request's past and size, the
@@ -715,13 +736,15 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
 
     @cuda.jit(**launch_bounds(THREADS))
     def attention(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility,
-                  tree_capacity, num_heads, kv_rows, vis_words, scale, split, workspace):
-        """One (node, head group, segment): the segment's partial (acc, m, l) -> workspace.
+                  tree_capacity, num_heads, kv_rows, vis_words, scale, split, workspace, out, lse):
+        """One (node, head group, segment): the segment's partial (acc, m, l) -> workspace, or,
+        for a node whose keys fit one segment (:func:`one_segment`), the merge's arithmetic on it
+        -> out and lse (the same bits; the merge skips the node).
 
         Flat float32 views of q_latent [bs, Tc, H, Dl], q_rope [bs, Tc, H, Dr],
         kv_latent [bs, S, Dl], k_rope [bs, S, Dr]; past_lens, tree_sizes int32 [bs];
         flat uint32 visibility [bs, Tc, W]; int32 Tc, H, S, W; float32 scale; int32 split;
-        flat float32 workspace [n_splits, bs, Tc, H, Dl + 2].
+        flat float32 workspace [n_splits, bs, Tc, H, Dl + 2], out [bs, Tc, H, Dl], lse [bs, Tc, H].
         """
         bufs = cuda.shared.array(TWO_BUFS, float32)   # q|k slices [HEADS|CHUNK, KSP]; 2 v slices
         probs = cuda.shared.array(PROBS, float32)     # [CHUNK, PROW] probabilities, key-major
@@ -871,9 +894,20 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                             acc[i, j] = cuda.fma(p_val[i], v_val[j], acc[i, j])
             cur = nxt
 
-        # ---- segment partial -> workspace [seg, b, node, h, :] ----
+        # ---- segment partial -> workspace [seg, b, node, h, :], or (one segment) -> out, lse ----
         batch = past_lens.shape[0]
         ws_row = ((seg * batch + b) * tree_capacity + node) * num_heads + h0
+        if one_segment(seg, seg_end, split):   # ws_row is out's row (segment 0)
+            for i in range(PM):
+                m_fin = m_sh[uint64(cur * HEADS + pv_row0 + i)]
+                l_fin = l_sh[uint64(cur * HEADS + pv_row0 + i)]
+                for j in range(PD):
+                    dim = dim_lane * VV + (j // VV) * (DIM_THREADS * VV) + j % VV
+                    out[uint64((ws_row + pv_row0 + i) * DL + dim)] = merged(acc[i, j], m_fin, l_fin)
+            if tid < HEADS:
+                lse[uint64(ws_row + tid)] = merged_lse(m_sh[uint64(cur * HEADS + tid)],
+                                                       l_sh[uint64(cur * HEADS + tid)])
+            return
         for i in range(PM):
             for j in range(PD):
                 dim = dim_lane * VV + (j // VV) * (DIM_THREADS * VV) + j % VV
@@ -911,6 +945,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             n_seg = (past + path_len + split - 1) // split
             if path_len > MAX_PATH or n_seg > num_splits:
                 n_seg = 0
+            elif past + path_len < split:
+                return   # one segment: the attention block wrote out and lse (one_segment)
         out_row = (b * tree_capacity + node) * num_heads
         seg_stride = batch * tree_capacity * num_heads    # workspace rows per segment
         for e in range(tid, MERGE_HEADS * DL, MERGE_THREADS):
@@ -939,7 +975,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     @cuda.jit(**launch_bounds(THREADS))
     def attention_score_first(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes,
                               visibility, tree_capacity, num_heads, kv_rows, vis_words, scale,
-                              split, workspace):
+                              split, workspace, out, lse):
         """:func:`attention` for few nodes, the same bits: SB keys of every tile head scored per
         pass (all score threads busy, where the chunk layout has CHUNK keys a pass), then the
         pass's chunks through the online softmax in chunk order on the chunk layout's lanes
@@ -953,6 +989,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         alpha = cuda.shared.array(SF_ALPHAS, float32)  # [HEADS, SF_CHUNKS] acc rescale per chunk
         path = cuda.shared.array(MAX_PATH, int32)      # tree node at position past + k
         rows = cuda.shared.array(SB, int32)            # [SB] flat cache rows of the pass (-1: none)
+        fin = cuda.shared.array(TWO_HEADS, float32)    # [2, HEADS] final m, then l (one segment)
 
         tid = cuda.threadIdx.x
         node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(
@@ -1091,9 +1128,24 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                                 for i in range(SF_DIMS):
                                     acc[h, i] = cuda.fma(p_head[h], v_val[c, i], acc[h, i])
 
-        # ---- segment partial -> workspace [seg, b, node, h, :] ----
+        # ---- segment partial -> workspace [seg, b, node, h, :], or (one segment) -> out, lse ----
         batch = past_lens.shape[0]
         ws_row = ((seg * batch + b) * tree_capacity + node) * num_heads + h0
+        if one_segment(seg, seg_end, split):   # block-uniform; ws_row is out's row (segment 0)
+            if sm_writer and sm_tile == 0 and sm_kg == 0:
+                fin[sm_head] = m_run
+                fin[HEADS + sm_head] = l_run
+            cuda.syncthreads()  # every head's final (m, l) visible to the P·V threads
+            for h in range(HEADS):
+                m_fin = fin[h]
+                l_fin = fin[HEADS + h]
+                for i in range(SF_DIMS):
+                    dim = dim0 + i
+                    if dim < DL:
+                        out[uint64((ws_row + h) * DL + dim)] = merged(acc[h, i], m_fin, l_fin)
+            if tid < HEADS:
+                lse[uint64(ws_row + tid)] = merged_lse(fin[tid], fin[HEADS + tid])
+            return
         for h in range(HEADS):
             for i in range(SF_DIMS):
                 dim = dim0 + i
@@ -1296,7 +1348,7 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
     q_lat, q_rp, kv_lat, k_rp, vis, ws, out_flat, lse_flat = flat
     dims = (np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)))
     launch(attention, p.attention_grid, cfg.threads, stream, 0, q_lat, q_rp, kv_lat, k_rp,
-           past_lens, tree_sizes, vis, *dims, scale, np.int32(p.split_size), ws)
+           past_lens, tree_sizes, vis, *dims, scale, np.int32(p.split_size), ws, out_flat, lse_flat)
     launch(merge, p.merge_grid, cfg.merge_threads, stream, 0, past_lens, tree_sizes, vis, *dims,
            np.int32(p.split_size), np.int32(p.num_splits), ws, out_flat, lse_flat)
 
@@ -1336,7 +1388,7 @@ def verify_attention(q_latent: np.ndarray, q_rope: np.ndarray, kv_latent: np.nda
 KIMI_K2_CONFIG = default_config(512, 64, 64)
 _DIMS = (int32, int32, int32, int32)     # Tc, H, S, W
 _ATTENTION_SIG = (float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], int32[::1],
-                  uint32[::1], *_DIMS, float32, int32, float32[::1])
+                  uint32[::1], *_DIMS, float32, int32, float32[::1], float32[::1], float32[::1])
 _MERGE_SIG = (int32[::1], int32[::1], uint32[::1], *_DIMS, int32, int32, float32[::1],
               float32[::1], float32[::1])
 # The chunk-layout few-node tilings (the engine's decode and small-tree tiles before the score-first
