@@ -253,10 +253,12 @@ def test_serial_plan(monkeypatch, request):
     """Rows per thread waste the fewest rows, a block holds every row up to its row-warp cap (then
     grid y), blocks stay within SERIAL_MAX_WARPS warps, phases are the fewest whose staging fits;
     below SERIAL_MIN_ROWS, with K of several segments, K or N not a multiple of 4 (or SERIAL_HEADS
-    off, the default) the warp layout runs."""
+    off, the simulator's default) the warp layout runs."""
     request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
     lin.serial_plan.cache_clear()
-    assert not lin.SERIAL_HEADS and lin.serial_plan(33, 64, 512, 128) is None
+    assert lin.SERIAL_HEADS == (not SIMULATED)                # the GPU default
+    monkeypatch.setattr(lin, "SERIAL_HEADS", False)
+    assert lin.serial_plan(33, 64, 512, 128) is None
     monkeypatch.setattr(lin, "SERIAL_HEADS", True)
     lin.serial_plan.cache_clear()
     assert lin.serial_plan(lin.SERIAL_MIN_ROWS - 1, 64, 512, 128) is None

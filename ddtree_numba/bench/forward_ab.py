@@ -19,8 +19,9 @@ default 64-head tile at every size); COLS = ``auto`` (``linear.columns``: the 8 
 ``4`` (8 x 4 everywhere), either with ``-plain`` (the linears' load-then-FMA weight loop for every
 row tile, ``linear.PIPELINE_WEIGHTS`` off) or ``-ring1`` (the weight ring for every row tile,
 ``linear.PIPELINE_MIN_ROW_TILE`` 1; by default the ring runs from 4-row tiles on), or ``auto-serial``
-(the MLA absorbs of >= 8 rows in ``head_linear``'s thread-serial kernel, ``linear.SERIAL_HEADS`` on;
-off by default: run "serial heads", a 33-row forward 4381.6 us with it, 2813.2 without).
+(the MLA absorbs of >= 8 rows in ``head_linear``'s thread-serial kernel, ``linear.SERIAL_HEADS`` on,
+the GPU default; every other COLS runs them in the warp layout: run "staged absorbs", a 33-row
+forward 2763.6 us with the serial kernel, 2812.2 without).
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto

@@ -432,8 +432,8 @@ class TargetModel:
         m, d, hv, inter = self.batch_size * self.max_rows, config.hidden_size, config.n_heads * config.v_head_dim, \
             config.dense_intermediate
         self._wo_split = self._w2_split = None
-        # With linear.SERIAL_HEADS on (off by default: slower on the H200), the absorbs of many rows
-        # run in head_linear's thread-serial kernel, which reads the weights k-major
+        # With linear.SERIAL_HEADS on (the GPU default), the absorbs of many rows run in
+        # head_linear's thread-serial kernel, which stages the weights k-major
         # (linear.serial_plan; the same bits as the warp layout).
         self._absorb_kn = None
         if serial_plan(m, config.n_heads, config.kv_lora_rank, config.qk_nope_dim) is not None:

@@ -1194,7 +1194,7 @@ def _rows_aligned(x: Any) -> bool:
 def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) -> Any:
     """Per-group products ``out[m, g] = x[m, g] @ w[g].T`` (MLA absorb), batch-invariant.
 
-    With SERIAL_HEADS on (off by default) and ``w_kn`` given, a product of SERIAL_MIN_ROWS rows
+    With SERIAL_HEADS on (the GPU default) and ``w_kn`` given, a product of SERIAL_MIN_ROWS rows
     or more (a tree verify) with a one-segment K runs in the thread-serial kernel
     (:func:`serial_plan`; K and N multiples of 4, x's rows on 16 bytes), anything else in the warp
     layout: the same bits either way.
@@ -1262,11 +1262,14 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
 # History (H200, forward_ab, a 33-row forward of `small`, warp layout 2813-2837 us): weights read
 # [G, N, K] per lane from global memory 6567.4 us; k-major, one column and one scalar x load per
 # lane and k 4381.6 us; k-major, 4 adjacent columns and 16-byte x loads per lane (each thread a
-# chain of 32 dependent global round trips) 2904.0 us, run "staged absorbs". OFF by default until
-# this version is measured faster (bench.forward_ab ``auto-serial`` switches it on). An AR step keeps
-# the warp layout either way: its weight stream is the work there.
+# chain of 32 dependent global round trips) 2904.0 us; this version 2763.6 us against 2812.2 (same
+# process, run "staged absorbs"), so it is the GPU default (bench.forward_ab ``auto-serial``; the
+# other variants switch it off). An AR step keeps the warp layout: its weight stream is the work.
 
-SERIAL_HEADS = False          # the thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows
+# The thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows: on a GPU; the simulator
+# keeps the warp layout (the same bits, tested both ways; Python threads make the serial kernel's
+# many-row launches of the engine tests slow there).
+SERIAL_HEADS = not SIM_TREE
 SERIAL_MIN_ROWS = 8
 SERIAL_ROW_TILES = (4, 3, 2, 1)   # rows per thread: the one wasting fewest rows (ties: larger)
 SERIAL_COLS = VEC                 # adjacent columns per thread: 16-byte loads of a staged k-row
@@ -1577,8 +1580,8 @@ def _serial_sigs() -> tuple:
 
 
 # The compile check: W_UV's launch of a 33-row verify on the H200 (3 rows a thread, K 512 in two
-# phases, one column warp, three row warps): the kernel is off by default and each entry costs CI
-# time.
+# phases, one column warp, three row warps); W_UK's (one phase, two column warps) differs only in
+# constants, and each entry costs CI time.
 for _args in ((3, 4, 2, 1, 3),):
     register("head_linear_serial_mt{}_s{}_p{}_c{}_r{}".format(*_args), get_serial_kernel(*_args), _serial_sigs(),
              f"head_linear's order run by one thread per {_args[0]} x {SERIAL_COLS} outputs from staged leaves "
