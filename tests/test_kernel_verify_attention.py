@@ -370,12 +370,12 @@ def test_score_first_layout_is_not_numerics(layout, score_first_baseline):
 def test_one_segment_nodes_skip_the_merge_with_its_bits(cfg):
     """A node whose keys end inside segment 0 takes the merge's arithmetic in its attention block
     (one_segment); one whose keys fill segment 0 exactly goes through the workspace and the merge.
-    Request 0's deepest node (60 past keys + a path of 4 = 64) does the latter at split 64 and the
-    former at split 128, over the same chunks: the same bits, as every other node."""
+    Request 0's deepest node (28 past keys + a path of 4 = 32) does the latter at split 32 and the
+    former at split 64, over the same chunks: the same bits, as every other node."""
     rng = np.random.default_rng(5)
-    inputs, _ = _batch(rng, cfg, 2, [60, 47], [4, 5], 5, 72, chain=True)
-    exact = _run(inputs, 0.3, cfg, 64)
-    inside = _run(inputs, 0.3, cfg, 128)
+    inputs, _ = _batch(rng, cfg, 2, [28, 10], [4, 3], 4, 40, chain=True)
+    exact = _run(inputs, 0.3, cfg, 32)
+    inside = _run(inputs, 0.3, cfg, 64)
     assert _same_bits(exact[0], inside[0]) and _same_bits(exact[1], inside[1])
     _assert_close(*inside, *_reference(inputs, 0.3))
 

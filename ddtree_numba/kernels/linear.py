@@ -1276,14 +1276,14 @@ SERIAL_COLS = VEC                 # adjacent columns per thread: 16-byte loads o
 SERIAL_COL_LANES = 8              # lanes of a warp across columns (lane % 8) ...
 SERIAL_ROW_LANES = WARP // SERIAL_COL_LANES   # ... and across row groups (lane // 8)
 SERIAL_WARP_COLS = SERIAL_COL_LANES * SERIAL_COLS
-SERIAL_COL_WARPS = (4, 2, 1)      # column warps per block: the widest giving SERIAL_MIN_BLOCKS blocks
+SERIAL_COL_WARPS = (4, 2, 1)      # column warps per block: the widest giving SERIAL_BLOCKS_PER_SM
 SERIAL_MAX_ROW_WARPS = 8          # row warps per block; more rows take grid y
 SERIAL_MAX_WARPS = 8              # warps per block: up to 255 registers a thread
 SIM_SERIAL_ROW_WARPS = 2          # the simulator's threads are Python threads: small blocks (one
                                   # column warp, two row warps)
 SERIAL_PHASES = (1, 2, 4, 8, 16, 32)   # leaf phases: the fewest whose staging fits SERIAL_SMEM
 SERIAL_SMEM = 72 * 1024           # staged bytes per block on a GPU: three blocks an SM on the H200
-SERIAL_MIN_BLOCKS = 2 * 132       # two blocks per H200 SM
+SERIAL_BLOCKS_PER_SM = 2          # column slabs narrow until the grid has this many blocks an SM
 SERIAL_STAGE_LOADS = 8            # 16-byte staging loads in flight per thread
 SERIAL_X_PAD = VEC                # floats after each staged x row: a warp's 4 rows on distinct banks
 SERIAL_LEVELS = 5                 # log2(WARP): the butterfly's depth
@@ -1599,7 +1599,7 @@ def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> SerialPlan |
     """The thread-serial launch of a head product, or None where the warp layout runs
     (SERIAL_HEADS off, fewer than SERIAL_MIN_ROWS rows, K of several segments, K or N not a
     multiple of 4, or no phase count whose staging fits). Rows per thread: the fewest wasted rows;
-    column warps: the widest slab giving SERIAL_MIN_BLOCKS blocks (else one); phases: the fewest
+    column warps: the widest slab giving SERIAL_BLOCKS_PER_SM blocks an SM (else one); phases: the fewest
     that fit the staging budget. A function of the shapes; layout, never the order."""
     if not SERIAL_HEADS or rows < SERIAL_MIN_ROWS or k_split(k_dim) != 1 or k_dim % VEC or n_cols % SERIAL_COLS:
         return None
@@ -1609,9 +1609,10 @@ def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> SerialPlan |
     row_warps = -(-row_groups // row_blocks)              # balanced over the row blocks
     steps = -(-k_dim // STEP)
     widths = [c for c in SERIAL_COL_WARPS if c * row_warps <= SERIAL_MAX_WARPS] or SERIAL_COL_WARPS[-1:]
+    min_blocks = SERIAL_BLOCKS_PER_SM * active_profile().sm_count
     for col_warps in widths[-1:] if SIM_TREE else widths:
         slabs = -(-n_cols // (col_warps * SERIAL_WARP_COLS))
-        if slabs * row_blocks * groups >= SERIAL_MIN_BLOCKS or col_warps == SERIAL_COL_WARPS[-1]:
+        if slabs * row_blocks * groups >= min_blocks or col_warps == SERIAL_COL_WARPS[-1]:
             break
     for phases in SERIAL_PHASES:
         w_floats, x_floats, _ = _serial_floats(mt, steps, phases, col_warps, row_warps)
