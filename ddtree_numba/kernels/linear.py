@@ -1277,8 +1277,8 @@ SERIAL_COL_LANES = 8              # lanes of a warp across columns (lane % 8) ..
 SERIAL_ROW_LANES = WARP // SERIAL_COL_LANES   # ... and across row groups (lane // 8)
 SERIAL_WARP_COLS = SERIAL_COL_LANES * SERIAL_COLS
 SERIAL_COL_WARPS = (4, 2, 1)      # column warps per block: the widest giving SERIAL_BLOCKS_PER_SM
-SERIAL_MAX_ROW_WARPS = 8          # row warps per block; more rows take grid y
-SERIAL_MAX_WARPS = 8              # warps per block: up to 255 registers a thread
+SERIAL_MAX_WARPS = 8              # warps per block (up to 255 registers a thread); more row warps
+                                  # than that take grid y
 SIM_SERIAL_ROW_WARPS = 2          # the simulator's threads are Python threads: small blocks (one
                                   # column warp, two row warps)
 SERIAL_PHASES = (1, 2, 4, 8, 16, 32)   # leaf phases: the fewest whose staging fits SERIAL_SMEM
@@ -1428,7 +1428,7 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
     thread, K of ``steps`` steps of STEP values (one segment, K % 4 == 0), the 32 leaves in
     ``phases`` staged phases, blocks of ``col_warps`` x ``row_warps`` warps."""
     if mt not in SERIAL_ROW_TILES or not 1 <= steps <= SPLIT_STEPS or phases not in SERIAL_PHASES or \
-            col_warps not in SERIAL_COL_WARPS or not 1 <= row_warps <= SERIAL_MAX_ROW_WARPS:
+            col_warps not in SERIAL_COL_WARPS or not 1 <= row_warps <= SERIAL_MAX_WARPS:
         raise ValueError(f"no serial head kernel for mt={mt!r}, steps={steps!r}, phases={phases!r}, "
                          f"col_warps={col_warps!r}, row_warps={row_warps!r}")
     MT, C, J, P = mt, SERIAL_COLS, steps, phases
@@ -1605,7 +1605,7 @@ def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> SerialPlan |
         return None
     mt = min(SERIAL_ROW_TILES, key=lambda t: (-(-rows // (SERIAL_ROW_LANES * t)) * SERIAL_ROW_LANES * t - rows, -t))
     row_groups = -(-rows // (SERIAL_ROW_LANES * mt))      # warp rows needed
-    row_blocks = -(-row_groups // (SIM_SERIAL_ROW_WARPS if SIM_TREE else SERIAL_MAX_ROW_WARPS))
+    row_blocks = -(-row_groups // (SIM_SERIAL_ROW_WARPS if SIM_TREE else SERIAL_MAX_WARPS))
     row_warps = -(-row_groups // row_blocks)              # balanced over the row blocks
     steps = -(-k_dim // STEP)
     widths = [c for c in SERIAL_COL_WARPS if c * row_warps <= SERIAL_MAX_WARPS] or SERIAL_COL_WARPS[-1:]
