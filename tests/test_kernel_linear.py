@@ -103,7 +103,7 @@ def _shuffle_linear(x, w, kind_prologue="none", columns=None, mt=None, phase_ste
     out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
     geometry = plan.geometry(n_cols, k_dim)[:4] + (phase_steps, plan.vec_steps)
     kernel[(-(-m_rows // mt), 1, 1), plan.threads, 0, 4 * mt * plan.k_split * phase_steps * lin.STEP](
-        _dev(x), _dev(w.ravel()), out, out, _dev(np.ones(1, np.float32)), np.float32(1e-6), *geometry)
+        _dev(x), _dev(w.ravel()), out, out, _dev(np.ones(k_dim, np.float32)), np.float32(1e-6), *geometry)
     return out.copy_to_host()
 
 
@@ -187,44 +187,50 @@ def test_row_is_bit_identical_alone_in_7_and_in_33(k_dim, prologue):
         np.testing.assert_array_equal(got[where], alone)
 
 
-def _head(x, w, *, serial, phases=None):
+def _head(x, w, *, serial, phases=None, leaf_split=None):
     """head_linear of a view x [M, G, K] (of wider rows), through the thread-serial kernel (its
-    leaves in ``phases`` staged phases, default the plan's) or the warp layout."""
-    saved = lin.SERIAL_HEADS, lin.SERIAL_PHASES
+    leaves in ``phases`` staged phases and ``leaf_split`` subsets, default the plan's) or the warp
+    layout."""
+    saved = lin.SERIAL_HEADS, lin.SERIAL_PHASES, lin.SERIAL_LEAF_SPLITS
     lin.SERIAL_HEADS = serial
     if phases is not None:
         lin.SERIAL_PHASES = (phases,)
+    if leaf_split is not None:
+        lin.SERIAL_LEAF_SPLITS = (leaf_split,)
     lin.serial_plan.cache_clear()
     try:
         plan = lin.serial_plan(x.shape[0], w.shape[0], w.shape[1], w.shape[2])
         assert (plan is not None) == serial and (phases is None or plan.phases == phases)
+        assert leaf_split is None or plan.leaf_split == leaf_split
         wide = np.concatenate([x, _rand(*x.shape[:2], 4)], axis=2)   # [M, G, K + 4]: a strided view
         out = cuda.to_device(np.full((x.shape[0], w.shape[0], w.shape[1]), np.nan, np.float32))
         lin.head_linear(_dev(wide)[:, :, :x.shape[2]], _dev(w), out, w_kn=_dev(w.transpose(0, 2, 1)))
         return out.copy_to_host()
     finally:
-        lin.SERIAL_HEADS, lin.SERIAL_PHASES = saved
+        lin.SERIAL_HEADS, lin.SERIAL_PHASES, lin.SERIAL_LEAF_SPLITS = saved
         lin.serial_plan.cache_clear()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")
-@pytest.mark.parametrize("m_rows, groups, n_cols, k_dim, phases", [
-    (8, 2, 132, 128, 1),   # 2-row threads, a ragged last slab of columns
-    (9, 1, 36, 48, 2),     # 3-row threads, K < 128: lanes past K hold +0.0 chains
-    (12, 1, 64, 512, 4),   # W_UV's K: four steps a lane (the GPU test runs 33 rows)
-    (13, 1, 8, 260, 32),   # a short last step, N < 32, one leaf a phase
-    (40, 1, 12, 256, 8),   # 2-row threads, three row blocks (grid y), the last one part empty
+@pytest.mark.parametrize("m_rows, groups, n_cols, k_dim, phases, leaf_split", [
+    (8, 2, 132, 128, 1, 4),   # 2-row threads, a ragged last slab of columns; 4 subtrees of 8 leaves
+    (9, 1, 36, 48, 2, 2),     # 3-row threads, K < 128: lanes past K hold +0.0 chains; 2 subtrees
+    (12, 1, 64, 512, 4, 1),   # W_UV's K: four steps a lane (the GPU test runs 33 rows), one thread's tree
+    (12, 1, 64, 512, 8, 4),   # the same, 8 phases of one leaf per subset
+    (13, 1, 8, 260, 32, 1),   # a short last step, N < 32, one leaf a phase
+    (40, 1, 12, 256, 8, 2),   # 2-row threads, three row blocks (grid y), the last one part empty
 ])
-def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_cols, k_dim, phases):
+def test_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows, groups, n_cols, k_dim, phases, leaf_split):
     """The thread-serial kernel (leaves in bit-reversed lane order, a five-level binary counter,
-    staged in 1 to 32 phases) gives the warp layout's bits, and the documented order's (the
-    emulation) under the simulator."""
+    staged in 1 to 32 phases, run whole by one thread or as 2 / 4 subtrees that meet in the
+    butterfly's order) gives the warp layout's bits, and the documented order's (the emulation)
+    under the simulator."""
     rng = np.random.default_rng(m_rows * 1000 + k_dim)
     x, w = _rand(m_rows, groups, k_dim, rng=rng), _rand(groups, n_cols, k_dim, rng=rng)
     x[1, :, : k_dim // 2] = 0.0          # zero chains and exact cancellations
     w[:, 0] = -w[:, 1]
     x[-1, 0, 5] = np.float32(3e38)       # an overflow to inf in one chain
-    got = _head(x, w, serial=True, phases=phases)
+    got = _head(x, w, serial=True, phases=phases, leaf_split=leaf_split)
     np.testing.assert_array_equal(got, _head(x, w, serial=False))
     if SIMULATED:
         for g in range(groups):
@@ -251,7 +257,8 @@ def test_gpu_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows):
 
 def test_serial_plan(monkeypatch, request):
     """Rows per thread waste the fewest rows, a block holds every row up to its row-warp cap (then
-    grid y), blocks stay within SERIAL_MAX_WARPS warps, phases are the fewest whose staging fits;
+    grid y), a leaf subset's warps stay within SERIAL_MAX_WARPS and the block's within
+    SERIAL_MAX_SPLIT_WARPS (the most subsets that fit), phases are the fewest whose staging fits;
     below SERIAL_MIN_ROWS, with K of several segments, K or N not a multiple of 4 (or SERIAL_HEADS
     off, the simulator's default) the warp layout runs."""
     request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
@@ -269,7 +276,10 @@ def test_serial_plan(monkeypatch, request):
                                          (10, 512, 128, 3), (16, 512, 128, 4)):
         plan = lin.serial_plan(rows, 64, n_cols, k_dim)
         assert plan.mt == want_mt and plan.steps == k_dim // 128 and plan.grid[2] == 64
-        assert plan.threads == plan.col_warps * plan.row_warps * 32 <= lin.SERIAL_MAX_WARPS * 32
+        assert plan.col_warps * plan.row_warps <= lin.SERIAL_MAX_WARPS
+        assert plan.threads == plan.leaf_split * plan.col_warps * plan.row_warps * 32 <= lin.SERIAL_MAX_SPLIT_WARPS * 32
+        assert plan.leaf_split * plan.phases <= 32 and (plan.leaf_split == 4 or 2 * plan.threads > 32 * lin.SERIAL_MAX_SPLIT_WARPS
+                                                         or 2 * plan.leaf_split * plan.phases > 32)
         assert plan.grid[1] * plan.block_rows >= rows > plan.grid[1] * plan.block_rows - plan.block_rows
         slab = plan.col_warps * lin.SERIAL_WARP_COLS
         assert plan.grid[0] * slab >= n_cols > (plan.grid[0] - 1) * slab
@@ -280,8 +290,8 @@ def test_serial_plan(monkeypatch, request):
                                               plan.row_warps)[:2]) > budget
     if not SIMULATED:   # the H200: a 33-row verify's absorbs, every row in one block
         uk, uv = lin.serial_plan(33, 64, 512, 128), lin.serial_plan(33, 64, 128, 512)
-        assert (uk.grid, uk.threads, uk.phases) == ((8, 1, 64), 192, 1)
-        assert (uv.grid, uv.threads, uv.phases) == ((4, 1, 64), 96, 2)
+        assert (uk.grid, uk.threads, uk.phases, uk.leaf_split) == ((8, 1, 64), 384, 1, 2)
+        assert (uv.grid, uv.threads, uv.phases, uv.leaf_split) == ((4, 1, 64), 384, 2, 4)
 
 
 def test_head_linear_matches_linear_per_group():
@@ -656,11 +666,13 @@ def test_split_k_bad_input_names_the_argument(case, exc, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_cols,k_dim,prologue", [(32768, 2048, "rmsnorm"), (11264, 2048, "none"),
                                                     (12288, 768, "none"), (2048, 5632, "swiglu"),
-                                                    (2048, 8192, "none")])
+                                                    (2048, 8192, "none"), (1344, 2048, "rmsnorm"),
+                                                    (2048, 256, "swiglu")])
 def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
     """Every row count stages its rows once (opt-in shared memory above 48 KiB: 8 x 2048 and
     8 x 5632 rows; 4-row tiles at K 8192), every element is written, and each row keeps its
-    bits alone and in 4, 16, 33 and 1056 rows."""
+    bits alone and in 4, 16, 33 and 1056 rows (also w_a, N 1344, and the shared expert's w2, K
+    256: one short round of weight loads at one row)."""
     rng = np.random.default_rng(n_cols + k_dim)
     w = _rand(n_cols, k_dim, rng=rng)
     d_w = _dev(w)

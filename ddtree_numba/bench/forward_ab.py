@@ -21,7 +21,9 @@ row tile, ``linear.PIPELINE_WEIGHTS`` off) or ``-ring1`` (the weight ring for ev
 ``linear.PIPELINE_MIN_ROW_TILE`` 1; by default the ring runs from 4-row tiles on), or ``auto-serial``
 (the MLA absorbs of >= 8 rows in ``head_linear``'s thread-serial kernel, ``linear.SERIAL_HEADS`` on,
 the GPU default; every other COLS runs them in the warp layout: run "staged absorbs", a 33-row
-forward 2763.6 us with the serial kernel, 2812.2 without).
+forward 2763.6 us with the serial kernel, 2812.2 without), ``auto-serial-mtR`` (the same with R rows
+a thread, ``linear.SERIAL_ROW_TILES`` = (R,)), ``auto-serial-lS`` (S leaf subsets a block,
+``linear.SERIAL_LEAF_SPLITS`` = (S,)).
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
@@ -44,7 +46,9 @@ REPS = 40
 TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
-COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial")
+COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
+                 "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
+                 "auto-serial-l1", "auto-serial-l2", "auto-serial-l4")
 
 
 class Variant(tuple):
@@ -86,7 +90,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     timing = EventOptions(timing_enabled=True)
     saved = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
              em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
-             lin.SERIAL_HEADS, em.FEW_NODES_MERGE)
+             lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS)
     few, wide = saved[0], saved[1]
     results: dict[str, dict[int, float]] = {}
     advanced = False
@@ -108,7 +112,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.WIDE_ARCHS = () if cols.startswith("4") else wide
         lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
         lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
-        lin.SERIAL_HEADS = cols.endswith("-serial")
+        lin.SERIAL_HEADS = "-serial" in cols
+        lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
+        lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
         for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
             cached.cache_clear()
         per_rows = {}
@@ -139,7 +145,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         print(f"tile {tile:11s} cols {cols:10s} " + json.dumps(per_rows), flush=True)
     (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
      em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
-     lin.SERIAL_HEADS, em.FEW_NODES_MERGE) = saved
+     lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS) = saved
     for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
         cached.cache_clear()
     return results

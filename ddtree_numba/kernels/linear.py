@@ -510,12 +510,17 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                             fma_step(xs, xo0 + (j + t) * STEP, row_floats, wv, t % U, acc)
                     j = jv
         else:
-            while j + U <= jv:                      # U steps: all loads, then all FMAs
+            while j < jv:                           # rounds of up to U steps: all loads, then all FMAs
+                # A short last round keeps its loads in flight together (one round trip, not
+                # one per step); the slots past it are neither loaded nor used.
+                n = min(U, jv - j)
                 for u in range(U):
-                    load_step(w, wbase, j + u, wv, u)
+                    if u < n:
+                        load_step(w, wbase, j + u, wv, u)
                 for u in range(U):
-                    fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
-                j += U
+                    if u < n:
+                        fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
+                j += n
         while j < jv:                               # single steps (and the 2-slot ring's last)
             load_step(w, wbase, j, wv, 0)
             fma_step(xs, xo0 + j * STEP, row_floats, wv, 0, acc)
@@ -1227,7 +1232,8 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
         return out
     serial = serial_plan(m_rows, groups, n_cols, k_dim) if w_kn is not None and _rows_aligned(x) else None
     if serial is not None:   # many rows: the thread-serial kernel, the same bits
-        kernel = get_serial_kernel(serial.mt, serial.steps, serial.phases, serial.col_warps, serial.row_warps)
+        kernel = get_serial_kernel(serial.mt, serial.steps, serial.phases, serial.col_warps, serial.row_warps,
+                                   serial.leaf_split)
         _configured(kernel, serial.grid, serial.threads, stream, serial.shared_bytes)(
             x, _kernel_weight(w_kn), out, n_cols, k_dim)
         return out
@@ -1282,6 +1288,9 @@ SERIAL_MAX_WARPS = 8              # warps per block (up to 255 registers a threa
 SIM_SERIAL_ROW_WARPS = 2          # the simulator's threads are Python threads: small blocks (one
                                   # column warp, two row warps)
 SERIAL_PHASES = (1, 2, 4, 8, 16, 32)   # leaf phases: the fewest whose staging fits SERIAL_SMEM
+SERIAL_LEAF_SPLITS = (4, 2, 1)    # S, leaf subsets a block runs side by side (S x the warps of one
+                                  # subset); the largest within SERIAL_MAX_SPLIT_WARPS and 32 / P
+SERIAL_MAX_SPLIT_WARPS = 16       # warps per block with the leaf subsets (the registers allow 16)
 SERIAL_SMEM = 72 * 1024           # staged bytes per block on a GPU: three blocks an SM on the H200
 SERIAL_BLOCKS_PER_SM = 2          # column slabs narrow until the grid has this many blocks an SM
 SERIAL_STAGE_LOADS = 8            # 16-byte staging loads in flight per thread
@@ -1397,8 +1406,10 @@ class SerialPlan:
 
     Attributes:
         mt: rows per thread; steps: J, steps of STEP values covering K; phases: P, leaf phases;
-        col_warps / row_warps: the block's warps across columns / row groups; grid: (column
-        slabs, row blocks, G); threads; shared_bytes: the dynamic shared memory of one phase.
+        col_warps / row_warps: the warps of one leaf subset across columns / row groups;
+        leaf_split: S, leaf subsets (of 32 / S leaves) run by S x col_warps x row_warps warps;
+        grid: (column slabs, row blocks, G); threads; shared_bytes: the dynamic shared memory of
+        one phase.
     """
 
     mt: int
@@ -1406,6 +1417,7 @@ class SerialPlan:
     phases: int
     col_warps: int
     row_warps: int
+    leaf_split: int
     grid: tuple[int, int, int]
     threads: int
     shared_bytes: int
@@ -1423,22 +1435,31 @@ def _serial_floats(mt: int, steps: int, phases: int, col_warps: int, row_warps: 
 
 
 @functools.cache
-def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warps: int) -> Any:
+def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warps: int,
+                      leaf_split: int = 1) -> Any:
     """The thread-serial head kernel (compiled lazily, cached): ``mt`` rows x SERIAL_COLS columns a
     thread, K of ``steps`` steps of STEP values (one segment, K % 4 == 0), the 32 leaves in
-    ``phases`` staged phases, blocks of ``col_warps`` x ``row_warps`` warps."""
+    ``phases`` staged phases, each run by ``leaf_split`` subsets of ``col_warps`` x ``row_warps``
+    warps (subset s: leaves s 32 / S .. (s + 1) 32 / S - 1, a whole subtree of the butterfly)."""
     if mt not in SERIAL_ROW_TILES or not 1 <= steps <= SPLIT_STEPS or phases not in SERIAL_PHASES or \
-            col_warps not in SERIAL_COL_WARPS or not 1 <= row_warps <= SERIAL_MAX_WARPS:
+            col_warps not in SERIAL_COL_WARPS or not 1 <= row_warps <= SERIAL_MAX_WARPS or \
+            leaf_split not in (1, 2, 4) or leaf_split * phases > WARP or \
+            leaf_split * col_warps * row_warps > SERIAL_MAX_SPLIT_WARPS:
         raise ValueError(f"no serial head kernel for mt={mt!r}, steps={steps!r}, phases={phases!r}, "
-                         f"col_warps={col_warps!r}, row_warps={row_warps!r}")
-    MT, C, J, P = mt, SERIAL_COLS, steps, phases
+                         f"col_warps={col_warps!r}, row_warps={row_warps!r}, leaf_split={leaf_split!r}")
+    MT, C, J, P, S = mt, SERIAL_COLS, steps, phases, leaf_split
     MTC = MT * C
-    LP = WARP // P                             # leaves per phase
+    LP = WARP // P                             # leaves per phase (staged)
+    LS = WARP // S                             # leaves per subset (a subtree of LS leaves)
+    LPS = LP // S                              # leaves per phase and subset
+    # The level a subset's subtree ends in: log2(LS), the root's level (SERIAL_LEVELS - 1) for 32.
+    TOP = min(SERIAL_LEVELS - 1, LS.bit_length() - 1)
     NB = col_warps * SERIAL_WARP_COLS          # the block's columns
     N4 = NB // VEC                             # 16-byte chunks of a staged weight k-row
     RB = SERIAL_ROW_LANES * row_warps * MT     # the block's rows
     CHUNKS = LP * J                            # x chunks of 4 k a row holds per phase
-    THREADS = col_warps * row_warps * WARP
+    SUB_THREADS = col_warps * row_warps * WARP  # the threads of one leaf subset
+    THREADS = S * SUB_THREADS
     SL = SERIAL_STAGE_LOADS
     W_FLOATS, _, XS = _serial_floats(mt, steps, phases, col_warps, row_warps)
     W_CHUNKS = W_FLOATS // VEC
@@ -1470,10 +1491,16 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
                         promote(level, 3)
 
     @cuda.jit(device=True, inline="always")
+    def staged_leaf(ph, li):
+        """The leaf (0..31, left to right in the butterfly's tree) in staged slot li of phase ph:
+        slot s LPS + l holds leaf l of the phase's share of subset s."""
+        return (li // LPS) * LS + ph * LPS + li % LPS
+
+    @cuda.jit(device=True, inline="always")
     def stage(x, w_kn, sh, buf, g, ph, row_base, col_base, n_cols, k_dim):
         """Phase ph's staging: weights [CHUNKS * 4 k, NB] (k-row (li * J + j) * 4 + e is k = 128 j +
-        4 bitrev(ph * LP + li) + e) and x [RB, XS] (chunk li * J + j of a row: its 4 k); zeros
-        past K, past N and past M. SL 16-byte loads in flight a thread, then their stores."""
+        4 bitrev(staged_leaf(ph, li)) + e) and x [RB, XS] (chunk li * J + j of a row: its 4 k);
+        zeros past K, past N and past M. SL 16-byte loads in flight a thread, then their stores."""
         tid = int32(cuda.threadIdx.x)
         m_rows = x.shape[0]
         for base in range(tid, W_CHUNKS, THREADS * SL):
@@ -1483,7 +1510,7 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
                 if idx < W_CHUNKS:
                     t = idx // N4
                     col = col_base + (idx - t * N4) * VEC
-                    k = (t // VEC % J) * STEP + VEC * leaf_lane(ph * LP + t // (VEC * J)) + t % VEC
+                    k = (t // VEC % J) * STEP + VEC * leaf_lane(staged_leaf(ph, t // (VEC * J))) + t % VEC
                     if k < k_dim and col < n_cols:
                         v0, v1, v2, v3 = load_f32x4(w_kn, (int64(g) * k_dim + k) * n_cols + col)
                 buf[s, 0] = v0
@@ -1501,7 +1528,7 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
                 if idx < X_CHUNKS:
                     r = idx // CHUNKS
                     c = idx - r * CHUNKS
-                    k0 = (c % J) * STEP + VEC * leaf_lane(ph * LP + c // J)
+                    k0 = (c % J) * STEP + VEC * leaf_lane(staged_leaf(ph, c // J))
                     if k0 < k_dim and row_base + r < m_rows:
                         v0, v1, v2, v3 = load_x4(x, row_base + r, g, k0)
                 buf[s, 0] = v0
@@ -1520,7 +1547,7 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
         """out[m, g] = x[m, g] @ w[g].T in head_linear's order. x [M, G, K] (16-byte aligned rows,
         K % 4 == 0), w_kn flat [G * K * N] (w k-major: w_kn[g, k, n] = w[g, n, k]; N % 4 == 0),
         out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G); dynamic shared memory: one phase's
-        staging, W_FLOATS + RB * XS floats."""
+        staging, W_FLOATS + RB * XS floats (and, after the last phase, the subsets' subtrees)."""
         sh = cuda.shared.array(0, float32)     # [CHUNKS * 4, NB] weights | [RB, XS] x chunks
         buf = cuda.local.array((SL, VEC), float32)
         p = cuda.local.array(MTC, float32)     # the current leaf's chains
@@ -1528,7 +1555,9 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
         xv = cuda.local.array((MT, VEC), float32)
         wv = cuda.local.array((VEC, C), float32)
         lane = int32(cuda.threadIdx.x) % WARP
-        warp = int32(cuda.threadIdx.x) // WARP
+        sub = int32(cuda.threadIdx.x) // SUB_THREADS          # the thread's leaf subset
+        sub_tid = int32(cuda.threadIdx.x) - sub * SUB_THREADS
+        warp = sub_tid // WARP
         g = int32(cuda.blockIdx.z)
         row_base = int32(cuda.blockIdx.y) * RB
         col_base = int32(cuda.blockIdx.x) * NB
@@ -1543,9 +1572,10 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
                 cuda.syncthreads()             # every warp done with the previous phase's staging
             stage(x, w_kn, sh, buf, g, ph, row_base, col_base, n_cols, k_dim)
             cuda.syncthreads()                 # the phase's staging visible to every warp
-            for li in range(LP):
-                i = ph * LP + li
-                k_lane = VEC * leaf_lane(i)
+            for ll in range(LPS):
+                li = sub * LPS + ll                # staged slot
+                i = ph * LPS + ll                  # the leaf's place in its subset's subtree
+                k_lane = VEC * leaf_lane(sub * LS + i)
                 for a in range(MTC):
                     p[a] = ZERO
                 for j in range(J):
@@ -1562,14 +1592,29 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
                 for a in range(MTC):
                     level[0, a] += p[a]
                 fold(level, i)
+        if S > 1:
+            # The subsets' subtrees meet in the butterfly's order: (t0 + t1) (+ (t2 + t3)).
+            cuda.syncthreads()                 # every warp done with the last phase's staging
+            if sub > 0:
+                for a in range(MTC):
+                    sh[((sub - 1) * SUB_THREADS + sub_tid) * MTC + a] = level[TOP, a]
+            cuda.syncthreads()                 # the other subsets' subtrees visible to subset 0
+            if sub == 0:
+                for a in range(MTC):
+                    root = level[TOP, a] + sh[sub_tid * MTC + a]
+                    if S == 4:
+                        right = sh[(SUB_THREADS + sub_tid) * MTC + a] + sh[(2 * SUB_THREADS + sub_tid) * MTC + a]
+                        root = root + right
+                    level[TOP, a] = root
         m_rows = x.shape[0]
-        for r in range(MT):
-            row = row_base + r_sh + r
-            if row < m_rows:
-                for c in range(C):
-                    col = col_base + c_sh + c
-                    if col < n_cols:
-                        out[row, g, col] = level[SERIAL_LEVELS - 1, r * C + c]
+        if sub == 0:
+            for r in range(MT):
+                row = row_base + r_sh + r
+                if row < m_rows:
+                    for c in range(C):
+                        col = col_base + c_sh + c
+                        if col < n_cols:
+                            out[row, g, col] = level[TOP, r * C + c]
 
     return kernel
 
@@ -1580,12 +1625,13 @@ def _serial_sigs() -> tuple:
 
 
 # The compile check: W_UV's launch of a 33-row verify on the H200 (3 rows a thread, K 512 in two
-# phases, one column warp, three row warps); W_UK's (one phase, two column warps) differs only in
-# constants, and each entry costs CI time.
-for _args in ((3, 4, 2, 1, 3),):
-    register("head_linear_serial_mt{}_s{}_p{}_c{}_r{}".format(*_args), get_serial_kernel(*_args), _serial_sigs(),
+# phases, one column warp, three row warps, four leaf subsets); W_UK's (one phase, two column warps,
+# two subsets) differs only in constants, and each entry costs CI time.
+for _args in ((3, 4, 2, 1, 3, 4),):
+    register("head_linear_serial_mt{}_s{}_p{}_c{}_r{}_l{}".format(*_args), get_serial_kernel(*_args), _serial_sigs(),
              f"head_linear's order run by one thread per {_args[0]} x {SERIAL_COLS} outputs from staged leaves "
-             f"(no butterfly), K <= {_args[1] * STEP}", block_threads=_args[3] * _args[4] * WARP)
+             f"in {_args[5]} subtrees (no butterfly), K <= {_args[1] * STEP}",
+             block_threads=_args[5] * _args[3] * _args[4] * WARP)
 
 
 def _serial_budget() -> int:
@@ -1621,10 +1667,16 @@ def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> SerialPlan |
             break
     else:
         return None
+    # Leaf subsets: the most whose warps fit, at least one leaf a phase each, and whose subtrees
+    # (S - 1 subsets' MT x 4 sums a thread) fit the staging buffer they meet in.
+    sub_warps = col_warps * row_warps
+    leaf_split = next((s for s in SERIAL_LEAF_SPLITS
+                       if s * sub_warps <= SERIAL_MAX_SPLIT_WARPS and s * phases <= WARP
+                       and (s - 1) * sub_warps * WARP * mt * SERIAL_COLS <= w_floats + x_floats), 1)
     grid = (slabs, row_blocks, groups)
-    threads = col_warps * row_warps * WARP
+    threads = leaf_split * sub_warps * WARP
     check_launch(grid, threads, smem, opt_in=_opts_in(smem))
-    return SerialPlan(mt, steps, phases, col_warps, row_warps, grid, threads, smem)
+    return SerialPlan(mt, steps, phases, col_warps, row_warps, leaf_split, grid, threads, smem)
 
 # --- split K: a product whose rows overflow the staging budget, as per-segment products --------
 #
