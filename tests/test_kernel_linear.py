@@ -258,12 +258,13 @@ def test_gpu_serial_head_linear_is_the_warp_layout_bit_for_bit(m_rows):
 def test_serial_plan(monkeypatch, request):
     """Rows per thread waste the fewest rows, a block holds every row up to its row-warp cap (then
     grid y), a leaf subset's warps stay within SERIAL_MAX_WARPS and the block's within
-    SERIAL_MAX_SPLIT_WARPS (the most subsets that fit), phases are the fewest whose staging fits;
+    serial_split_warps (the most subsets that fit), phases are the fewest whose staging fits;
     below SERIAL_MIN_ROWS, with K of several segments, K or N not a multiple of 4 (or SERIAL_HEADS
     off, the simulator's default) the warp layout runs."""
     request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
     lin.serial_plan.cache_clear()
     assert lin.SERIAL_HEADS == (not SIMULATED)                # the GPU default
+    assert [lin.serial_split_warps(mt) for mt in (1, 2, 3, 4)] == [12, 12, 12, 8]
     monkeypatch.setattr(lin, "SERIAL_HEADS", False)
     assert lin.serial_plan(33, 64, 512, 128) is None
     monkeypatch.setattr(lin, "SERIAL_HEADS", True)
@@ -277,8 +278,10 @@ def test_serial_plan(monkeypatch, request):
         plan = lin.serial_plan(rows, 64, n_cols, k_dim)
         assert plan.mt == want_mt and plan.steps == k_dim // 128 and plan.grid[2] == 64
         assert plan.col_warps * plan.row_warps <= lin.SERIAL_MAX_WARPS
-        assert plan.threads == plan.leaf_split * plan.col_warps * plan.row_warps * 32 <= lin.SERIAL_MAX_SPLIT_WARPS * 32
-        assert plan.leaf_split * plan.phases <= 32 and (plan.leaf_split == 4 or 2 * plan.threads > 32 * lin.SERIAL_MAX_SPLIT_WARPS
+        cap = lin.serial_split_warps(plan.mt)
+        assert plan.threads == plan.leaf_split * plan.col_warps * plan.row_warps * 32 <= max(cap, lin.SERIAL_MAX_WARPS) * 32
+        # the most subsets (the subtrees' meeting room in the staging buffer never binds at these shapes)
+        assert plan.leaf_split * plan.phases <= 32 and (plan.leaf_split == 4 or 2 * plan.threads > 32 * cap
                                                          or 2 * plan.leaf_split * plan.phases > 32)
         assert plan.grid[1] * plan.block_rows >= rows > plan.grid[1] * plan.block_rows - plan.block_rows
         slab = plan.col_warps * lin.SERIAL_WARP_COLS
@@ -672,7 +675,7 @@ def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
     """Every row count stages its rows once (opt-in shared memory above 48 KiB: 8 x 2048 and
     8 x 5632 rows; 4-row tiles at K 8192), every element is written, and each row keeps its
     bits alone and in 4, 16, 33 and 1056 rows (also w_a, N 1344, and the shared expert's w2, K
-    256: one short round of weight loads at one row)."""
+    256: two weight steps, one short load round at one row)."""
     rng = np.random.default_rng(n_cols + k_dim)
     w = _rand(n_cols, k_dim, rng=rng)
     d_w = _dev(w)

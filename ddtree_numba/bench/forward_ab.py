@@ -22,8 +22,9 @@ row tile, ``linear.PIPELINE_WEIGHTS`` off) or ``-ring1`` (the weight ring for ev
 (the MLA absorbs of >= 8 rows in ``head_linear``'s thread-serial kernel, ``linear.SERIAL_HEADS`` on,
 the GPU default; every other COLS runs them in the warp layout: run "staged absorbs", a 33-row
 forward 2763.6 us with the serial kernel, 2812.2 without), ``auto-serial-mtR`` (the same with R rows
-a thread, ``linear.SERIAL_ROW_TILES`` = (R,)), ``auto-serial-lS`` (S leaf subsets a block,
-``linear.SERIAL_LEAF_SPLITS`` = (S,)).
+a thread, ``linear.SERIAL_ROW_TILES`` = (R,)), ``auto-serial-lS`` (S leaf subsets a block where
+they fit, else one: ``linear.SERIAL_LEAF_SPLITS`` = (S,)). A variant named twice is timed twice
+and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto

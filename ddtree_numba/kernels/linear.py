@@ -521,7 +521,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                     if u < n:
                         fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
                 j += n
-        while j < jv:                               # single steps (and the 2-slot ring's last)
+        while j < jv:                               # the 2-slot ring's last 1-2 steps (none left
+                                                    # by the load-then-FMA rounds)
             load_step(w, wbase, j, wv, 0)
             fma_step(xs, xo0 + j * STEP, row_floats, wv, 0, acc)
             j += 1
@@ -1263,14 +1264,18 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
 # chunks into shared memory, leaf-major, then computes from shared memory. A warp is 8 column lanes
 # (4 adjacent columns each) x 4 row lanes (MT rows each): per leaf step of 4 k, MT 16-byte x loads
 # (4 rows, bank-spread by a 4-float pad) and 4 16-byte weight loads (32 adjacent columns, broadcast
-# over the row lanes), one shared wavefront each, feed 16 MT fmas.
+# over the row lanes), one shared wavefront each, feed 16 MT fmas. The fifth version runs the 32
+# leaves as S = 4 or 2 subsets side by side (SERIAL_LEAF_SPLITS), each a whole subtree of the
+# butterfly run by its own warps from the same staged phases; the subtrees meet in the tree's order
+# through the staging buffer at the end.
 #
 # History (H200, forward_ab, a 33-row forward of `small`, warp layout 2813-2837 us): weights read
 # [G, N, K] per lane from global memory 6567.4 us; k-major, one column and one scalar x load per
 # lane and k 4381.6 us; k-major, 4 adjacent columns and 16-byte x loads per lane (each thread a
-# chain of 32 dependent global round trips) 2904.0 us; this version 2763.6 us against 2812.2 (same
+# chain of 32 dependent global round trips) 2904.0 us; the fourth version 2763.6 us against 2812.2 (same
 # process, run "staged absorbs"), so it is the GPU default (bench.forward_ab ``auto-serial``; the
-# other variants switch it off). An AR step keeps the warp layout: its weight stream is the work.
+# other variants switch it off); the leaf subsets 2726.7-2727.2 against 2749.0-2749.4 with one
+# subset (run "leaf subsets"). An AR step keeps the warp layout: its weight stream is the work.
 
 # The thread-serial kernel for head products of >= SERIAL_MIN_ROWS rows: on a GPU; the simulator
 # keeps the warp layout (the same bits, tested both ways; Python threads make the serial kernel's
@@ -1289,14 +1294,23 @@ SIM_SERIAL_ROW_WARPS = 2          # the simulator's threads are Python threads: 
                                   # column warp, two row warps)
 SERIAL_PHASES = (1, 2, 4, 8, 16, 32)   # leaf phases: the fewest whose staging fits SERIAL_SMEM
 SERIAL_LEAF_SPLITS = (4, 2, 1)    # S, leaf subsets a block runs side by side (S x the warps of one
-                                  # subset); the largest within SERIAL_MAX_SPLIT_WARPS and 32 / P
-SERIAL_MAX_SPLIT_WARPS = 16       # warps per block with the leaf subsets (the registers allow 16)
-SERIAL_SMEM = 72 * 1024           # staged bytes per block on a GPU: three blocks an SM on the H200
+                                  # subset); the largest within serial_split_warps(MT) and 32 / P
+SERIAL_MAX_SPLIT_WARPS = 12       # warps per block with the leaf subsets: 384 threads leave a thread
+                                  # 170 registers (3-row threads take 128 on sm_90, 168 on sm_120)
+SERIAL_SMEM = 72 * 1024           # staged bytes per block on a GPU (three fit an H200 SM; with the
+                                  # leaf subsets the registers allow one or two)
 SERIAL_BLOCKS_PER_SM = 2          # column slabs narrow until the grid has this many blocks an SM
 SERIAL_STAGE_LOADS = 8            # 16-byte staging loads in flight per thread
 SERIAL_X_PAD = VEC                # floats after each staged x row: a warp's 4 rows on distinct banks
 SERIAL_LEVELS = 5                 # log2(WARP): the butterfly's depth
 NEG_ZERO = np.float32(-0.0)
+
+
+def serial_split_warps(mt: int) -> int:
+    """Warps a serial block may have with its leaf subsets: SERIAL_MAX_SPLIT_WARPS, SERIAL_MAX_WARPS
+    for 4-row threads (their 16 accumulators and levels spill under the 128 registers of a 448- or
+    512-thread block, sm_90 compile of the review of run "leaf subsets"; 153 registers alone)."""
+    return SERIAL_MAX_SPLIT_WARPS if mt < 4 else SERIAL_MAX_WARPS
 
 
 def _make_row_load() -> Any:
@@ -1444,7 +1458,7 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
     if mt not in SERIAL_ROW_TILES or not 1 <= steps <= SPLIT_STEPS or phases not in SERIAL_PHASES or \
             col_warps not in SERIAL_COL_WARPS or not 1 <= row_warps <= SERIAL_MAX_WARPS or \
             leaf_split not in (1, 2, 4) or leaf_split * phases > WARP or \
-            leaf_split * col_warps * row_warps > SERIAL_MAX_SPLIT_WARPS:
+            leaf_split * col_warps * row_warps > max(serial_split_warps(mt), col_warps * row_warps):
         raise ValueError(f"no serial head kernel for mt={mt!r}, steps={steps!r}, phases={phases!r}, "
                          f"col_warps={col_warps!r}, row_warps={row_warps!r}, leaf_split={leaf_split!r}")
     MT, C, J, P, S = mt, SERIAL_COLS, steps, phases, leaf_split
@@ -1671,7 +1685,7 @@ def serial_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> SerialPlan |
     # (S - 1 subsets' MT x 4 sums a thread) fit the staging buffer they meet in.
     sub_warps = col_warps * row_warps
     leaf_split = next((s for s in SERIAL_LEAF_SPLITS
-                       if s * sub_warps <= SERIAL_MAX_SPLIT_WARPS and s * phases <= WARP
+                       if s * sub_warps <= serial_split_warps(mt) and s * phases <= WARP
                        and (s - 1) * sub_warps * WARP * mt * SERIAL_COLS <= w_floats + x_floats), 1)
     grid = (slabs, row_blocks, groups)
     threads = leaf_split * sub_warps * WARP
