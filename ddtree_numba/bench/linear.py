@@ -50,6 +50,13 @@ HBM 4.3 TB/s measured, L2 read ~5-7 TB/s assumed) and the prediction per change,
 
     python -m ddtree_numba.bench.linear                       # default sweep (< 90 s on an H200)
     python -m ddtree_numba.bench.linear --shape 32768,2048 --rows 1,1056 --out data/bench/h200.h5
+    python -m ddtree_numba.bench.linear --shape 1344,2048 --rows 1 --prologue none --prologue rmsnorm
+
+``--prologue`` (repeatable; default none) times each shape with the kernel's input prologue:
+``rmsnorm`` (x [M, K] normed by its row's rms and a weight, as w_a and the lm_head run) or
+``swiglu`` (x [M, 2K] -> silu(gate) * up, as down_proj runs). An AR step's small linears take 9-37
+us for 0.5-21 us of weight bytes (PERFORMANCE "run leaf subsets"); none against rmsnorm at w_a's
+shape says what the one-warp rms ahead of the weight loop costs.
 
 Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarray Dataset (dims
 case; values n, k, m, mt, median/min/max GPU latency, host_us, gbps, pct_hbm, tflops, pct_fp32,
@@ -58,6 +65,7 @@ x_floor) to an HDF5 file.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -75,6 +83,7 @@ from sim.profiles import active_profile, roofline
 DEFAULT_SHAPES = ((32768, 2048), (12288, 768), (2048, 8192), (11264, 2048))
 DEFAULT_ROWS = (1, 4, 16, 64, 256, 1056)
 ROTATION_L2_FACTOR = 3   # rotated weights together exceed L2 3x
+EPS = 1e-6               # the rmsnorm prologue's epsilon (the presets')
 MAX_WEIGHT_SETS = 16
 HOST_CALLS = 20          # eager calls timed for host_us
 KEYS = ("n", "k", "m", "mt", "median_us", "min_us", "max_us", "host_us", "gbps", "pct_hbm",
@@ -93,8 +102,25 @@ def _host_us(call, stream) -> float:
     return statistics.median(times)
 
 
+def prologue_input(x: np.ndarray, prologue: str, norm_weight: np.ndarray, eps: float = EPS) -> np.ndarray:
+    """What the kernel multiplies by W.T after its prologue, in float64 (reference.model's rms_norm
+    and silu): x itself, rms_norm(x) * norm_weight, or silu(x[:, :K]) * x[:, K:]."""
+    from reference.model import rms_norm, silu
+
+    x64 = np.asarray(x, np.float64)
+    if prologue == "rmsnorm":
+        return rms_norm(x64, np.asarray(norm_weight, np.float64), eps)
+    if prologue == "swiglu":
+        k_dim = x64.shape[1] // 2
+        return silu(x64[:, :k_dim]) * x64[:, k_dim:]
+    if prologue != "none":
+        raise ValueError(f"prologue must be one of {lin.PROLOGUES}, got {prologue!r}")
+    return x64
+
+
 def _check_rows(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
-    """Rows 0 and M - 1 against float64 within 1e-5 of |x| @ |w|.T (tests/test_kernel_linear.py)."""
+    """Rows 0 and M - 1 against float64 within 1e-5 of |x| @ |w|.T (tests/test_kernel_linear.py);
+    x: the input after the prologue (:func:`prologue_input`)."""
     for m in sorted({0, got.shape[0] - 1}):
         ref = w.astype(np.float64) @ x[m].astype(np.float64)
         bound = 1e-5 * (np.abs(w).astype(np.float64) @ np.abs(x[m]).astype(np.float64))
@@ -103,22 +129,28 @@ def _check_rows(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
             raise AssertionError(f"row {m}: max error {err.max():.3g} over the bound")
 
 
-def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.Namespace) -> list[dict]:
-    """GPU latency (queue-ahead), host time and checks of linear() per M for one weight shape."""
+def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.Namespace,
+                prologue: str = "none") -> list[dict]:
+    """GPU latency (queue-ahead), host time and checks of linear() per M for one weight shape and
+    input prologue."""
     profile = active_profile()
     rng = np.random.default_rng(args.seed)
     w_host = rng.standard_normal((n_cols, k_dim), np.float32)
     w_bytes = w_host.nbytes
     sets = int(min(MAX_WEIGHT_SETS, max(2, math.ceil(ROTATION_L2_FACTOR * profile.l2_bytes / w_bytes))))
     weights = [cuda.to_device(np.roll(w_host, 7 * s, axis=1)) for s in range(sets)]
-    x_host = rng.standard_normal((max(rows), k_dim), np.float32)
+    x_cols = 2 * k_dim if prologue == "swiglu" else k_dim
+    x_host = rng.standard_normal((max(rows), x_cols), np.float32)
     x_sets = [cuda.to_device(np.roll(x_host, s, axis=1)) for s in range(2)]
+    norm_host = (1.0 + 0.1 * rng.standard_normal(k_dim)).astype(np.float32)
+    kwargs = {"swiglu": True} if prologue == "swiglu" else \
+        {"norm_weight": cuda.to_device(norm_host), "eps": EPS} if prologue == "rmsnorm" else {}
     stream = cuda.stream()
     results, first_row = [], None
     for m_rows in rows:
         xs = [x[:m_rows] for x in x_sets]
         out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
-        lin.linear(xs[0], weights[0], out, stream=stream)
+        lin.linear(xs[0], weights[0], out, stream=stream, **kwargs)
         got = out.copy_to_host(stream=stream)
         stream.synchronize()
         if not np.isfinite(got).all():
@@ -128,20 +160,20 @@ def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.N
         elif not np.array_equal(got[0], first_row):
             raise AssertionError(f"N {n_cols} K {k_dim} M {m_rows}: row 0 differs from M = 1's")
         if args.check:
-            _check_rows(got, x_host[:m_rows], w_host)
+            _check_rows(got, prologue_input(x_host[:m_rows], prologue, norm_host), w_host)
 
         def call(i: int) -> None:
-            lin.linear(xs[i % 2], weights[i % sets], out, stream=stream)
+            lin.linear(xs[i % 2], weights[i % sets], out, stream=stream, **kwargs)
 
         times = queue_ahead_times(call, stream, args.reps, args.warmup)
         med = statistics.median(times)
-        moved = w_bytes + 4 * m_rows * (k_dim + n_cols)
+        moved = w_bytes + 4 * m_rows * (x_cols + n_cols)
         flops = 2.0 * m_rows * n_cols * k_dim
         floor = roofline(profile, moved, flops).t_floor_s * 1e6
         gbps = moved / (med * 1e-6) / 1e9
         tflops = flops / (med * 1e-6) / 1e12
         results.append(dict(
-            n=n_cols, k=k_dim, m=m_rows, mt=lin.row_tile(m_rows), median_us=med,
+            prologue=prologue, n=n_cols, k=k_dim, m=m_rows, mt=lin.row_tile(m_rows), median_us=med,
             min_us=min(times), max_us=max(times), host_us=_host_us(call, stream), gbps=gbps,
             pct_hbm=100.0 * gbps * 1e9 / profile.hbm_bandwidth_spec,
             tflops=tflops, pct_fp32=100.0 * tflops * 1e12 / profile.fp32_peak,
@@ -154,7 +186,7 @@ def _write(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
     import xarray as xr
 
     profile = active_profile()
-    ds = xr.Dataset({key: ("case", np.array([r[key] for r in rows])) for key in KEYS},
+    ds = xr.Dataset({key: ("case", np.array([r[key] for r in rows])) for key in ("prologue", *KEYS)},
                     attrs=dict(benchmark="linear", config=json.dumps(vars(args), default=str),
                                timing="queue-ahead CUDA events (GPU only); host_us: eager call",
                                profile=profile.name,
@@ -176,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="rows 0 and M-1 vs float64 too")
+    parser.add_argument("--prologue", action="append", choices=lin.PROLOGUES,
+                        help="input prologue (repeatable; default none): rmsnorm (x [M, K]) or swiglu (x [M, 2K])")
     parser.add_argument("--out", type=Path, help="HDF5 file to append the results to")
     args = parser.parse_args(argv)
     if args.reps < 20:
@@ -183,19 +217,20 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [_ints(s) for s in args.shape] if args.shape else DEFAULT_SHAPES
     rows = _ints(args.rows)
     print(f"profile {active_profile().describe()}; GPU times queue-ahead (no host time inside)")
-    header = (f"{'N':>6} {'K':>5} {'M':>5} {'MT':>3} {'GPU us':>9} {'min':>8} {'max':>8} "
+    prologues = tuple(dict.fromkeys(args.prologue or ["none"]))
+    header = (f"{'prologue':>8} {'N':>6} {'K':>5} {'M':>5} {'MT':>3} {'GPU us':>9} {'min':>8} {'max':>8} "
               f"{'host us':>8} {'GB/s':>6} {'% HBM':>6} {'TFLOP/s':>8} {'% FP32':>6} {'x floor':>7}")
     print(header)
     results = []
-    for n_cols, k_dim in shapes:
+    for (n_cols, k_dim), prologue in itertools.product(shapes, prologues):
         t0 = time.perf_counter()
-        for r in bench_shape(n_cols, k_dim, rows, args):
+        for r in bench_shape(n_cols, k_dim, rows, args, prologue):
             results.append(r)
-            print(f"{r['n']:>6} {r['k']:>5} {r['m']:>5} {r['mt']:>3} {r['median_us']:>9.1f} "
+            print(f"{r['prologue']:>8} {r['n']:>6} {r['k']:>5} {r['m']:>5} {r['mt']:>3} {r['median_us']:>9.1f} "
                   f"{r['min_us']:>8.1f} {r['max_us']:>8.1f} {r['host_us']:>8.1f} {r['gbps']:>6.0f} "
                   f"{r['pct_hbm']:>5.1f}% {r['tflops']:>8.2f} {r['pct_fp32']:>5.1f}% "
                   f"{r['x_floor']:>7.2f}", flush=True)
-        print(f"   ({n_cols} x {k_dim}: {time.perf_counter() - t0:.0f} s)", flush=True)
+        print(f"   ({n_cols} x {k_dim}, {prologue}: {time.perf_counter() - t0:.0f} s)", flush=True)
     if args.out:
         _write(results, args.out, args)
     return 0
