@@ -509,6 +509,10 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                         if j + t < jv:
                             fma_step(xs, xo0 + (j + t) * STEP, row_floats, wv, t % U, acc)
                     j = jv
+                while j < jv:                       # the 2-slot ring's last 1-2 steps
+                    load_step(w, wbase, j, wv, 0)
+                    fma_step(xs, xo0 + j * STEP, row_floats, wv, 0, acc)
+                    j += 1
         else:
             while j < jv:                           # rounds of up to U steps: all loads, then all FMAs
                 # A short last round keeps its loads in flight together (one round trip, not
@@ -521,11 +525,6 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                     if u < n:
                         fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
                 j += n
-        while j < jv:                               # the 2-slot ring's last 1-2 steps (none left
-                                                    # by the load-then-FMA rounds)
-            load_step(w, wbase, j, wv, 0)
-            fma_step(xs, xo0 + j * STEP, row_floats, wv, 0, acc)
-            j += 1
         while j < j1:                               # scalar steps: the tail, or unaligned rows
             for e in range(VEC):
                 k = j * STEP + VEC * lane + e
