@@ -87,6 +87,7 @@ are clamped to the entries, never indexed out of bounds.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -162,6 +163,7 @@ XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 Ki
 STATIC_BOUND_BYTES = 11 * 1024
 STATIC_RESERVE_BYTES = STATIC_BOUND_BYTES + 1024
 STAGE_LOADS = 8              # staging: loads in flight per thread (SU positions x MT rows)
+RMS_LOADS = 32               # the RMSNorm prologue's rms: loads in flight per lane (K 2048: 2 rounds)
 PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks (x staged once)
 MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
 MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in shared memory
@@ -285,11 +287,26 @@ def _silu_mul(gate, up):
 @cuda.jit(device=True, inline="always")
 def _row_inv_rms(x, row, k_dim, eps, lane):
     """1 / sqrt(mean(x[row, :K]^2) + eps), on every lane: lane l sums k = l, l + 32, ...
-    ascending (fma chain), then the butterfly: a function of K only."""
+    ascending (fma chain), then the butterfly: a function of K only. RMS_LOADS loads a lane are
+    issued before their fmas, at unsigned indices (a signed index costs each load a
+    negative-index wraparound, and ptxas then kept 4 loads ahead of the chain: 16 round trips a
+    lane at K 2048 before the block could stage x). Same chain, same bits."""
+    staged = cuda.local.array(RMS_LOADS, float32)   # registers once the loop is unrolled
     total = ZERO
-    for k in range(lane, k_dim, WARP):
-        value = x[row, k]
+    r = uint64(row)
+    k = uint64(lane)
+    end = uint64(k_dim)
+    span = uint64((RMS_LOADS - 1) * WARP)
+    while k + span < end:
+        for u in range(RMS_LOADS):       # all loads first
+            staged[u] = x[r, k + uint64(u * WARP)]
+        for u in range(RMS_LOADS):
+            total = cuda.fma(staged[u], staged[u], total)
+        k += uint64(RMS_LOADS * WARP)
+    while k < end:
+        value = x[r, k]
         total = cuda.fma(value, value, total)
+        k += uint64(WARP)
     total = warp_sum_f32(total)
     return ONE / math.sqrt(total / float32(k_dim) + eps)
 
@@ -1043,6 +1060,29 @@ def _grid_cols(plan: LinearPlan, blocks_per_col: int) -> int:
     return min(range(1, cols + 1), key=finish)
 
 
+# Many-row (ring-tile) linear launches whose grid would leave most SMs idle run blocks of fewer
+# column groups (:func:`_narrowed`); layout only. bench.forward_ab's ``-nn`` variants switch it off.
+NARROW_GRIDS = True
+
+
+def _narrowed(plan: LinearPlan, n_cols: int, tiles: int, sm_count: int) -> LinearPlan:
+    """A many-row plan with fewer column groups a block where its ``tiles`` x column blocks would
+    leave most SMs idle: groups halve while the launch stays under half the SMs and the halved one
+    still fits one block an SM (a 33-row shared-expert w13 of ``small``, N 512 in 8 x 8 tiles:
+    5 x 8 blocks of 8 warps -> 5 x 16 of 4). The same warps' work, more SMs; layout, never the
+    order (each warp's column group and K segments are unchanged)."""
+    groups = plan.threads // (plan.k_split * WARP)
+    n_groups = -(-n_cols // plan.columns)          # column groups of C columns
+    while groups > 1 and 2 * tiles * plan.col_blocks < sm_count:
+        half = groups // 2
+        col_blocks = -(-n_groups // half)
+        if tiles * col_blocks > sm_count:
+            break
+        groups = half
+        plan = dataclasses.replace(plan, threads=groups * plan.k_split * WARP, col_blocks=col_blocks)
+    return plan
+
+
 @functools.lru_cache(maxsize=4096)
 def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_dim: int,
            aligned: bool, tiles: int, groups: int = 1, grid_y: int = 0) -> tuple:
@@ -1051,6 +1091,8 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     x (row tiles or expert slots); ``groups``: along z; ``grid_y``: 0 for the column blocks of
     :func:`_grid_cols`, else that many (the argmax parts)."""
     plan = _plan(kind, rows, n_cols, k_dim, aligned)
+    if NARROW_GRIDS and kind == "linear" and groups == 1 and not grid_y and not SIM_TREE and ring_for(plan.mt):
+        plan = _narrowed(plan, n_cols, tiles, active_profile().sm_count)
     grid = (tiles, grid_y or _grid_cols(plan, tiles * groups), groups)
     opt_in = _opts_in(plan.shared_bytes)
     check_launch(grid, plan.threads, plan.shared_bytes, opt_in=opt_in,
