@@ -698,26 +698,6 @@ def test_split_k_bad_input_names_the_argument(case, exc, name):
 
 # --- GPU: small-preset shapes ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("tiles,n_cols,want_threads,want_cols", [
-    (5, 512, 128, 16),     # small's shared-expert w13 at 33 rows: 40 blocks of 8 warps -> 80 of 4
-    (5, 1344, 256, 21),    # w_a at 33 rows: 105 blocks, past half the SMs: unchanged
-    (1, 8, 32, 1),         # one column group: one warp
-    (2, 64, 32, 8),        # 8 groups, 2 tiles: 2 x 1 blocks of 8 warps -> 2 x 8 of one warp
-    (20, 64, 64, 4),       # 20 x 1 -> 20 x 2 -> 20 x 4 blocks (80); 20 x 8 would pass 132
-])
-def test_narrowed_plans_spread_a_small_many_row_grid(tiles, n_cols, want_threads, want_cols):
-    """linear._narrowed (the GPU's many-row launches, H200: 132 SMs) halves the column groups a
-    block while the grid is under half the SMs and the halved grid fits one block an SM; the
-    K segmentation, tile and staging are the plan's."""
-    plan = lin.LinearPlan(mt=8, columns=8, k_split=1, seg_steps=16, phase_steps=16, vec_steps=16,
-                          threads=256, col_blocks=-(-(-(-n_cols // 8)) // 8), shared_bytes=65536)
-    got = lin._narrowed(plan, n_cols, tiles, 132)
-    assert (got.threads, got.col_blocks) == (want_threads, want_cols)
-    assert (got.mt, got.columns, got.k_split, got.seg_steps, got.shared_bytes) == (8, 8, 1, 16, 65536)
-    groups = got.threads // 32
-    assert got.col_blocks * groups >= -(-n_cols // 8)   # every column group covered
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_cols,k_dim,prologue", [(32768, 2048, "rmsnorm"), (11264, 2048, "none"),
                                                     (12288, 768, "none"), (2048, 5632, "swiglu"),
@@ -727,8 +707,8 @@ def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
     """Every row count stages its rows once (opt-in shared memory above 48 KiB: 8 x 2048 and
     8 x 5632 rows; 4-row tiles at K 8192), every element is written, and each row keeps its
     bits alone and in 4, 16, 33 and 1056 rows (also w_a, N 1344, and the shared expert's w2, K
-    256: two weight steps, one short load round at one row; its w13, N 512: 33 rows in blocks
-    of 4 warps, linear._narrowed)."""
+    256: two weight steps, one short load round at one row; its w13, N 512: 5 x 8 blocks at 33
+    rows)."""
     rng = np.random.default_rng(n_cols + k_dim)
     w = _rand(n_cols, k_dim, rng=rng)
     d_w = _dev(w)

@@ -87,7 +87,6 @@ are clamped to the entries, never indexed out of bounds.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import numbers
@@ -1060,29 +1059,6 @@ def _grid_cols(plan: LinearPlan, blocks_per_col: int) -> int:
     return min(range(1, cols + 1), key=finish)
 
 
-# Many-row (ring-tile) linear launches whose grid would leave most SMs idle run blocks of fewer
-# column groups (:func:`_narrowed`); layout only. bench.forward_ab's ``-nn`` variants switch it off.
-NARROW_GRIDS = True
-
-
-def _narrowed(plan: LinearPlan, n_cols: int, tiles: int, sm_count: int) -> LinearPlan:
-    """A many-row plan with fewer column groups a block where its ``tiles`` x column blocks would
-    leave most SMs idle: groups halve while the launch stays under half the SMs and the halved one
-    still fits one block an SM (a 33-row shared-expert w13 of ``small``, N 512 in 8 x 8 tiles:
-    5 x 8 blocks of 8 warps -> 5 x 16 of 4). The same warps' work, more SMs; layout, never the
-    order (each warp's column group and K segments are unchanged)."""
-    groups = plan.threads // (plan.k_split * WARP)
-    n_groups = -(-n_cols // plan.columns)          # column groups of C columns
-    while groups > 1 and 2 * tiles * plan.col_blocks < sm_count:
-        half = groups // 2
-        col_blocks = -(-n_groups // half)
-        if tiles * col_blocks > sm_count:
-            break
-        groups = half
-        plan = dataclasses.replace(plan, threads=groups * plan.k_split * WARP, col_blocks=col_blocks)
-    return plan
-
-
 @functools.lru_cache(maxsize=4096)
 def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_dim: int,
            aligned: bool, tiles: int, groups: int = 1, grid_y: int = 0) -> tuple:
@@ -1091,8 +1067,6 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     x (row tiles or expert slots); ``groups``: along z; ``grid_y``: 0 for the column blocks of
     :func:`_grid_cols`, else that many (the argmax parts)."""
     plan = _plan(kind, rows, n_cols, k_dim, aligned)
-    if NARROW_GRIDS and kind == "linear" and groups == 1 and not grid_y and not SIM_TREE and ring_for(plan.mt):
-        plan = _narrowed(plan, n_cols, tiles, active_profile().sm_count)
     grid = (tiles, grid_y or _grid_cols(plan, tiles * groups), groups)
     opt_in = _opts_in(plan.shared_bytes)
     check_launch(grid, plan.threads, plan.shared_bytes, opt_in=opt_in,
