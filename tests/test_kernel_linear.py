@@ -109,14 +109,23 @@ def _emulate_rmsnorm(x, nw, eps):
 
 
 @pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
-@pytest.mark.parametrize("m_rows,k_dim", [(1, 2048), (3, 1500), (9, 33), (2, 1030)])
-def test_rmsnorm_prologue_order_is_the_documented_one(m_rows, k_dim):
-    """The rms sum (loads batched ahead of its fma chain) keeps the lane-strided order: K 2048
-    (two full batches a lane), 1500 and 1030 (a batch and a remainder), 33 (the remainder only,
-    9 rows: two tiles)."""
+@pytest.mark.parametrize("m_rows,k_dim,strided", [(1, 2048, False), (3, 1500, False), (9, 33, False),
+                                                   (2, 1030, True), (1, 1024, False), (2, 1000, False),
+                                                   (1, 768, True), (1, 20, False)])
+def test_rmsnorm_prologue_order_is_the_documented_one(m_rows, k_dim, strided):
+    """The rms sum (32 loads a lane batched ahead of its fma chain, zeros past K) keeps the
+    lane-strided order: K 2048 (two whole batches a lane), 1024 (one), 1500 / 1030 / 1000 / 768
+    (a partial last batch; 1000: some lanes' batch holds 31 elements, others 32), 33 and 20 (lanes
+    with one element or none; 9 rows: two tiles); x a column slice of a wider buffer (w_q's a_q
+    view) where ``strided``."""
     x, w, nw = _rand(m_rows, k_dim), _rand(5, k_dim), _rand(k_dim)
+    d_x = _dev(x)
+    if strided:
+        wide = np.zeros((m_rows, k_dim + 7), np.float32)
+        wide[:, 3:3 + k_dim] = x
+        d_x = _dev(wide)[:, 3:3 + k_dim]
     out = _dev(np.zeros((m_rows, 5), np.float32))
-    lin.linear(_dev(x), _dev(w), out, norm_weight=_dev(nw), eps=1e-6)
+    lin.linear(d_x, _dev(w), out, norm_weight=_dev(nw), eps=1e-6)
     np.testing.assert_array_equal(out.copy_to_host(), _emulate(_emulate_rmsnorm(x, nw, 1e-6), w))
 
 
@@ -707,8 +716,8 @@ def test_gpu_small_preset_shapes(n_cols, k_dim, prologue):
     """Every row count stages its rows once (opt-in shared memory above 48 KiB: 8 x 2048 and
     8 x 5632 rows; 4-row tiles at K 8192), every element is written, and each row keeps its
     bits alone and in 4, 16, 33 and 1056 rows (also w_a, N 1344, and the shared expert's w2, K
-    256: two weight steps, one short load round at one row; its w13, N 512: 5 x 8 blocks at 33
-    rows)."""
+    256: two weight steps, one short load round at one row; its w13, N 512: H200, 5 x 8 blocks at
+    33 rows)."""
     rng = np.random.default_rng(n_cols + k_dim)
     w = _rand(n_cols, k_dim, rng=rng)
     d_w = _dev(w)

@@ -162,7 +162,7 @@ XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 Ki
 STATIC_BOUND_BYTES = 11 * 1024
 STATIC_RESERVE_BYTES = STATIC_BOUND_BYTES + 1024
 STAGE_LOADS = 8              # staging: loads in flight per thread (SU positions x MT rows)
-RMS_LOADS = 32               # the RMSNorm prologue's rms: loads in flight per lane (K 2048: 2 rounds)
+RMS_LOADS = 32               # the RMSNorm prologue's rms: loads in flight per lane (K 2048: 2 rounds, K 768: 1)
 PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks (x staged once)
 MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
 MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in shared memory
@@ -286,26 +286,30 @@ def _silu_mul(gate, up):
 @cuda.jit(device=True, inline="always")
 def _row_inv_rms(x, row, k_dim, eps, lane):
     """1 / sqrt(mean(x[row, :K]^2) + eps), on every lane: lane l sums k = l, l + 32, ...
-    ascending (fma chain), then the butterfly: a function of K only. RMS_LOADS loads a lane are
-    issued before their fmas, at unsigned indices (a signed index costs each load a
-    negative-index wraparound, and ptxas then kept 4 loads ahead of the chain: 16 round trips a
-    lane at K 2048 before the block could stage x). Same chain, same bits."""
-    staged = cuda.local.array(RMS_LOADS, float32)   # registers once the loop is unrolled
+    ascending (fma chain), then the butterfly: a function of K only. A lane issues RMS_LOADS
+    loads (unsigned indices) before their fmas; the last, partial batch holds zeros past K, and
+    fma(0, 0, t) is t exactly (t >= +0), so the chain and its bits are those of one fma per
+    element. A signed index
+    costs each load a negative-index wraparound, and ptxas then kept 4 loads ahead of the chain:
+    16 round trips a lane at K 2048 before the block could stage x."""
+    staged = cuda.local.array(RMS_LOADS, float32)   # registers once the loops are unrolled
     total = ZERO
     r = uint64(row)
     k = uint64(lane)
     end = uint64(k_dim)
     span = uint64((RMS_LOADS - 1) * WARP)
-    while k + span < end:
-        for u in range(RMS_LOADS):       # all loads first
+    while k + span < end:                # whole batches: all loads first
+        for u in range(RMS_LOADS):
             staged[u] = x[r, k + uint64(u * WARP)]
         for u in range(RMS_LOADS):
             total = cuda.fma(staged[u], staged[u], total)
         k += uint64(RMS_LOADS * WARP)
-    while k < end:
-        value = x[r, k]
-        total = cuda.fma(value, value, total)
-        k += uint64(WARP)
+    if k < end:                          # the last, partial batch: zeros past K
+        for u in range(RMS_LOADS):
+            at = k + uint64(u * WARP)
+            staged[u] = x[r, at] if at < end else ZERO
+        for u in range(RMS_LOADS):
+            total = cuda.fma(staged[u], staged[u], total)
     total = warp_sum_f32(total)
     return ONE / math.sqrt(total / float32(k_dim) + eps)
 
