@@ -328,6 +328,33 @@ def test_split_k_o_proj_gives_the_same_bits(monkeypatch, scenario) -> None:
     np.testing.assert_array_equal(_host(got.features), want[1])
 
 
+def test_odd_row_tiles_give_the_same_bits(monkeypatch, scenario) -> None:
+    """With linear.ODD_TILES on, the scenario's prefill (2 requests x 9 rows) runs its linears
+    and absorbs in 11-row tiles (two instead of three of 8) and computes the same bits (layout,
+    never the order)."""
+    from ddtree_numba.kernels import linear as lin
+
+    caches = (lin.row_tile, lin._plan, lin._grid_cols, lin._setup)
+    for cached in caches:
+        cached.cache_clear()
+    monkeypatch.setattr(lin, "ODD_TILES", True)
+    try:
+        assert lin.row_tile(18, 64) == 11 and lin.row_tile(18, 64, False) == 8
+        config, weights = _tiny()
+        pre = _golden_built()["prefill"]
+        inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
+                              pre.in_visibility.values, 9)
+        model = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
+                            capture_layers=(0, 1))
+        got = model.forward(*inputs)
+        np.testing.assert_array_equal(_host(got.logits), scenario["prefill"]["logits"])
+        np.testing.assert_array_equal(_host(got.features), scenario["prefill"]["features"])
+    finally:
+        monkeypatch.undo()
+        for cached in caches:
+            cached.cache_clear()
+
+
 def test_serial_absorbs_take_k_major_copies(monkeypatch, request) -> None:
     """With linear.SERIAL_HEADS on, a many-row model keeps the absorbs' k-major copies
     (DeviceWeights.k_major, w_kn[h, k, n] = w[h, n, k]) that head_linear's thread-serial kernel

@@ -159,6 +159,54 @@ def test_shuffle_butterfly_gives_the_tree_bits(m_rows, n_cols, k_dim):
     np.testing.assert_array_equal(_shuffle_linear(x, w), _run_linear(x, w))
 
 
+@pytest.fixture
+def odd_tiles(monkeypatch):
+    """linear.ODD_TILES on for the test (the plan caches cleared before and after)."""
+    caches = (lin.row_tile, lin._plan, lin._grid_cols, lin._setup)
+    for cached in caches:
+        cached.cache_clear()
+    monkeypatch.setattr(lin, "ODD_TILES", True)
+    yield
+    monkeypatch.undo()
+    for cached in caches:
+        cached.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
+@pytest.mark.parametrize("m_rows,n_cols,k_dim,phase_steps", [(33, 9, 300, None), (12, 5, 2100, 2),
+                                                             (33, 4, 700, 1), (22, 6, 40, None)])
+def test_odd_row_tile_gives_the_plan_bits(m_rows, n_cols, k_dim, phase_steps):
+    """The 11-row tile (linear.ODD_ROW_TILES): its 44 partials a lane through the transposed
+    butterfly padded to 64, and through the tree, give linear()'s bits (the plan's 8-row tiles),
+    every element stored once (poisoned output). (12, 5, 2100): two K segments, the combine; (33,
+    4, 700) staged in phases of one step."""
+    rng = np.random.default_rng(m_rows * 1000 + k_dim)
+    x, w = _rand(m_rows, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng)
+    want = _run_linear(x, w)
+    for shuffles in (True, False):
+        got = _shuffle_linear(x, w, mt=11, columns=lin.COLUMNS, shuffles=shuffles, phase_steps=phase_steps)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_odd_row_tiles_pick_and_keep_the_order(odd_tiles):
+    """With ODD_TILES on, 33 rows (a B 32 tree) take 3 x 11 tiles instead of 5 x 8 where they fit,
+    expert and argmax launches keep the powers of two, and the rows keep their bits (the emulated
+    order under the simulator; a row alone = in 33 rows; head_linear = linear per group)."""
+    assert [lin.row_tile(r, 300) for r in (1, 8, 9, 33, 1056)] == [1, 8, 11, 11, 8]
+    assert lin.row_tile(33, 300, False) == 8
+    assert lin.plan_linear(33, 5, 300).mt == 11 and lin.plan_linear(33, 5, 300, kind="expert").mt == 8
+    x, w = _rand(33, 300), _rand(6, 300)
+    got = _run_linear(x, w)
+    np.testing.assert_array_equal(got[:1], _run_linear(x[:1], w))
+    if SIMULATED:
+        np.testing.assert_array_equal(got, _emulate(x, w))
+    xg, wg = _rand(33, 2, 300), _rand(2, 6, 300)
+    out = cuda.to_device(np.full((33, 2, 6), np.nan, np.float32))
+    lin.head_linear(_dev(xg), _dev(wg), out)
+    for g in range(2):
+        np.testing.assert_array_equal(out.copy_to_host()[:, g], _run_linear(xg[:, g], wg[g]))
+
+
 # --- accuracy -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("m_rows,n_cols,k_dim", [(1, 9, 64), (3, 17, 300), (5, 8, 130), (17, 5, 131),

@@ -23,7 +23,9 @@ row tile, ``linear.PIPELINE_WEIGHTS`` off) or ``-ring1`` (the weight ring for ev
 the GPU default; every other COLS runs them in the warp layout: run "staged absorbs", a 33-row
 forward 2763.6 us with the serial kernel, 2812.2 without), ``auto-serial-mtR`` (the same with R rows
 a thread, ``linear.SERIAL_ROW_TILES`` = (R,)), ``auto-serial-lS`` (S leaf subsets a block where
-they fit, else one: ``linear.SERIAL_LEAF_SPLITS`` = (S,)). A variant named twice is timed twice
+they fit, else one: ``linear.SERIAL_LEAF_SPLITS`` = (S,)), ``auto-serial-odd`` (the same with the
+11-row tiles for many-row linear and head launches, ``linear.ODD_TILES``: a 33-row tree in 3 x 11
+instead of 5 x 8). A variant named twice is timed twice
 and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
@@ -49,7 +51,7 @@ SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
-                 "auto-serial-l1", "auto-serial-l2", "auto-serial-l4")
+                 "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd")
 
 
 class Variant(tuple):
@@ -91,7 +93,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     timing = EventOptions(timing_enabled=True)
     saved = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
              em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
-             lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS)
+             lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
+             lin.ODD_TILES)
     few, wide = saved[0], saved[1]
     results: dict[str, dict[int, float]] = {}
     advanced = False
@@ -116,7 +119,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.SERIAL_HEADS = "-serial" in cols
         lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
         lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
-        for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
+        lin.ODD_TILES = cols.endswith("-odd") or saved[12]
+        for cached in (lin.row_tile, lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
             cached.cache_clear()
         per_rows = {}
         for rows in row_counts:
@@ -146,8 +150,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         print(f"tile {tile:11s} cols {cols:10s} " + json.dumps(per_rows), flush=True)
     (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
      em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
-     lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS) = saved
-    for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
+     lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
+     lin.ODD_TILES) = saved
+    for cached in (lin.row_tile, lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
         cached.cache_clear()
     return results
 

@@ -18,8 +18,9 @@ Numerics: one reduction order per K, whatever shares the launch.
 
 Work layout (limits §3, §7).
     A block computes an ``MT x (C * groups)`` output tile: MT rows (compile-time row tile, 1 to
-    8) by column groups of C adjacent columns (4, or 8 for the 8-row tile on sm_90:
-    :func:`columns`), one column group per
+    8, or 11 for many rows with ODD_TILES on: a 33-row tree in 3 tiles instead of 5) by column
+    groups of C adjacent columns (4, or 8 for the 8-row tile on sm_90: :func:`columns`), one
+    column group per
     ``k_split`` warps (one warp per K segment). Grid:
     (row tiles, column blocks[, heads]): blockIdx.x, the fastest, is the row tile, so the row
     tiles of one column block run side by side and its weight rows come from HBM once and from
@@ -154,6 +155,13 @@ WIDE_COLUMNS = 8
 WIDE_ARCHS = ("sm_90",)
 ROW_TILES = (1, 2, 4, 8)     # 16 rows: LLVM leaves the row loop rolled, acc goes to local memory
 MAX_ROW_TILE = ROW_TILES[-1]
+# Many-row tiles off the powers of two (linear and head kinds, C = COLUMNS): a B 32 tree's 33 rows
+# in 3 x 11 instead of 5 x 8, the fifth 8-row tile holding one row. Their MT x C partials are
+# reduced by the transposed butterfly padded to a power of two (zeros, never stored). Off
+# (ODD_TILES) until timed on a GPU: bench.forward_ab's ``-odd`` variants switch it on.
+ODD_ROW_TILES = (11,)
+ODD_KINDS = ("linear", "head")
+ODD_TILES = False
 XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
 # On a GPU the staged rows may use the opt-in limit (sim.launch.opt_in_shared; H200 227 KiB,
 # sm_120 99 KiB) less the static arrays (bounded by all of them together: comb 2 KiB, expert
@@ -360,7 +368,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     through a ring of U register slots, the next steps' loads issued before the current step's
     FMAs (None: :func:`ring_for`, by the row tile; same bits).
     """
-    if kind not in KINDS or prologue not in PROLOGUES or mt not in ROW_TILES or \
+    odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
+    if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
             columns not in (COLUMNS, WIDE_COLUMNS) or (kind == "argmax" and columns != COLUMNS):
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, mt={mt!r}, "
                          f"columns={columns!r}")
@@ -395,9 +404,12 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     # half with its partner, so the same pairs are summed as in warp_sum_f32 (a + b == b + a
     # exactly) with MTC - 1 shuffles instead of 5 MTC. HALF[t]: slots traded at stage t (0: a
     # plain butterfly step on the R_SLOTS left).
-    XT = min(5, MTC.bit_length() - 1)
-    H0, H1, H2, H3, H4 = [MTC >> (t + 1) if t < XT else 0 for t in range(5)]
-    R_SLOTS = max(1, MTC >> 5)     # reduced elements per lane: a0 + r, r < R_SLOTS
+    # MTP: MTC padded to a power of two (an odd row tile: 11 x 4 = 44 -> 64); the padding slots
+    # hold zeros through the butterfly and are never stored.
+    MTP = 1 << (MTC - 1).bit_length()
+    XT = min(5, MTP.bit_length() - 1)
+    H0, H1, H2, H3, H4 = [MTP >> (t + 1) if t < XT else 0 for t in range(5)]
+    R_SLOTS = max(1, MTP >> 5)     # reduced elements per lane: a0 + r, r < R_SLOTS
     OWNER_MASK = (WARP >> XT) - 1  # lanes holding a copy of the same elements: the lowest stores
 
     # ---- per-kind row access: x value at (src row, group, k); output store ----
@@ -591,7 +603,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             a = lane + r * WARP
             return a if a < MTC else -1
         a0 = owned_element(lane)
-        return a0 + r if a0 >= 0 else -1
+        return a0 + r if a0 >= 0 and a0 + r < MTC else -1
 
     @cuda.jit(device=True, inline="always")
     def put(out, residual_arr, dst_sh, g, col0, n_cols, a, total):
@@ -634,7 +646,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         """The row tile (src_sh / dst_sh staged) times column blocks blockIdx.y, + gridDim.y, ...
         (a grid-stride: the tile is staged once when K fits in one phase), or (argmax) the
         passes of part blockIdx.y, part_cols columns from column blockIdx.y * part_cols."""
-        acc = cuda.local.array(MTC, float32)
+        acc = cuda.local.array(MTP, float32)
         wv = cuda.local.array((U, C, VEC), float32)
         wbase = cuda.local.array(C, int64)
         lane = cuda.threadIdx.x % WARP
@@ -663,7 +675,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             for c in range(C):
                 col = min(col0 + c, n_cols - 1)    # columns past N re-read the last row
                 wbase[c] = (w_group + col) * k_dim + VEC * lane
-            for a in range(MTC):
+            for a in range(MTP):
                 acc[a] = ZERO
             for phase in range(n_phases):
                 j0 = min(j_seg + phase * phase_steps, j_seg_end)
@@ -693,8 +705,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 a0 = owned_element(lane)
                 if a0 >= 0:
                     for r in range(R_SLOTS):
-                        emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_,
-                             a0 + r, acc[r])
+                        if a0 + r < MTC:    # (padding slots of an odd tile: never stored)
+                            emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_,
+                                 a0 + r, acc[r])
             if k_split_ > 1:
                 cuda.syncthreads()  # every segment's sums in comb
                 # Element a is combined by the lane that emitted it (combined_element), so an
@@ -929,6 +942,12 @@ def _register_all() -> None:
                  get_kernel(kind, prologue, residual, MAX_ROW_TILE, columns=WIDE_COLUMNS), sigs[1:],
                  f"the {kind} kernel's {MAX_ROW_TILE} x {WIDE_COLUMNS} register tile ({prologue} prologue), "
                  f"launched on {', '.join(WIDE_ARCHS)} only", block_threads=threads, archs=WIDE_ARCHS)
+    # The odd row tiles (ODD_TILES): the rmsnorm + residual linear, the widest footprint of the tile.
+    for mt in ODD_ROW_TILES:
+        register(f"linear_rmsnorm_residual_mt{mt}", get_kernel("linear", "rmsnorm", True, mt),
+                 _linear_sigs("rmsnorm")[1:], f"the linear kernel's {mt} x {COLUMNS} register tile "
+                 f"(a many-row tile off the powers of two, its butterfly padded), rmsnorm prologue, "
+                 f"residual epilogue", block_threads=threads)
 
 
 _register_all()
@@ -972,14 +991,21 @@ def _opts_in(shared_bytes: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_tile(rows: int, k_dim: int = 0) -> int:
+def row_tile(rows: int, k_dim: int = 0, odd: bool = True) -> int:
     """MT for a launch with ``rows`` rows per group: the smallest tile >= rows, else the largest;
     halved, for K = ``k_dim``, while its rows do not fit :func:`xs_budget` in one phase and a
     smaller tile does (rows staged in phases are restaged for every column block; smaller tiles
-    staged once re-read W from L2 instead). Layout, never the order."""
+    staged once re-read W from L2 instead). With ODD_TILES on and ``odd`` (the linear and head
+    kinds), more rows than the largest tile take an ODD_ROW_TILES tile where it pads fewer rows
+    and fits (33 rows: 3 x 11). Layout, never the order."""
     mt = next((t for t in ROW_TILES if rows <= t), MAX_ROW_TILE)
     fits = [t for t in ROW_TILES if t <= mt and _stage_bytes(t, k_dim) <= xs_budget()]
-    return fits[-1] if fits else mt
+    mt = fits[-1] if fits else mt
+    if ODD_TILES and odd and rows > MAX_ROW_TILE and mt == MAX_ROW_TILE:
+        for t in ODD_ROW_TILES:
+            if _stage_bytes(t, k_dim) <= xs_budget() and -(-rows // t) * t < -(-rows // mt) * mt:
+                mt = t
+    return mt
 
 
 @dataclass(frozen=True)
@@ -1016,7 +1042,7 @@ class LinearPlan:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> LinearPlan:
-    mt = row_tile(rows, k_dim)
+    mt = row_tile(rows, k_dim, kind in ODD_KINDS)
     c = columns(kind, mt)
     split = k_split(k_dim)
     seg_steps = _seg_steps(k_dim)
@@ -1926,7 +1952,7 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
     if entries == 0 or x.shape[0] == 0:
         return out
     rows = min(x.shape[0], entries)
-    mt = row_tile(rows, k_dim)
+    mt = row_tile(rows, k_dim, False)
     kernel, grid, threads, smem, geometry = _setup(
         "expert", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim),
         expert_slots(entries, experts, mt))
@@ -2022,7 +2048,7 @@ def linear_argmax(x: Any, w: Any, part_val: Any, part_idx: Any, *, norm_weight: 
     prologue, norm = _check_prologue_args(x, k_dim, False, norm_weight)
     if m_rows == 0:
         return part_val, part_idx
-    mt = row_tile(m_rows, k_dim)
+    mt = row_tile(m_rows, k_dim, False)
     kernel, grid, threads, smem, geometry = _setup(
         "argmax", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), 1,
         n_parts)
