@@ -299,12 +299,16 @@ def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
     assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
 
 
-def test_split_k_o_proj_gives_the_same_bits(monkeypatch, scenario) -> None:
+def test_split_k_o_proj_and_odd_row_tiles_give_the_same_bits(monkeypatch, scenario) -> None:
     """A model whose o_proj and dense down_proj run as per-segment products (linear.linear_split_k,
-    what the H200's many-row verify launches take; the down_proj after swiglu_rows) computes its
-    prefill bit for bit as linear() does (the scenario's prefill model, same weights, inputs and
-    shapes). tiny's K are one segment, so the split is forced with G = 1 here; the segment
-    combine of G > 1 is tested against linear() in test_kernel_linear.py."""
+    what the H200's many-row verify launches take; the down_proj after swiglu_rows), and whose
+    many-row linear and head launches take 11-row tiles (linear.ODD_TILES: the prefill's 2 x 9
+    rows in two tiles instead of three of 8; tiny's K <= 128 fit the staging budget; the MoE's
+    expert products keep 8-row slots), computes its prefill bit for bit as the plain layout does
+    (the scenario's prefill model, same weights, inputs and shapes; one forward for both layouts:
+    each is a simulator minute). tiny's K are one segment, so the split is forced with G = 1
+    here; the segment combine of G > 1 and the 11-row tile are tested against linear() in
+    test_kernel_linear.py."""
     import ddtree_numba.engine.model as em
     from ddtree_numba.kernels import linear as lin
 
@@ -320,39 +324,17 @@ def test_split_k_o_proj_gives_the_same_bits(monkeypatch, scenario) -> None:
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
-    split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
-                        capture_layers=(0, 1))
-    assert split._wo_split is not None and split._w2_split is not None
-    got = split.forward(*inputs)
+    previous = lin.set_odd_tiles(True)
+    try:
+        assert lin.row_tile(18, 64, True) == 11 and lin.row_tile(18, 64) == 8
+        split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
+                            capture_layers=(0, 1))
+        assert split._wo_split is not None and split._w2_split is not None
+        got = split.forward(*inputs)
+    finally:
+        lin.set_odd_tiles(previous)
     np.testing.assert_array_equal(_host(got.logits), want[0])
     np.testing.assert_array_equal(_host(got.features), want[1])
-
-
-def test_odd_row_tiles_give_the_same_bits(monkeypatch, scenario) -> None:
-    """With linear.ODD_TILES on, the scenario's prefill (2 requests x 9 rows) runs its linears
-    and absorbs in 11-row tiles (two instead of three of 8) and computes the same bits (layout,
-    never the order)."""
-    from ddtree_numba.kernels import linear as lin
-
-    caches = (lin.row_tile, lin._plan, lin._grid_cols, lin._setup)
-    for cached in caches:
-        cached.cache_clear()
-    monkeypatch.setattr(lin, "ODD_TILES", True)
-    try:
-        assert lin.row_tile(18, 64) == 11 and lin.row_tile(18, 64, False) == 8
-        config, weights = _tiny()
-        pre = _golden_built()["prefill"]
-        inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
-                              pre.in_visibility.values, 9)
-        model = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
-                            capture_layers=(0, 1))
-        got = model.forward(*inputs)
-        np.testing.assert_array_equal(_host(got.logits), scenario["prefill"]["logits"])
-        np.testing.assert_array_equal(_host(got.features), scenario["prefill"]["features"])
-    finally:
-        monkeypatch.undo()
-        for cached in caches:
-            cached.cache_clear()
 
 
 def test_serial_absorbs_take_k_major_copies(monkeypatch, request) -> None:

@@ -160,16 +160,11 @@ def test_shuffle_butterfly_gives_the_tree_bits(m_rows, n_cols, k_dim):
 
 
 @pytest.fixture
-def odd_tiles(monkeypatch):
-    """linear.ODD_TILES on for the test (the plan caches cleared before and after)."""
-    caches = (lin.row_tile, lin._plan, lin._grid_cols, lin._setup)
-    for cached in caches:
-        cached.cache_clear()
-    monkeypatch.setattr(lin, "ODD_TILES", True)
+def odd_tiles():
+    """linear.ODD_TILES on for the test (set_odd_tiles clears the plan caches both ways)."""
+    previous = lin.set_odd_tiles(True)
     yield
-    monkeypatch.undo()
-    for cached in caches:
-        cached.cache_clear()
+    lin.set_odd_tiles(previous)
 
 
 @pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
@@ -178,7 +173,7 @@ def odd_tiles(monkeypatch):
 def test_odd_row_tile_gives_the_plan_bits(m_rows, n_cols, k_dim, phase_steps):
     """The 11-row tile (linear.ODD_ROW_TILES): its 44 partials a lane through the transposed
     butterfly padded to 64, and through the tree, give linear()'s bits (the plan's 8-row tiles),
-    every element stored once (poisoned output). (12, 5, 2100): two K segments, the combine; (33,
+    every element stored (poisoned output). (12, 5, 2100): two K segments, the combine; (33,
     4, 700) staged in phases of one step."""
     rng = np.random.default_rng(m_rows * 1000 + k_dim)
     x, w = _rand(m_rows, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng)
@@ -192,9 +187,13 @@ def test_odd_row_tiles_pick_and_keep_the_order(odd_tiles):
     """With ODD_TILES on, 33 rows (a B 32 tree) take 3 x 11 tiles instead of 5 x 8 where they fit,
     expert and argmax launches keep the powers of two, and the rows keep their bits (the emulated
     order under the simulator; a row alone = in 33 rows; head_linear = linear per group)."""
-    assert [lin.row_tile(r, 300) for r in (1, 8, 9, 33, 1056)] == [1, 8, 11, 11, 8]
-    assert lin.row_tile(33, 300, False) == 8
-    assert lin.plan_linear(33, 5, 300).mt == 11 and lin.plan_linear(33, 5, 300, kind="expert").mt == 8
+    assert [lin.row_tile(r, 300, True) for r in (1, 8, 9, 33, 1056)] == [1, 8, 11, 11, 8]
+    assert lin.row_tile(33, 300) == 8     # callers opt in (linear, head_linear, the plans of their kinds)
+    assert lin.plan_linear(33, 5, 300).mt == 11 and lin.plan_linear(33, 5, 300, kind="head").mt == 11
+    assert lin.plan_linear(33, 5, 300, kind="expert").mt == 8 and lin.plan_linear(33, 5, 300, kind="argmax").mt == 8
+    for kind, prologue, columns in (("expert", "none", 4), ("argmax", "none", 4), ("linear", "none", 8)):
+        with pytest.raises(ValueError, match="no linear kernel"):
+            lin.get_kernel(kind, prologue, False, 11, columns=columns)
     x, w = _rand(33, 300), _rand(6, 300)
     got = _run_linear(x, w)
     np.testing.assert_array_equal(got[:1], _run_linear(x[:1], w))

@@ -119,9 +119,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.SERIAL_HEADS = "-serial" in cols
         lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
         lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
-        lin.ODD_TILES = cols.endswith("-odd") or saved[12]
-        for cached in (lin.row_tile, lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
+        for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
             cached.cache_clear()
+        lin.set_odd_tiles(cols.endswith("-odd") or saved[12])   # (clears row_tile and the plans)
         per_rows = {}
         for rows in row_counts:
             model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
@@ -151,8 +151,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
      em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
      lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
-     lin.ODD_TILES) = saved
-    for cached in (lin.row_tile, lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
+     odd) = saved
+    lin.set_odd_tiles(odd)
+    for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
         cached.cache_clear()
     return results
 

@@ -118,6 +118,7 @@ __all__ = [
     "LinearPlan",
     "k_split",
     "row_tile",
+    "set_odd_tiles",
     "plan_linear",
     "expert_slots",
     "linear",
@@ -158,7 +159,8 @@ MAX_ROW_TILE = ROW_TILES[-1]
 # Many-row tiles off the powers of two (linear and head kinds, C = COLUMNS): a B 32 tree's 33 rows
 # in 3 x 11 instead of 5 x 8, the fifth 8-row tile holding one row. Their MT x C partials are
 # reduced by the transposed butterfly padded to a power of two (zeros, never stored). Off
-# (ODD_TILES) until timed on a GPU: bench.forward_ab's ``-odd`` variants switch it on.
+# (ODD_TILES; switch it with :func:`set_odd_tiles`) until timed on a GPU: bench.forward_ab's
+# ``auto-serial-odd`` variant switches it on.
 ODD_ROW_TILES = (11,)
 ODD_KINDS = ("linear", "head")
 ODD_TILES = False
@@ -361,7 +363,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     "expert" (x [R, Kx], w [E, N, K], out [J, N], CSR routing) or "argmax" (x [M, K] -> per-part
     (max, argmax) part_val / part_idx [M, P]); prologue: "none", "rmsnorm" (linear, argmax) or
     "swiglu" (linear, expert); residual: out = residual + x @ w.T (linear only); mt: rows per
-    tile, one of ROW_TILES; columns: C, COLUMNS or (not argmax) WIDE_COLUMNS (:func:`columns`
+    tile, one of ROW_TILES, or of ODD_ROW_TILES for the linear and head kinds with C = COLUMNS;
+    columns: C, COLUMNS or (not argmax) WIDE_COLUMNS (:func:`columns`
     picks it per architecture); shuffles: reduce the lane partials with the transposed shuffle
     butterfly (the GPU build) rather than its tree in shared memory (the simulator's default,
     same bits; tests run the shuffles under the simulator too); pipelined: stream the weights
@@ -942,12 +945,17 @@ def _register_all() -> None:
                  get_kernel(kind, prologue, residual, MAX_ROW_TILE, columns=WIDE_COLUMNS), sigs[1:],
                  f"the {kind} kernel's {MAX_ROW_TILE} x {WIDE_COLUMNS} register tile ({prologue} prologue), "
                  f"launched on {', '.join(WIDE_ARCHS)} only", block_threads=threads, archs=WIDE_ARCHS)
-    # The odd row tiles (ODD_TILES): the rmsnorm + residual linear, the widest footprint of the tile.
+    # The odd row tiles (ODD_TILES): the linear kind at its widest footprint (rmsnorm prologue,
+    # residual epilogue; the prologues differ only in staging) and the head kind (the split-K
+    # products; its ring once spilled where the linear kind's did not).
     for mt in ODD_ROW_TILES:
         register(f"linear_rmsnorm_residual_mt{mt}", get_kernel("linear", "rmsnorm", True, mt),
                  _linear_sigs("rmsnorm")[1:], f"the linear kernel's {mt} x {COLUMNS} register tile "
                  f"(a many-row tile off the powers of two, its butterfly padded), rmsnorm prologue, "
                  f"residual epilogue", block_threads=threads)
+        register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs()[1:],
+                 f"batch-invariant per-head x[:, g] @ w[g].T, {mt}-row tiles (the split-K products)",
+                 block_threads=threads)
 
 
 _register_all()
@@ -991,12 +999,12 @@ def _opts_in(shared_bytes: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_tile(rows: int, k_dim: int = 0, odd: bool = True) -> int:
+def row_tile(rows: int, k_dim: int = 0, odd: bool = False) -> int:
     """MT for a launch with ``rows`` rows per group: the smallest tile >= rows, else the largest;
     halved, for K = ``k_dim``, while its rows do not fit :func:`xs_budget` in one phase and a
     smaller tile does (rows staged in phases are restaged for every column block; smaller tiles
     staged once re-read W from L2 instead). With ODD_TILES on and ``odd`` (the linear and head
-    kinds), more rows than the largest tile take an ODD_ROW_TILES tile where it pads fewer rows
+    kinds' launches pass it), more rows than the largest tile take an ODD_ROW_TILES tile where it pads fewer rows
     and fits (33 rows: 3 x 11). Layout, never the order."""
     mt = next((t for t in ROW_TILES if rows <= t), MAX_ROW_TILE)
     fits = [t for t in ROW_TILES if t <= mt and _stage_bytes(t, k_dim) <= xs_budget()]
@@ -1006,6 +1014,17 @@ def row_tile(rows: int, k_dim: int = 0, odd: bool = True) -> int:
             if _stage_bytes(t, k_dim) <= xs_budget() and -(-rows // t) * t < -(-rows // mt) * mt:
                 mt = t
     return mt
+
+
+def set_odd_tiles(on: bool) -> bool:
+    """Switch ODD_TILES and clear the plan caches that read it (row_tile, _plan, _grid_cols,
+    _setup: a stale plan could launch a tile other than its caller's grid assumes). Returns the
+    previous setting."""
+    global ODD_TILES
+    previous, ODD_TILES = ODD_TILES, bool(on)
+    for cached in (row_tile, _plan, _grid_cols, _setup):
+        cached.cache_clear()
+    return previous
 
 
 @dataclass(frozen=True)
@@ -1226,7 +1245,7 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
         residual = _check_out(residual, "residual", (m_rows, n_cols))
     if m_rows == 0:
         return out
-    mt = row_tile(m_rows, k_dim)
+    mt = row_tile(m_rows, k_dim, True)
     kernel, grid, threads, smem, geometry = _setup(
         "linear", prologue, residual is not None, mt, n_cols, k_dim, _aligned(w, k_dim),
         -(-m_rows // mt))
@@ -1283,7 +1302,7 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
         _configured(kernel, serial.grid, serial.threads, stream, serial.shared_bytes)(
             x, _kernel_weight(w_kn), out, n_cols, k_dim)
         return out
-    mt = row_tile(m_rows, k_dim)
+    mt = row_tile(m_rows, k_dim, True)
     kernel, grid, threads, smem, geometry = _setup(
         "head", "none", False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), groups)
     _configured(kernel, grid, threads, stream, smem)(x, _kernel_weight(w), out, *geometry)
@@ -1952,7 +1971,7 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
     if entries == 0 or x.shape[0] == 0:
         return out
     rows = min(x.shape[0], entries)
-    mt = row_tile(rows, k_dim, False)
+    mt = row_tile(rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
         "expert", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim),
         expert_slots(entries, experts, mt))
@@ -2048,7 +2067,7 @@ def linear_argmax(x: Any, w: Any, part_val: Any, part_idx: Any, *, norm_weight: 
     prologue, norm = _check_prologue_args(x, k_dim, False, norm_weight)
     if m_rows == 0:
         return part_val, part_idx
-    mt = row_tile(m_rows, k_dim, False)
+    mt = row_tile(m_rows, k_dim)
     kernel, grid, threads, smem, geometry = _setup(
         "argmax", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), 1,
         n_parts)
