@@ -945,17 +945,10 @@ def _register_all() -> None:
                  get_kernel(kind, prologue, residual, MAX_ROW_TILE, columns=WIDE_COLUMNS), sigs[1:],
                  f"the {kind} kernel's {MAX_ROW_TILE} x {WIDE_COLUMNS} register tile ({prologue} prologue), "
                  f"launched on {', '.join(WIDE_ARCHS)} only", block_threads=threads, archs=WIDE_ARCHS)
-    # The odd row tiles (ODD_TILES): the linear kind at its widest footprint (rmsnorm prologue,
-    # residual epilogue; the prologues differ only in staging) and the head kind (the split-K
-    # products; its ring once spilled where the linear kind's did not).
-    for mt in ODD_ROW_TILES:
-        register(f"linear_rmsnorm_residual_mt{mt}", get_kernel("linear", "rmsnorm", True, mt),
-                 _linear_sigs("rmsnorm")[1:], f"the linear kernel's {mt} x {COLUMNS} register tile "
-                 f"(a many-row tile off the powers of two, its butterfly padded), rmsnorm prologue, "
-                 f"residual epilogue", block_threads=threads)
-        register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs()[1:],
-                 f"batch-invariant per-head x[:, g] @ w[g].T, {mt}-row tiles (the split-K products)",
-                 block_threads=threads)
+    # The odd row tiles (ODD_TILES) are off by default and not in the compile check while they are
+    # (CI time: ~25 s a kernel and arch); compiled by hand for sm_90 / sm_120 (PERFORMANCE, run rms
+    # loads): linear rmsnorm + residual 234 / 242 registers, head 238 / 246, no spill. Register
+    # them here (linear_rmsnorm_residual_mt11, head_linear_mt11) when ODD_TILES goes on.
 
 
 _register_all()
