@@ -119,8 +119,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.SERIAL_HEADS = "-serial" in cols
         lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
         lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
-        for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
-            cached.cache_clear()
+        lin.serial_plan.cache_clear()
         lin.set_odd_tiles(cols.endswith("-odd") or saved[12])   # (clears row_tile and the plans)
         per_rows = {}
         for rows in row_counts:
@@ -152,9 +151,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
      em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
      lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
      odd) = saved
-    lin.set_odd_tiles(odd)
-    for cached in (lin._plan, lin._grid_cols, lin._setup, lin.serial_plan):
-        cached.cache_clear()
+    lin.serial_plan.cache_clear()
+    lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
     return results
 
 

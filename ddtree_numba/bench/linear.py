@@ -173,7 +173,7 @@ def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.N
         gbps = moved / (med * 1e-6) / 1e9
         tflops = flops / (med * 1e-6) / 1e12
         results.append(dict(
-            prologue=prologue, n=n_cols, k=k_dim, m=m_rows, mt=lin.row_tile(m_rows), median_us=med,
+            prologue=prologue, n=n_cols, k=k_dim, m=m_rows, mt=lin.plan_linear(m_rows, n_cols, k_dim).mt, median_us=med,
             min_us=min(times), max_us=max(times), host_us=_host_us(call, stream), gbps=gbps,
             pct_hbm=100.0 * gbps * 1e9 / profile.hbm_bandwidth_spec,
             tflops=tflops, pct_fp32=100.0 * tflops * 1e12 / profile.fp32_peak,

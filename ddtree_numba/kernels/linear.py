@@ -299,9 +299,8 @@ def _row_inv_rms(x, row, k_dim, eps, lane):
     ascending (fma chain), then the butterfly: a function of K only. A lane issues RMS_LOADS
     loads (unsigned indices) before their fmas; the last, partial batch holds zeros past K, and
     fma(0, 0, t) is t exactly (t >= +0), so the chain and its bits are those of one fma per
-    element. A signed index
-    costs each load a negative-index wraparound, and ptxas then kept 4 loads ahead of the chain:
-    16 round trips a lane at K 2048 before the block could stage x."""
+    element. A signed index costs each load a negative-index wraparound, and ptxas then kept 4
+    loads ahead of the chain: 16 round trips a lane at K 2048 before the block could stage x."""
     staged = cuda.local.array(RMS_LOADS, float32)   # registers once the loops are unrolled
     total = ZERO
     r = uint64(row)
@@ -997,8 +996,8 @@ def row_tile(rows: int, k_dim: int = 0, odd: bool = False) -> int:
     halved, for K = ``k_dim``, while its rows do not fit :func:`xs_budget` in one phase and a
     smaller tile does (rows staged in phases are restaged for every column block; smaller tiles
     staged once re-read W from L2 instead). With ODD_TILES on and ``odd`` (the linear and head
-    kinds' launches pass it), more rows than the largest tile take an ODD_ROW_TILES tile where it pads fewer rows
-    and fits (33 rows: 3 x 11). Layout, never the order."""
+    kinds' launches pass it), more rows than the largest tile take an ODD_ROW_TILES tile where it
+    pads fewer rows and fits (33 rows: 3 x 11). Layout, never the order."""
     mt = next((t for t in ROW_TILES if rows <= t), MAX_ROW_TILE)
     fits = [t for t in ROW_TILES if t <= mt and _stage_bytes(t, k_dim) <= xs_budget()]
     mt = fits[-1] if fits else mt
