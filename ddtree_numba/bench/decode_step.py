@@ -277,6 +277,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="oracle accuracies of the DDTree runs (none: skip DDTree)")
     parser.add_argument("--entropy", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--odd-tiles", action="store_true",
+                        help="11-row tiles for many-row linear and head launches (kernels/linear.py ODD_TILES; "
+                             "a B 32 tree's 33 rows in 3 x 11 instead of 5 x 8)")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -290,11 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree_numba.config import ModelConfig
     from ddtree_numba.engine.decode import required_kv_capacity
     from ddtree_numba.engine.model import TargetModel
+    from ddtree_numba.kernels import linear as lin
     from reference.weights import init_weights
     from sim.install import simulator_active
     from sim.profiles import active_profile, roofline
 
     t_start = time.perf_counter()
+    if args.odd_tiles:
+        lin.set_odd_tiles(True)
     config = ModelConfig.from_name(args.preset)
     profile = active_profile()
     bandwidth = roofline(profile, 1.0, 0.0).bandwidth
@@ -330,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         from ddtree_numba.bench.common import write_run
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
-                                                      "budget", "block", "accuracy", "entropy", "seed")}
+                                                      "budget", "block", "accuracy", "entropy", "seed",
+                                                      "odd_tiles")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),
