@@ -34,10 +34,12 @@ def test_merge_and_lanes_variants_parse():
     assert forward_ab._variants("autom512x1/auto,autom256x8/auto-serial") == [
         ("autom512x1", "auto"), ("autom256x8", "auto-serial")]
     assert forward_ab._merge_tile("autom128x4") == (128, 4) and forward_ab._merge_tile("auto") is None
-    assert forward_ab._variants("auto/auto-serial-mt2,auto/auto-serial-l1,auto/auto-serial-odd") == [
-        ("auto", "auto-serial-mt2"), ("auto", "auto-serial-l1"), ("auto", "auto-serial-odd")]
+    assert forward_ab._variants("auto/auto-serial-mt2,auto/auto-serial-l1,auto/auto-serial-odd,"
+                                "auto/auto-serial-even") == [
+        ("auto", "auto-serial-mt2"), ("auto", "auto-serial-l1"), ("auto", "auto-serial-odd"),
+        ("auto", "auto-serial-even")]
     for bad in ("autom100x1/auto", "autom2048x1/auto", "autom128x3/auto", "autom128/auto", "auto/serial",
-                "auto/auto-serial-l3", "auto/auto-serial-mt5"):
+                "auto/auto-serial-l3", "auto/auto-serial-mt5", "auto/auto-odd"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)
 

@@ -299,16 +299,16 @@ def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
     assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
 
 
-def test_split_k_o_proj_and_odd_row_tiles_give_the_same_bits(monkeypatch, scenario) -> None:
+def test_split_k_o_proj_and_8_row_tiles_give_the_same_bits(monkeypatch, scenario) -> None:
     """A model whose o_proj and dense down_proj run as per-segment products (linear.linear_split_k,
     what the H200's many-row verify launches take; the down_proj after swiglu_rows), and whose
-    many-row linear and head launches take 11-row tiles (linear.ODD_TILES: the prefill's 2 x 9
-    rows in two tiles instead of three of 8; tiny's K <= 128 fit the staging budget; the MoE's
-    expert products keep 8-row slots), computes its prefill bit for bit as the plain layout does
-    (the scenario's prefill model, same weights, inputs and shapes; one forward for both layouts:
-    each is a simulator minute). tiny's K are one segment, so the split is forced with G = 1
-    here; the segment combine of G > 1 and the 11-row tile are tested against linear() in
-    test_kernel_linear.py."""
+    many-row linear and head launches take 8-row tiles only (linear.ODD_TILES off: the prefill's
+    2 x 9 rows in three tiles of 8 instead of two of 11, the default; tiny's K <= 128 fit the
+    staging budget; the MoE's expert products keep 8-row slots either way), computes its prefill
+    bit for bit as the scenario's prefill model does (same weights, inputs and shapes; one forward
+    for both layouts: each is a simulator minute). tiny's K are one segment, so the split is forced
+    with G = 1 here; the segment combine of G > 1 and the 11-row tile are tested against linear()
+    in test_kernel_linear.py."""
     import ddtree_numba.engine.model as em
     from ddtree_numba.kernels import linear as lin
 
@@ -317,6 +317,7 @@ def test_split_k_o_proj_and_odd_row_tiles_give_the_same_bits(monkeypatch, scenar
     inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
                           pre.in_visibility.values, 9)
     want = (scenario["prefill"]["logits"], scenario["prefill"]["features"])  # linear() throughout
+    assert lin.ODD_TILES and lin.row_tile(18, 64, True) == 11   # the scenario's layout
     plain = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
     assert plain._wo_split is None and plain._w2_split is None  # (not run: the scenario ran its twin)
     assert (plain._absorb_kn is not None) == lin.SERIAL_HEADS   # k-major absorb copies with the serial switch only
@@ -324,9 +325,9 @@ def test_split_k_o_proj_and_odd_row_tiles_give_the_same_bits(monkeypatch, scenar
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
-    previous = lin.set_odd_tiles(True)
+    previous = lin.set_odd_tiles(False)
     try:
-        assert lin.row_tile(18, 64, True) == 11 and lin.row_tile(18, 64) == 8
+        assert lin.row_tile(18, 64, True) == 8
         split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
                             capture_layers=(0, 1))
         assert split._wo_split is not None and split._w2_split is not None

@@ -277,9 +277,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="oracle accuracies of the DDTree runs (none: skip DDTree)")
     parser.add_argument("--entropy", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--odd-tiles", action="store_true",
+    parser.add_argument("--odd-tiles", choices=("on", "off"),
                         help="11-row tiles for many-row linear and head launches (kernels/linear.py ODD_TILES; "
-                             "a B 32 tree's 33 rows in 3 x 11 instead of 5 x 8)")
+                             "a B 32 tree's 33 rows in 3 x 11 instead of 5 x 8; default: ODD_TILES, on)")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     if args.odd_tiles:
-        lin.set_odd_tiles(True)
+        lin.set_odd_tiles(args.odd_tiles == "on")
+    args.odd_tiles = "on" if lin.ODD_TILES else "off"   # (recorded in the config attrs)
     config = ModelConfig.from_name(args.preset)
     profile = active_profile()
     bandwidth = roofline(profile, 1.0, 0.0).bandwidth

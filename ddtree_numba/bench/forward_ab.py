@@ -23,9 +23,10 @@ row tile, ``linear.PIPELINE_WEIGHTS`` off) or ``-ring1`` (the weight ring for ev
 the GPU default; every other COLS runs them in the warp layout: run "staged absorbs", a 33-row
 forward 2763.6 us with the serial kernel, 2812.2 without), ``auto-serial-mtR`` (the same with R rows
 a thread, ``linear.SERIAL_ROW_TILES`` = (R,)), ``auto-serial-lS`` (S leaf subsets a block where
-they fit, else one: ``linear.SERIAL_LEAF_SPLITS`` = (S,)), ``auto-serial-odd`` (the same with the
-11-row tiles for many-row linear and head launches, ``linear.ODD_TILES``: a 33-row tree in 3 x 11
-instead of 5 x 8). A variant named twice is timed twice
+they fit, else one: ``linear.SERIAL_LEAF_SPLITS`` = (S,)), ``auto-serial-odd`` / ``auto-serial-even``
+(the same with the 11-row tiles for many-row linear and head launches, ``linear.ODD_TILES``, on /
+off: a 33-row tree in 3 x 11 or 5 x 8; every other COLS keeps the default, on; run odd tiles:
+2632.0 / 2634.5 us odd against 2692.2 / 2704.5). A variant named twice is timed twice
 and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
@@ -51,7 +52,8 @@ SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
-                 "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd")
+                 "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
+                 "auto-serial-even")
 
 
 class Variant(tuple):
@@ -120,7 +122,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
         lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
         lin.serial_plan.cache_clear()
-        lin.set_odd_tiles(cols.endswith("-odd") or saved[12])   # (clears row_tile and the plans)
+        lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
         per_rows = {}
         for rows in row_counts:
             model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),

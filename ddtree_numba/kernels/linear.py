@@ -18,7 +18,7 @@ Numerics: one reduction order per K, whatever shares the launch.
 
 Work layout (limits §3, §7).
     A block computes an ``MT x (C * groups)`` output tile: MT rows (compile-time row tile, 1 to
-    8, or 11 for many rows with ODD_TILES on: a 33-row tree in 3 tiles instead of 5) by column
+    8, or 11 for many rows (ODD_TILES): a 33-row tree in 3 tiles instead of 5) by column
     groups of C adjacent columns (4, or 8 for the 8-row tile on sm_90: :func:`columns`), one
     column group per
     ``k_split`` warps (one warp per K segment). Grid:
@@ -158,12 +158,13 @@ ROW_TILES = (1, 2, 4, 8)     # 16 rows: LLVM leaves the row loop rolled, acc goe
 MAX_ROW_TILE = ROW_TILES[-1]
 # Many-row tiles off the powers of two (linear and head kinds, C = COLUMNS): a B 32 tree's 33 rows
 # in 3 x 11 instead of 5 x 8, the fifth 8-row tile holding one row. Their MT x C partials are
-# reduced by the transposed butterfly padded to a power of two (zeros, never stored). Off
-# (ODD_TILES; switch it with :func:`set_odd_tiles`) until timed on a GPU: bench.forward_ab's
-# ``auto-serial-odd`` variant switches it on.
+# reduced by the transposed butterfly padded to a power of two (zeros, never stored). On
+# (ODD_TILES; switch it with :func:`set_odd_tiles`): a 33-row forward on the H200 took 2632.0 /
+# 2634.5 us with them against 2692.2 / 2704.5 with 8-row tiles only (PERFORMANCE, run odd tiles);
+# bench.forward_ab's ``auto-serial-even`` variant switches it off.
 ODD_ROW_TILES = (11,)
 ODD_KINDS = ("linear", "head")
-ODD_TILES = False
+ODD_TILES = True
 XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
 # On a GPU the staged rows may use the opt-in limit (sim.launch.opt_in_shared; H200 227 KiB,
 # sm_120 99 KiB) less the static arrays (bounded by all of them together: comb 2 KiB, expert
@@ -944,10 +945,15 @@ def _register_all() -> None:
                  get_kernel(kind, prologue, residual, MAX_ROW_TILE, columns=WIDE_COLUMNS), sigs[1:],
                  f"the {kind} kernel's {MAX_ROW_TILE} x {WIDE_COLUMNS} register tile ({prologue} prologue), "
                  f"launched on {', '.join(WIDE_ARCHS)} only", block_threads=threads, archs=WIDE_ARCHS)
-    # The odd row tiles (ODD_TILES) are off by default and not in the compile check while they are
-    # (CI time: ~25 s a kernel and arch); compiled by hand for sm_90 / sm_120 (PERFORMANCE, run rms
-    # loads): linear rmsnorm + residual 234 / 242 registers, head 238 / 246, no spill. Register
-    # them here (linear_rmsnorm_residual_mt11, head_linear_mt11) when ODD_TILES goes on.
+    # The odd row tiles (ODD_TILES, C = COLUMNS on every arch): the linear kind's widest prologue
+    # (rmsnorm + residual; swiglu differs in the staged value only) and the head kind.
+    for mt in ODD_ROW_TILES:
+        register(f"linear_rmsnorm_residual_mt{mt}", get_kernel("linear", "rmsnorm", True, mt),
+                 _linear_sigs("rmsnorm")[1:], f"the linear kernel's {mt}-row tile (rmsnorm prologue, "
+                 f"residual epilogue): many-row launches, ODD_TILES", block_threads=threads)
+        register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs()[1:],
+                 f"batch-invariant per-head x[:, g] @ w[g].T, {mt}-row tiles (ODD_TILES)",
+                 block_threads=threads)
 
 
 _register_all()
