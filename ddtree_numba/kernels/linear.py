@@ -142,6 +142,7 @@ __all__ = [
 WARP = 32
 VEC = 4                      # floats per lane per step (one 16-byte load)
 STEP = WARP * VEC            # 128 k values per warp step
+STEP_SHIFT = STEP.bit_length() - 1
 SPLIT_STEPS = 16             # a segment of K per warp holds at least ~2048 values
 MAX_K_SPLIT = 8              # K segments (one warp each) per column group, at most
 BLOCK_WARPS = MAX_K_SPLIT    # warps per block on a GPU (k_split divides it)
@@ -462,9 +463,17 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         for base in range(cuda.threadIdx.x, row_floats, stride * SU):
             for q in range(SU):
                 pos = base + q * stride
-                s = pos // kcw
-                j = s * seg_steps + phase * phase_steps + (pos - s * kcw) // STEP
-                k = j * STEP + pos % STEP
+                # pos = s * kcw + r (segment s < k_split_, offset r) without a division: a
+                # runtime divisor made each position a 64-bit division and its floor fix-up, a
+                # third of a 1-row launch's instructions (ncu, run odd tiles).
+                s = 0
+                r = pos
+                if pos < row_floats:
+                    while r >= kcw:
+                        r -= kcw
+                        s += 1
+                j = s * seg_steps + phase * phase_steps + (r >> STEP_SHIFT)
+                k = j * STEP + (r & (STEP - 1))
                 inside = (pos < row_floats and j < min((s + 1) * seg_steps, total_steps)
                           and k < k_dim)
                 scale = ONE
@@ -654,8 +663,13 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         wbase = cuda.local.array(C, int64)
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        seg = warp % k_split_
-        groups_per_block = (cuda.blockDim.x // WARP) // k_split_
+        # k_split_ is a power of two (k_split): shifts and masks, not runtime divisions
+        ks_shift = 0
+        while (1 << ks_shift) < k_split_:
+            ks_shift += 1
+        seg = warp & (k_split_ - 1)
+        group = warp >> ks_shift
+        groups_per_block = (cuda.blockDim.x // WARP) >> ks_shift
         total_steps = (k_dim + STEP - 1) // STEP
         n_phases = (seg_steps + phase_steps - 1) // phase_steps
         j_seg = min(seg * seg_steps, total_steps)
@@ -674,7 +688,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             gb_end = min(gb_first + passes, n_group_blocks)
             gb_step = 1
         for gb in range(gb_first, gb_end, gb_step):
-            col0 = (gb * groups_per_block + warp // k_split_) * C
+            col0 = (gb * groups_per_block + group) * C
             for c in range(C):
                 col = min(col0 + c, n_cols - 1)    # columns past N re-read the last row
                 wbase[c] = (w_group + col) * k_dim + VEC * lane
