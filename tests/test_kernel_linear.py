@@ -172,12 +172,16 @@ def odd_tiles():
                                                              (33, 4, 700, 1)])
 def test_odd_row_tile_gives_the_plan_bits(m_rows, n_cols, k_dim, phase_steps):
     """The 11-row tile (linear.ODD_ROW_TILES): its 44 partials a lane through the transposed
-    butterfly padded to 64, and through the tree, give linear()'s bits (the plan's 8-row tiles),
-    every element stored (poisoned output). (12, 5, 2100): two K segments, the combine; (33,
-    4, 700) staged in phases of one step."""
+    butterfly padded to 64, and through the tree, give the bits of linear() with 8-row tiles only
+    (ODD_TILES off for the reference), every element stored (poisoned output). (12, 5, 2100):
+    two K segments, the combine; (33, 4, 700) staged in phases of one step."""
     rng = np.random.default_rng(m_rows * 1000 + k_dim)
     x, w = _rand(m_rows, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng)
-    want = _run_linear(x, w)
+    previous = lin.set_odd_tiles(False)
+    try:
+        want = _run_linear(x, w)
+    finally:
+        lin.set_odd_tiles(previous)
     for shuffles in (True, False):
         got = _shuffle_linear(x, w, mt=11, columns=lin.COLUMNS, shuffles=shuffles, phase_steps=phase_steps)
         np.testing.assert_array_equal(got, want)
@@ -621,8 +625,10 @@ def test_weight_ring_in_phases_is_layout_not_numerics():
 
 def test_row_tile_shrinks_to_stage_once(monkeypatch):
     """MT is halved while its rows overflow the staging budget and a smaller tile fits in one
-    phase; with the H200's opt-in budget the 33-row verify forward of `small` takes 8-row tiles
-    up to K 5632 and 4-row tiles at K 8192 (wo); the simulator keeps the 40 KiB default."""
+    phase; with the H200's opt-in budget 33 rows take 8-row tiles up to K 5632 and 4-row tiles
+    at K 8192 (wo) where the launch does not opt into the 11-row tiles (expert and argmax kinds;
+    linear and head launches take 11-row tiles where they fit: test_odd_row_tiles_pick_and_keep_the_order);
+    the simulator keeps the 40 KiB default."""
     assert lin.xs_budget() == lin.XS_BUDGET_BYTES if SIMULATED else lin.xs_budget() > lin.XS_BUDGET_BYTES
     h200 = 227 * 1024 - lin.STATIC_RESERVE_BYTES
     monkeypatch.setattr(lin, "xs_budget", lambda: h200)
@@ -667,6 +673,8 @@ def test_every_kind_is_registered_at_its_extreme_row_tiles():
             assert {f"linear_{p}_mt{mt}", f"linear_{p}_residual_mt{mt}"} <= names
         assert {f"expert_linear_none_mt{mt}", f"expert_linear_swiglu_mt{mt}"} <= names
         assert {f"linear_argmax_none_mt{mt}", f"linear_argmax_rmsnorm_mt{mt}"} <= names
+    for mt in lin.ODD_ROW_TILES:   # the linear kind's widest prologue and the head kind
+        assert {f"linear_rmsnorm_residual_mt{mt}", f"head_linear_mt{mt}"} <= names
 
 
 # --- split K: per-segment products, the same bits ---------------------------------------------------

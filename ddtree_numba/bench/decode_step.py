@@ -131,7 +131,7 @@ class TreePoint:
     rounds: int
     forward_passes: int
     identical: bool
-    stage_us: dict[str, float]  # eager calibration round
+    stage_us: dict[str, float]  # per round of the eager run (kernels compiled by the graph run)
 
 
 def replay_rate(result: Any) -> tuple[float, int]:
