@@ -78,14 +78,45 @@ def test_embed_bad_device_ids_give_nan_rows():
 
 # --- RMSNorm ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dim, eps", [(1, 1e-6), (37, 1e-6), (300, 1e-2)])  # 300 > UNROLL * 32
-def test_rms_norm_matches_reference(dim, eps):
+@pytest.mark.parametrize("dim, eps", [(1, 1e-6), (37, 1e-6), (300, 1e-2), (2100, 1e-6)])  # 2100: two
+def test_rms_norm_matches_reference(dim, eps):                       # batches of ROW_LOADS a lane + a tail
     rng = np.random.default_rng(dim)
     x = (3.0 * rng.standard_normal((3, dim))).astype(np.float32)
     weight = (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
     out = cuda.device_array((3, dim), np.float32)
     mo.rms_norm(_dev(x), _dev(weight), eps, out)
     _close(out.copy_to_host(), rm.rms_norm(x, weight.astype(np.float64), eps))
+
+
+def _emulate_rms_norm(x, weight, eps):
+    """The kernel's documented order in float32 (the simulator rounds a*b and + apart): lane l sums
+    x[j]^2 for j = l, l + 32, ... ascending, the 32 partials are added in lane order, rms =
+    sqrt(total / D + eps), and each output is x / rms * weight."""
+    m_rows, dim = x.shape
+    out = np.empty_like(x)
+    for m in range(m_rows):
+        partial = np.zeros(32, np.float32)
+        for j in range(dim):
+            partial[j % 32] = np.float32(partial[j % 32] + np.float32(x[m, j] * x[m, j]))
+        total = np.float32(0.0)
+        for lane in range(32):
+            total = np.float32(total + partial[lane])
+        rms = np.sqrt(np.float32(total / np.float32(dim) + np.float32(eps)))
+        out[m] = x[m] / rms * weight
+    return out
+
+
+@pytest.mark.skipif(not mo.simulator_active(), reason="the GPU fuses a*b + c; the emulation models the simulator")
+@pytest.mark.parametrize("dim", [37, 1024, 1056, 2100])
+def test_rms_norm_order_is_the_documented_one(dim):
+    """The loads batched ROW_LOADS a lane ahead of the sums (whole batches, a tail of single loads)
+    keep the documented order: the bits of a NumPy emulation of it."""
+    rng = np.random.default_rng(dim)
+    x = (3.0 * rng.standard_normal((2, dim))).astype(np.float32)
+    weight = (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+    out = cuda.device_array((2, dim), np.float32)
+    mo.rms_norm(_dev(x), _dev(weight), 1e-6, out)
+    assert _same_bits(out.copy_to_host(), _emulate_rms_norm(x, weight, 1e-6))
 
 
 def test_rms_norm_view_in_place_batch_and_launch_shape_invariant(monkeypatch):
@@ -243,6 +274,8 @@ ROUTING_CASES = {
     "softmax": dict(score_func="softmax", n_expert_groups=4, n_limited_groups=2, norm_topk_prob=False),
     "sigmoid_no_bias": dict(n_routed_experts=16, n_expert_groups=4, n_limited_groups=2, n_activated_experts=3),
     "k1": dict(n_activated_experts=1, route_scale=1.0),
+    # D 600: 37-38 values a thread, past one batch of DOT_LOADS (16 partials a logit)
+    "wide": dict(hidden_size=600, score_func="softmax", n_expert_groups=4, n_limited_groups=2),
 }
 
 
@@ -438,10 +471,11 @@ def test_moe_route_empty_experts():
     assert np.all(ids == [2, 5])
 
 
-def test_moe_route_batch_and_launch_shape_invariant(monkeypatch):
+@pytest.mark.parametrize("case", ["softmax", "wide"])
+def test_moe_route_batch_and_launch_shape_invariant(monkeypatch, case):
     """GPU shapes (one 128-thread block per row, a 128-thread CSR block) give the simulator
     shape's bits, and a row routed alone gives the bits it gets in a batch."""
-    config = _routing_config(**ROUTING_CASES["softmax"])
+    config = _routing_config(**ROUTING_CASES[case])
     rng = np.random.default_rng(13)
     xn = rng.standard_normal((3, config.hidden_size)).astype(np.float32)
     gate_w = (rng.standard_normal((8, config.hidden_size)) / 8).astype(np.float32)

@@ -69,7 +69,11 @@ ROW_WARPS = 4  # warp-per-row kernels: rows per block
 ROW_THREADS = ROW_WARPS * WARP_SIZE
 ELEM_THREADS = 128  # element-parallel kernels: elements (or RoPE pairs) per block
 SIM_THREADS = WARP_SIZE  # every launch under the simulator: one block of one warp
-UNROLL = 8  # loads in flight per lane in the row loops
+# Loads in flight per lane ahead of the arithmetic on them: a warp-per-row RMSNorm of K 2048 is 64
+# values a lane, so 8 a round was 8 round trips to L2 before the sum and 8 more for the normed
+# write (~12 us a launch on the H200, one block); the order of the sums does not depend on these.
+ROW_LOADS = 32  # RMSNorm rows: the sum of squares and the normed write
+DOT_LOADS = 16  # the routing kernel's gate partials (one (expert, partial) pair a thread)
 MAX_EXPERTS = 512  # routed experts (DeepSeek-V3 256, Kimi K2 384): shared logits and CSR cursors
 MAX_TOPK = 32  # picks: the routing kernel's shared pick list
 MAX_GROUPS = 32  # groups: the routing kernel's shared group scores and kept flags
@@ -89,50 +93,47 @@ GATE_NORM_EPS_F32 = np.float32(1e-20)  # reference.model.GATE_NORM_EPS (HF noaux
 
 # --- device functions ------------------------------------------------------------------------
 
+def _make_strided_dot(loads: int) -> Any:
+    """A device function Σ x[row, j] · w[e, j] over j = first, first + stride, ... < n in
+    ascending order, ``loads`` loads of each operand in flight ahead of the products (their
+    number does not change the order: the partial depends on (first, stride, n) only). Column
+    indices are unsigned: a signed index gives every load a negative-index wraparound (64-bit
+    selects), and with it ptxas kept fewer loads ahead of the FMA chain (the routing kernel 2.3x
+    slower at kimi-k2's batch 1 on the H200)."""
+
+    @cuda.jit(device=True)
+    def strided_dot(x, row, w, e, first, stride, n):
+        staged_x = cuda.local.array(loads, float32)  # registers once the loops are unrolled
+        staged_w = cuda.local.array(loads, float32)
+        acc = float32(0.0)
+        j = uint64(first)
+        step = uint64(stride)
+        end = uint64(n)
+        span = uint64(loads - 1) * step
+        while j + span < end:
+            for u in range(loads):  # all loads first
+                staged_x[u] = x[row, j + uint64(u) * step]
+                staged_w[u] = w[e, j + uint64(u) * step]
+            for u in range(loads):
+                acc += staged_x[u] * staged_w[u]
+            j += uint64(loads) * step
+        while j < end:
+            acc += x[row, j] * w[e, j]
+            j += step
+        return acc
+
+    return strided_dot
+
+
+_strided_dot = _make_strided_dot(DOT_LOADS)   # the routing kernel's gate partials
+_row_dot = _make_strided_dot(ROW_LOADS)
+
+
 @cuda.jit(device=True)
 def _strided_sumsq(x, row, first, stride, n):
-    """Σ x[row, j]² over j = first, first + stride, ... < n in ascending order (UNROLL loads in
-    flight). A fixed order: the partial depends on (first, stride, n) only."""
-    staged = cuda.local.array(UNROLL, float32)  # registers once the loops are unrolled
-    acc = float32(0.0)
-    j = first
-    while j + (UNROLL - 1) * stride < n:
-        for u in range(UNROLL):  # all loads first
-            staged[u] = x[row, j + u * stride]
-        for u in range(UNROLL):
-            acc += staged[u] * staged[u]
-        j += UNROLL * stride
-    while j < n:
-        v = x[row, j]
-        acc += v * v
-        j += stride
-    return acc
-
-
-@cuda.jit(device=True)
-def _strided_dot(x, row, w, e, first, stride, n):
-    """Σ x[row, j] · w[e, j] over j = first, first + stride, ... < n, ascending (as
-    :func:`_strided_sumsq`). Column indices are unsigned: a signed index gives every load a
-    negative-index wraparound (64-bit selects), and with it ptxas kept fewer loads ahead of the
-    FMA chain (the routing kernel 2.3x slower at kimi-k2's batch 1 on the H200)."""
-    staged_x = cuda.local.array(UNROLL, float32)
-    staged_w = cuda.local.array(UNROLL, float32)
-    acc = float32(0.0)
-    j = uint64(first)
-    step = uint64(stride)
-    end = uint64(n)
-    span = uint64(UNROLL - 1) * step
-    while j + span < end:
-        for u in range(UNROLL):  # all loads first
-            staged_x[u] = x[row, j + uint64(u) * step]
-            staged_w[u] = w[e, j + uint64(u) * step]
-        for u in range(UNROLL):
-            acc += staged_x[u] * staged_w[u]
-        j += uint64(UNROLL) * step
-    while j < end:
-        acc += x[row, j] * w[e, j]
-        j += step
-    return acc
+    """Σ x[row, j]² over j = first, first + stride, ... < n in ascending order: the row's dot
+    with itself (the same products in the same order; the repeated load is the same address)."""
+    return _row_dot(x, row, x, row, first, stride, n)
 
 
 @cuda.jit(device=True)
@@ -157,19 +158,22 @@ def _warp_row_rms(x, row, n, eps, s_part):
 def _write_normed(x, row, col0, n, rms, weight, out, out_row):
     """out[out_row, j] = x[row, col0 + j] / rms · weight[j] for the lane's j < n (lane-strided).
     Each lane reads its elements before writing them, so out may be x itself."""
-    staged = cuda.local.array(UNROLL, float32)
-    staged_w = cuda.local.array(UNROLL, float32)
-    j = cuda.threadIdx.x % WARP_SIZE
-    while j + (UNROLL - 1) * WARP_SIZE < n:
-        for u in range(UNROLL):  # all loads first
-            staged[u] = x[row, col0 + j + u * WARP_SIZE]
-            staged_w[u] = weight[j + u * WARP_SIZE]
-        for u in range(UNROLL):
-            out[out_row, j + u * WARP_SIZE] = staged[u] / rms * staged_w[u]
-        j += UNROLL * WARP_SIZE
-    while j < n:
-        out[out_row, j] = x[row, col0 + j] / rms * weight[j]
-        j += WARP_SIZE
+    staged = cuda.local.array(ROW_LOADS, float32)
+    staged_w = cuda.local.array(ROW_LOADS, float32)
+    j = uint64(cuda.threadIdx.x % WARP_SIZE)   # unsigned indices, as _strided_sumsq
+    base = uint64(col0)
+    end = uint64(n)
+    lanes = uint64(WARP_SIZE)
+    while j + uint64(ROW_LOADS - 1) * lanes < end:
+        for u in range(ROW_LOADS):  # all loads first
+            staged[u] = x[row, base + j + uint64(u) * lanes]
+            staged_w[u] = weight[j + uint64(u) * lanes]
+        for u in range(ROW_LOADS):
+            out[out_row, j + uint64(u) * lanes] = staged[u] / rms * staged_w[u]
+        j += uint64(ROW_LOADS) * lanes
+    while j < end:
+        out[out_row, j] = x[row, base + j] / rms * weight[j]
+        j += lanes
 
 
 @cuda.jit(device=True)
