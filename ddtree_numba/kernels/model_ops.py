@@ -69,9 +69,10 @@ ROW_WARPS = 4  # warp-per-row kernels: rows per block
 ROW_THREADS = ROW_WARPS * WARP_SIZE
 ELEM_THREADS = 128  # element-parallel kernels: elements (or RoPE pairs) per block
 SIM_THREADS = WARP_SIZE  # every launch under the simulator: one block of one warp
-# Loads in flight per lane ahead of the arithmetic on them: a warp-per-row RMSNorm of K 2048 is 64
-# values a lane, so 8 a round was 8 round trips to L2 before the sum and 8 more for the normed
-# write (~12 us a launch on the H200, one block); the order of the sums does not depend on these.
+# Loads in flight per lane ahead of the arithmetic on them (the last, partial batch guarded): a
+# warp-per-row RMSNorm of D 2048 is 64 values a lane, so 8 a round was 8 round trips to L2 before
+# the sum and 8 more for the normed write (~12 us an AR launch on the H200); the kv write's 512 are
+# one batch now. The order of the sums does not depend on these.
 ROW_LOADS = 32  # RMSNorm rows: the sum of squares and the normed write
 DOT_LOADS = 16  # the routing kernel's gate partials (one (expert, partial) pair a thread)
 MAX_EXPERTS = 512  # routed experts (DeepSeek-V3 256, Kimi K2 384): shared logits and CSR cursors
@@ -117,9 +118,14 @@ def _make_strided_dot(loads: int) -> Any:
             for u in range(loads):
                 acc += staged_x[u] * staged_w[u]
             j += uint64(loads) * step
-        while j < end:
-            acc += x[row, j] * w[e, j]
-            j += step
+        if j < end:   # the last, partial batch: its loads in flight together too (guarded)
+            for u in range(loads):
+                if j + uint64(u) * step < end:
+                    staged_x[u] = x[row, j + uint64(u) * step]
+                    staged_w[u] = w[e, j + uint64(u) * step]
+            for u in range(loads):
+                if j + uint64(u) * step < end:
+                    acc += staged_x[u] * staged_w[u]
         return acc
 
     return strided_dot
@@ -164,16 +170,15 @@ def _write_normed(x, row, col0, n, rms, weight, out, out_row):
     base = uint64(col0)
     end = uint64(n)
     lanes = uint64(WARP_SIZE)
-    while j + uint64(ROW_LOADS - 1) * lanes < end:
+    while j < end:   # batches of ROW_LOADS a lane, the last one guarded
         for u in range(ROW_LOADS):  # all loads first
-            staged[u] = x[row, base + j + uint64(u) * lanes]
-            staged_w[u] = weight[j + uint64(u) * lanes]
+            if j + uint64(u) * lanes < end:
+                staged[u] = x[row, base + j + uint64(u) * lanes]
+                staged_w[u] = weight[j + uint64(u) * lanes]
         for u in range(ROW_LOADS):
-            out[out_row, j + uint64(u) * lanes] = staged[u] / rms * staged_w[u]
+            if j + uint64(u) * lanes < end:
+                out[out_row, j + uint64(u) * lanes] = staged[u] / rms * staged_w[u]
         j += uint64(ROW_LOADS) * lanes
-    while j < end:
-        out[out_row, j] = x[row, base + j] / rms * weight[j]
-        j += lanes
 
 
 @cuda.jit(device=True)
