@@ -317,7 +317,7 @@ def test_split_k_o_proj_and_8_row_tiles_give_the_same_bits(monkeypatch, scenario
     inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
                           pre.in_visibility.values, 9)
     want = (scenario["prefill"]["logits"], scenario["prefill"]["features"])  # linear() throughout
-    assert lin.ODD_TILES and lin.row_tile(18, 64, True) == 11   # the scenario's layout
+    assert lin.ODD_TILES and lin.row_tile(18, 64, "linear") == 11   # the scenario's layout
     plain = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
     assert plain._wo_split is None and plain._w2_split is None  # (not run: the scenario ran its twin)
     assert (plain._absorb_kn is not None) == lin.SERIAL_HEADS   # k-major absorb copies with the serial switch only
@@ -327,7 +327,7 @@ def test_split_k_o_proj_and_8_row_tiles_give_the_same_bits(monkeypatch, scenario
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
     previous = lin.set_odd_tiles(False)
     try:
-        assert lin.row_tile(18, 64, True) == 8
+        assert lin.row_tile(18, 64, "linear") == 8
         split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
                             capture_layers=(0, 1))
         assert split._wo_split is not None and split._w2_split is not None

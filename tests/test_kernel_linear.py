@@ -191,8 +191,9 @@ def test_odd_row_tiles_pick_and_keep_the_order(odd_tiles):
     """With ODD_TILES on, 33 rows (a B 32 tree) take 3 x 11 tiles instead of 5 x 8 where they fit,
     expert and argmax launches keep the powers of two, and the rows keep their bits (the emulated
     order under the simulator; a row alone = in 33 rows; head_linear = linear per group)."""
-    assert [lin.row_tile(r, 300, True) for r in (1, 8, 9, 33, 1056)] == [1, 8, 11, 11, 8]
-    assert lin.row_tile(33, 300) == 8     # callers opt in (linear, head_linear, the plans of their kinds)
+    assert [lin.row_tile(r, 300, "linear") for r in (1, 8, 9, 33, 1056)] == [1, 8, 11, 11, 8]
+    assert lin.row_tile(33, 300, "head") == 11 and lin.row_tile(33, 300, "expert") == 8
+    assert lin.row_tile(33, 300) == 8     # launches name their kind (linear, head_linear, the plans)
     assert lin.plan_linear(33, 5, 300).mt == 11 and lin.plan_linear(33, 5, 300, kind="head").mt == 11
     assert lin.plan_linear(33, 5, 300, kind="expert").mt == 8 and lin.plan_linear(33, 5, 300, kind="argmax").mt == 8
     for kind, prologue, columns in (("expert", "none", 4), ("argmax", "none", 4), ("linear", "none", 8)):

@@ -1012,17 +1012,17 @@ def _opts_in(shared_bytes: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_tile(rows: int, k_dim: int = 0, odd: bool = False) -> int:
+def row_tile(rows: int, k_dim: int = 0, kind: str = "") -> int:
     """MT for a launch with ``rows`` rows per group: the smallest tile >= rows, else the largest;
     halved, for K = ``k_dim``, while its rows do not fit :func:`xs_budget` in one phase and a
     smaller tile does (rows staged in phases are restaged for every column block; smaller tiles
-    staged once re-read W from L2 instead). With ODD_TILES on and ``odd`` (the linear and head
-    kinds' launches pass it), more rows than the largest tile take an ODD_ROW_TILES tile where it
-    pads fewer rows and fits (33 rows: 3 x 11). Layout, never the order."""
+    staged once re-read W from L2 instead). With ODD_TILES on, a launch of a ``kind`` in ODD_KINDS
+    (linear, head) with more rows than the largest tile takes an ODD_ROW_TILES tile where it pads
+    fewer rows and fits (33 rows: 3 x 11). Layout, never the order."""
     mt = next((t for t in ROW_TILES if rows <= t), MAX_ROW_TILE)
     fits = [t for t in ROW_TILES if t <= mt and _stage_bytes(t, k_dim) <= xs_budget()]
     mt = fits[-1] if fits else mt
-    if ODD_TILES and odd and rows > MAX_ROW_TILE and mt == MAX_ROW_TILE:
+    if ODD_TILES and kind in ODD_KINDS and rows > MAX_ROW_TILE and mt == MAX_ROW_TILE:
         for t in ODD_ROW_TILES:
             if _stage_bytes(t, k_dim) <= xs_budget() and -(-rows // t) * t < -(-rows // mt) * mt:
                 mt = t
@@ -1074,7 +1074,7 @@ class LinearPlan:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> LinearPlan:
-    mt = row_tile(rows, k_dim, kind in ODD_KINDS)
+    mt = row_tile(rows, k_dim, kind)
     c = columns(kind, mt)
     split = k_split(k_dim)
     seg_steps = _seg_steps(k_dim)
@@ -1258,7 +1258,7 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
         residual = _check_out(residual, "residual", (m_rows, n_cols))
     if m_rows == 0:
         return out
-    mt = row_tile(m_rows, k_dim, True)
+    mt = row_tile(m_rows, k_dim, "linear")
     kernel, grid, threads, smem, geometry = _setup(
         "linear", prologue, residual is not None, mt, n_cols, k_dim, _aligned(w, k_dim),
         -(-m_rows // mt))
@@ -1315,7 +1315,7 @@ def head_linear(x: Any, w: Any, out: Any, *, w_kn: Any = None, stream: Any = 0) 
         _configured(kernel, serial.grid, serial.threads, stream, serial.shared_bytes)(
             x, _kernel_weight(w_kn), out, n_cols, k_dim)
         return out
-    mt = row_tile(m_rows, k_dim, True)
+    mt = row_tile(m_rows, k_dim, "head")
     kernel, grid, threads, smem, geometry = _setup(
         "head", "none", False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), groups)
     _configured(kernel, grid, threads, stream, smem)(x, _kernel_weight(w), out, *geometry)
@@ -1984,7 +1984,7 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
     if entries == 0 or x.shape[0] == 0:
         return out
     rows = min(x.shape[0], entries)
-    mt = row_tile(rows, k_dim)
+    mt = row_tile(rows, k_dim, "expert")
     kernel, grid, threads, smem, geometry = _setup(
         "expert", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim),
         expert_slots(entries, experts, mt))
@@ -2080,7 +2080,7 @@ def linear_argmax(x: Any, w: Any, part_val: Any, part_idx: Any, *, norm_weight: 
     prologue, norm = _check_prologue_args(x, k_dim, False, norm_weight)
     if m_rows == 0:
         return part_val, part_idx
-    mt = row_tile(m_rows, k_dim)
+    mt = row_tile(m_rows, k_dim, "argmax")
     kernel, grid, threads, smem, geometry = _setup(
         "argmax", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim), -(-m_rows // mt), 1,
         n_parts)
