@@ -320,8 +320,7 @@ def test_split_k_o_proj_and_8_row_tiles_give_the_same_bits(monkeypatch, scenario
     assert lin.ODD_TILES and lin.row_tile(18, 64, "linear") == 11   # the scenario's layout
     plain = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
     assert plain._wo_split is None and plain._w2_split is None  # (not run: the scenario ran its twin)
-    assert (plain._absorb_kn is not None) == lin.SERIAL_HEADS   # k-major absorb copies with the serial switch only
-                                                                # (on by default on a GPU, off in the simulator)
+    assert plain._segment_absorbs and plain._absorb_kn is not None   # kernels.absorb reads k-major copies
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
@@ -339,13 +338,20 @@ def test_split_k_o_proj_and_8_row_tiles_give_the_same_bits(monkeypatch, scenario
 
 
 def test_serial_absorbs_take_k_major_copies(monkeypatch, request) -> None:
-    """With linear.SERIAL_HEADS on, a many-row model keeps the absorbs' k-major copies
-    (DeviceWeights.k_major, w_kn[h, k, n] = w[h, n, k]) that head_linear's thread-serial kernel
-    reads; the kernel's bits are the warp layout's (test_kernel_linear.py, and on the H200). No
+    """The absorbs' k-major copies (DeviceWeights.k_major, w_kn[h, k, n] = w[h, n, k]): kept by
+    every model with engine.model.SEGMENT_ABSORBS on (the default: kernels.absorb reads them), and
+    with it off by a many-row model with linear.SERIAL_HEADS on (head_linear's thread-serial kernel;
+    its bits are the warp layout's: test_kernel_linear.py, and on the H200), not without it. No
     forward here: one tiny prefill through the serial kernel costs ~35 s of simulator CI."""
+    import ddtree_numba.engine.model as em
     from ddtree_numba.kernels import linear as lin
 
     config, weights = _tiny()
+    assert em.SEGMENT_ABSORBS and TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)._absorb_kn
+    monkeypatch.setattr(em, "SEGMENT_ABSORBS", False)
+    monkeypatch.setattr(lin, "SERIAL_HEADS", False)
+    lin.serial_plan.cache_clear()
+    assert TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9)._absorb_kn is None
     monkeypatch.setattr(lin, "SERIAL_HEADS", True)
     request.addfinalizer(lin.serial_plan.cache_clear)   # no plan made with the switch on outlives the test
     lin.serial_plan.cache_clear()

@@ -26,7 +26,10 @@ a thread, ``linear.SERIAL_ROW_TILES`` = (R,)), ``auto-serial-lS`` (S leaf subset
 they fit, else one: ``linear.SERIAL_LEAF_SPLITS`` = (S,)), ``auto-serial-odd`` / ``auto-serial-even``
 (the same with the 11-row tiles for many-row linear and head launches, ``linear.ODD_TILES``, on /
 off: a 33-row tree in 3 x 11 or 5 x 8; every other COLS keeps the default, on; run odd tiles:
-2632.0 / 2634.5 us odd against 2692.2 / 2704.5). A variant named twice is timed twice
+2632.0 / 2634.5 us odd against 2692.2 / 2704.5), or ``auto-seg`` (the absorbs in ``kernels.absorb``'s
+segment order, ``engine.model.SEGMENT_ABSORBS`` on, the default since it was timed; every other COLS
+runs them in ``head_linear``, the earlier path) with ``-cN`` (tile blocks of N column quads,
+``absorb.TILE_COL_QUADS`` = (N,)) or ``-mt4`` (4 rows a tile thread). A variant named twice is timed twice
 and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
@@ -53,7 +56,7 @@ SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
-                 "auto-serial-even")
+                 "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4")
 
 
 class Variant(tuple):
@@ -79,6 +82,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     from numba import cuda
 
     import ddtree_numba.engine.model as em
+    import ddtree_numba.kernels.absorb as ab
     import ddtree_numba.kernels.linear as lin
     from ddtree_numba.kernels import verify_attention as va
     from ddtree_numba.bench.profile_forward import forward_inputs
@@ -98,6 +102,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
              lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
              lin.ODD_TILES)
     few, wide = saved[0], saved[1]
+    segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROW_TILES)
     results: dict[str, dict[int, float]] = {}
     advanced = False
     for variant in variants:
@@ -119,6 +124,10 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
         lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
         lin.SERIAL_HEADS = "-serial" in cols
+        em.SEGMENT_ABSORBS = cols.startswith("auto-seg")
+        ab.TILE_COL_QUADS = (int(cols.rsplit("-c", 1)[1]),) if "-seg-c" in cols else saved_ab[0]
+        ab.TILE_ROW_TILES = (4,) if cols.endswith("-mt4") else saved_ab[1]
+        ab.plan_absorb.cache_clear()
         lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
         lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
         lin.serial_plan.cache_clear()
@@ -153,6 +162,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
      em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
      lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
      odd) = saved
+    em.SEGMENT_ABSORBS = segment
+    ab.TILE_COL_QUADS, ab.TILE_ROW_TILES = saved_ab
+    ab.plan_absorb.cache_clear()
     lin.serial_plan.cache_clear()
     lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
     return results

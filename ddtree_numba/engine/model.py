@@ -48,6 +48,7 @@ from ddtree_numba.config import ModelConfig
 from ddtree_numba.engine.cache import KVCache, LayerKV
 from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
 from ddtree_numba.kernels import verify_attention as va
+from ddtree_numba.kernels.absorb import absorb
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
@@ -94,6 +95,12 @@ FEW_NODES_MERGE: tuple[int, int] = (128, 1)
 ATTENTION_PREFETCH_CHUNKS = 1  # how far ahead (va.TileConfig.prefetch_chunks); the split / chunk: all at once
 STATIC_SMEM_LIMIT = va.STATIC_SHARED_LIMIT  # static shared memory per block: bounds the attention path table
 PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
+# The MLA absorbs (q_nope @ W_UK, o_latent @ W_UVᵀ) in kernels.absorb's segment order: a split
+# kernel for an AR step, a tiled one for a tree verify or a prefill, the same bits. Off: the
+# earlier path, head_linear (linear()'s lane chains and butterfly; its thread-serial kernel for
+# many rows on a GPU). Numerics, not layout: AR and verify must agree, so one process keeps one
+# setting (bench.forward_ab's ``auto-hl`` variant times the earlier path in a fresh model).
+SEGMENT_ABSORBS = True
 
 
 class ForwardOut(NamedTuple):
@@ -432,11 +439,13 @@ class TargetModel:
         m, d, hv, inter = self.batch_size * self.max_rows, config.hidden_size, config.n_heads * config.v_head_dim, \
             config.dense_intermediate
         self._wo_split = self._w2_split = None
-        # With linear.SERIAL_HEADS on (the GPU default), the absorbs of many rows run in
-        # head_linear's thread-serial kernel, which stages the weights k-major
-        # (linear.serial_plan; the same bits as the warp layout).
+        # The absorbs read their weights k-major: kernels.absorb always (SEGMENT_ABSORBS), else
+        # head_linear's thread-serial kernel where it runs (linear.SERIAL_HEADS on, the GPU
+        # default, many rows: linear.serial_plan; the same bits as its warp layout).
+        self._segment_absorbs = SEGMENT_ABSORBS
         self._absorb_kn = None
-        if serial_plan(m, config.n_heads, config.kv_lora_rank, config.qk_nope_dim) is not None:
+        if self._segment_absorbs or \
+                serial_plan(m, config.n_heads, config.kv_lora_rank, config.qk_nope_dim) is not None:
             self._absorb_kn = (self.weights.k_major("w_uk_t", stream=stream),  # per layer [H, nope, C]
                                self.weights.k_major("w_uv", stream=stream))    # per layer [H, C, v]
         if split_k_pays(m, hv):
@@ -550,13 +559,19 @@ class TargetModel:
         mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
                    stream=stream)  # [M, H, R]
         uk_kn, uv_kn = (None, None) if self._absorb_kn is None else (kn[lw.index] for kn in self._absorb_kn)
-        head_linear(v.q_nope, w.w_uk_t, v.q_latent, w_kn=uk_kn, stream=stream)  # [M, H, C]
+        if self._segment_absorbs:
+            absorb(v.q_nope, uk_kn, v.q_latent, stream=stream)  # [M, H, C]
+        else:
+            head_linear(v.q_nope, w.w_uk_t, v.q_latent, w_kn=uk_kn, stream=stream)  # [M, H, C]
         latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
         mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
                      latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream)  # [bs, Tc, H, C]
-        head_linear(v.attn, w.w_uv, b.heads, w_kn=uv_kn, stream=stream)  # [M, H, v]
+        if self._segment_absorbs:
+            absorb(v.attn, uv_kn, b.heads, stream=stream)  # [M, H, v]
+        else:
+            head_linear(v.attn, w.w_uv, b.heads, w_kn=uv_kn, stream=stream)  # [M, H, v]
         if self._wo_split is None:
             linear(v.heads, w.w_o, b.x, residual=b.x, stream=stream)  # [M, D]
         else:

@@ -1,0 +1,418 @@
+"""MLA weight absorption: per-head products in one fixed summation order at every row count.
+
+``absorb(x, w_kn, out)`` computes ``out[m, g, n] = sum_k x[m, g, k] * w_kn[g, k, n]`` (the
+absorbed query ``q_nope @ W_UK`` and the value projection ``o_latent @ W_UVᵀ`` of MLA; w k-major:
+``w_kn[g, k, n] = W[g, n, k]``) in this order, the same bits whatever kernel or row count runs it:
+
+    K is cut into segments of SEGMENT = 32 k values. Segment s's partial is an fma chain over its
+    k in ascending order that starts from +0.0: p_s = fma(x[k1], w[k1], fma(x[k0], w[k0], 0.0)).
+    The output is -0.0 + p_0 + p_1 + ... + p_{S-1}, added left to right.
+
+(-0.0 + v == v bit for bit, +0.0 included; a chain from +0.0 never holds -0.0, so zeros staged past
+K or past M add nothing: ``p + 0 * 0 == p``.) Why this order and not ``linear()``'s lane chains and
+butterfly (which ``head_linear`` keeps): it lets a thread own whole segments, so
+
+- few rows (an AR step, a small batch; :func:`get_split_kernel`): the segments of one output run
+  side by side in different threads (memory parallelism: one 16-byte weight load a thread and k),
+  and their partials meet in shared memory, added in segment order by one thread an output;
+- many rows (a tree verify, a prefill; :func:`get_tile_kernel`): a thread keeps MT rows x 4
+  columns and runs every segment itself from a register-blocked, double-buffered shared tile of
+  the head's weights and rows (a small SGEMM: no butterfly, no per-leaf folding).
+
+History (H200, ``small``, 33-row verify, ncu): ``head_linear``'s thread-serial kernel took 41.3 us
+(q absorb, K 128) and 35.9 us (value absorb, K 512) a layer; 1-row absorbs 12.9 us each (its warp
+layout) against a 3.9 us weight stream. PERFORMANCE.md has the numbers of this module.
+
+Both kernels run under the simulator; ``plan_absorb`` picks one from the shapes (layout, never the
+order), ``absorb`` validates and launches. The order is tested bit for bit against a NumPy
+emulation under the simulator, and the two kernels against each other on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, int32, int64
+
+from sim.launch import check_launch, launch_bounds
+from sim.profiles import active_profile
+
+from ._args import is_c_contiguous
+from .linear import (NEG_ZERO, SIM_TREE, VEC, ZERO, _check_out, _configured, _f32, _kernel_weight, _rows_aligned,
+                     load_f32x4, load_x4, shared_put4, shared_x4)
+from .registry import register
+
+__all__ = [
+    "SEGMENT",
+    "MAX_K",
+    "FEW_ROWS",
+    "AbsorbPlan",
+    "plan_absorb",
+    "absorb",
+    "get_split_kernel",
+    "get_tile_kernel",
+]
+
+SEGMENT = 32                    # k values a partial sums before the partials are added (the order)
+SEG_SHIFT = SEGMENT.bit_length() - 1
+MAX_K = 1024                    # segments a split block stages: S x MT x NB floats (32 KiB at MT 8)
+FEW_ROWS = 8                    # rows up to this run the split kernel (decode), more the tile kernel
+SPLIT_THREADS = 128             # split block: NB / 4 column quads x SB segment lanes
+SPLIT_ROW_TILES = (1, 2, 4, 8)  # rows a split thread keeps (the launch's rows, rounded up)
+SPLIT_MAX_LANES = 16            # segment lanes a split block may have (K 512: 16, 8 quads = 32 columns)
+TILE_ROW_TILES = (8, 4)         # rows a tile thread keeps (multiples of 4: 16-byte x reads)
+TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: the widest giving TILE_BLOCKS_PER_SM
+TILE_BLOCKS_PER_SM = 2
+TILE_MAX_THREADS = 256          # rows past CQ x RW x MT take grid y
+TILE_X_PAD = VEC                # floats after a staged k-row of x (16-byte aligned, banks spread)
+
+
+def _segments(k_dim: int) -> int:
+    return -(-k_dim // SEGMENT)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# --- few rows: a segment a thread, partials met in shared memory -------------------------------------
+
+@functools.cache
+def get_split_kernel(mt: int, lanes: int) -> Any:
+    """The split kernel (compiled lazily, cached): ``mt`` rows, ``lanes`` segment lanes x
+    SPLIT_THREADS / lanes column quads a block; lane l runs segments l, l + lanes, ..."""
+    if mt not in SPLIT_ROW_TILES or lanes not in (1, 2, 4, 8, 16):
+        raise ValueError(f"no split absorb kernel for mt={mt!r}, lanes={lanes!r}")
+    MT, SB = mt, lanes
+    QB = SPLIT_THREADS // SB            # column quads a block
+    NB = QB * VEC                       # columns a block
+    NB_SHIFT = NB.bit_length() - 1
+
+    @cuda.jit(device=True, inline="always")
+    def chain(x, w_kn, p, g, row0, rows, col, n_cols, k_dim, k0, n):
+        """p[r, c] = the fma chain of segment k0 .. k0 + n - 1 (n == SEGMENT: the guard folds)."""
+        for kk in range(SEGMENT):
+            if kk < n:
+                k = k0 + kk
+                w0, w1, w2, w3 = load_f32x4(w_kn, (int64(g) * k_dim + k) * n_cols + col)
+                for r in range(MT):
+                    xv = x[row0 + r, g, k] if r < rows else ZERO
+                    p[r, 0] = cuda.fma(xv, w0, p[r, 0])
+                    p[r, 1] = cuda.fma(xv, w1, p[r, 1])
+                    p[r, 2] = cuda.fma(xv, w2, p[r, 2])
+                    p[r, 3] = cuda.fma(xv, w3, p[r, 3])
+
+    @cuda.jit(**launch_bounds(SPLIT_THREADS))
+    def kernel(x, w_kn, out, n_cols, k_dim):
+        """x [M, G, K], w_kn [G, K, N] (flat under the simulator; N % 4 == 0), out [M, G, N]. Grid
+        (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
+        part = cuda.shared.array(0, float32)   # [S, MT, NB] segment partials
+        p = cuda.local.array((MT, VEC), float32)
+        tid = int32(cuda.threadIdx.x)
+        quad = tid % QB
+        lane = tid // QB
+        g = int32(cuda.blockIdx.z)
+        row0 = int32(cuda.blockIdx.y) * MT
+        col0 = int32(cuda.blockIdx.x) * NB
+        col = col0 + quad * VEC
+        m_rows = x.shape[0]
+        rows = min(MT, m_rows - row0)
+        n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
+        if col < n_cols:
+            for s in range(lane, n_segs, SB):
+                for r in range(MT):
+                    for c in range(VEC):
+                        p[r, c] = ZERO
+                k0 = s << SEG_SHIFT
+                if k0 + SEGMENT <= k_dim:
+                    chain(x, w_kn, p, g, row0, rows, col, n_cols, k_dim, k0, SEGMENT)
+                else:
+                    chain(x, w_kn, p, g, row0, rows, col, n_cols, k_dim, k0, k_dim - k0)
+                for r in range(MT):
+                    for c in range(VEC):
+                        part[(s * MT + r) * NB + quad * VEC + c] = p[r, c]
+        cuda.syncthreads()                     # every segment's partials staged
+        for o in range(tid, MT * NB, SPLIT_THREADS):
+            r = o >> NB_SHIFT
+            c = o - (r << NB_SHIFT)
+            if r < rows and col0 + c < n_cols:
+                total = NEG_ZERO
+                for s in range(n_segs):        # the order: segment partials left to right
+                    total += part[(s * MT + r) * NB + c]
+                out[row0 + r, g, col0 + c] = total
+
+    return kernel
+
+
+# --- many rows: a thread keeps MT x 4 outputs over every segment -------------------------------------
+
+@functools.cache
+def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
+    """The tile kernel (compiled lazily, cached): ``col_quads`` x ``row_groups`` threads a block,
+    each MT rows x 4 adjacent columns; per segment the block stages the head's weights [SEGMENT, NB]
+    and rows [SEGMENT, RB] (k-major) in one of two shared buffers, the next segment's loads in
+    registers while the current one computes."""
+    if mt not in TILE_ROW_TILES or col_quads not in TILE_COL_QUADS or \
+            not 1 <= row_groups or col_quads * row_groups > TILE_MAX_THREADS:
+        raise ValueError(f"no tile absorb kernel for mt={mt!r}, col_quads={col_quads!r}, row_groups={row_groups!r}")
+    MT, CQ, RW = mt, col_quads, row_groups
+    THREADS = CQ * RW
+    NB = CQ * VEC                       # columns a block
+    RB = RW * MT                        # rows a block
+    XR = RB + TILE_X_PAD                # a staged k-row of x: RB rows, padded
+    W_TILE = SEGMENT * NB
+    BUF = W_TILE + SEGMENT * XR         # one stage: weights [SEGMENT, NB] | x [SEGMENT, XR]
+    SH_FLOATS = 2 * BUF                 # two stages
+    W_CHUNKS = W_TILE // VEC            # 16-byte weight chunks a stage
+    W_LOADS = -(-W_CHUNKS // THREADS)
+    CQ_SHIFT = CQ.bit_length() - 1
+    K_CHUNKS = SEGMENT // VEC           # 16-byte x chunks a row and stage
+    X_CHUNKS = RB * K_CHUNKS
+    X_LOADS = -(-X_CHUNKS // THREADS)
+
+    @cuda.jit(device=True, inline="always")
+    def fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, s):
+        """Segment s's weights and rows into registers (zeros past K, N and M)."""
+        tid = int32(cuda.threadIdx.x)
+        k0 = s << SEG_SHIFT
+        for i in range(W_LOADS):
+            idx = tid + i * THREADS
+            v0 = v1 = v2 = v3 = ZERO
+            if idx < W_CHUNKS:
+                kk = idx >> CQ_SHIFT
+                col = col0 + (idx - (kk << CQ_SHIFT)) * VEC
+                if k0 + kk < k_dim and col < n_cols:
+                    v0, v1, v2, v3 = load_f32x4(w_kn, (int64(g) * k_dim + k0 + kk) * n_cols + col)
+            wpre[i, 0] = v0
+            wpre[i, 1] = v1
+            wpre[i, 2] = v2
+            wpre[i, 3] = v3
+        for i in range(X_LOADS):
+            idx = tid + i * THREADS
+            v0 = v1 = v2 = v3 = ZERO
+            if idx < X_CHUNKS:
+                kc = idx // RB                 # rows fastest: the transposed stores spread banks
+                r = idx - kc * RB
+                k = k0 + kc * VEC
+                if k < k_dim and row0 + r < m_rows:   # K % 4 == 0: a chunk is whole or past K
+                    v0, v1, v2, v3 = load_x4(x, row0 + r, g, k)
+            xpre[i, 0] = v0
+            xpre[i, 1] = v1
+            xpre[i, 2] = v2
+            xpre[i, 3] = v3
+
+    @cuda.jit(device=True, inline="always")
+    def put(sh, wpre, xpre, base):
+        """The registers of fetch() into the stage at ``base``."""
+        tid = int32(cuda.threadIdx.x)
+        for i in range(W_LOADS):
+            idx = tid + i * THREADS
+            if idx < W_CHUNKS:
+                shared_put4(sh, base + idx * VEC, wpre[i, 0], wpre[i, 1], wpre[i, 2], wpre[i, 3])
+        for i in range(X_LOADS):
+            idx = tid + i * THREADS
+            if idx < X_CHUNKS:
+                kc = idx // RB
+                r = idx - kc * RB
+                at = base + W_TILE + kc * VEC * XR + r
+                sh[at] = xpre[i, 0]
+                sh[at + XR] = xpre[i, 1]
+                sh[at + 2 * XR] = xpre[i, 2]
+                sh[at + 3 * XR] = xpre[i, 3]
+
+    @cuda.jit(**launch_bounds(THREADS))
+    def kernel(x, w_kn, out, n_cols, k_dim):
+        """x [M, G, K] (16-byte aligned rows, K % 4 == 0), w_kn [G, K, N] (flat under the
+        simulator; N % 4 == 0), out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G)."""
+        sh = cuda.shared.array(SH_FLOATS, float32)   # two stages of [SEGMENT, NB] w | [SEGMENT, XR] x
+        wpre = cuda.local.array((W_LOADS, VEC), float32)
+        xpre = cuda.local.array((X_LOADS, VEC), float32)
+        acc = cuda.local.array((MT, VEC), float32)
+        total = cuda.local.array((MT, VEC), float32)
+        xv = cuda.local.array(MT, float32)
+        tid = int32(cuda.threadIdx.x)
+        quad = tid & (CQ - 1)
+        rg = tid >> CQ_SHIFT
+        g = int32(cuda.blockIdx.z)
+        row0 = int32(cuda.blockIdx.y) * RB
+        col0 = int32(cuda.blockIdx.x) * NB
+        m_rows = x.shape[0]
+        n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
+        for r in range(MT):
+            for c in range(VEC):
+                total[r, c] = NEG_ZERO
+        fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, 0)
+        put(sh, wpre, xpre, 0)
+        cuda.syncthreads()                     # stage 0 visible to every thread
+        for s in range(n_segs):
+            if s + 1 < n_segs:                 # the next segment's loads fly while this one computes
+                fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, s + 1)
+            base = (s & 1) * BUF
+            for r in range(MT):
+                for c in range(VEC):
+                    acc[r, c] = ZERO
+            for kk in range(SEGMENT):
+                w0, w1, w2, w3 = shared_x4(sh, base + kk * NB + quad * VEC)
+                for r4 in range(MT // VEC):
+                    xv[4 * r4], xv[4 * r4 + 1], xv[4 * r4 + 2], xv[4 * r4 + 3] = shared_x4(
+                        sh, base + W_TILE + kk * XR + rg * MT + 4 * r4)
+                for r in range(MT):
+                    acc[r, 0] = cuda.fma(xv[r], w0, acc[r, 0])
+                    acc[r, 1] = cuda.fma(xv[r], w1, acc[r, 1])
+                    acc[r, 2] = cuda.fma(xv[r], w2, acc[r, 2])
+                    acc[r, 3] = cuda.fma(xv[r], w3, acc[r, 3])
+            for r in range(MT):                # the order: segment partials left to right
+                for c in range(VEC):
+                    total[r, c] += acc[r, c]
+            if s + 1 < n_segs:
+                put(sh, wpre, xpre, BUF - base)
+            cuda.syncthreads()                 # the next stage visible; this one read by every thread
+        col = col0 + quad * VEC
+        if col < n_cols:
+            for r in range(MT):
+                row = row0 + rg * MT + r
+                if row < m_rows:
+                    for c in range(VEC):
+                        out[row, g, col + c] = total[r, c]
+
+    return kernel
+
+
+# --- plans and the host wrapper ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AbsorbPlan:
+    """One absorb launch (a function of the shapes: layout, never the order).
+
+    Attributes:
+        kind: ``"split"`` (few rows) or ``"tile"`` (many rows).
+        mt: rows a thread keeps.
+        lanes: the split kernel's segment lanes (0 for a tile launch).
+        col_quads / row_groups: the tile kernel's block (0 for a split launch).
+        grid, threads, shared_bytes: the launch (dynamic shared bytes: the split's partials).
+    """
+
+    kind: str
+    mt: int
+    lanes: int
+    col_quads: int
+    row_groups: int
+    grid: tuple[int, int, int]
+    threads: int
+    shared_bytes: int
+
+    def kernel(self) -> Any:
+        if self.kind == "split":
+            return get_split_kernel(self.mt, self.lanes)
+        return get_tile_kernel(self.mt, self.col_quads, self.row_groups)
+
+
+def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
+    mt = next((t for t in SPLIT_ROW_TILES if t >= rows), SPLIT_ROW_TILES[-1])
+    segs = _segments(k_dim)
+    lanes = min(SPLIT_MAX_LANES, _pow2_at_least(segs))
+    nb = SPLIT_THREADS // lanes * VEC
+    grid = (-(-n_cols // nb), -(-rows // mt), groups)
+    smem = 4 * segs * mt * nb
+    return AbsorbPlan("split", mt, lanes, 0, 0, grid, SPLIT_THREADS, smem)
+
+
+def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
+    mt = TILE_ROW_TILES[0] if rows >= 2 * TILE_ROW_TILES[0] else TILE_ROW_TILES[-1]
+    min_blocks = TILE_BLOCKS_PER_SM * active_profile().sm_count
+    for cq in TILE_COL_QUADS:   # the widest slab giving min_blocks, else the narrowest
+        row_groups = min(-(-rows // mt), TILE_MAX_THREADS // cq)
+        row_blocks = -(-rows // (row_groups * mt))
+        row_groups = -(-rows // (row_blocks * mt))      # balanced over the row blocks
+        grid = (-(-n_cols // (cq * VEC)), row_blocks, groups)
+        if grid[0] * grid[1] * grid[2] >= min_blocks:
+            break
+    return AbsorbPlan("tile", mt, 0, cq, row_groups, grid, cq * row_groups, 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_absorb(rows: int, groups: int, n_cols: int, k_dim: int, *, rows_aligned: bool = True) -> AbsorbPlan:
+    """The launch for an absorb of these shapes: the tile kernel for more than FEW_ROWS rows whose
+    x rows start on 16 bytes with K % 4 == 0, else the split kernel (the same bits either way)."""
+    if rows > FEW_ROWS and rows_aligned and k_dim % VEC == 0:
+        plan = _tile_plan(rows, groups, n_cols, k_dim)
+    else:
+        plan = _split_plan(rows, groups, n_cols, k_dim)
+    check_launch(plan.grid, plan.threads, plan.shared_bytes)
+    return plan
+
+
+def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, aligned: bool) -> bool:
+    """The plan's grid covers these shapes (and a split plan stages every segment, a tile plan
+    has 16-byte x rows)."""
+    if plan.kind == "split":
+        cols, rows = SPLIT_THREADS // plan.lanes * VEC, plan.mt
+        staged = plan.shared_bytes >= 4 * _segments(k_dim) * plan.mt * cols
+    else:
+        cols, rows = plan.col_quads * VEC, plan.row_groups * plan.mt
+        staged = aligned and k_dim % VEC == 0
+    return staged and plan.grid[2] == groups and plan.grid[0] * cols >= n_cols and plan.grid[1] * rows >= m_rows
+
+
+def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | None = None) -> Any:
+    """``out[m, g] = x[m, g] @ w_kn[g]`` in the module's order (bit-identical for any row count).
+
+    Args:
+        x: float32 [M, G, K], unit inner stride (a view such as q[:, :, :nope] is fine).
+        w_kn: float32 [G, K, N], C-contiguous, N % 4 == 0, 1 <= K <= MAX_K (the k-major absorb
+            weight: ``DeviceWeights.k_major``).
+        out: float32 [M, G, N], unit inner stride.
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+        plan: a plan from :func:`plan_absorb` for these shapes (e.g. the split kernel at any row
+            count, as the tests do); default: plan_absorb's choice.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError / ValueError naming ``x``, ``w_kn``, ``out`` or ``plan``, before any launch.
+    """
+    x = _f32(x, "x", 3)
+    w_kn = _f32(w_kn, "w_kn", 3)
+    if not is_c_contiguous(w_kn):
+        raise ValueError("w_kn must be C-contiguous")
+    groups, k_dim, n_cols = (int(d) for d in w_kn.shape)
+    if not 1 <= k_dim <= MAX_K or n_cols < 1 or n_cols % VEC:
+        raise ValueError(f"w_kn must have shape (G, K, N) with 1 <= K <= {MAX_K} and N a multiple of {VEC} "
+                         f"(16-byte weight loads), got {tuple(w_kn.shape)}")
+    m_rows = int(x.shape[0])
+    if tuple(x.shape)[1:] != (groups, k_dim):
+        raise ValueError(f"x must have shape (M, {groups}, {k_dim}) (G and K from w_kn), got {tuple(x.shape)}")
+    out = _check_out(out, "out", (m_rows, groups, n_cols))
+    if m_rows == 0 or groups == 0:
+        return out
+    aligned = _rows_aligned(x)
+    if plan is None:
+        plan = plan_absorb(m_rows, groups, n_cols, k_dim, rows_aligned=aligned)
+    elif not isinstance(plan, AbsorbPlan):
+        raise TypeError(f"plan must be an AbsorbPlan, got {type(plan).__name__}")
+    elif not _fits(plan, m_rows, groups, n_cols, k_dim, aligned):
+        raise ValueError(f"plan does not fit these shapes (x {tuple(x.shape)}, w_kn {tuple(w_kn.shape)}): "
+                         "make it with plan_absorb (or _split_plan) for them")
+    _configured(plan.kernel(), plan.grid, plan.threads, stream, plan.shared_bytes)(
+        x, _kernel_weight(w_kn), out, n_cols, k_dim)
+    return out
+
+
+def _sigs() -> tuple:
+    a3 = float32[:, :, :]
+    return ((a3, float32[:, :, ::1], a3, int32, int32),)
+
+
+# The compile check: the H200's launches of `small` (the AR step's split kernels for K 128 and 512,
+# the 33-row verify's tile kernels).
+for _mt, _lanes in ((1, 4), (1, 16)):
+    register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(),
+             f"MLA absorb in segment order, {_mt} row(s), {_lanes} segment lanes a block, partials met in shared memory",
+             block_threads=SPLIT_THREADS)
+for _mt, _cq, _rw in ((8, 16, 5), (8, 8, 5)):
+    register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}", get_tile_kernel(_mt, _cq, _rw), _sigs(),
+             f"MLA absorb in segment order, {_mt} x 4 outputs a thread over every segment, double-buffered tiles",
+             block_threads=_cq * _rw)

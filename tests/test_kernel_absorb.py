@@ -1,0 +1,181 @@
+"""MLA absorbs in segment order (ddtree_numba.kernels.absorb).
+
+Under the simulator the order itself is checked bit for bit against a NumPy emulation (the
+simulator's fma is a*b + c in float32); everywhere the split kernel (few rows) and the tile kernel
+(many rows) give the same bits for every row, alone or among many (batch invariance: an AR step
+and a tree verify of the same path agree), and the result is within 1e-5 * sum |x| |w| of float64.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.kernels import absorb as ab
+from ddtree_numba.kernels.registry import _REGISTRY
+
+RNG = np.random.default_rng(20261202)
+SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
+
+
+def _rand(*shape, rng=RNG):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _run(x, w_kn, plan=None, x_dev=None):
+    out = cuda.to_device(np.full((x.shape[0], w_kn.shape[0], w_kn.shape[2]), np.nan, np.float32))
+    ab.absorb(cuda.to_device(x) if x_dev is None else x_dev, cuda.to_device(w_kn), out, plan=plan)
+    return out.copy_to_host()
+
+
+def _split(x, w_kn):
+    m, g, k = x.shape
+    return ab._split_plan(m, g, w_kn.shape[2], k)
+
+
+def _emulate(x, w_kn):
+    """The documented order in float32 with the simulator's fma (a*b + c, two roundings)."""
+    m_rows, groups, k_dim = x.shape
+    out = np.empty((m_rows, groups, w_kn.shape[2]), np.float32)
+    for g in range(groups):
+        total = np.full((m_rows, w_kn.shape[2]), -0.0, np.float32)
+        for k0 in range(0, k_dim, ab.SEGMENT):
+            p = np.zeros_like(total)
+            for k in range(k0, min(k_dim, k0 + ab.SEGMENT)):
+                p = (x[:, g, k:k + 1] * w_kn[g, k][None, :]).astype(np.float32) + p
+            total = total + p
+        out[:, g] = total
+    return out
+
+
+def _assert_close(out, x, w_kn):
+    ref = np.einsum("mgk,gkn->mgn", x.astype(np.float64), w_kn.astype(np.float64))
+    bound = 1e-5 * np.einsum("mgk,gkn->mgn", np.abs(x.astype(np.float64)), np.abs(w_kn.astype(np.float64))) + 1e-30
+    assert np.all(np.isfinite(out))
+    assert np.all(np.abs(out - ref) <= bound)
+
+
+def _same_bits(a, b):
+    np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))
+
+
+SHAPES = [  # (M, G, K, N): segments whole and partial, K < one segment, every split row tile, tiles
+    (1, 2, 64, 8), (1, 3, 100, 12), (2, 2, 31, 4), (3, 1, 1, 4), (4, 2, 33, 16), (8, 2, 96, 8),
+    (9, 2, 40, 20), (13, 1, 72, 12), (33, 2, 64, 36), (17, 3, 36, 8),
+]
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
+@pytest.mark.parametrize("m_rows, groups, k_dim, n_cols", SHAPES)
+def test_absorb_is_the_documented_order(m_rows, groups, k_dim, n_cols):
+    x, w = _rand(m_rows, groups, k_dim), _rand(groups, k_dim, n_cols)
+    want = _emulate(x, w)
+    _same_bits(_run(x, w), want)
+    _same_bits(_run(x, w, plan=_split(x, w)), want)
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
+def test_signed_zeros_and_exact_cancellation_follow_the_order():
+    """Tie-heavy inputs: small integers (exact products, sums cancelling to zero), -0.0 entries,
+    whole zero rows and columns; the chain from +0.0 and the sum from -0.0 decide every zero's sign."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(-2, 3, (12, 2, 70)).astype(np.float32)
+    w = rng.integers(-2, 3, (2, 70, 16)).astype(np.float32)
+    x[3] = -0.0
+    x[5, :, :40] = -0.0
+    w[:, :, 4] = -0.0
+    want = _emulate(x, w)
+    for plan in (None, _split(x, w)):
+        got = _run(x, w, plan=plan)
+        _same_bits(got, want)
+    assert np.signbit(want[3]).sum() == 0   # a zero row: (+0 chains) summed from -0.0 give +0.0
+
+
+@pytest.mark.parametrize("m_rows, groups, k_dim, n_cols", SHAPES)
+def test_split_and_tile_kernels_agree_and_match_float64(m_rows, groups, k_dim, n_cols):
+    x, w = _rand(m_rows, groups, k_dim), _rand(groups, k_dim, n_cols)
+    got = _run(x, w)
+    _assert_close(got, x, w)
+    _same_bits(got, _run(x, w, plan=_split(x, w)))
+
+
+def test_a_row_alone_equals_the_row_among_many():
+    """Batch invariance: row r of a 19-row launch (tile kernel) is row r run alone (split kernel)."""
+    x, w = _rand(19, 2, 48), _rand(2, 48, 16)
+    many = _run(x, w)
+    assert ab.plan_absorb(19, 2, 16, 48).kind == "tile" and ab.plan_absorb(1, 2, 16, 48).kind == "split"
+    for r in (0, 7, 18):
+        _same_bits(_run(x[r:r + 1], w)[0], many[r])
+
+
+def test_views_of_wider_rows_and_unaligned_rows():
+    """x as q[:, :, :nope] of wider rows (16-byte aligned: the tile kernel), and rows that start off
+    16 bytes (the split kernel at any row count): the same bits."""
+    wide = _rand(11, 2, 24)
+    w = _rand(2, 16, 8)
+    d_wide = cuda.to_device(wide)
+    aligned = _run(wide[:, :, :16], w, x_dev=d_wide[:, :, :16])
+    _same_bits(aligned, _run(np.ascontiguousarray(wide[:, :, :16]), w))
+    shifted = cuda.to_device(np.concatenate([np.zeros(1, np.float32), wide.ravel()]))[1:].reshape(11, 2, 24)
+    assert not ab._rows_aligned(shifted[:, :, 1:17])
+    got = _run(wide[:, :, 1:17], w, x_dev=shifted[:, :, 1:17])
+    _same_bits(got, _run(np.ascontiguousarray(wide[:, :, 1:17]), w))
+    _assert_close(got, np.ascontiguousarray(wide[:, :, 1:17]), w)
+
+
+def test_plans():
+    for rows in (1, 2, 3, 5, 8):
+        plan = ab.plan_absorb(rows, 64, 512, 128)
+        assert plan.kind == "split" and plan.mt >= rows and plan.grid[1] == 1
+    q = ab.plan_absorb(1, 64, 512, 128)    # small's AR q absorb: 4 segments, 32 quads a block
+    v = ab.plan_absorb(1, 64, 128, 512)    # value absorb: 16 segments, 8 quads
+    assert (q.lanes, q.grid, q.shared_bytes) == (4, (4, 1, 64), 4 * 4 * 128)
+    assert (v.lanes, v.grid, v.shared_bytes) == (16, (4, 1, 64), 4 * 16 * 32)
+    for rows in (9, 33, 64, 513):
+        for n_cols, k_dim in ((512, 128), (128, 512)):
+            plan = ab.plan_absorb(rows, 64, n_cols, k_dim)
+            assert plan.kind == "tile" and plan.threads == plan.col_quads * plan.row_groups <= ab.TILE_MAX_THREADS
+            assert plan.grid[0] * plan.col_quads * 4 >= n_cols and plan.grid[1] * plan.row_groups * plan.mt >= rows
+            assert (plan.grid[1] - 1) * plan.row_groups * plan.mt < rows   # no empty row block
+    assert ab.plan_absorb(33, 64, 512, 128, rows_aligned=False).kind == "split"
+    assert ab.plan_absorb(33, 2, 16, 30).kind == "split"   # K % 4 != 0: no 16-byte x reads
+
+
+def test_registered_for_the_compile_check():
+    names = [n for n in _REGISTRY if n.startswith("absorb_")]
+    assert {"absorb_split_mt1_l4", "absorb_split_mt1_l16"} <= set(names)
+    assert any(n.startswith("absorb_tile_") for n in names)
+
+
+def test_empty_launches_write_nothing():
+    out = np.full((3, 2, 8), np.nan, np.float32)[:0]   # slices keep their strides (an empty array's are 0)
+    assert ab.absorb(_rand(3, 2, 4)[:0], _rand(2, 4, 8), out) is out
+
+
+@pytest.mark.parametrize("call, error, name", [
+    (lambda o: ab.absorb(np.zeros((2, 2, 8), np.float64), _rand(2, 8, 4), o), TypeError, "x"),
+    (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 6), o), ValueError, "w_kn"),
+    (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4)[:, :, ::2], o), ValueError, "w_kn"),
+    (lambda o: ab.absorb(_rand(2, 2, 2048), _rand(2, 2048, 4), o), ValueError, "w_kn"),
+    (lambda o: ab.absorb(_rand(2, 3, 8), _rand(2, 8, 4), o), ValueError, "x"),
+    (lambda o: ab.absorb(_rand(3, 2, 8), _rand(2, 8, 4), o), ValueError, "out"),
+    (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o, plan=(1, 2)), TypeError, "plan"),
+    (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o, plan=ab.plan_absorb(2, 3, 4, 8)), ValueError, "plan"),
+    (lambda o: ab.absorb(_rand(2, 2, 64), _rand(2, 64, 4), o, plan=ab.plan_absorb(2, 2, 4, 8)), ValueError, "plan"),
+])
+def test_bad_arguments_raise_before_any_launch(call, error, name):
+    out = np.full((2, 2, 4), 7.0, np.float32)
+    with pytest.raises(error, match=name):
+        call(out)
+    assert np.all(out == 7.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m_rows", [1, 5, 9, 33, 64, 129])
+@pytest.mark.parametrize("k_dim, n_cols", [(128, 512), (512, 128)])
+def test_gpu_small_preset_shapes(m_rows, k_dim, n_cols):
+    """small's absorbs (64 heads; q: K 128, N 512; value: K 512, N 128) on the GPU: the chosen
+    kernel against the split kernel bit for bit, and float64."""
+    x, w = _rand(m_rows, 64, k_dim), _rand(64, k_dim, n_cols)
+    got = _run(x, w)
+    _assert_close(got, x, w)
+    _same_bits(got, _run(x, w, plan=_split(x, w)))
+    _same_bits(got[m_rows // 2], _run(x[m_rows // 2:m_rows // 2 + 1], w)[0])
