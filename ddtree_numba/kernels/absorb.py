@@ -61,8 +61,11 @@ MAX_K = 1024                    # segments a split block stages: S x MT x NB flo
 FEW_ROWS = 8                    # rows up to this run the split kernel (decode), more the tile kernel
 SPLIT_THREADS = 128             # split block: NB / 4 column quads x SB segment lanes
 SPLIT_ROW_TILES = (1, 2, 4, 8)  # rows a split thread keeps (the launch's rows, rounded up)
+SPLIT_BATCH = {1: 32, 2: 16, 4: 8, 8: 8}   # k loaded ahead of the fmas, by rows (registers: 4 + MT a k)
 SPLIT_MAX_LANES = 16            # segment lanes a split block may have (K 512: 16, 8 quads = 32 columns)
-TILE_ROW_TILES = (8, 4)         # rows a tile thread keeps (multiples of 4: 16-byte x reads)
+TILE_ROW_TILES = (4, 8)         # rows a tile thread may keep (multiples of 4: 16-byte x reads)
+TILE_ROWS = 4                   # ... and keeps (H200, forward_ab run "segment absorbs": a 33-row
+                                # forward 2438.8 us with 4, 2469.1 / 2474.4 with 8)
 TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: the widest giving TILE_BLOCKS_PER_SM
 TILE_BLOCKS_PER_SM = 2
 TILE_MAX_THREADS = 256          # rows past CQ x RW x MT take grid y
@@ -89,20 +92,31 @@ def get_split_kernel(mt: int, lanes: int) -> Any:
     QB = SPLIT_THREADS // SB            # column quads a block
     NB = QB * VEC                       # columns a block
     NB_SHIFT = NB.bit_length() - 1
+    BATCH = SPLIT_BATCH[mt]             # k a thread loads ahead of its fmas
 
     @cuda.jit(device=True, inline="always")
-    def chain(x, w_kn, p, g, row0, rows, col, n_cols, k_dim, k0, n):
-        """p[r, c] = the fma chain of segment k0 .. k0 + n - 1 (n == SEGMENT: the guard folds)."""
-        for kk in range(SEGMENT):
-            if kk < n:
-                k = k0 + kk
-                w0, w1, w2, w3 = load_f32x4(w_kn, (int64(g) * k_dim + k) * n_cols + col)
+    def chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, n):
+        """p[r, c] = the fma chain of segment k0 .. k0 + n - 1 (n == SEGMENT: the guards fold).
+        BATCH k's loads are issued before their fmas (a chain of single loads waits a memory
+        round trip a k); zeros past K and M add nothing (the chain from +0.0 never holds -0.0)."""
+        for b0 in range(0, SEGMENT, BATCH):
+            for kb in range(BATCH):
+                kk = b0 + kb
+                v0 = v1 = v2 = v3 = ZERO
+                if kk < n:
+                    v0, v1, v2, v3 = load_f32x4(w_kn, (int64(g) * k_dim + k0 + kk) * n_cols + col)
+                wv[kb, 0] = v0
+                wv[kb, 1] = v1
+                wv[kb, 2] = v2
+                wv[kb, 3] = v3
                 for r in range(MT):
-                    xv = x[row0 + r, g, k] if r < rows else ZERO
-                    p[r, 0] = cuda.fma(xv, w0, p[r, 0])
-                    p[r, 1] = cuda.fma(xv, w1, p[r, 1])
-                    p[r, 2] = cuda.fma(xv, w2, p[r, 2])
-                    p[r, 3] = cuda.fma(xv, w3, p[r, 3])
+                    xv[kb, r] = x[row0 + r, g, k0 + kk] if kk < n and r < rows else ZERO
+            for kb in range(BATCH):
+                for r in range(MT):
+                    p[r, 0] = cuda.fma(xv[kb, r], wv[kb, 0], p[r, 0])
+                    p[r, 1] = cuda.fma(xv[kb, r], wv[kb, 1], p[r, 1])
+                    p[r, 2] = cuda.fma(xv[kb, r], wv[kb, 2], p[r, 2])
+                    p[r, 3] = cuda.fma(xv[kb, r], wv[kb, 3], p[r, 3])
 
     @cuda.jit(**launch_bounds(SPLIT_THREADS))
     def kernel(x, w_kn, out, n_cols, k_dim):
@@ -110,6 +124,8 @@ def get_split_kernel(mt: int, lanes: int) -> Any:
         (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
         part = cuda.shared.array(0, float32)   # [S, MT, NB] segment partials
         p = cuda.local.array((MT, VEC), float32)
+        wv = cuda.local.array((BATCH, VEC), float32)
+        xv = cuda.local.array((BATCH, MT), float32)
         tid = int32(cuda.threadIdx.x)
         quad = tid % QB
         lane = tid // QB
@@ -127,9 +143,9 @@ def get_split_kernel(mt: int, lanes: int) -> Any:
                         p[r, c] = ZERO
                 k0 = s << SEG_SHIFT
                 if k0 + SEGMENT <= k_dim:
-                    chain(x, w_kn, p, g, row0, rows, col, n_cols, k_dim, k0, SEGMENT)
+                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, SEGMENT)
                 else:
-                    chain(x, w_kn, p, g, row0, rows, col, n_cols, k_dim, k0, k_dim - k0)
+                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, k_dim - k0)
                 for r in range(MT):
                     for c in range(VEC):
                         part[(s * MT + r) * NB + quad * VEC + c] = p[r, c]
@@ -222,7 +238,7 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
                 sh[at + 2 * XR] = xpre[i, 2]
                 sh[at + 3 * XR] = xpre[i, 3]
 
-    @cuda.jit(**launch_bounds(THREADS))
+    @cuda.jit(**launch_bounds(THREADS, 2))   # two blocks an SM at least
     def kernel(x, w_kn, out, n_cols, k_dim):
         """x [M, G, K] (16-byte aligned rows, K % 4 == 0), w_kn [G, K, N] (flat under the
         simulator; N % 4 == 0), out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G)."""
@@ -320,7 +336,7 @@ def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
 
 
 def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
-    mt = TILE_ROW_TILES[0] if rows >= 2 * TILE_ROW_TILES[0] else TILE_ROW_TILES[-1]
+    mt = TILE_ROWS
     min_blocks = TILE_BLOCKS_PER_SM * active_profile().sm_count
     for cq in TILE_COL_QUADS:   # the widest slab giving min_blocks, else the narrowest
         row_groups = min(-(-rows // mt), TILE_MAX_THREADS // cq)
@@ -412,7 +428,7 @@ for _mt, _lanes in ((1, 4), (1, 16)):
     register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(),
              f"MLA absorb in segment order, {_mt} row(s), {_lanes} segment lanes a block, partials met in shared memory",
              block_threads=SPLIT_THREADS)
-for _mt, _cq, _rw in ((8, 16, 5), (8, 8, 5)):
+for _mt, _cq, _rw in ((4, 32, 5), (4, 8, 9)):
     register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}", get_tile_kernel(_mt, _cq, _rw), _sigs(),
              f"MLA absorb in segment order, {_mt} x 4 outputs a thread over every segment, double-buffered tiles",
              block_threads=_cq * _rw)
