@@ -378,6 +378,22 @@ def test_no_low_rank_q_path_matches_reference() -> None:
     _assert_close(logits[0], ref.logits, LOGIT_TOL, "q_proj logits")
 
 
+def test_absorb_shapes_the_segment_kernels_do_not_take_fall_back_to_head_linear() -> None:
+    """A v_head_dim that is not a multiple of 4 (kernels.absorb's 16-byte weight loads) runs the
+    absorbs in head_linear instead, and the forward still matches the reference."""
+    base, _ = _tiny()
+    config = dataclasses.replace(base, v_head_dim=18)
+    weights = init_weights(config, 5)
+    model = TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)
+    assert not model._segment_absorbs
+    assert TargetModel(base, init_weights(base, 5), batch_size=1, kv_capacity=8, max_rows=1)._segment_absorbs
+    sizes = np.ones(1, np.int32)
+    logits = _host(model.forward(np.array([[7]], np.int32), np.array([[2]], np.int32), sizes,
+                                 prefill_visibility(sizes, 1)).logits)
+    ref = reference_forward(weights, config, np.array([7]), np.array([2]))
+    _assert_close(logits[0], ref.logits, LOGIT_TOL, "v_head_dim 18 logits")
+
+
 def test_prepare_rows_kernel_guards() -> None:
     """Per-row tokens / positions / cache rows: valid rows map to b * S + past + i, padding rows to
     token 0 and no write, a bad position or an overflowing request to token -1 (a NaN row)."""

@@ -31,6 +31,12 @@ def _split(x, w_kn):
     return ab._split_plan(m, g, w_kn.shape[2], k)
 
 
+def _tile(x, w_kn, sm_count=132):
+    """The tile kernel's plan at any row count (K % 4 == 0)."""
+    m, g, k = x.shape
+    return ab._tile_plan(m, g, w_kn.shape[2], k, sm_count)
+
+
 def _emulate(x, w_kn):
     """The documented order in float32 with the simulator's fma (a*b + c, two roundings)."""
     m_rows, groups, k_dim = x.shape
@@ -91,10 +97,46 @@ def test_signed_zeros_and_exact_cancellation_follow_the_order():
 
 @pytest.mark.parametrize("m_rows, groups, k_dim, n_cols", SHAPES)
 def test_split_and_tile_kernels_agree_and_match_float64(m_rows, groups, k_dim, n_cols):
+    """The split kernel against the tile kernel (forced at every row count where K % 4 == 0) and
+    against the default plan's choice, bit for bit; float64 within the bound."""
     x, w = _rand(m_rows, groups, k_dim), _rand(groups, k_dim, n_cols)
-    got = _run(x, w)
-    _assert_close(got, x, w)
-    _same_bits(got, _run(x, w, plan=_split(x, w)))
+    split = _run(x, w, plan=_split(x, w))
+    _assert_close(split, x, w)
+    _same_bits(_run(x, w), split)
+    if k_dim % 4 == 0:
+        assert _tile(x, w).kind == "tile"
+        _same_bits(_run(x, w, plan=_tile(x, w)), split)
+
+
+@pytest.mark.parametrize("mt, col_quads, sm_count", [(4, (32,), 1), (8, (16,), 1), (8, (32,), 1), (4, (8,), 10**6)])
+def test_tile_layouts_agree_with_the_split_kernel(monkeypatch, mt, col_quads, sm_count):
+    """Tile layouts the H200 plan does not pick for the simulator's small shapes: 4 or 8 rows a
+    thread, 16 or 32 column quads, several row blocks (grid y > 1: 70 rows past the 256-thread
+    limit of 32 quads) and partial column slabs; every one gives the split kernel's bits."""
+    monkeypatch.setattr(ab, "TILE_ROWS", mt)
+    monkeypatch.setattr(ab, "TILE_COL_QUADS", col_quads)
+    x, w = _rand(70, 2, 72), _rand(2, 72, 36)
+    plan = _tile(x, w, sm_count)
+    assert plan.mt == mt and plan.col_quads == col_quads[0]
+    if col_quads[0] == 32:
+        assert plan.grid[1] > 1
+    _same_bits(_run(x, w, plan=plan), _run(x, w, plan=_split(x, w)))
+
+
+def test_tile_stages_fit_the_default_shared_memory():
+    """Many rows at 8 rows a thread and 32 column quads: the plan trims the row groups so that the
+    two stages fit TILE_SMEM (the kernel's dynamic shared memory, checked by the launch check)."""
+    saved = ab.TILE_ROWS, ab.TILE_COL_QUADS
+    try:
+        for mt in ab.TILE_ROW_TILES:
+            for cq in ab.TILE_COL_QUADS:
+                ab.TILE_ROWS, ab.TILE_COL_QUADS = mt, (cq,)
+                plan = ab._tile_plan(4096, 64, 512, 128, 132)
+                assert plan.shared_bytes == ab.tile_shared_bytes(mt, cq, plan.row_groups) <= ab.TILE_SMEM
+                assert plan.threads == cq * plan.row_groups <= ab.TILE_MAX_THREADS
+    finally:
+        ab.TILE_ROWS, ab.TILE_COL_QUADS = saved
+    assert ab.tile_shared_bytes(8, 32, 8) > ab.TILE_SMEM   # (the cap is needed: 50176 bytes)
 
 
 def test_a_row_alone_equals_the_row_among_many():
@@ -150,20 +192,34 @@ def test_empty_launches_write_nothing():
     assert ab.absorb(_rand(3, 2, 4)[:0], _rand(2, 4, 8), out) is out
 
 
+def _shifted(shape):
+    """A C-contiguous float32 array whose data starts 4 bytes past 16."""
+    return np.zeros(int(np.prod(shape)) + 4, np.float32)[1:1 + int(np.prod(shape))].reshape(shape)
+
+
+_TILE_PLAN = ab._tile_plan(2, 2, 4, 8, 132)
+
+
 @pytest.mark.parametrize("call, error, name", [
     (lambda o: ab.absorb(np.zeros((2, 2, 8), np.float64), _rand(2, 8, 4), o), TypeError, "x"),
     (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 6), o), ValueError, "w_kn"),
     (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4)[:, :, ::2], o), ValueError, "w_kn"),
+    (lambda o: ab.absorb(_rand(2, 2, 4), _rand(2, 8, 8)[:, :4, :4], o), ValueError, "w_kn must be C-contiguous"),
     (lambda o: ab.absorb(_rand(2, 2, 2048), _rand(2, 2048, 4), o), ValueError, "w_kn"),
-    (lambda o: ab.absorb(_rand(2, 3, 8), _rand(2, 8, 4), o), ValueError, "x"),
-    (lambda o: ab.absorb(_rand(3, 2, 8), _rand(2, 8, 4), o), ValueError, "out"),
+    (lambda o: ab.absorb(_rand(2, 2, 8), _shifted((2, 8, 4)), o), ValueError, "w_kn must start on 16 bytes"),
+    (lambda o: ab.absorb(_rand(2, 3, 8), _rand(2, 8, 4), o), ValueError, "x must have shape"),
+    (lambda o: ab.absorb(_rand(3, 2, 8), _rand(2, 8, 4), o), ValueError, "out must have shape"),
     (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o, plan=(1, 2)), TypeError, "plan"),
     (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o, plan=ab.plan_absorb(2, 3, 4, 8)), ValueError, "plan"),
     (lambda o: ab.absorb(_rand(2, 2, 64), _rand(2, 64, 4), o, plan=ab.plan_absorb(2, 2, 4, 8)), ValueError, "plan"),
+    (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o,   # a tile plan short of threads
+                         plan=ab.AbsorbPlan("tile", 4, 0, 8, 1, (1, 1, 2), 4, _TILE_PLAN.shared_bytes)), ValueError, "plan"),
+    (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o,   # a split kernel that does not exist
+                         plan=ab.AbsorbPlan("split", 3, 1, 0, 0, (1, 1, 2), 128, 4096)), ValueError, "plan"),
 ])
 def test_bad_arguments_raise_before_any_launch(call, error, name):
     out = np.full((2, 2, 4), 7.0, np.float32)
-    with pytest.raises(error, match=name):
+    with pytest.raises(error, match="^" + name):
         call(out)
     assert np.all(out == 7.0)
 
@@ -176,6 +232,8 @@ def test_gpu_small_preset_shapes(m_rows, k_dim, n_cols):
     kernel against the split kernel bit for bit, and float64."""
     x, w = _rand(m_rows, 64, k_dim), _rand(64, k_dim, n_cols)
     got = _run(x, w)
+    split = _run(x, w, plan=_split(x, w))
     _assert_close(got, x, w)
-    _same_bits(got, _run(x, w, plan=_split(x, w)))
+    _same_bits(got, split)
+    _same_bits(_run(x, w, plan=_tile(x, w)), split)   # the tile kernel at every row count, 1 included
     _same_bits(got[m_rows // 2], _run(x[m_rows // 2:m_rows // 2 + 1], w)[0])

@@ -48,7 +48,7 @@ from ddtree_numba.config import ModelConfig
 from ddtree_numba.engine.cache import KVCache, LayerKV
 from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
 from ddtree_numba.kernels import verify_attention as va
-from ddtree_numba.kernels.absorb import absorb
+from ddtree_numba.kernels.absorb import absorb, supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
@@ -98,8 +98,9 @@ PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.ma
 # The MLA absorbs (q_nope @ W_UK, o_latent @ W_UVᵀ) in kernels.absorb's segment order: a split
 # kernel for an AR step, a tiled one for a tree verify or a prefill, the same bits. Off: the
 # earlier path, head_linear (linear()'s lane chains and butterfly; its thread-serial kernel for
-# many rows on a GPU). Numerics, not layout: AR and verify must agree, so one process keeps one
-# setting (bench.forward_ab's ``auto-hl`` variant times the earlier path in a fresh model).
+# many rows on a GPU), which also serves a config whose shapes kernels.absorb does not take (an N
+# not a multiple of 4, K over absorb.MAX_K). Numerics, not layout: AR and verify must agree, so
+# one process keeps one setting (bench.forward_ab's COLS other than ``auto-seg*`` time the earlier path).
 SEGMENT_ABSORBS = True
 
 
@@ -442,7 +443,8 @@ class TargetModel:
         # The absorbs read their weights k-major: kernels.absorb always (SEGMENT_ABSORBS), else
         # head_linear's thread-serial kernel where it runs (linear.SERIAL_HEADS on, the GPU
         # default, many rows: linear.serial_plan; the same bits as its warp layout).
-        self._segment_absorbs = SEGMENT_ABSORBS
+        self._segment_absorbs = SEGMENT_ABSORBS and absorb_supported(config.qk_nope_dim, config.kv_lora_rank) \
+            and absorb_supported(config.kv_lora_rank, config.v_head_dim)
         self._absorb_kn = None
         if self._segment_absorbs or \
                 serial_plan(m, config.n_heads, config.kv_lora_rank, config.qk_nope_dim) is not None:

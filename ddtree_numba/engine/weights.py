@@ -7,11 +7,12 @@ linear weights) into float32 host arrays in kernel layouts, pure NumPy (testable
 - ``w_a`` fuses ``q_a_proj`` and ``kv_a_proj_with_mqa`` rows, so ONE linear with the input-RMSNorm
   prologue computes both low-rank projections; without a low-rank q path (``q_lora_rank == 0``)
   it is ``kv_a_proj_with_mqa`` alone and ``w_q`` is ``q_proj`` (its own linear, same prologue);
-- ``w_uk_t[h] = W_UK[h]ᵀ`` ([C, nope]) so ``head_linear`` gives the absorbed query
+- ``w_uk_t[h] = W_UK[h]ᵀ`` ([C, nope]) for the absorbed query
   ``q_latent[m, h] = q_nope[m, h] @ W_UK[h]``; ``w_uv[h] = W_UV[h]`` ([v, C]) takes the latent
   attention output to the head's values (limits §2: ``kv_b_proj`` rows of head h are
-  ``[W_UK[h] (nope rows) | W_UV[h] (v rows)]``); models of many rows also read both k-major
-  (:meth:`DeviceWeights.k_major`, made on first use: ``head_linear``'s thread-serial kernel);
+  ``[W_UK[h] (nope rows) | W_UV[h] (v rows)]``); the model reads both k-major
+  (:meth:`DeviceWeights.k_major`, made on first use: ``kernels.absorb``, or with
+  ``engine.model.SEGMENT_ABSORBS`` off ``head_linear``, whose many-row kernel reads them too);
 - SwiGLU weights stack ``[gate | up]`` rows (``linear(..., swiglu=True)`` reads
   ``silu(x[:, :I]) * x[:, I:]``): the dense FFN, the shared expert, and the routed experts
   stacked ``[E, 2I, D]`` (down projections ``[E, D, I]``).
@@ -176,9 +177,9 @@ class DeviceWeights:
 
     def k_major(self, name: str, *, stream: Any = 0) -> tuple[Any, ...]:
         """Per layer, the absorb weight ``w_uk_t`` ([H, C, nope]) or ``w_uv`` ([H, v, C]) k-major,
-        ``[H, K, N]`` (``w_kn[h, k, n] = w[h, n, k]``): what ``linear.head_linear``'s thread-serial
-        kernel reads, coalesced (made on first use, once for every model sharing these weights:
-        the models of tree verifies)."""
+        ``[H, K, N]`` (``w_kn[h, k, n] = w[h, n, k]``): what ``kernels.absorb`` (and
+        ``linear.head_linear``'s thread-serial kernel) reads, coalesced (made on first use, once
+        for every model sharing these weights: the AR and tree-verify models)."""
         if name not in ("w_uk_t", "w_uv"):
             raise ValueError(f"name must be 'w_uk_t' or 'w_uv', got {name!r}")
         if name not in self._k_major:

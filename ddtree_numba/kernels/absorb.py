@@ -8,8 +8,9 @@ absorbed query ``q_nope @ W_UK`` and the value projection ``o_latent @ W_UVᵀ``
     k in ascending order that starts from +0.0: p_s = fma(x[k1], w[k1], fma(x[k0], w[k0], 0.0)).
     The output is -0.0 + p_0 + p_1 + ... + p_{S-1}, added left to right.
 
-(-0.0 + v == v bit for bit, +0.0 included; a chain from +0.0 never holds -0.0, so zeros staged past
-K or past M add nothing: ``p + 0 * 0 == p``.) Why this order and not ``linear()``'s lane chains and
+(-0.0 + v == v bit for bit, +0.0 included; a chain from +0.0 never holds -0.0, so the zeros a
+kernel stages past K add nothing: ``p + 0 * 0 == p``; rows past M compute on zeros and are not
+written.) Why this order and not ``linear()``'s lane chains and
 butterfly (which ``head_linear`` keeps): it lets a thread own whole segments, so
 
 - few rows (an AR step, a small batch; :func:`get_split_kernel`): the segments of one output run
@@ -39,7 +40,7 @@ from numba import cuda, float32, int32, int64
 from sim.launch import check_launch, launch_bounds
 from sim.profiles import active_profile
 
-from ._args import is_c_contiguous
+from ._args import data_address, is_c_contiguous
 from .linear import (NEG_ZERO, SIM_TREE, VEC, ZERO, _check_out, _configured, _f32, _kernel_weight, _rows_aligned,
                      load_f32x4, load_x4, shared_put4, shared_x4)
 from .registry import register
@@ -50,6 +51,8 @@ __all__ = [
     "FEW_ROWS",
     "AbsorbPlan",
     "plan_absorb",
+    "supported",
+    "tile_shared_bytes",
     "absorb",
     "get_split_kernel",
     "get_tile_kernel",
@@ -57,7 +60,7 @@ __all__ = [
 
 SEGMENT = 32                    # k values a partial sums before the partials are added (the order)
 SEG_SHIFT = SEGMENT.bit_length() - 1
-MAX_K = 1024                    # segments a split block stages: S x MT x NB floats (32 KiB at MT 8)
+MAX_K = 1024                    # k values: a split block stages S = K / 32 partials x MT x NB floats
 FEW_ROWS = 8                    # rows up to this run the split kernel (decode), more the tile kernel
 SPLIT_THREADS = 128             # split block: NB / 4 column quads x SB segment lanes
 SPLIT_ROW_TILES = (1, 2, 4, 8)  # rows a split thread keeps (the launch's rows, rounded up)
@@ -69,7 +72,18 @@ TILE_ROWS = 4                   # ... and keeps (H200, forward_ab run "segment a
 TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: the widest giving TILE_BLOCKS_PER_SM
 TILE_BLOCKS_PER_SM = 2
 TILE_MAX_THREADS = 256          # rows past CQ x RW x MT take grid y
-TILE_X_PAD = VEC                # floats after a staged k-row of x (16-byte aligned, banks spread)
+TILE_X_PAD = VEC                # floats after a staged k-row of x (keeps the next k-row 16-byte aligned)
+TILE_SMEM = 48 * 1024           # a tile block's two stages at most (the default limit: no opt-in)
+
+
+MAX_GRID_Z = 65535              # CUDA's grid z limit: the heads
+MAX_ROWS = 65535 * TILE_ROW_TILES[0]   # grid y at 4 rows a block (split: 8 a thread past 8 rows; tile: >= 4)
+
+
+def supported(k_dim: int, n_cols: int) -> bool:
+    """Whether an absorb of K = k_dim and N = n_cols fits the kernels (N % 4 == 0: 16-byte weight
+    loads; K <= MAX_K: the split kernel's staged partials)."""
+    return 1 <= k_dim <= MAX_K and n_cols >= 1 and n_cols % VEC == 0
 
 
 def _segments(k_dim: int) -> int:
@@ -83,13 +97,14 @@ def _pow2_at_least(n: int) -> int:
 # --- few rows: a segment a thread, partials met in shared memory -------------------------------------
 
 @functools.cache
-def get_split_kernel(mt: int, lanes: int) -> Any:
+def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
     """The split kernel (compiled lazily, cached): ``mt`` rows, ``lanes`` segment lanes x
-    SPLIT_THREADS / lanes column quads a block; lane l runs segments l, l + lanes, ..."""
-    if mt not in SPLIT_ROW_TILES or lanes not in (1, 2, 4, 8, 16):
-        raise ValueError(f"no split absorb kernel for mt={mt!r}, lanes={lanes!r}")
-    MT, SB = mt, lanes
-    QB = SPLIT_THREADS // SB            # column quads a block
+    threads / lanes column quads a block; lane l runs segments l, l + lanes, ..."""
+    if mt not in SPLIT_ROW_TILES or lanes not in (1, 2, 4, 8, 16) or threads not in (1, 2, 4, 8, 16, 32, 64, 128) \
+            or threads < lanes:
+        raise ValueError(f"no split absorb kernel for mt={mt!r}, lanes={lanes!r}, threads={threads!r}")
+    MT, SB, THREADS = mt, lanes, threads
+    QB = THREADS // SB                  # column quads a block
     NB = QB * VEC                       # columns a block
     NB_SHIFT = NB.bit_length() - 1
     BATCH = SPLIT_BATCH[mt]             # k a thread loads ahead of its fmas
@@ -118,7 +133,7 @@ def get_split_kernel(mt: int, lanes: int) -> Any:
                     p[r, 2] = cuda.fma(xv[kb, r], wv[kb, 2], p[r, 2])
                     p[r, 3] = cuda.fma(xv[kb, r], wv[kb, 3], p[r, 3])
 
-    @cuda.jit(**launch_bounds(SPLIT_THREADS))
+    @cuda.jit(**launch_bounds(THREADS))
     def kernel(x, w_kn, out, n_cols, k_dim):
         """x [M, G, K], w_kn [G, K, N] (flat under the simulator; N % 4 == 0), out [M, G, N]. Grid
         (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
@@ -150,7 +165,7 @@ def get_split_kernel(mt: int, lanes: int) -> Any:
                     for c in range(VEC):
                         part[(s * MT + r) * NB + quad * VEC + c] = p[r, c]
         cuda.syncthreads()                     # every segment's partials staged
-        for o in range(tid, MT * NB, SPLIT_THREADS):
+        for o in range(tid, MT * NB, THREADS):
             r = o >> NB_SHIFT
             c = o - (r << NB_SHIFT)
             if r < rows and col0 + c < n_cols:
@@ -180,7 +195,6 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
     XR = RB + TILE_X_PAD                # a staged k-row of x: RB rows, padded
     W_TILE = SEGMENT * NB
     BUF = W_TILE + SEGMENT * XR         # one stage: weights [SEGMENT, NB] | x [SEGMENT, XR]
-    SH_FLOATS = 2 * BUF                 # two stages
     W_CHUNKS = W_TILE // VEC            # 16-byte weight chunks a stage
     W_LOADS = -(-W_CHUNKS // THREADS)
     CQ_SHIFT = CQ.bit_length() - 1
@@ -238,11 +252,13 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
                 sh[at + 2 * XR] = xpre[i, 2]
                 sh[at + 3 * XR] = xpre[i, 3]
 
-    @cuda.jit(**launch_bounds(THREADS, 2))   # two blocks an SM at least
+    @cuda.jit(**launch_bounds(THREADS, TILE_BLOCKS_PER_SM))   # (without a block count: 128 registers, a spill)
     def kernel(x, w_kn, out, n_cols, k_dim):
         """x [M, G, K] (16-byte aligned rows, K % 4 == 0), w_kn [G, K, N] (flat under the
-        simulator; N % 4 == 0), out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G)."""
-        sh = cuda.shared.array(SH_FLOATS, float32)   # two stages of [SEGMENT, NB] w | [SEGMENT, XR] x
+        simulator; N % 4 == 0), out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G); dynamic shared
+        memory: two stages, tile_shared_bytes(MT, CQ, RW) (its base is 16-byte aligned for the
+        vector accesses)."""
+        sh = cuda.shared.array(0, float32)     # two stages of [SEGMENT, NB] w | [SEGMENT, XR] x
         wpre = cuda.local.array((W_LOADS, VEC), float32)
         xpre = cuda.local.array((X_LOADS, VEC), float32)
         acc = cuda.local.array((MT, VEC), float32)
@@ -321,7 +337,7 @@ class AbsorbPlan:
 
     def kernel(self) -> Any:
         if self.kind == "split":
-            return get_split_kernel(self.mt, self.lanes)
+            return get_split_kernel(self.mt, self.lanes, self.threads)
         return get_tile_kernel(self.mt, self.col_quads, self.row_groups)
 
 
@@ -329,46 +345,73 @@ def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
     mt = next((t for t in SPLIT_ROW_TILES if t >= rows), SPLIT_ROW_TILES[-1])
     segs = _segments(k_dim)
     lanes = min(SPLIT_MAX_LANES, _pow2_at_least(segs))
-    nb = SPLIT_THREADS // lanes * VEC
+    # The simulator's threads are Python threads: no more column quads than N has (tiny: 8).
+    threads = min(SPLIT_THREADS, lanes * _pow2_at_least(-(-n_cols // VEC))) if SIM_TREE else SPLIT_THREADS
+    nb = threads // lanes * VEC
     grid = (-(-n_cols // nb), -(-rows // mt), groups)
     smem = 4 * segs * mt * nb
-    return AbsorbPlan("split", mt, lanes, 0, 0, grid, SPLIT_THREADS, smem)
+    return AbsorbPlan("split", mt, lanes, 0, 0, grid, threads, smem)
 
 
-def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
+def tile_shared_bytes(mt: int, col_quads: int, row_groups: int) -> int:
+    """A tile block's dynamic shared memory: two stages of weights [SEGMENT, NB] and x [SEGMENT, RB + pad]."""
+    return 2 * 4 * SEGMENT * (col_quads * VEC + row_groups * mt + TILE_X_PAD)
+
+
+def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -> AbsorbPlan:
     mt = TILE_ROWS
-    min_blocks = TILE_BLOCKS_PER_SM * active_profile().sm_count
+    min_blocks = TILE_BLOCKS_PER_SM * sm_count
     for cq in TILE_COL_QUADS:   # the widest slab giving min_blocks, else the narrowest
         row_groups = min(-(-rows // mt), TILE_MAX_THREADS // cq)
+        while row_groups > 1 and tile_shared_bytes(mt, cq, row_groups) > TILE_SMEM:
+            row_groups -= 1
         row_blocks = -(-rows // (row_groups * mt))
         row_groups = -(-rows // (row_blocks * mt))      # balanced over the row blocks
         grid = (-(-n_cols // (cq * VEC)), row_blocks, groups)
         if grid[0] * grid[1] * grid[2] >= min_blocks:
             break
-    return AbsorbPlan("tile", mt, 0, cq, row_groups, grid, cq * row_groups, 0)
+    return AbsorbPlan("tile", mt, 0, cq, row_groups, grid, cq * row_groups, tile_shared_bytes(mt, cq, row_groups))
+
+
+def plan_absorb(rows: int, groups: int, n_cols: int, k_dim: int, *, rows_aligned: bool = True) -> AbsorbPlan:
+    """The launch for an absorb of these shapes on the active device profile: the tile kernel for
+    more than FEW_ROWS rows whose x rows start on 16 bytes with K % 4 == 0, else the split kernel
+    (the same bits either way). Cached per shapes and profile; a caller that changes FEW_ROWS or
+    the TILE_ constants calls ``plan_absorb.cache_clear()`` (bench.forward_ab does)."""
+    return _plan_absorb(rows, groups, n_cols, k_dim, rows_aligned, active_profile().sm_count)
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_absorb(rows: int, groups: int, n_cols: int, k_dim: int, *, rows_aligned: bool = True) -> AbsorbPlan:
-    """The launch for an absorb of these shapes: the tile kernel for more than FEW_ROWS rows whose
-    x rows start on 16 bytes with K % 4 == 0, else the split kernel (the same bits either way)."""
+def _plan_absorb(rows: int, groups: int, n_cols: int, k_dim: int, rows_aligned: bool, sm_count: int) -> AbsorbPlan:
     if rows > FEW_ROWS and rows_aligned and k_dim % VEC == 0:
-        plan = _tile_plan(rows, groups, n_cols, k_dim)
+        plan = _tile_plan(rows, groups, n_cols, k_dim, sm_count)
     else:
         plan = _split_plan(rows, groups, n_cols, k_dim)
     check_launch(plan.grid, plan.threads, plan.shared_bytes)
     return plan
 
 
+plan_absorb.cache_clear = _plan_absorb.cache_clear   # type: ignore[attr-defined]
+
+
 def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, aligned: bool) -> bool:
     """The plan's grid covers these shapes (and a split plan stages every segment, a tile plan
     has 16-byte x rows)."""
     if plan.kind == "split":
-        cols, rows = SPLIT_THREADS // plan.lanes * VEC, plan.mt
+        if plan.mt not in SPLIT_ROW_TILES or plan.lanes not in (1, 2, 4, 8, 16) or \
+                plan.threads not in (1, 2, 4, 8, 16, 32, 64, 128) or plan.threads < plan.lanes:
+            return False
+        cols, rows = plan.threads // plan.lanes * VEC, plan.mt
         staged = plan.shared_bytes >= 4 * _segments(k_dim) * plan.mt * cols
-    else:
+    elif plan.kind == "tile":
+        if plan.mt not in TILE_ROW_TILES or plan.col_quads not in TILE_COL_QUADS or plan.row_groups < 1 or \
+                plan.threads != plan.col_quads * plan.row_groups or plan.threads > TILE_MAX_THREADS:
+            return False
         cols, rows = plan.col_quads * VEC, plan.row_groups * plan.mt
-        staged = aligned and k_dim % VEC == 0
+        staged = aligned and k_dim % VEC == 0 and \
+            plan.shared_bytes == tile_shared_bytes(plan.mt, plan.col_quads, plan.row_groups)
+    else:
+        return False
     return staged and plan.grid[2] == groups and plan.grid[0] * cols >= n_cols and plan.grid[1] * rows >= m_rows
 
 
@@ -395,20 +438,24 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
     if not is_c_contiguous(w_kn):
         raise ValueError("w_kn must be C-contiguous")
     groups, k_dim, n_cols = (int(d) for d in w_kn.shape)
-    if not 1 <= k_dim <= MAX_K or n_cols < 1 or n_cols % VEC:
-        raise ValueError(f"w_kn must have shape (G, K, N) with 1 <= K <= {MAX_K} and N a multiple of {VEC} "
-                         f"(16-byte weight loads), got {tuple(w_kn.shape)}")
+    if not supported(k_dim, n_cols) or groups > MAX_GRID_Z:
+        raise ValueError(f"w_kn must have shape (G, K, N) with G <= {MAX_GRID_Z}, 1 <= K <= {MAX_K} and N a "
+                         f"multiple of {VEC} (16-byte weight loads), got {tuple(w_kn.shape)}")
+    if data_address(w_kn) % 16:
+        raise ValueError("w_kn must start on 16 bytes (16-byte weight loads)")
     m_rows = int(x.shape[0])
     if tuple(x.shape)[1:] != (groups, k_dim):
         raise ValueError(f"x must have shape (M, {groups}, {k_dim}) (G and K from w_kn), got {tuple(x.shape)}")
+    if m_rows > MAX_ROWS:
+        raise ValueError(f"x has {m_rows} rows, more than an absorb launch takes ({MAX_ROWS})")
     out = _check_out(out, "out", (m_rows, groups, n_cols))
+    if plan is not None and not isinstance(plan, AbsorbPlan):
+        raise TypeError(f"plan must be an AbsorbPlan, got {type(plan).__name__}")
     if m_rows == 0 or groups == 0:
         return out
     aligned = _rows_aligned(x)
     if plan is None:
         plan = plan_absorb(m_rows, groups, n_cols, k_dim, rows_aligned=aligned)
-    elif not isinstance(plan, AbsorbPlan):
-        raise TypeError(f"plan must be an AbsorbPlan, got {type(plan).__name__}")
     elif not _fits(plan, m_rows, groups, n_cols, k_dim, aligned):
         raise ValueError(f"plan does not fit these shapes (x {tuple(x.shape)}, w_kn {tuple(w_kn.shape)}): "
                          "make it with plan_absorb (or _split_plan) for them")
@@ -423,12 +470,12 @@ def _sigs() -> tuple:
 
 
 # The compile check: the H200's launches of `small` (the AR step's split kernels for K 128 and 512,
-# the 33-row verify's tile kernels).
-for _mt, _lanes in ((1, 4), (1, 16)):
+# the 33-row verify's tile kernels), an 8-row split (a small batch) and an 8-row tile thread.
+for _mt, _lanes in ((1, 4), (1, 16), (8, 4)):
     register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(),
              f"MLA absorb in segment order, {_mt} row(s), {_lanes} segment lanes a block, partials met in shared memory",
              block_threads=SPLIT_THREADS)
-for _mt, _cq, _rw in ((4, 32, 5), (4, 8, 9)):
+for _mt, _cq, _rw in ((4, 32, 5), (4, 8, 9), (8, 32, 5)):
     register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}", get_tile_kernel(_mt, _cq, _rw), _sigs(),
              f"MLA absorb in segment order, {_mt} x 4 outputs a thread over every segment, double-buffered tiles",
              block_threads=_cq * _rw)
