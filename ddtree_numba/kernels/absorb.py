@@ -285,16 +285,22 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
             for r in range(MT):
                 for c in range(VEC):
                     acc[r, c] = ZERO
-            for kk in range(SEGMENT):
-                w0, w1, w2, w3 = shared_x4(sh, base + kk * NB + quad * VEC)
+            # k ascending by int32 offsets stepped in a while loop: numba's range() kept 64-bit
+            # iterator bookkeeping (setp / selp) beside each k's 2 loads and 4 MT fmas in the PTX.
+            w_at = base + quad * VEC
+            x_at = base + W_TILE + rg * MT
+            w_end = w_at + SEGMENT * NB
+            while w_at < w_end:
+                w0, w1, w2, w3 = shared_x4(sh, w_at)
                 for r4 in range(MT // VEC):
-                    xv[4 * r4], xv[4 * r4 + 1], xv[4 * r4 + 2], xv[4 * r4 + 3] = shared_x4(
-                        sh, base + W_TILE + kk * XR + rg * MT + 4 * r4)
+                    xv[4 * r4], xv[4 * r4 + 1], xv[4 * r4 + 2], xv[4 * r4 + 3] = shared_x4(sh, x_at + 4 * r4)
                 for r in range(MT):
                     acc[r, 0] = cuda.fma(xv[r], w0, acc[r, 0])
                     acc[r, 1] = cuda.fma(xv[r], w1, acc[r, 1])
                     acc[r, 2] = cuda.fma(xv[r], w2, acc[r, 2])
                     acc[r, 3] = cuda.fma(xv[r], w3, acc[r, 3])
+                w_at += NB
+                x_at += XR
             for r in range(MT):                # the order: segment partials left to right
                 for c in range(VEC):
                     total[r, c] += acc[r, c]
