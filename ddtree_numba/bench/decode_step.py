@@ -304,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.odd_tiles:
         lin.set_odd_tiles(args.odd_tiles == "on")
     args.odd_tiles = "on" if lin.ODD_TILES else "off"   # (recorded in the config attrs)
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.kernels import absorb as ab
+    # The absorb path (numerics: a process keeps one) and its split / tile choice, as a caller set them.
+    args.absorbs = f"segment, split up to {ab.FEW_ROWS} rows" if em.SEGMENT_ABSORBS else "head_linear"
     config = ModelConfig.from_name(args.preset)
     profile = active_profile()
     bandwidth = roofline(profile, 1.0, 0.0).bandwidth
@@ -332,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         del model
     del host_weights
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
-          f"block {args.block}, oracle entropy {args.entropy}"
+          f"block {args.block}, oracle entropy {args.entropy}, absorbs {args.absorbs}"
           + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
     print(format_table(ar_points, trees, bandwidth, profile.name))
     if args.out:
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
-                                                      "odd_tiles")}
+                                                      "odd_tiles", "absorbs")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),
