@@ -380,13 +380,16 @@ def test_no_low_rank_q_path_matches_reference() -> None:
 
 def test_absorb_shapes_the_segment_kernels_do_not_take_fall_back_to_head_linear() -> None:
     """A v_head_dim that is not a multiple of 4 (kernels.absorb's 16-byte weight loads) runs the
-    absorbs in head_linear instead, and the forward still matches the reference."""
+    absorbs in head_linear instead, and the forward still matches the reference; so does a
+    qk_nope_dim over absorb.MAX_K (checked without a forward)."""
     base, _ = _tiny()
     config = dataclasses.replace(base, v_head_dim=18)
     weights = init_weights(config, 5)
     model = TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)
     assert not model._segment_absorbs
     assert TargetModel(base, init_weights(base, 5), batch_size=1, kv_capacity=8, max_rows=1)._segment_absorbs
+    wide = dataclasses.replace(base, qk_nope_dim=1028)   # K over absorb.MAX_K: head_linear too
+    assert not TargetModel(wide, init_weights(wide, 5), batch_size=1, kv_capacity=8, max_rows=1)._segment_absorbs
     sizes = np.ones(1, np.int32)
     logits = _host(model.forward(np.array([[7]], np.int32), np.array([[2]], np.int32), sizes,
                                  prefill_visibility(sizes, 1)).logits)

@@ -11,6 +11,7 @@ from numba import cuda
 
 from ddtree_numba.kernels import absorb as ab
 from ddtree_numba.kernels.registry import _REGISTRY
+from sim.launch import check_launch
 
 RNG = np.random.default_rng(20261202)
 SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
@@ -65,6 +66,7 @@ def _same_bits(a, b):
 
 SHAPES = [  # (M, G, K, N): segments whole and partial, K < one segment, every split row tile, tiles
     (1, 2, 64, 8), (1, 3, 100, 12), (2, 2, 31, 4), (3, 1, 1, 4), (4, 2, 33, 16), (8, 2, 96, 8),
+    (2, 2, 64, 8), (3, 2, 68, 8), (4, 1, 128, 4),
     (9, 2, 40, 20), (13, 1, 72, 12), (33, 2, 64, 36), (17, 3, 36, 8),
 ]
 
@@ -108,7 +110,8 @@ def test_split_and_tile_kernels_agree_and_match_float64(m_rows, groups, k_dim, n
         _same_bits(_run(x, w, plan=_tile(x, w)), split)
 
 
-@pytest.mark.parametrize("mt, col_quads, sm_count", [(4, (32,), 1), (8, (16,), 1), (8, (32,), 1), (4, (8,), 10**6)])
+@pytest.mark.parametrize("mt, col_quads, sm_count", [(4, (32,), 1), (8, (16,), 1), (8, (32,), 1),
+                                                     (4, (32, 16, 8), 10**6)])   # (no width fills the SMs: the narrowest)
 def test_tile_layouts_agree_with_the_split_kernel(monkeypatch, mt, col_quads, sm_count):
     """Tile layouts the H200 plan does not pick for the simulator's small shapes: 4 or 8 rows a
     thread, 16 or 32 column quads, several row blocks (grid y > 1: 70 rows past the 256-thread
@@ -117,8 +120,8 @@ def test_tile_layouts_agree_with_the_split_kernel(monkeypatch, mt, col_quads, sm
     monkeypatch.setattr(ab, "TILE_COL_QUADS", col_quads)
     x, w = _rand(70, 2, 72), _rand(2, 72, 36)
     plan = _tile(x, w, sm_count)
-    assert plan.mt == mt and plan.col_quads == col_quads[0]
-    if col_quads[0] == 32:
+    assert plan.mt == mt and plan.col_quads == (col_quads[0] if sm_count == 1 else col_quads[-1])
+    if plan.col_quads == 32:
         assert plan.grid[1] > 1
     _same_bits(_run(x, w, plan=plan), _run(x, w, plan=_split(x, w)))
 
@@ -133,6 +136,7 @@ def test_tile_stages_fit_the_default_shared_memory():
                 ab.TILE_ROWS, ab.TILE_COL_QUADS = mt, (cq,)
                 plan = ab._tile_plan(4096, 64, 512, 128, 132)
                 assert plan.shared_bytes == ab.tile_shared_bytes(mt, cq, plan.row_groups) <= ab.TILE_SMEM
+                check_launch(plan.grid, plan.threads, plan.shared_bytes)   # the default limit, no opt-in
                 assert plan.threads == cq * plan.row_groups <= ab.TILE_MAX_THREADS
     finally:
         ab.TILE_ROWS, ab.TILE_COL_QUADS = saved
@@ -185,6 +189,15 @@ def test_registered_for_the_compile_check():
     names = [n for n in _REGISTRY if n.startswith("absorb_")]
     assert {"absorb_split_mt1_l4", "absorb_split_mt1_l16"} <= set(names)
     assert any(n.startswith("absorb_tile_") for n in names)
+
+
+def test_a_bad_plan_is_refused_on_an_empty_launch_too():
+    out = np.full((3, 2, 8), np.nan, np.float32)[:0]
+    with pytest.raises(ValueError, match="^plan"):
+        ab.absorb(_rand(3, 2, 4)[:0], _rand(2, 4, 8), out, plan=ab.AbsorbPlan("nonsense", 3, 99, 0, 0, (0, 0, 0), 7, -1))
+    with pytest.raises(ValueError, match="^plan"):   # grid y past CUDA's limit: the launch check refuses it
+        ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), np.zeros((2, 2, 4), np.float32),
+                  plan=ab.AbsorbPlan("split", 1, 1, 0, 0, (1, 70000, 2), 8, 128))
 
 
 def test_empty_launches_write_nothing():

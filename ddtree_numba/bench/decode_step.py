@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree_numba.config import ModelConfig
     from ddtree_numba.engine.decode import required_kv_capacity
     from ddtree_numba.engine.model import TargetModel
+    from ddtree_numba.kernels import absorb as ab
     from ddtree_numba.kernels import linear as lin
     from reference.weights import init_weights
     from sim.install import simulator_active
@@ -304,10 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.odd_tiles:
         lin.set_odd_tiles(args.odd_tiles == "on")
     args.odd_tiles = "on" if lin.ODD_TILES else "off"   # (recorded in the config attrs)
-    import ddtree_numba.engine.model as em
-    from ddtree_numba.kernels import absorb as ab
-    # The absorb path (numerics: a process keeps one) and its split / tile choice, as a caller set them.
-    args.absorbs = f"segment, split up to {ab.FEW_ROWS} rows" if em.SEGMENT_ABSORBS else "head_linear"
     config = ModelConfig.from_name(args.preset)
     profile = active_profile()
     bandwidth = roofline(profile, 1.0, 0.0).bandwidth
@@ -325,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         capacity = required_kv_capacity([args.prompt_len], n, args.budget if drafting else 0)
         model = TargetModel(config, weights, batch_size=bs, kv_capacity=capacity, max_rows=args.prompt_len)
         weights = model.weights  # uploaded once, shared by the next models
+        # The model's absorb path (numerics: a process keeps one) and its layout knobs as set.
+        args.absorbs = (f"segment (split up to {ab.FEW_ROWS} rows, tile {ab.TILE_ROWS} rows a thread)"
+                        if model._segment_absorbs else "head_linear")
         point = measure_ar(config, model, prompts, n, ne, bandwidth)
         ar_points.append(point)
         print(f"[{time.perf_counter() - t_start:.0f} s] AR batch {bs}: {point.graph_us:.1f} us/step", file=sys.stderr)

@@ -41,7 +41,7 @@ from sim.launch import check_launch, launch_bounds
 from sim.profiles import active_profile
 
 from ._args import data_address, is_c_contiguous
-from .linear import (NEG_ZERO, SIM_TREE, VEC, ZERO, _check_out, _configured, _f32, _kernel_weight, _rows_aligned,
+from .linear import (NEG_ZERO, SIM_TREE, VEC, ZERO, _check_out, _f32, _kernel_weight, _rows_aligned,
                      load_f32x4, load_x4, shared_put4, shared_x4)
 from .registry import register
 
@@ -74,6 +74,7 @@ TILE_BLOCKS_PER_SM = 2
 TILE_MAX_THREADS = 256          # rows past CQ x RW x MT take grid y
 TILE_X_PAD = VEC                # floats after a staged k-row of x (keeps the next k-row 16-byte aligned)
 TILE_SMEM = 48 * 1024           # a tile block's two stages at most (the default limit: no opt-in)
+SHARED_ALIGN = None if SIM_TREE else 16   # 16-byte vector accesses (the simulator takes no alignment)
 
 
 MAX_GRID_Z = 65535              # CUDA's grid z limit: the heads
@@ -137,7 +138,7 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
     def kernel(x, w_kn, out, n_cols, k_dim):
         """x [M, G, K], w_kn [G, K, N] (flat under the simulator; N % 4 == 0), out [M, G, N]. Grid
         (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
-        part = cuda.shared.array(0, float32)   # [S, MT, NB] segment partials
+        part = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [S, MT, NB] segment partials
         p = cuda.local.array((MT, VEC), float32)
         wv = cuda.local.array((BATCH, VEC), float32)
         xv = cuda.local.array((BATCH, MT), float32)
@@ -258,7 +259,7 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
         simulator; N % 4 == 0), out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G); dynamic shared
         memory: two stages, tile_shared_bytes(MT, CQ, RW) (its base is 16-byte aligned for the
         vector accesses)."""
-        sh = cuda.shared.array(0, float32)     # two stages of [SEGMENT, NB] w | [SEGMENT, XR] x
+        sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # two stages: [SEGMENT, NB] w | [SEGMENT, XR] x
         wpre = cuda.local.array((W_LOADS, VEC), float32)
         xpre = cuda.local.array((X_LOADS, VEC), float32)
         acc = cuda.local.array((MT, VEC), float32)
@@ -281,16 +282,16 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
         for s in range(n_segs):
             if s + 1 < n_segs:                 # the next segment's loads fly while this one computes
                 fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, s + 1)
-            base = (s & 1) * BUF
+            base = int32((s & 1) * BUF)
             for r in range(MT):
                 for c in range(VEC):
                     acc[r, c] = ZERO
-            # k ascending by int32 offsets stepped in a while loop: numba's range() kept 64-bit
+            # k ascending in a counted while loop over int32 offsets: numba's range() kept 64-bit
             # iterator bookkeeping (setp / selp) beside each k's 2 loads and 4 MT fmas in the PTX.
-            w_at = base + quad * VEC
-            x_at = base + W_TILE + rg * MT
-            w_end = w_at + SEGMENT * NB
-            while w_at < w_end:
+            w_at = int32(base + quad * VEC)
+            x_at = int32(base + W_TILE + rg * MT)
+            kk = int32(0)
+            while kk < SEGMENT:
                 w0, w1, w2, w3 = shared_x4(sh, w_at)
                 for r4 in range(MT // VEC):
                     xv[4 * r4], xv[4 * r4 + 1], xv[4 * r4 + 2], xv[4 * r4 + 3] = shared_x4(sh, x_at + 4 * r4)
@@ -299,8 +300,9 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
                     acc[r, 1] = cuda.fma(xv[r], w1, acc[r, 1])
                     acc[r, 2] = cuda.fma(xv[r], w2, acc[r, 2])
                     acc[r, 3] = cuda.fma(xv[r], w3, acc[r, 3])
-                w_at += NB
-                x_at += XR
+                w_at += int32(NB)
+                x_at += int32(XR)
+                kk += int32(1)
             for r in range(MT):                # the order: segment partials left to right
                 for c in range(VEC):
                     total[r, c] += acc[r, c]
@@ -401,8 +403,8 @@ plan_absorb.cache_clear = _plan_absorb.cache_clear   # type: ignore[attr-defined
 
 
 def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, aligned: bool) -> bool:
-    """The plan's grid covers these shapes (and a split plan stages every segment, a tile plan
-    has 16-byte x rows)."""
+    """The plan is one of the kernels' layouts, its grid covers these shapes (a split plan stages
+    every segment, a tile plan has 16-byte x rows) and it passes the launch check."""
     if plan.kind == "split":
         if plan.mt not in SPLIT_ROW_TILES or plan.lanes not in (1, 2, 4, 8, 16) or \
                 plan.threads not in (1, 2, 4, 8, 16, 32, 64, 128) or plan.threads < plan.lanes:
@@ -418,7 +420,14 @@ def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, a
             plan.shared_bytes == tile_shared_bytes(plan.mt, plan.col_quads, plan.row_groups)
     else:
         return False
-    return staged and plan.grid[2] == groups and plan.grid[0] * cols >= n_cols and plan.grid[1] * rows >= m_rows
+    if not (staged and len(plan.grid) == 3 and plan.grid[2] == groups and plan.grid[0] * cols >= n_cols
+            and plan.grid[1] * rows >= m_rows and 0 <= plan.shared_bytes <= TILE_SMEM):
+        return False
+    try:
+        check_launch(plan.grid, plan.threads, plan.shared_bytes)
+    except Exception:   # (sim.launch.LaunchConfigError and the checks' TypeErrors): not this plan
+        return False
+    return True
 
 
 def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | None = None) -> Any:
@@ -455,17 +464,19 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
     if m_rows > MAX_ROWS:
         raise ValueError(f"x has {m_rows} rows, more than an absorb launch takes ({MAX_ROWS})")
     out = _check_out(out, "out", (m_rows, groups, n_cols))
-    if plan is not None and not isinstance(plan, AbsorbPlan):
-        raise TypeError(f"plan must be an AbsorbPlan, got {type(plan).__name__}")
-    if m_rows == 0 or groups == 0:
-        return out
     aligned = _rows_aligned(x)
     if plan is None:
+        if m_rows == 0 or groups == 0:
+            return out
         plan = plan_absorb(m_rows, groups, n_cols, k_dim, rows_aligned=aligned)
+    elif not isinstance(plan, AbsorbPlan):
+        raise TypeError(f"plan must be an AbsorbPlan, got {type(plan).__name__}")
     elif not _fits(plan, m_rows, groups, n_cols, k_dim, aligned):
         raise ValueError(f"plan does not fit these shapes (x {tuple(x.shape)}, w_kn {tuple(w_kn.shape)}): "
                          "make it with plan_absorb (or _split_plan) for them")
-    _configured(plan.kernel(), plan.grid, plan.threads, stream, plan.shared_bytes)(
+    # Both kernels stay within the default 48 KiB (split: <= 32 KiB of partials; tile: TILE_SMEM):
+    # no opt-in call before the launch.
+    plan.kernel()[plan.grid, plan.threads, 0 if stream is None else stream, plan.shared_bytes](
         x, _kernel_weight(w_kn), out, n_cols, k_dim)
     return out
 
