@@ -549,6 +549,14 @@ class TargetModel:
                eps=self.config.rms_norm_eps, stream=stream)  # [M, V]
         return ForwardOut(logits=b.logits, features=b.features)
 
+    def _absorb(self, x: Any, w: Any, w_kn: Any, out: Any, stream: Any) -> None:
+        """out[m, h] = x[m, h] @ w[h].T: kernels.absorb (w k-major) with the segment absorbs on,
+        else head_linear (w, and w_kn where its many-row kernel takes it)."""
+        if self._segment_absorbs:
+            absorb(x, w_kn, out, stream=stream)
+        else:
+            head_linear(x, w, out, w_kn=w_kn, stream=stream)
+
     def _attention(self, lw: LayerWeights, kv: LayerKV, sizes: Any, visibility: Any, stream: Any) -> None:
         """x += wo(W_UV · verify_attention(absorbed q, cache)) for one layer, its new rows cached first."""
         c, b, v, w = self.config, self.buffers, self._views, lw.attn
@@ -561,19 +569,13 @@ class TargetModel:
         mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
                    stream=stream)  # [M, H, R]
         uk_kn, uv_kn = (None, None) if self._absorb_kn is None else (kn[lw.index] for kn in self._absorb_kn)
-        if self._segment_absorbs:
-            absorb(v.q_nope, uk_kn, v.q_latent, stream=stream)  # [M, H, C]
-        else:
-            head_linear(v.q_nope, w.w_uk_t, v.q_latent, w_kn=uk_kn, stream=stream)  # [M, H, C]
+        self._absorb(v.q_nope, w.w_uk_t, uk_kn, v.q_latent, stream)  # [M, H, C]
         latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
         mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
                      latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream)  # [bs, Tc, H, C]
-        if self._segment_absorbs:
-            absorb(v.attn, uv_kn, b.heads, stream=stream)  # [M, H, v]
-        else:
-            head_linear(v.attn, w.w_uv, b.heads, w_kn=uv_kn, stream=stream)  # [M, H, v]
+        self._absorb(v.attn, w.w_uv, uv_kn, b.heads, stream)  # [M, H, v]
         if self._wo_split is None:
             linear(v.heads, w.w_o, b.x, residual=b.x, stream=stream)  # [M, D]
         else:

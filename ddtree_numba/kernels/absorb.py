@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 from numba import cuda, float32, int32, int64
 
-from sim.launch import check_launch, launch_bounds
+from sim.launch import LaunchConfigError, check_launch, launch_bounds
 from sim.profiles import active_profile
 
 from ._args import data_address, is_c_contiguous
-from .linear import (NEG_ZERO, SIM_TREE, VEC, ZERO, _check_out, _f32, _kernel_weight, _rows_aligned,
+from .linear import (NEG_ZERO, SIM_TREE, VEC, ZERO, _check_out, _f32, _kernel_weight, _rows_aligned, _stream,
                      load_f32x4, load_x4, shared_put4, shared_x4)
 from .registry import register
 
@@ -52,6 +52,7 @@ __all__ = [
     "AbsorbPlan",
     "plan_absorb",
     "supported",
+    "split_shared_bytes",
     "tile_shared_bytes",
     "absorb",
     "get_split_kernel",
@@ -64,6 +65,8 @@ MAX_K = 1024                    # k values: a split block stages S = K / 32 part
 FEW_ROWS = 8                    # rows up to this run the split kernel (decode), more the tile kernel
 SPLIT_THREADS = 128             # split block: NB / 4 column quads x SB segment lanes
 SPLIT_ROW_TILES = (1, 2, 4, 8)  # rows a split thread keeps (the launch's rows, rounded up)
+SPLIT_LANES = (1, 2, 4, 8, 16)  # segment lanes a split block may have
+SPLIT_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)   # split block sizes (powers of two: NB a power of two)
 SPLIT_BATCH = {1: 32, 2: 16, 4: 8, 8: 8}   # k loaded ahead of the fmas, by rows (registers: 4 + MT a k)
 SPLIT_MAX_LANES = 16            # segment lanes a split block may have (K 512: 16, 8 quads = 32 columns)
 TILE_ROW_TILES = (4, 8)         # rows a tile thread may keep (multiples of 4: 16-byte x reads)
@@ -95,14 +98,27 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _split_layout_ok(mt: int, lanes: int, threads: int) -> bool:
+    return mt in SPLIT_ROW_TILES and lanes in SPLIT_LANES and threads in SPLIT_BLOCKS and threads >= lanes
+
+
+def _tile_layout_ok(mt: int, col_quads: int, row_groups: int) -> bool:
+    return mt in TILE_ROW_TILES and col_quads in TILE_COL_QUADS and 1 <= row_groups and \
+        col_quads * row_groups <= TILE_MAX_THREADS
+
+
+def split_shared_bytes(k_dim: int, mt: int, lanes: int, threads: int) -> int:
+    """A split block's dynamic shared memory: the partials [S, MT, NB] floats."""
+    return 4 * _segments(k_dim) * mt * (threads // lanes * VEC)
+
+
 # --- few rows: a segment a thread, partials met in shared memory -------------------------------------
 
 @functools.cache
 def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
     """The split kernel (compiled lazily, cached): ``mt`` rows, ``lanes`` segment lanes x
     threads / lanes column quads a block; lane l runs segments l, l + lanes, ..."""
-    if mt not in SPLIT_ROW_TILES or lanes not in (1, 2, 4, 8, 16) or threads not in (1, 2, 4, 8, 16, 32, 64, 128) \
-            or threads < lanes:
+    if not _split_layout_ok(mt, lanes, threads):
         raise ValueError(f"no split absorb kernel for mt={mt!r}, lanes={lanes!r}, threads={threads!r}")
     MT, SB, THREADS = mt, lanes, threads
     QB = THREADS // SB                  # column quads a block
@@ -186,8 +202,7 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
     each MT rows x 4 adjacent columns; per segment the block stages the head's weights [SEGMENT, NB]
     and rows [SEGMENT, RB] (k-major) in one of two shared buffers, the next segment's loads in
     registers while the current one computes."""
-    if mt not in TILE_ROW_TILES or col_quads not in TILE_COL_QUADS or \
-            not 1 <= row_groups or col_quads * row_groups > TILE_MAX_THREADS:
+    if not _tile_layout_ok(mt, col_quads, row_groups):
         raise ValueError(f"no tile absorb kernel for mt={mt!r}, col_quads={col_quads!r}, row_groups={row_groups!r}")
     MT, CQ, RW = mt, col_quads, row_groups
     THREADS = CQ * RW
@@ -357,8 +372,7 @@ def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
     threads = min(SPLIT_THREADS, lanes * _pow2_at_least(-(-n_cols // VEC))) if SIM_TREE else SPLIT_THREADS
     nb = threads // lanes * VEC
     grid = (-(-n_cols // nb), -(-rows // mt), groups)
-    smem = 4 * segs * mt * nb
-    return AbsorbPlan("split", mt, lanes, 0, 0, grid, threads, smem)
+    return AbsorbPlan("split", mt, lanes, 0, 0, grid, threads, split_shared_bytes(k_dim, mt, lanes, threads))
 
 
 def tile_shared_bytes(mt: int, col_quads: int, row_groups: int) -> int:
@@ -406,14 +420,13 @@ def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, a
     """The plan is one of the kernels' layouts, its grid covers these shapes (a split plan stages
     every segment, a tile plan has 16-byte x rows) and it passes the launch check."""
     if plan.kind == "split":
-        if plan.mt not in SPLIT_ROW_TILES or plan.lanes not in (1, 2, 4, 8, 16) or \
-                plan.threads not in (1, 2, 4, 8, 16, 32, 64, 128) or plan.threads < plan.lanes:
+        if not _split_layout_ok(plan.mt, plan.lanes, plan.threads):
             return False
         cols, rows = plan.threads // plan.lanes * VEC, plan.mt
-        staged = plan.shared_bytes >= 4 * _segments(k_dim) * plan.mt * cols
+        staged = plan.shared_bytes >= split_shared_bytes(k_dim, plan.mt, plan.lanes, plan.threads)
     elif plan.kind == "tile":
-        if plan.mt not in TILE_ROW_TILES or plan.col_quads not in TILE_COL_QUADS or plan.row_groups < 1 or \
-                plan.threads != plan.col_quads * plan.row_groups or plan.threads > TILE_MAX_THREADS:
+        if not _tile_layout_ok(plan.mt, plan.col_quads, plan.row_groups) or \
+                plan.threads != plan.col_quads * plan.row_groups:
             return False
         cols, rows = plan.col_quads * VEC, plan.row_groups * plan.mt
         staged = aligned and k_dim % VEC == 0 and \
@@ -425,7 +438,7 @@ def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, a
         return False
     try:
         check_launch(plan.grid, plan.threads, plan.shared_bytes)
-    except Exception:   # (sim.launch.LaunchConfigError and the checks' TypeErrors): not this plan
+    except (LaunchConfigError, TypeError):   # not this plan
         return False
     return True
 
@@ -476,7 +489,7 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
                          "make it with plan_absorb (or _split_plan) for them")
     # Both kernels stay within the default 48 KiB (split: <= 32 KiB of partials; tile: TILE_SMEM):
     # no opt-in call before the launch.
-    plan.kernel()[plan.grid, plan.threads, 0 if stream is None else stream, plan.shared_bytes](
+    plan.kernel()[plan.grid, plan.threads, _stream(stream), plan.shared_bytes](
         x, _kernel_weight(w_kn), out, n_cols, k_dim)
     return out
 
