@@ -126,6 +126,34 @@ def test_tile_layouts_agree_with_the_split_kernel(monkeypatch, mt, col_quads, sm
     _same_bits(_run(x, w, plan=plan), _run(x, w, plan=_split(x, w)))
 
 
+def _tile_lanes(x, w_kn, lanes, mt=4, col_quads=8):
+    """A tile plan with ``lanes`` segment lanes (forced: the plan's own choice may differ)."""
+    m, g, k = x.shape
+    n = w_kn.shape[2]
+    rg = min(-(-m // mt), ab.TILE_MAX_THREADS // (col_quads * lanes))
+    grid = (-(-n // (col_quads * 4)), -(-m // (rg * mt)), g)
+    return ab.AbsorbPlan("tile", mt, lanes, col_quads, rg, grid, col_quads * rg * lanes,
+                         ab.tile_shared_bytes(mt, col_quads, rg, lanes))
+
+
+@pytest.mark.parametrize("m_rows, k_dim, mt", [(9, 72, 4), (21, 160, 4), (33, 256, 4), (12, 128, 8), (5, 4, 4)])
+def test_segment_lanes_keep_the_order(m_rows, k_dim, mt):
+    """The tile kernel with 2 segment lanes: rounds of whole segments (K 256 / 128), a last round
+    with a lane past the last segment (K 72: 3 segments; K 160: 5; K 4: one partial segment),
+    8 rows a thread; the split kernel's bits and, under the simulator, the emulated order. Signed
+    zeros: a zero row, -0.0 entries."""
+    x, w = _rand(m_rows, 2, k_dim), _rand(2, k_dim, 36)
+    x[1] = -0.0
+    w[:, :, 5] = -0.0
+    plan = _tile_lanes(x, w, 2, mt)
+    assert plan.lanes == 2 and ab._fits(plan, m_rows, 2, 36, k_dim, True)
+    got = _run(x, w, plan=plan)
+    _same_bits(got, _run(x, w, plan=_split(x, w)))
+    if SIMULATED:
+        _same_bits(got, _emulate(x, w))
+    _assert_close(got, x, w)
+
+
 def test_tile_stages_fit_the_default_shared_memory():
     """Many rows at 8 rows a thread and 32 column quads: the plan trims the row groups so that the
     two stages fit TILE_SMEM (the kernel's dynamic shared memory, checked by the launch check)."""
@@ -135,9 +163,9 @@ def test_tile_stages_fit_the_default_shared_memory():
             for cq in ab.TILE_COL_QUADS:
                 ab.TILE_ROWS, ab.TILE_COL_QUADS = mt, (cq,)
                 plan = ab._tile_plan(4096, 64, 512, 128, 132)
-                assert plan.shared_bytes == ab.tile_shared_bytes(mt, cq, plan.row_groups) <= ab.TILE_SMEM
+                assert plan.shared_bytes == ab.tile_shared_bytes(mt, cq, plan.row_groups, plan.lanes) <= ab.TILE_SMEM
                 check_launch(plan.grid, plan.threads, plan.shared_bytes)   # the default limit, no opt-in
-                assert plan.threads == cq * plan.row_groups <= ab.TILE_MAX_THREADS
+                assert plan.threads == cq * plan.row_groups * plan.lanes <= ab.TILE_MAX_THREADS
     finally:
         ab.TILE_ROWS, ab.TILE_COL_QUADS = saved
     assert ab.tile_shared_bytes(8, 32, 8) > ab.TILE_SMEM   # (the cap is needed: 50176 bytes)
@@ -178,9 +206,14 @@ def test_plans():
     for rows in (9, 33, 64, 513):
         for n_cols, k_dim in ((512, 128), (128, 512)):
             plan = ab.plan_absorb(rows, 64, n_cols, k_dim)
-            assert plan.kind == "tile" and plan.threads == plan.col_quads * plan.row_groups <= ab.TILE_MAX_THREADS
+            assert plan.kind == "tile" and plan.threads == plan.col_quads * plan.row_groups * plan.lanes \
+                <= ab.TILE_MAX_THREADS and plan.lanes in ab.TILE_SEG_LANES
+            assert plan.shared_bytes == ab.tile_shared_bytes(plan.mt, plan.col_quads, plan.row_groups, plan.lanes) \
+                <= ab.TILE_SMEM
             assert plan.grid[0] * plan.col_quads * 4 >= n_cols and plan.grid[1] * plan.row_groups * plan.mt >= rows
             assert (plan.grid[1] - 1) * plan.row_groups * plan.mt < rows   # no empty row block
+    v33 = ab.plan_absorb(33, 64, 128, 512)   # small's 33-row value absorb: 16 segments, two lanes
+    assert (v33.lanes, v33.col_quads, v33.row_groups, v33.threads) == (2, 8, 9, 144)
     assert ab.plan_absorb(33, 64, 512, 128, rows_aligned=False).kind == "split"
     assert ab.plan_absorb(33, 2, 16, 30).kind == "split"   # K % 4 != 0: no 16-byte x reads
 
@@ -249,4 +282,8 @@ def test_gpu_small_preset_shapes(m_rows, k_dim, n_cols):
     _assert_close(got, x, w)
     _same_bits(got, split)
     _same_bits(_run(x, w, plan=_tile(x, w)), split)   # the tile kernel at every row count, 1 included
+    for lanes in ab.TILE_SEG_LANES:                    # and with each number of segment lanes
+        plan = _tile_lanes(x, w, lanes)
+        if plan.shared_bytes <= ab.TILE_SMEM:
+            _same_bits(_run(x, w, plan=plan), split)
     _same_bits(got[m_rows // 2], _run(x[m_rows // 2:m_rows // 2 + 1], w)[0])

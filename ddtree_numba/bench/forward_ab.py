@@ -29,8 +29,9 @@ off: a 33-row tree in 3 x 11 or 5 x 8; every other COLS keeps the default, on; r
 2632.0 / 2634.5 us odd against 2692.2 / 2704.5), or ``auto-seg`` (the absorbs in ``kernels.absorb``'s
 segment order, ``engine.model.SEGMENT_ABSORBS`` on, the default since it was timed; every other COLS
 runs them in ``head_linear``, the earlier path) with ``-cN`` (tile blocks of N column quads,
-``absorb.TILE_COL_QUADS`` = (N,)), ``-mt4`` / ``-mt8`` (4 / 8 rows a tile thread) or ``-split`` (the
-split kernel at every row count, ``absorb.FEW_ROWS`` past any launch). A variant named twice is timed twice
+``absorb.TILE_COL_QUADS`` = (N,)), ``-mt4`` / ``-mt8`` (4 / 8 rows a tile thread), ``-l1`` / ``-l2``
+(at most 1 / 2 segment lanes a tile block, ``absorb.TILE_LANES``) or ``-split`` (the split kernel at
+every row count, ``absorb.FEW_ROWS`` past any launch). A variant named twice is timed twice
 and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
@@ -57,7 +58,8 @@ SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
-                 "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split")
+                 "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
+                 "auto-seg-l1", "auto-seg-l2")
 
 
 class Variant(tuple):
@@ -103,7 +105,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
              lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
              lin.ODD_TILES)
     few, wide = saved[0], saved[1]
-    segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS)
+    segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
     results: dict[str, dict[int, float]] = {}
     advanced = False
     for variant in variants:
@@ -129,6 +131,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         ab.TILE_COL_QUADS = (int(cols.rsplit("-c", 1)[1]),) if "-seg-c" in cols else saved_ab[0]
         ab.TILE_ROWS = 4 if cols.endswith("-mt4") else 8 if cols.endswith("-mt8") else saved_ab[1]
         ab.FEW_ROWS = 1 << 30 if cols.endswith("-split") else saved_ab[2]
+        ab.TILE_LANES = int(cols[-1]) if cols.startswith("auto-seg-l") else saved_ab[3]
         ab.plan_absorb.cache_clear()
         lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
         lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
@@ -165,7 +168,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
      lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
      odd) = saved
     em.SEGMENT_ABSORBS = segment
-    ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS = saved_ab
+    ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES = saved_ab
     ab.plan_absorb.cache_clear()
     lin.serial_plan.cache_clear()
     lin.set_odd_tiles(odd)   # (clears row_tile and the plans)

@@ -74,7 +74,9 @@ TILE_ROWS = 4                   # ... and keeps (H200, forward_ab run "segment a
                                 # forward 2438.8 us with 4, 2469.1 / 2474.4 with 8)
 TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: the widest giving TILE_BLOCKS_PER_SM
 TILE_BLOCKS_PER_SM = 2
-TILE_MAX_THREADS = 256          # rows past CQ x RW x MT take grid y
+TILE_MAX_THREADS = 256          # a tile block's threads, CQ x RW x SL (rows past CQ x RW x MT take grid y)
+TILE_SEG_LANES = (1, 2)         # segment lanes a tile block may have (4: two stages of 8 quads pass 48 KiB)
+TILE_LANES = 2                  # ... and the plan's most, where threads and shared memory allow
 TILE_X_PAD = VEC                # floats after a staged k-row of x (keeps the next k-row 16-byte aligned)
 TILE_SMEM = 48 * 1024           # a tile block's two stages at most (the default limit: no opt-in)
 SHARED_ALIGN = None if SIM_TREE else 16   # 16-byte vector accesses (the simulator takes no alignment)
@@ -102,9 +104,9 @@ def _split_layout_ok(mt: int, lanes: int, threads: int) -> bool:
     return mt in SPLIT_ROW_TILES and lanes in SPLIT_LANES and threads in SPLIT_BLOCKS and threads >= lanes
 
 
-def _tile_layout_ok(mt: int, col_quads: int, row_groups: int) -> bool:
+def _tile_layout_ok(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1) -> bool:
     return mt in TILE_ROW_TILES and col_quads in TILE_COL_QUADS and 1 <= row_groups and \
-        col_quads * row_groups <= TILE_MAX_THREADS
+        seg_lanes in TILE_SEG_LANES and col_quads * row_groups * seg_lanes <= TILE_MAX_THREADS
 
 
 def split_shared_bytes(k_dim: int, mt: int, lanes: int, threads: int) -> int:
@@ -194,35 +196,44 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
     return kernel
 
 
-# --- many rows: a thread keeps MT x 4 outputs over every segment -------------------------------------
+# --- many rows: a thread keeps MT x 4 outputs, its segment lane's segments ---------------------------
 
 @functools.cache
-def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
-    """The tile kernel (compiled lazily, cached): ``col_quads`` x ``row_groups`` threads a block,
-    each MT rows x 4 adjacent columns; per segment the block stages the head's weights [SEGMENT, NB]
-    and rows [SEGMENT, RB] (k-major) in one of two shared buffers, the next segment's loads in
-    registers while the current one computes."""
-    if not _tile_layout_ok(mt, col_quads, row_groups):
-        raise ValueError(f"no tile absorb kernel for mt={mt!r}, col_quads={col_quads!r}, row_groups={row_groups!r}")
-    MT, CQ, RW = mt, col_quads, row_groups
-    THREADS = CQ * RW
+def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1) -> Any:
+    """The tile kernel (compiled lazily, cached): ``col_quads`` x ``row_groups`` x ``seg_lanes``
+    threads a block, each MT rows x 4 adjacent columns. A round stages ``seg_lanes`` segments of
+    the head's weights [SL * SEGMENT, NB] and rows [SL * SEGMENT, RB] (k-major) in one of two
+    shared buffers, the next round's loads in registers while the current one computes; segment
+    lane l runs segment round * SL + l. Lane 0's threads own the outputs: they add their own partial
+    and then the other lanes' (met in shared memory, two buffers by round parity) in segment order.
+    One lane (SL = 1) is a thread running every segment; more lanes put more loads in flight
+    per round and need fewer rounds (each round waits one memory round trip when its fmas are
+    fewer than the latency: the value absorb's 16 segments of 72-thread blocks)."""
+    if not _tile_layout_ok(mt, col_quads, row_groups, seg_lanes):
+        raise ValueError(f"no tile absorb kernel for mt={mt!r}, col_quads={col_quads!r}, row_groups={row_groups!r}, "
+                         f"seg_lanes={seg_lanes!r}")
+    MT, CQ, RW, SL = mt, col_quads, row_groups, seg_lanes
+    SLOT = CQ * RW                      # threads a segment lane
+    THREADS = SLOT * SL
     NB = CQ * VEC                       # columns a block
     RB = RW * MT                        # rows a block
     XR = RB + TILE_X_PAD                # a staged k-row of x: RB rows, padded
-    W_TILE = SEGMENT * NB
-    BUF = W_TILE + SEGMENT * XR         # one stage: weights [SEGMENT, NB] | x [SEGMENT, XR]
+    KS = SL * SEGMENT                   # k values a round stages
+    W_TILE = KS * NB
+    BUF = W_TILE + KS * XR              # one stage: weights [KS, NB] | x [KS, XR]
+    PART = (SL - 1) * RB * NB           # one parity's partials of lanes 1 .. SL - 1 [SL - 1, RB, NB]
     W_CHUNKS = W_TILE // VEC            # 16-byte weight chunks a stage
     W_LOADS = -(-W_CHUNKS // THREADS)
     CQ_SHIFT = CQ.bit_length() - 1
-    K_CHUNKS = SEGMENT // VEC           # 16-byte x chunks a row and stage
+    K_CHUNKS = KS // VEC                # 16-byte x chunks a row and stage
     X_CHUNKS = RB * K_CHUNKS
     X_LOADS = -(-X_CHUNKS // THREADS)
 
     @cuda.jit(device=True, inline="always")
-    def fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, s):
-        """Segment s's weights and rows into registers (zeros past K, N and M)."""
+    def fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, rnd):
+        """Round rnd's weights and rows into registers (zeros past K, N and M)."""
         tid = int32(cuda.threadIdx.x)
-        k0 = s << SEG_SHIFT
+        k0 = rnd * KS
         for i in range(W_LOADS):
             idx = tid + i * THREADS
             v0 = v1 = v2 = v3 = ZERO
@@ -272,39 +283,42 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
     def kernel(x, w_kn, out, n_cols, k_dim):
         """x [M, G, K] (16-byte aligned rows, K % 4 == 0), w_kn [G, K, N] (flat under the
         simulator; N % 4 == 0), out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G); dynamic shared
-        memory: two stages, tile_shared_bytes(MT, CQ, RW) (its base is 16-byte aligned for the
-        vector accesses)."""
-        sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # two stages: [SEGMENT, NB] w | [SEGMENT, XR] x
+        memory: two stages and two partial buffers, tile_shared_bytes(MT, CQ, RW, SL) (its base is
+        16-byte aligned for the vector accesses)."""
+        sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [2, KS, NB | KS, XR] stages, [2, PART] partials
         wpre = cuda.local.array((W_LOADS, VEC), float32)
         xpre = cuda.local.array((X_LOADS, VEC), float32)
         acc = cuda.local.array((MT, VEC), float32)
         total = cuda.local.array((MT, VEC), float32)
         xv = cuda.local.array(MT, float32)
         tid = int32(cuda.threadIdx.x)
-        quad = tid & (CQ - 1)
-        rg = tid >> CQ_SHIFT
+        lane = int32(0) if SL == 1 else tid // SLOT   # (constant with one lane: the SL = 1 kernel's registers)
+        st = tid - lane * SLOT
+        quad = st & (CQ - 1)
+        rg = st >> CQ_SHIFT
         g = int32(cuda.blockIdx.z)
         row0 = int32(cuda.blockIdx.y) * RB
         col0 = int32(cuda.blockIdx.x) * NB
         m_rows = x.shape[0]
         n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
+        n_rounds = (n_segs + SL - 1) // SL
         for r in range(MT):
             for c in range(VEC):
                 total[r, c] = NEG_ZERO
         fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, 0)
         put(sh, wpre, xpre, 0)
         cuda.syncthreads()                     # stage 0 visible to every thread
-        for s in range(n_segs):
-            if s + 1 < n_segs:                 # the next segment's loads fly while this one computes
-                fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, s + 1)
-            base = int32((s & 1) * BUF)
+        for rnd in range(n_rounds):
+            if rnd + 1 < n_rounds:             # the next round's loads fly while this one computes
+                fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, rnd + 1)
+            base = int32((rnd & 1) * BUF)
             for r in range(MT):
                 for c in range(VEC):
                     acc[r, c] = ZERO
             # k ascending in a counted while loop over int32 offsets: numba's range() kept 64-bit
             # iterator bookkeeping (setp / selp) beside each k's 2 loads and 4 MT fmas in the PTX.
-            w_at = int32(base + quad * VEC)
-            x_at = int32(base + W_TILE + rg * MT)
+            w_at = int32(base + lane * (SEGMENT * NB) + quad * VEC)
+            x_at = int32(base + W_TILE + lane * (SEGMENT * XR) + rg * MT)
             kk = int32(0)
             while kk < SEGMENT:
                 w0, w1, w2, w3 = shared_x4(sh, w_at)
@@ -318,14 +332,28 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int) -> Any:
                 w_at += int32(NB)
                 x_at += int32(XR)
                 kk += int32(1)
-            for r in range(MT):                # the order: segment partials left to right
-                for c in range(VEC):
-                    total[r, c] += acc[r, c]
-            if s + 1 < n_segs:
+            if SL > 1 and lane > 0:            # this lane's partial for lane 0's threads
+                p_at = int32(2 * BUF + (rnd & 1) * PART + ((lane - 1) * RB + rg * MT) * NB + quad * VEC)
+                for r in range(MT):
+                    shared_put4(sh, p_at + r * NB, acc[r, 0], acc[r, 1], acc[r, 2], acc[r, 3])
+            if rnd + 1 < n_rounds:
                 put(sh, wpre, xpre, BUF - base)
-            cuda.syncthreads()                 # the next stage visible; this one read by every thread
+            cuda.syncthreads()                 # next stage and partials visible; this stage read by every thread
+            if lane == 0:                      # the order: segment partials left to right
+                for r in range(MT):
+                    for c in range(VEC):
+                        total[r, c] += acc[r, c]
+                for ln in range(1, SL):
+                    if rnd * SL + ln < n_segs:   # lanes past the last segment computed on zeros: skipped
+                        p_at = int32(2 * BUF + (rnd & 1) * PART + ((ln - 1) * RB + rg * MT) * NB + quad * VEC)
+                        for r in range(MT):
+                            p0, p1, p2, p3 = shared_x4(sh, p_at + r * NB)
+                            total[r, 0] += p0
+                            total[r, 1] += p1
+                            total[r, 2] += p2
+                            total[r, 3] += p3
         col = col0 + quad * VEC
-        if col < n_cols:
+        if lane == 0 and col < n_cols:
             for r in range(MT):
                 row = row0 + rg * MT + r
                 if row < m_rows:
@@ -344,7 +372,8 @@ class AbsorbPlan:
     Attributes:
         kind: ``"split"`` (few rows) or ``"tile"`` (many rows).
         mt: rows a thread keeps.
-        lanes: the split kernel's segment lanes (0 for a tile launch).
+        lanes: segment lanes (split: the threads sharing an output's segments; tile: the lanes a
+            round's segments are dealt to, 1 = a thread runs every segment).
         col_quads / row_groups: the tile kernel's block (0 for a split launch).
         grid, threads, shared_bytes: the launch (dynamic shared bytes: the split's partials).
     """
@@ -361,7 +390,7 @@ class AbsorbPlan:
     def kernel(self) -> Any:
         if self.kind == "split":
             return get_split_kernel(self.mt, self.lanes, self.threads)
-        return get_tile_kernel(self.mt, self.col_quads, self.row_groups)
+        return get_tile_kernel(self.mt, self.col_quads, self.row_groups, self.lanes)
 
 
 def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
@@ -375,9 +404,11 @@ def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
     return AbsorbPlan("split", mt, lanes, 0, 0, grid, threads, split_shared_bytes(k_dim, mt, lanes, threads))
 
 
-def tile_shared_bytes(mt: int, col_quads: int, row_groups: int) -> int:
-    """A tile block's dynamic shared memory: two stages of weights [SEGMENT, NB] and x [SEGMENT, RB + pad]."""
-    return 2 * 4 * SEGMENT * (col_quads * VEC + row_groups * mt + TILE_X_PAD)
+def tile_shared_bytes(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1) -> int:
+    """A tile block's dynamic shared memory: two stages of weights [SL * SEGMENT, NB] and x
+    [SL * SEGMENT, RB + pad], and two buffers of lanes 1 .. SL - 1's partials [SL - 1, RB, NB]."""
+    nb, rb = col_quads * VEC, row_groups * mt
+    return 2 * 4 * seg_lanes * SEGMENT * (nb + rb + TILE_X_PAD) + 2 * 4 * (seg_lanes - 1) * rb * nb
 
 
 def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -> AbsorbPlan:
@@ -392,7 +423,14 @@ def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -
         grid = (-(-n_cols // (cq * VEC)), row_blocks, groups)
         if grid[0] * grid[1] * grid[2] >= min_blocks:
             break
-    return AbsorbPlan("tile", mt, 0, cq, row_groups, grid, cq * row_groups, tile_shared_bytes(mt, cq, row_groups))
+    # Segment lanes: the most (up to TILE_LANES, no more than the segments) whose block and shared
+    # memory fit: fewer rounds, more loads in flight a round.
+    lanes = max(sl for sl in TILE_SEG_LANES
+                if sl == 1 or (sl <= min(TILE_LANES, _pow2_at_least(_segments(k_dim)))
+                               and cq * row_groups * sl <= TILE_MAX_THREADS
+                               and tile_shared_bytes(mt, cq, row_groups, sl) <= TILE_SMEM))
+    return AbsorbPlan("tile", mt, lanes, cq, row_groups, grid, cq * row_groups * lanes,
+                      tile_shared_bytes(mt, cq, row_groups, lanes))
 
 
 def plan_absorb(rows: int, groups: int, n_cols: int, k_dim: int, *, rows_aligned: bool = True) -> AbsorbPlan:
@@ -425,12 +463,12 @@ def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, a
         cols, rows = plan.threads // plan.lanes * VEC, plan.mt
         staged = plan.shared_bytes >= split_shared_bytes(k_dim, plan.mt, plan.lanes, plan.threads)
     elif plan.kind == "tile":
-        if not _tile_layout_ok(plan.mt, plan.col_quads, plan.row_groups) or \
-                plan.threads != plan.col_quads * plan.row_groups:
+        if not _tile_layout_ok(plan.mt, plan.col_quads, plan.row_groups, plan.lanes) or \
+                plan.threads != plan.col_quads * plan.row_groups * plan.lanes:
             return False
         cols, rows = plan.col_quads * VEC, plan.row_groups * plan.mt
         staged = aligned and k_dim % VEC == 0 and \
-            plan.shared_bytes == tile_shared_bytes(plan.mt, plan.col_quads, plan.row_groups)
+            plan.shared_bytes == tile_shared_bytes(plan.mt, plan.col_quads, plan.row_groups, plan.lanes)
     else:
         return False
     if not (staged and len(plan.grid) == 3 and plan.grid[2] == groups and plan.grid[0] * cols >= n_cols
@@ -505,7 +543,7 @@ for _mt, _lanes in ((1, 4), (1, 16), (8, 4)):
     register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(),
              f"MLA absorb in segment order, {_mt} row(s), {_lanes} segment lanes a block, partials met in shared memory",
              block_threads=SPLIT_THREADS)
-for _mt, _cq, _rw in ((4, 32, 5), (4, 8, 9), (8, 32, 5)):
-    register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}", get_tile_kernel(_mt, _cq, _rw), _sigs(),
-             f"MLA absorb in segment order, {_mt} x 4 outputs a thread over every segment, double-buffered tiles",
-             block_threads=_cq * _rw)
+for _mt, _cq, _rw, _sl in ((4, 32, 5, 1), (4, 8, 9, 2), (8, 32, 5, 1)):
+    register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}" + (f"_s{_sl}" if _sl > 1 else ""), get_tile_kernel(_mt, _cq, _rw, _sl),
+             _sigs(), f"MLA absorb in segment order, {_mt} x 4 outputs a thread, {_sl} segment lane(s), "
+             "double-buffered tiles", block_threads=_cq * _rw * _sl)
