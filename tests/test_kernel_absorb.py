@@ -114,11 +114,12 @@ def test_split_and_tile_kernels_agree_and_match_float64(m_rows, groups, k_dim, n
                                                      (4, (32, 16, 8), 10**6)])   # (no width fills the SMs: the narrowest)
 def test_tile_layouts_agree_with_the_split_kernel(monkeypatch, mt, col_quads, sm_count):
     """Tile layouts the H200 plan does not pick for the simulator's small shapes: 4 or 8 rows a
-    thread, 16 or 32 column quads, several row blocks (grid y > 1: 70 rows past the 256-thread
-    limit of 32 quads) and partial column slabs; every one gives the split kernel's bits."""
+    thread, 16 or 32 column quads, several row blocks (grid y > 1: 40 rows past the 256-thread
+    limit of 32 quads at 4 rows a thread) and partial column slabs; every one gives the split
+    kernel's bits."""
     monkeypatch.setattr(ab, "TILE_ROWS", mt)
     monkeypatch.setattr(ab, "TILE_COL_QUADS", col_quads)
-    x, w = _rand(70, 2, 72), _rand(2, 72, 36)
+    x, w = _rand(40 if mt == 4 else 70, 2, 72), _rand(2, 72, 36)
     plan = _tile(x, w, sm_count)
     assert plan.mt == mt and plan.col_quads == (col_quads[0] if sm_count == 1 else col_quads[-1])
     if plan.col_quads == 32:
@@ -136,9 +137,9 @@ def _tile_lanes(x, w_kn, lanes, mt=4, col_quads=8):
                          ab.tile_shared_bytes(mt, col_quads, rg, lanes))
 
 
-@pytest.mark.parametrize("m_rows, k_dim, mt", [(9, 72, 4), (21, 160, 4), (33, 256, 4), (12, 128, 8), (5, 4, 4)])
+@pytest.mark.parametrize("m_rows, k_dim, mt", [(9, 72, 4), (21, 160, 4), (33, 192, 4), (12, 128, 8), (5, 4, 4)])
 def test_segment_lanes_keep_the_order(m_rows, k_dim, mt):
-    """The tile kernel with 2 segment lanes: rounds of whole segments (K 256 / 128), a last round
+    """The tile kernel with 2 segment lanes: rounds of whole segments (K 192 / 128), a last round
     with a lane past the last segment (K 72: 3 segments; K 160: 5; K 4: one partial segment),
     8 rows a thread; the split kernel's bits and, under the simulator, the emulated order. Signed
     zeros: a zero row, -0.0 entries."""
