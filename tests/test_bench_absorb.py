@@ -22,13 +22,15 @@ def test_layout_plans_are_the_kernels_plans():
     for layout in ("tile", "tile:4,8,9,1", "tile:4,8,9,2", "tile:8,16,3,1"):
         plan = bench.layout_plan(layout, 33, 64, 128, 512, 132)
         assert ab._fits(plan, 33, 64, 128, 512, True), layout
-    with pytest.raises(ValueError, match="layout"):
-        bench.layout_plan("tile:3,8,9,1", 33, 64, 128, 512, 132)   # no 3-row tile thread
+    for bad in ("tile:3,8,9,1", "tile:8,32,8,1"):   # no 3-row tile thread; past 48 KiB
+        with pytest.raises(ValueError, match="layout"):
+            bench.layout_plan(bad, 33, 64, 128, 512, 132)
 
 
 def test_command_line_errors_name_the_option(capsys):
     for argv, word in ((["--reps", "5"], "--reps"), (["--rows", "0"], "--rows"),
-                       (["--layout", "tile:1"], "layout"), (["--rows", "x"], "invalid literal")):
+                       (["--layout", "tile:1"], "layout"), (["--rows", "x"], "invalid literal"),
+                       (["--layout", "tile:4,8,16,2"], "shared memory")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert word in capsys.readouterr().err

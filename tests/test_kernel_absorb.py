@@ -39,14 +39,18 @@ def _tile(x, w_kn, sm_count=132):
 
 
 def _emulate(x, w_kn):
-    """The documented order in float32 with the simulator's fma (a*b + c, two roundings)."""
+    """The documented order in float32 with the simulator's fma (a*b + c, two roundings): 32 fmas
+    a segment, zeros past K."""
     m_rows, groups, k_dim = x.shape
     out = np.empty((m_rows, groups, w_kn.shape[2]), np.float32)
+    k_pad = -(-k_dim // ab.SEGMENT) * ab.SEGMENT
+    x = np.concatenate([x, np.zeros((m_rows, groups, k_pad - k_dim), np.float32)], axis=2)
+    w_kn = np.concatenate([w_kn, np.zeros((groups, k_pad - k_dim, w_kn.shape[2]), np.float32)], axis=1)
     for g in range(groups):
         total = np.full((m_rows, w_kn.shape[2]), -0.0, np.float32)
         for k0 in range(0, k_dim, ab.SEGMENT):
             p = np.zeros_like(total)
-            for k in range(k0, min(k_dim, k0 + ab.SEGMENT)):
+            for k in range(k0, k0 + ab.SEGMENT):
                 p = (x[:, g, k:k + 1] * w_kn[g, k][None, :]).astype(np.float32) + p
             total = total + p
         out[:, g] = total
@@ -127,26 +131,27 @@ def test_tile_layouts_agree_with_the_split_kernel(monkeypatch, mt, col_quads, sm
     _same_bits(_run(x, w, plan=plan), _run(x, w, plan=_split(x, w)))
 
 
-def _tile_lanes(x, w_kn, lanes, mt=4, col_quads=8):
+def _tile_lanes(x, w_kn, lanes, mt=4, col_quads=8, row_groups=None):
     """A tile plan with ``lanes`` segment lanes (forced: the plan's own choice may differ)."""
     m, g, k = x.shape
     n = w_kn.shape[2]
-    rg = min(-(-m // mt), ab.TILE_MAX_THREADS // (col_quads * lanes))
+    rg = row_groups or min(-(-m // mt), ab.TILE_MAX_THREADS // (col_quads * lanes))
     grid = (-(-n // (col_quads * 4)), -(-m // (rg * mt)), g)
     return ab.AbsorbPlan("tile", mt, lanes, col_quads, rg, grid, col_quads * rg * lanes,
                          ab.tile_shared_bytes(mt, col_quads, rg, lanes))
 
 
-@pytest.mark.parametrize("m_rows, k_dim, mt", [(9, 72, 4), (21, 160, 4), (33, 192, 4), (12, 128, 8), (5, 4, 4)])
-def test_segment_lanes_keep_the_order(m_rows, k_dim, mt):
+@pytest.mark.parametrize("m_rows, k_dim, mt, row_groups", [(9, 72, 4, None), (21, 160, 4, 2), (33, 192, 4, None),
+                                                         (12, 128, 8, None), (5, 4, 4, None)])
+def test_segment_lanes_keep_the_order(m_rows, k_dim, mt, row_groups):
     """The tile kernel with 2 segment lanes: rounds of whole segments (K 192 / 128), a last round
     with a lane past the last segment (K 72: 3 segments; K 160: 5; K 4: one partial segment),
-    8 rows a thread; the split kernel's bits and, under the simulator, the emulated order. Signed
-    zeros: a zero row, -0.0 entries."""
+    8 rows a thread, three row blocks (21 rows, 2 row groups); the split kernel's bits and, under
+    the simulator, the emulated order. Signed zeros: a zero row, -0.0 entries."""
     x, w = _rand(m_rows, 2, k_dim), _rand(2, k_dim, 36)
     x[1] = -0.0
     w[:, :, 5] = -0.0
-    plan = _tile_lanes(x, w, 2, mt)
+    plan = _tile_lanes(x, w, 2, mt, row_groups=row_groups)
     assert plan.lanes == 2 and ab._fits(plan, m_rows, 2, 36, k_dim, True)
     got = _run(x, w, plan=plan)
     _same_bits(got, _run(x, w, plan=_split(x, w)))
@@ -260,7 +265,7 @@ _TILE_PLAN = ab._tile_plan(2, 2, 4, 8, 132)
     (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o, plan=ab.plan_absorb(2, 3, 4, 8)), ValueError, "plan"),
     (lambda o: ab.absorb(_rand(2, 2, 64), _rand(2, 64, 4), o, plan=ab.plan_absorb(2, 2, 4, 8)), ValueError, "plan"),
     (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o,   # a tile plan short of threads
-                         plan=ab.AbsorbPlan("tile", 4, 0, 8, 1, (1, 1, 2), 4, _TILE_PLAN.shared_bytes)), ValueError, "plan"),
+                         plan=ab.AbsorbPlan("tile", 4, 1, 8, 1, (1, 1, 2), 4, _TILE_PLAN.shared_bytes)), ValueError, "plan"),
     (lambda o: ab.absorb(_rand(2, 2, 8), _rand(2, 8, 4), o,   # a split kernel that does not exist
                          plan=ab.AbsorbPlan("split", 3, 1, 0, 0, (1, 1, 2), 128, 4096)), ValueError, "plan"),
 ])
@@ -283,8 +288,8 @@ def test_gpu_small_preset_shapes(m_rows, k_dim, n_cols):
     _assert_close(got, x, w)
     _same_bits(got, split)
     _same_bits(_run(x, w, plan=_tile(x, w)), split)   # the tile kernel at every row count, 1 included
-    for lanes in ab.TILE_SEG_LANES:                    # and with each number of segment lanes
-        plan = _tile_lanes(x, w, lanes)
-        if plan.shared_bytes <= ab.TILE_SMEM:
-            _same_bits(_run(x, w, plan=plan), split)
+    for lanes in ab.TILE_SEG_LANES:                    # and with each number of segment lanes (8 row
+        plan = _tile_lanes(x, w, lanes, row_groups=min(-(-m_rows // 4), 8))   # groups: within 48 KiB)
+        assert plan.shared_bytes <= ab.TILE_SMEM
+        _same_bits(_run(x, w, plan=plan), split)
     _same_bits(got[m_rows // 2], _run(x[m_rows // 2:m_rows // 2 + 1], w)[0])

@@ -3,8 +3,9 @@
 A model's two absorbs per layer: the query absorb ``q_nope @ W_UK`` (K = qk_nope_dim, N =
 kv_lora_rank) and the value absorb ``o_latent @ W_UVᵀ`` (K = kv_lora_rank, N = v_head_dim), over
 n_heads heads; ``small``: 64 heads, (K 128, N 512) and (K 512, N 128), 16.8 MB of weights each.
-For each row count and layout: random inputs, enough rotated weight copies that together they
-exceed the L2 3x (no call finds its weights cached), then ``--reps`` timed calls, queue-ahead
+For each row count and layout: random inputs, rotated weight copies (up to 16) that together
+exceed the L2 3x where that many fit (small: 12 copies; tiny's weights stay cached), then
+``--reps`` timed calls, queue-ahead
 (CUDA events around GPU work only, as bench/linear.py: what a captured graph replays).
 
 Layouts (``--layout``, repeatable): ``auto`` (plan_absorb's choice), ``split`` (the split kernel at
@@ -13,8 +14,10 @@ thread, CQ column quads, RW row groups, SL segment lanes; the grid follows). Eve
 same bits (checked on the first call of each case against the split kernel, output poisoned with
 NaN first), so the table is a choice of layout, not of numerics.
 
-``floor`` is the larger of the weight stream at the profile's HBM bandwidth and the FMAs at its
-FP32 peak; ``x floor`` the median over it.
+``floor`` is the larger of the weight stream at the profile's HBM bandwidth (measured where the
+profile has it) and the FMAs at its FP32 peak; ``x floor`` the median over it; ``% HBM`` is
+against the datasheet rate, as bench/linear.py. x is a contiguous [M, H, K] array (the engine
+passes a view of wider rows: the same kernel, other strides).
 
     python -m ddtree_numba.bench.absorb --preset small --rows 1,33
     python -m ddtree_numba.bench.absorb --rows 33 --layout auto --layout tile:4,8,9,1 --out data/bench/h200.h5
@@ -66,8 +69,9 @@ def layout_plan(layout: str, m_rows: int, heads: int, n_cols: int, k_dim: int, s
     if not block:
         return ab._tile_plan(m_rows, heads, n_cols, k_dim, sm_count)
     mt, cq, rw, sl = block
-    if not ab._tile_layout_ok(mt, cq, rw, sl):
-        raise ValueError(f"layout {layout!r}: no tile kernel for this block")
+    if not ab._tile_layout_ok(mt, cq, rw, sl) or ab.tile_shared_bytes(mt, cq, rw, sl) > ab.TILE_SMEM:
+        raise ValueError(f"layout {layout!r}: no tile kernel for this block (or past {ab.TILE_SMEM} bytes "
+                         "of shared memory)")
     grid = (-(-n_cols // (cq * 4)), -(-m_rows // (rw * mt)), heads)
     return ab.AbsorbPlan("tile", mt, sl, cq, rw, grid, cq * rw * sl, ab.tile_shared_bytes(mt, cq, rw, sl))
 
@@ -163,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = ModelConfig.from_name(args.preset)
     shapes = {"q": (cfg.qk_nope_dim, cfg.kv_lora_rank), "value": (cfg.kv_lora_rank, cfg.v_head_dim)}
+    for name in args.absorb or ["q", "value"]:   # every layout's plan before any timing
+        for m_rows in rows:
+            for layout in layouts:
+                try:
+                    layout_plan(layout, m_rows, cfg.n_heads, shapes[name][1], shapes[name][0],
+                                active_profile().sm_count)
+                except ValueError as err:
+                    parser.error(str(err))
     print(f"profile {active_profile().describe()}; {args.preset}: {cfg.n_heads} heads; GPU times queue-ahead")
     print(f"{'absorb':>6} {'M':>4} {'layout':>14} {'kind':>5} {'MT':>2} {'SL':>2} {'CQ':>3} {'RW':>3} {'thr':>4} "
           f"{'blocks':>6} {'GPU us':>8} {'min':>7} {'% HBM':>6} {'% FP32':>6} {'x floor':>7}")

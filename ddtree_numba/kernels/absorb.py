@@ -5,20 +5,24 @@ absorbed query ``q_nope @ W_UK`` and the value projection ``o_latent @ W_UVᵀ``
 ``w_kn[g, k, n] = W[g, n, k]``) in this order, the same bits whatever kernel or row count runs it:
 
     K is cut into segments of SEGMENT = 32 k values. Segment s's partial is an fma chain over its
-    k in ascending order that starts from +0.0: p_s = fma(x[k1], w[k1], fma(x[k0], w[k0], 0.0)).
-    The output is -0.0 + p_0 + p_1 + ... + p_{S-1}, added left to right.
+    32 k in ascending order that starts from +0.0: p_s = fma(x[k1], w[k1], fma(x[k0], w[k0], 0.0)),
+    with x = w = 0 past K (a last, partial segment runs its whole 32 fmas). The output is
+    -0.0 + p_0 + p_1 + ... + p_{S-1}, added left to right.
 
-(-0.0 + v == v bit for bit, +0.0 included; a chain from +0.0 never holds -0.0, so the zeros a
-kernel stages past K add nothing: ``p + 0 * 0 == p``; rows past M compute on zeros and are not
-written.) Why this order and not ``linear()``'s lane chains and
+(-0.0 + v == v bit for bit, +0.0 included. The zero fmas past K matter for one value only: a GPU
+fma rounds once, so a chain whose products all underflow negative holds -0.0, and
+``fma(0, 0, -0.0)`` is +0.0; both kernels run them, so they agree there too. Rows past M compute
+on zeros and are not written.) Why this order and not ``linear()``'s lane chains and
 butterfly (which ``head_linear`` keeps): it lets a thread own whole segments, so
 
 - few rows (an AR step, a small batch; :func:`get_split_kernel`): the segments of one output run
   side by side in different threads (memory parallelism: one 16-byte weight load a thread and k),
   and their partials meet in shared memory, added in segment order by one thread an output;
 - many rows (a tree verify, a prefill; :func:`get_tile_kernel`): a thread keeps MT rows x 4
-  columns and runs every segment itself from a register-blocked, double-buffered shared tile of
-  the head's weights and rows (a small SGEMM: no butterfly, no per-leaf folding).
+  columns and runs its segments from a register-blocked, double-buffered shared tile of the
+  head's weights and rows (a small SGEMM: no butterfly, no per-leaf folding); with segment lanes
+  a round's segments go to thread groups and their partials meet in shared memory, added in
+  segment order by the thread that keeps the output.
 
 History (H200, ``small``, 33-row verify, ncu): ``head_linear``'s thread-serial kernel took 41.3 us
 (q absorb, K 128) and 35.9 us (value absorb, K 512) a layer; 1-row absorbs 12.9 us each (its warp
@@ -75,10 +79,10 @@ TILE_ROWS = 4                   # ... and keeps (H200, forward_ab run "segment a
 TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: the widest giving TILE_BLOCKS_PER_SM
 TILE_BLOCKS_PER_SM = 2
 TILE_MAX_THREADS = 256          # a tile block's threads, CQ x RW x SL (rows past CQ x RW x MT take grid y)
-TILE_SEG_LANES = (1, 2)         # segment lanes a tile block may have (4: two stages of 8 quads pass 48 KiB)
+TILE_SEG_LANES = (1, 2)         # segment lanes a tile block may have (4: past 48 KiB from 2 row groups on)
 TILE_LANES = 2                  # ... and the plan's most, where threads and shared memory allow
 TILE_X_PAD = VEC                # floats after a staged k-row of x (keeps the next k-row 16-byte aligned)
-TILE_SMEM = 48 * 1024           # a tile block's two stages at most (the default limit: no opt-in)
+TILE_SMEM = 48 * 1024           # a tile block's stages and partials at most (the default limit: no opt-in)
 SHARED_ALIGN = None if SIM_TREE else 16   # 16-byte vector accesses (the simulator takes no alignment)
 
 
@@ -130,9 +134,9 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
 
     @cuda.jit(device=True, inline="always")
     def chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, n):
-        """p[r, c] = the fma chain of segment k0 .. k0 + n - 1 (n == SEGMENT: the guards fold).
-        BATCH k's loads are issued before their fmas (a chain of single loads waits a memory
-        round trip a k); zeros past K and M add nothing (the chain from +0.0 never holds -0.0)."""
+        """p[r, c] = the fma chain of segment k0 .. k0 + SEGMENT - 1, zeros past k0 + n (n ==
+        SEGMENT: the guards fold; the order's zero fmas past K) and past M. BATCH k's loads are
+        issued before their fmas (a chain of single loads waits a memory round trip a k)."""
         for b0 in range(0, SEGMENT, BATCH):
             for kb in range(BATCH):
                 kk = b0 + kb
