@@ -133,12 +133,9 @@ def test_tile_layouts_agree_with_the_split_kernel(monkeypatch, mt, col_quads, sm
 
 def _tile_lanes(x, w_kn, lanes, mt=4, col_quads=8, row_groups=None):
     """A tile plan with ``lanes`` segment lanes (forced: the plan's own choice may differ)."""
-    m, g, k = x.shape
-    n = w_kn.shape[2]
+    m, g, _ = x.shape
     rg = row_groups or min(-(-m // mt), ab.TILE_MAX_THREADS // (col_quads * lanes))
-    grid = (-(-n // (col_quads * 4)), -(-m // (rg * mt)), g)
-    return ab.AbsorbPlan("tile", mt, lanes, col_quads, rg, grid, col_quads * rg * lanes,
-                         ab.tile_shared_bytes(mt, col_quads, rg, lanes))
+    return ab.tile_block_plan(mt, col_quads, rg, lanes, m, g, w_kn.shape[2])
 
 
 @pytest.mark.parametrize("m_rows, k_dim, mt, row_groups", [(9, 72, 4, None), (21, 160, 4, 2), (33, 192, 4, None),

@@ -68,12 +68,10 @@ def layout_plan(layout: str, m_rows: int, heads: int, n_cols: int, k_dim: int, s
         return ab._split_plan(m_rows, heads, n_cols, k_dim)
     if not block:
         return ab._tile_plan(m_rows, heads, n_cols, k_dim, sm_count)
-    mt, cq, rw, sl = block
-    if not ab._tile_layout_ok(mt, cq, rw, sl) or ab.tile_shared_bytes(mt, cq, rw, sl) > ab.TILE_SMEM:
-        raise ValueError(f"layout {layout!r}: no tile kernel for this block (or past {ab.TILE_SMEM} bytes "
-                         "of shared memory)")
-    grid = (-(-n_cols // (cq * 4)), -(-m_rows // (rw * mt)), heads)
-    return ab.AbsorbPlan("tile", mt, sl, cq, rw, grid, cq * rw * sl, ab.tile_shared_bytes(mt, cq, rw, sl))
+    try:
+        return ab.tile_block_plan(*block, m_rows, heads, n_cols)
+    except ValueError as err:
+        raise ValueError(f"layout {layout!r}: {err}") from None
 
 
 def bench_case(name: str, heads: int, k_dim: int, n_cols: int, m_rows: int, layouts: list[str],
@@ -167,19 +165,21 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = ModelConfig.from_name(args.preset)
     shapes = {"q": (cfg.qk_nope_dim, cfg.kv_lora_rank), "value": (cfg.kv_lora_rank, cfg.v_head_dim)}
-    for name in args.absorb or ["q", "value"]:   # every layout's plan before any timing
+    absorbs = args.absorb or ["q", "value"]
+    profile = active_profile()
+    for name in absorbs:   # every layout's plan before any timing
+        k_dim, n_cols = shapes[name]
         for m_rows in rows:
             for layout in layouts:
                 try:
-                    layout_plan(layout, m_rows, cfg.n_heads, shapes[name][1], shapes[name][0],
-                                active_profile().sm_count)
+                    layout_plan(layout, m_rows, cfg.n_heads, n_cols, k_dim, profile.sm_count)
                 except ValueError as err:
                     parser.error(str(err))
-    print(f"profile {active_profile().describe()}; {args.preset}: {cfg.n_heads} heads; GPU times queue-ahead")
+    print(f"profile {profile.describe()}; {args.preset}: {cfg.n_heads} heads; GPU times queue-ahead")
     print(f"{'absorb':>6} {'M':>4} {'layout':>14} {'kind':>5} {'MT':>2} {'SL':>2} {'CQ':>3} {'RW':>3} {'thr':>4} "
           f"{'blocks':>6} {'GPU us':>8} {'min':>7} {'% HBM':>6} {'% FP32':>6} {'x floor':>7}")
     results = []
-    for name in args.absorb or ["q", "value"]:
+    for name in absorbs:
         k_dim, n_cols = shapes[name]
         for m_rows in rows:
             for r in bench_case(name, cfg.n_heads, k_dim, n_cols, m_rows, layouts, args):

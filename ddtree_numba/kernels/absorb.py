@@ -58,6 +58,7 @@ __all__ = [
     "supported",
     "split_shared_bytes",
     "tile_shared_bytes",
+    "tile_block_plan",
     "absorb",
     "get_split_kernel",
     "get_tile_kernel",
@@ -415,6 +416,22 @@ def tile_shared_bytes(mt: int, col_quads: int, row_groups: int, seg_lanes: int =
     return 2 * 4 * seg_lanes * SEGMENT * (nb + rb + TILE_X_PAD) + 2 * 4 * (seg_lanes - 1) * rb * nb
 
 
+def tile_block_plan(mt: int, col_quads: int, row_groups: int, seg_lanes: int, rows: int, groups: int,
+                    n_cols: int) -> AbsorbPlan:
+    """The tile launch of one block shape for these rows, heads and columns (the grid follows).
+
+    Raises:
+        ValueError: no tile kernel for the block, or its stages and partials pass TILE_SMEM.
+    """
+    if not _tile_layout_ok(mt, col_quads, row_groups, seg_lanes) or \
+            tile_shared_bytes(mt, col_quads, row_groups, seg_lanes) > TILE_SMEM:
+        raise ValueError(f"no tile absorb kernel for mt={mt}, col_quads={col_quads}, row_groups={row_groups}, "
+                         f"seg_lanes={seg_lanes} within {TILE_SMEM} bytes of shared memory")
+    grid = (-(-n_cols // (col_quads * VEC)), -(-rows // (row_groups * mt)), groups)
+    return AbsorbPlan("tile", mt, seg_lanes, col_quads, row_groups, grid, col_quads * row_groups * seg_lanes,
+                      tile_shared_bytes(mt, col_quads, row_groups, seg_lanes))
+
+
 def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -> AbsorbPlan:
     mt = TILE_ROWS
     min_blocks = TILE_BLOCKS_PER_SM * sm_count
@@ -430,11 +447,10 @@ def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -
     # Segment lanes: the most (up to TILE_LANES, no more than the segments) whose block and shared
     # memory fit: fewer rounds, more loads in flight a round.
     lanes = max(sl for sl in TILE_SEG_LANES
-                if sl == 1 or (sl <= min(TILE_LANES, _pow2_at_least(_segments(k_dim)))
-                               and cq * row_groups * sl <= TILE_MAX_THREADS
+                if sl == 1 or (sl <= min(TILE_LANES, _segments(k_dim))
+                               and _tile_layout_ok(mt, cq, row_groups, sl)
                                and tile_shared_bytes(mt, cq, row_groups, sl) <= TILE_SMEM))
-    return AbsorbPlan("tile", mt, lanes, cq, row_groups, grid, cq * row_groups * lanes,
-                      tile_shared_bytes(mt, cq, row_groups, lanes))
+    return tile_block_plan(mt, cq, row_groups, lanes, rows, groups, n_cols)
 
 
 def plan_absorb(rows: int, groups: int, n_cols: int, k_dim: int, *, rows_aligned: bool = True) -> AbsorbPlan:
