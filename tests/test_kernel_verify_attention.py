@@ -727,3 +727,27 @@ def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
     live = [(b, i) for b, n in enumerate([33, 9]) for i in range(n)]
     assert _same_bits(np.stack([out[b, i] for b, i in live]), dec_out[:, 0])
     assert _same_bits(np.stack([lse[b, i] for b, i in live]), dec_lse[:, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [va.KIMI_K2_SCORE_FIRST_TREE_CONFIG, va.KIMI_K2_SCORE_FIRST_CONFIG])
+@pytest.mark.parametrize("past, nodes", [(160, 33), (128, 33), (64, 1), (191, 1)])
+def test_gpu_score_first_reads_inside_its_arrays(cfg, past, nodes):
+    """Each input its own exact-size device allocation, the engine's short-prefix shapes (one
+    segment): the score-first staging reads only inside its arrays (before 2026-12-02 its latent /
+    rope float4 pair was speculated, a rope read 1.5 KB before q_rope: an illegal address at
+    past 160, 33 nodes; run under compute-sanitizer memcheck on the H200) and matches the chunk
+    layout bit for bit."""
+    rng = np.random.default_rng(12)
+    inputs, _ = _kimi_case(rng, [past], [nodes])
+    want_out, want_lse = _run(inputs, 0.3, va.KIMI_K2_CONFIG, va.DEFAULT_SPLIT_SIZE)
+    tc, s = inputs["q_latent"].shape[1], inputs["kv_latent"].shape[1]
+    p = va.plan(1, tc, 64, s, config=cfg)
+    dev = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in inputs.items() if k != "visibility"}
+    vis = cuda.to_device(pack_visibility(inputs["visibility"]))
+    out = cuda.device_array((1, tc, 64, cfg.latent_dim), np.float32)
+    lse = cuda.device_array((1, tc, 64), np.float32)
+    va.run(p, dev["q_latent"], dev["q_rope"], dev["kv_latent"], dev["k_rope"], dev["past_lens"],
+           dev["tree_sizes"], vis, 0.3, out, lse, p.allocate_workspace())
+    cuda.synchronize()
+    assert _same_bits(out.copy_to_host(), want_out) and _same_bits(lse.copy_to_host(), want_lse)

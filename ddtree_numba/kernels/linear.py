@@ -221,7 +221,13 @@ def _unroll(mt: int, c: int) -> int:
 
 def vector_load(context: Any, builder: Any, signature: Any, ptr: Any) -> Any:
     """Codegen of a 16-byte ``ld.global.nc.v4.f32`` at ``ptr`` (float*), returned as the
-    intrinsic's UniTuple(float32, 4) (GPU build only; x and weights are read-only in a kernel)."""
+    intrinsic's UniTuple(float32, 4) (GPU build only; x and weights are read-only in a kernel).
+
+    The asm has no side effects (so LLVM may schedule, merge and drop it like a load), which
+    also lets LLVM execute it whatever branch guards it: a caller's address must be inside the
+    array even where the guard is false (verify_attention's ``load_row_f32x4`` selects its
+    array and index first; guarded blocks with their own address arithmetic, as in the absorb
+    kernels, stay branches in their sm_90 PTX)."""
     f32 = ir.FloatType()
     asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * VEC), [ptr.type]),
                        "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")

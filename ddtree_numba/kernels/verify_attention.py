@@ -552,16 +552,25 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         """regs[base : base + 4] = dims col .. col + 3 of flat row ``row``: latent dims where
         ``in_latent`` (``col < DL``; 4 | Dl, so a float4 never straddles latent and rope), else
         rope; zeros unless ``live``. The caller passes the test: P·V's value dims are latent by
-        construction, and a constant True leaves the rope path out of its unrolled loop."""
-        v0 = float32(0.0)
-        v1 = float32(0.0)
-        v2 = float32(0.0)
-        v3 = float32(0.0)
-        if live:
-            if in_latent:
-                v0, v1, v2, v3 = load_f32x4(latent, uint64(row * DL + col))
-            else:
-                v0, v1, v2, v3 = load_f32x4(rope, uint64(row * DR + col - DL))
+        construction, and a constant True leaves the rope path out of its unrolled loop.
+
+        ONE load, always at an address inside its array: the 16-byte load is inline assembly
+        without side effects, which LLVM may run whatever branch guards it. Loads under
+        ``if live: if in_latent: ... else: ...`` ran both, the rope one at a negative offset for
+        latent dims (compute-sanitizer on the H200: 16-byte reads 1.5 KB before a separately
+        allocated ``q_rope``, an illegal address in ``bench.verify_attention`` at 33 nodes and
+        160 cached rows). So the array and index are selected first, a dead lane reads
+        element 0, and the zeros are selected after."""
+        src = latent if in_latent else rope
+        at = row * DL + col if in_latent else row * DR + col - DL
+        if not live:
+            at = 0
+        v0, v1, v2, v3 = load_f32x4(src, uint64(at))
+        if not live:
+            v0 = float32(0.0)
+            v1 = float32(0.0)
+            v2 = float32(0.0)
+            v3 = float32(0.0)
         regs[base] = v0
         regs[base + 1] = v1
         regs[base + 2] = v2
