@@ -554,23 +554,30 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         rope; zeros unless ``live``. The caller passes the test: P·V's value dims are latent by
         construction, and a constant True leaves the rope path out of its unrolled loop.
 
-        ONE load, always at an address inside its array: the 16-byte load is inline assembly
-        without side effects, which LLVM may run whatever branch guards it. Loads under
-        ``if live: if in_latent: ... else: ...`` ran both, the rope one at a negative offset for
-        latent dims (compute-sanitizer on the H200: 16-byte reads 1.5 KB before a separately
-        allocated ``q_rope``, an illegal address in ``bench.verify_attention`` at 33 nodes and
-        160 cached rows). So the array and index are selected first, a dead lane reads
-        element 0, and the zeros are selected after."""
-        src = latent if in_latent else rope
-        at = row * DL + col if in_latent else row * DR + col - DL
-        if not live:
-            at = 0
-        v0, v1, v2, v3 = load_f32x4(src, uint64(at))
-        if not live:
-            v0 = float32(0.0)
-            v1 = float32(0.0)
-            v2 = float32(0.0)
-            v3 = float32(0.0)
+        Both addresses are clamped to element 0 where their branch is not taken, so each is
+        inside its array whatever runs: the 16-byte load is inline assembly without side
+        effects, which LLVM may execute whatever branch guards it, and before 2026-12-02 a rope
+        load ran for latent dims at a negative offset (compute-sanitizer on the H200: 16-byte
+        reads 1.5 KB before a separately allocated ``q_rope``, an illegal address in
+        ``bench.verify_attention`` at 33 nodes and 160 cached rows). The branches stay (a dead
+        key loads nothing): one load under a select of the array and index instead took the
+        33-node launch from 60.7 to 90.2 us and the AR step's from 32.1 to 59.0 (Nsight Compute,
+        PERFORMANCE.md run "in-bounds loads"); the clamps cost 1.9 us each."""
+        v0 = float32(0.0)
+        v1 = float32(0.0)
+        v2 = float32(0.0)
+        v3 = float32(0.0)
+        lat_at = row * DL + col
+        rope_at = row * DR + col - DL
+        if not (live and in_latent):
+            lat_at = 0
+        if not live or in_latent:
+            rope_at = 0
+        if live:
+            if in_latent:
+                v0, v1, v2, v3 = load_f32x4(latent, uint64(lat_at))
+            else:
+                v0, v1, v2, v3 = load_f32x4(rope, uint64(rope_at))
         regs[base] = v0
         regs[base + 1] = v1
         regs[base + 2] = v2
