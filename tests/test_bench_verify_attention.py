@@ -42,3 +42,12 @@ def test_decode_tiles_differ_only_in_the_prefetch():
     assert bva.TILES["h8"].heads == 8 and not bva.TILES["h8"].prefetch_l2
     assert bva.TILES["h8-prefetch"].prefetch_l2
     assert dataclasses.replace(bva.TILES["h8-prefetch"], prefetch_l2=False) == bva.TILES["h8"]
+
+
+def test_skip_tiles_differ_only_in_the_skip():
+    """The bench's -skip tiles are the engine's score-first tiles with skip_dead_keys on (layout, not
+    numerics), so their A/B times the skip alone."""
+    for name in ("sf2x128", "sf8x128r4"):
+        skip = bva.TILES[f"{name}-skip"]
+        assert skip.skip_dead_keys and not bva.TILES[name].skip_dead_keys
+        assert dataclasses.replace(skip, skip_dead_keys=False) == bva.TILES[name]

@@ -509,6 +509,21 @@ def test_attention_prefetch_switch_changes_only_the_prefetch(monkeypatch) -> Non
         assert cfg.prefetch_l2 and dataclasses.replace(cfg, prefetch_l2=False) == base
 
 
+def test_attention_skip_switch_sets_only_score_first_tiles(monkeypatch) -> None:
+    """engine.model.ATTENTION_SKIP_DEAD_KEYS (bench.forward_ab's auto-skip) turns on the score-first
+    tiles' dead-key skip, layout only; the chunk-layout tiles (many nodes) keep it off (they have
+    no such option)."""
+    import ddtree_numba.engine.model as em
+    kimi = ModelConfig.from_name("small")
+    plain = {rows: attention_tile_config(kimi, rows) for rows in (1, 33, 264)}
+    assert not any(cfg.skip_dead_keys for cfg in plain.values())
+    monkeypatch.setattr(em, "ATTENTION_SKIP_DEAD_KEYS", True)
+    for rows, base in plain.items():
+        cfg = attention_tile_config(kimi, rows)
+        assert cfg.skip_dead_keys == (base.score_keys > 0)
+        assert dataclasses.replace(cfg, skip_dead_keys=False) == base
+
+
 def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:
     """engine.model.DECODE_TILE / FEW_NODES_TILE as (heads, score_keys): the score-first tiles for
     an AR step (and a small tree), the same numerics fields as every other tile."""

@@ -407,6 +407,39 @@ def test_score_first_kimi_dims():
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
+# Score-first tiles with 4 keys a score thread (qk_keys 4: a thread's key tiles j = 0..3 go dead
+# one by one as a pass's live keys fall) over 4 k-groups; its numerics are qk_keys 4's.
+SKIP_BASE = dataclasses.replace(TILED, qk_rows=1, qk_keys=4, score_keys=32)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(),                                     # 64 threads, 8 key tiles: live tiles 0-4 a pass
+    dict(score_keys=64, heads=1, pv_dims=1),    # 128 threads; passes cross the 32-key segments
+])
+def test_score_first_skip_dead_keys_is_not_numerics(layout):
+    """skip_dead_keys drops the score fmas of key tiles past a pass's last key (their scores are
+    never read): over passes ending at every key-tile count (past lengths 0-40, paths of 1-6
+    nodes, segments of 32 keys) the outputs and lse are the bits of the same tile without it,
+    and the reference's within tolerance."""
+    cfg = dataclasses.replace(SKIP_BASE, **layout)
+    rng = np.random.default_rng(31)
+    inputs, _ = _batch(rng, cfg, 2, [40, 0, 21, 13, 29], [5, 3, 4, 6, 1], 6, 48)
+    want = _run(inputs, 0.3, cfg, 32)
+    got = _run(inputs, 0.3, dataclasses.replace(cfg, skip_dead_keys=True), 32)
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+    _assert_close(*got, *_reference(inputs, 0.3))
+
+
+def test_score_first_skip_dead_keys_kimi_dims():
+    """The same at Kimi dims (2 heads, 128 keys a pass as in the engine's tiles; 168 keys: a
+    second pass with 40 live), against the chunk layout."""
+    rng = np.random.default_rng(24)
+    inputs, _ = _batch(rng, KIMI_DIMS_H2, 2, [165], [3], 3, 168, chain=True)
+    want = _run(inputs, 0.3, KIMI_DIMS_H2, 2048)
+    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=128, skip_dead_keys=True), 2048)
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
 def test_result_independent_of_batch_and_capacity():
     """A request alone, padded to a larger tree capacity, or beside others: same bits."""
     rng = np.random.default_rng(7)
@@ -493,6 +526,7 @@ def test_plan_errors(kwargs, exc, word):
     dict(k_slice=7), dict(k_groups=3), dict(qk_rows=3), dict(pv_dims=3), dict(v_slice=3),
     dict(heads=4, pv_rows=2), dict(chunk=0), dict(merge_threads=48), dict(k_groups=64, k_slice=64),
     dict(prefetch_l2=1), dict(prefetch_chunks=0), dict(max_path=12000),
+    dict(skip_dead_keys=True),                  # the chunk layout has no dead-key passes
 ])
 def test_config_errors(change):
     fields = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
@@ -714,11 +748,15 @@ def test_gpu_kimi_matches_reference():
                                            va.default_config(512, 64, 64, tile_heads=8, score_keys=64),
                                            va.default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=4),
                                            va.default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=2),
-                                           va.default_config(512, 64, 64, tile_heads=16, score_keys=128, score_rows=4)])
+                                           va.default_config(512, 64, 64, tile_heads=16, score_keys=128, score_rows=4),
+                                           dataclasses.replace(va.KIMI_K2_SCORE_FIRST_CONFIG, skip_dead_keys=True),
+                                           dataclasses.replace(va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,
+                                                               skip_dead_keys=True)])
 def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
     """64-head tree tiles vs decode steps with the chunk layout's 64-, 16- and 8-head tiles (the
     last with the L2 prefetch too) and the score-first 2-, 4-, 8- and 16-head tiles (the engine's AR
-    model: 2 heads; 8 and 16 with 2 or 4 heads a score thread, 16 with 32-dim key slices)."""
+    model: 2 heads; 8 and 16 with 2 or 4 heads a score thread, 16 with 32-dim key slices; the
+    engine's two with skip_dead_keys)."""
     rng = np.random.default_rng(11)
     inputs, parents = _kimi_case(rng, [4093, 2047], [33, 9])
     split = va.DEFAULT_SPLIT_SIZE

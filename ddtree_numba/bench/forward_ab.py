@@ -7,7 +7,8 @@ row count (1: an AR step; 33: a B 32 tree verify; ``bench.profile_forward``'s in
 tree over ``--past`` cached rows).
 
 Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: score-first 2-head
-tiles for an AR step, 4-head tiles for a 33-node tree), ``auto-pf`` (the same tiles with the L2 prefetch
+tiles for an AR step, 8-head tiles for a 33-node tree), ``auto-skip`` (the same tiles skipping the score
+FMAs of key tiles past a pass's last key, ``engine.model.ATTENTION_SKIP_DEAD_KEYS``), ``auto-pf`` (the same tiles with the L2 prefetch
 of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
 segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``h8`` (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
@@ -52,7 +53,7 @@ import sys
 import numpy as np
 
 REPS = 40
-TILE_VARIANTS = ("auto", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
+TILE_VARIANTS = ("auto", "auto-skip", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
@@ -104,6 +105,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
              em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
              lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
              lin.ODD_TILES)
+    skip = em.ATTENTION_SKIP_DEAD_KEYS
     few, wide = saved[0], saved[1]
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
     results: dict[str, dict[int, float]] = {}
@@ -112,6 +114,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         tile, cols = variant
         em.FEW_NODES_PER_SM = 0 if tile == "64" else few
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
+        em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip" or skip
         em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
         em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
         if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
@@ -168,6 +171,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
      lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
      odd) = saved
     em.SEGMENT_ABSORBS = segment
+    em.ATTENTION_SKIP_DEAD_KEYS = skip
     ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES = saved_ab
     ab.plan_absorb.cache_clear()
     lin.serial_plan.cache_clear()

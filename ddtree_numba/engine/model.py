@@ -89,6 +89,11 @@ FEW_NODES_TILE: int | tuple[int, ...] = (8, 128, 4)
 # not numerics. Off: on the H200 it did not pay (forward_ab, run "attention score-first": an AR
 # forward 1889.0 us without, 1890.7 a chunk ahead, 1884.6 the whole segment at the start).
 ATTENTION_PREFETCH_L2 = False
+# Score-first tiles skip the score FMAs of key tiles past a pass's last key (va.TileConfig
+# .skip_dead_keys): layout, not numerics. Off until timed on the H200 (bench.forward_ab's
+# ``auto-skip``): about a third of the 33-node launch's score FMAs are on such keys (PERFORMANCE.md
+# run "in-bounds loads"), and the AR step's 2-head tiles skip about as large a share.
+ATTENTION_SKIP_DEAD_KEYS = False
 # The segment merge of FEW_NODES_TILE launches: (threads per block, heads per block), va.TileConfig's
 # merge_threads / merge_heads (layout, not numerics); the other launches keep the config's default.
 FEW_NODES_MERGE: tuple[int, int] = (128, 1)
@@ -223,7 +228,8 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
         raise ValueError(f"config: n_heads={h} must be a multiple of the attention tile's {base.heads} heads")
     room = (STATIC_SMEM_LIMIT - base.static_shared_bytes) // PATH_ENTRY_BYTES
     return dataclasses.replace(base, max_path=max(base.max_path, min(max_rows, base.max_path + room)),
-                               prefetch_l2=ATTENTION_PREFETCH_L2, prefetch_chunks=ATTENTION_PREFETCH_CHUNKS)
+                               prefetch_l2=ATTENTION_PREFETCH_L2, prefetch_chunks=ATTENTION_PREFETCH_CHUNKS,
+                               skip_dead_keys=ATTENTION_SKIP_DEAD_KEYS and base.score_keys > 0)
 
 
 def prefill_visibility(sizes: np.ndarray, tree_capacity: int) -> np.ndarray:

@@ -159,6 +159,13 @@ class TileConfig:
             same float32 operations in the same order (``pv_rows``, ``pv_dims`` and ``v_slice``
             do not shape its work; they are still validated). Its prefetch (``prefetch_l2``)
             covers, at each pass's start, the keys ``prefetch_chunks`` chunks on, a pass long.
+        skip_dead_keys: score-first only: a score thread whose key tiles j run past the pass's
+            last key skips their score FMAs (``make_score_slice``), where the pass is its node's
+            last (a node of 165 keys runs two 128-key passes, the second with 37 live). Their
+            scores are never read (-inf), so it is layout, not numerics; the live tiles'
+            fmas keep their order. ``qk_keys`` <= 4: the score loop is compiled for 1, 2 and 3
+            live tiles besides all (no dynamic index into the register tiles). Off in the engine
+            until timed (``engine.model.ATTENTION_SKIP_DEAD_KEYS``).
     """
 
     latent_dim: int
@@ -178,6 +185,7 @@ class TileConfig:
     prefetch_l2: bool = False
     prefetch_chunks: int = 1
     score_keys: int = 0
+    skip_dead_keys: bool = False
 
     @property
     def threads(self) -> int:
@@ -240,6 +248,9 @@ class TileConfig:
             (all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields),
              "every field must be a positive int"),
             (isinstance(self.prefetch_l2, bool), "prefetch_l2 must be a bool"),
+            (isinstance(self.skip_dead_keys, bool)
+             and (not self.skip_dead_keys or (score_first and self.qk_keys <= 4)),
+             "skip_dead_keys must be a bool, and True only with score_keys and qk_keys <= 4"),
             (self.latent_dim % self.k_slice == 0 and self.rope_dim % self.k_slice == 0,
              "k_slice must divide latent_dim and rope_dim"),
             (self.k_slice % self.k_groups == 0, "k_groups must divide k_slice"),
@@ -486,6 +497,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     SF_BUFS = SF_QBUF + SB * KSP
     SF_PROBS = SB * SF_PROW
     SF_ALPHAS = HEADS * SF_CHUNKS
+    SKIP_DEAD = config.skip_dead_keys
 
     @cuda.jit(device=True, inline="always")
     def one_segment(seg, seg_end, split):
@@ -683,24 +695,35 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         row_tile = tid // (KG * key_tiles)
         return kg, key_tile, row_tile, row_tile * RM * KSP + kg * VEC, k_buf + key_tile * KSP + kg * VEC
 
-    @cuda.jit(device=True, inline="always")
-    def score_slice(bufs, q_off, k_off, key_stride, q_vec, k_vec, s):
-        """s[i, j] += the staged slice's dims of q row i · key j (key rows key_stride floats
-        apart). Lane kg takes dims in groups of VEC at (g * KG + kg) * VEC: the VEC loads of a
-        row are adjacent and 16-byte aligned, so they merge into one vector load (LDS.128: 8
-        shared loads per 64 FFMA instead of 32), and the constant-trip inner loops unroll to
-        immediate offsets."""
-        for g in range(0, KS, KG * VEC):
-            for i in range(RM):
-                for e in range(VEC):
-                    q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
-            for j in range(RC):
-                for e in range(VEC):
-                    k_vec[j, e] = bufs[uint64(k_off + j * key_stride + g + e)]
-            for e in range(VEC):
+    def make_score_slice(keys):
+        """score_slice over the thread's first ``keys`` key tiles (a compile-time count: RC for
+        every score, fewer for a pass's dead tail, ``skip_dead_keys``)."""
+        @cuda.jit(device=True, inline="always")
+        def score_slice(bufs, q_off, k_off, key_stride, q_vec, k_vec, s):
+            """s[i, j] += the staged slice's dims of q row i · key j (key rows key_stride floats
+            apart), j < ``keys``. Lane kg takes dims in groups of VEC at (g * KG + kg) * VEC: the
+            VEC loads of a row are adjacent and 16-byte aligned, so they merge into one vector
+            load (LDS.128: 8 shared loads per 64 FFMA instead of 32), and the constant-trip inner
+            loops unroll to immediate offsets. Each s[i, j] gets its fmas in one order (g, then e)
+            whatever ``keys`` is."""
+            for g in range(0, KS, KG * VEC):
                 for i in range(RM):
-                    for j in range(RC):
-                        s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
+                    for e in range(VEC):
+                        q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
+                for j in range(keys):
+                    for e in range(VEC):
+                        k_vec[j, e] = bufs[uint64(k_off + j * key_stride + g + e)]
+                for e in range(VEC):
+                    for i in range(RM):
+                        for j in range(keys):
+                            s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
+        return score_slice
+
+    score_slice = make_score_slice(RC)
+    # skip_dead_keys: the score loop for 1, 2 or 3 live key tiles (RC <= 4, validated)
+    score_slice_1 = make_score_slice(min(1, RC))
+    score_slice_2 = make_score_slice(min(2, RC))
+    score_slice_3 = make_score_slice(min(3, RC))
 
     @cuda.jit(device=True, inline="always")
     def sum_k_groups(s):
@@ -1064,6 +1087,9 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             for i in range(RM):
                 for j in range(RC):
                     s[i, j] = float32(0.0)
+            live_keys = RC   # this thread's key tiles j with key_tile + j * SF_KEY_TILES < n_keys
+            if SKIP_DEAD:
+                live_keys = min(RC, max(0, (n_keys - key_tile + SF_KEY_TILES - 1) // SF_KEY_TILES))
             sf_load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, 0, rows, 0, s_row, s_col,
                           q_reg, k_reg)
             for ks in range(N_KSLICES):
@@ -1073,7 +1099,15 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 if ks + 1 < N_KSLICES:
                     sf_load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, (ks + 1) * KS,
                                   rows, 0, s_row, s_col, q_reg, k_reg)
-                score_slice(bufs, q_off, k_off, SF_KEY_TILES * KSP, q_vec, k_vec, s)
+                if SKIP_DEAD and live_keys < RC:   # dead key tiles (a node's last pass): their
+                    if live_keys == 1:                 # scores are never read
+                        score_slice_1(bufs, q_off, k_off, SF_KEY_TILES * KSP, q_vec, k_vec, s)
+                    elif live_keys == 2:
+                        score_slice_2(bufs, q_off, k_off, SF_KEY_TILES * KSP, q_vec, k_vec, s)
+                    elif live_keys == 3:
+                        score_slice_3(bufs, q_off, k_off, SF_KEY_TILES * KSP, q_vec, k_vec, s)
+                else:
+                    score_slice(bufs, q_off, k_off, SF_KEY_TILES * KSP, q_vec, k_vec, s)
             sum_k_groups(s)   # as in the chunk kernel
             for i in range(RM):
                 for j in range(RC):
@@ -1426,7 +1460,12 @@ for _name, _config, _what in (
         ("verify_attention_mla_score_first", KIMI_K2_SCORE_FIRST_CONFIG,
          "score-first layout, 2-head tiles, 128 keys a pass (decode steps)"),
         ("verify_attention_mla_score_first_8_heads", KIMI_K2_SCORE_FIRST_TREE_CONFIG,
-         "score-first layout, 8-head tiles (4 x 4 score tiles), 128 keys a pass (small trees)")):
+         "score-first layout, 8-head tiles (4 x 4 score tiles), 128 keys a pass (small trees)"),
+        ("verify_attention_mla_score_first_skip", dataclasses.replace(KIMI_K2_SCORE_FIRST_CONFIG, skip_dead_keys=True),
+         "score-first 2-head tiles skipping dead key tiles (opt-in, TileConfig.skip_dead_keys)"),
+        ("verify_attention_mla_score_first_8_heads_skip",
+         dataclasses.replace(KIMI_K2_SCORE_FIRST_TREE_CONFIG, skip_dead_keys=True),
+         "score-first 8-head tiles skipping dead key tiles (opt-in, TileConfig.skip_dead_keys)")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
              block_threads=_config.threads)
 register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
