@@ -51,3 +51,12 @@ def test_skip_tiles_differ_only_in_the_skip():
         skip = bva.TILES[f"{name}-skip"]
         assert skip.skip_dead_keys and not bva.TILES[name].skip_dead_keys
         assert dataclasses.replace(skip, skip_dead_keys=False) == bva.TILES[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["sf8x128r4", "sf8x128r4-skip"])
+def test_gpu_graph_timing_gives_per_call_times(tile):
+    """--graph: replays of one captured graph of GRAPH_LAUNCHES rotated calls, a positive time per
+    call and finite outputs (the engine's short-prefix verify shape)."""
+    m = bva.measure(1, 33, 160, tile=tile, reps=20, graph=True)
+    assert len(m["gpu"]) == 20 and all(0 < t < 1e5 for t in m["gpu"]) and m["finite"]

@@ -7,12 +7,20 @@ call's KV in L2. Effective TFLOP/s counts 2·T·H·(N+T)·1088 per request (limi
 tree block) and is compared with the FP32 peak of the active device profile (``sim.profiles``;
 H200: 67 TFLOP/s; target >= 30 % at H = 64, T = 33, N = 32k, bs 8).
 
+Timing: by default CUDA events bracket each ``run`` call, so a call's median includes the host's
+part of it (``run`` validates every argument and launches two kernels: about 0.5 ms a call on the
+H200 host, which dominates at small shapes; PERFORMANCE.md run "in-bounds loads"). ``--graph``
+captures ``GRAPH_LAUNCHES`` rotated calls into one CUDA graph (``cuda.core``, as the engine replays
+a step) and reports a replay's time divided by the launches: the GPU's time, as a decode step sees it.
+
 Peers (same inputs, same run): ``--torch`` times PyTorch eager absorbed-MLA attention with an
 additive mask in fp32 and bf16 (when torch imports); ``--check`` measures the error of request 0
 against the float64 reference (``reference.verify_attention``) where that is cheap enough.
 
     ddtree-numba bench verify-attention                      # default shapes
     ddtree-numba bench verify-attention --shape 8,33,32768 --tile h32 --torch --out data/bench/h200.h5
+    python3 -m ddtree_numba.bench.verify_attention --shape 1,33,160 --shape 1,1,160 --graph \
+        --tile sf8x128r4 --tile sf8x128r4-skip --tile sf2x128 --tile sf2x128-skip
 
 Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarray Dataset
 (dims case, values latency_us median/min/max, tflops, pct_fp32_peak) to an HDF5 file.
@@ -65,6 +73,7 @@ MIX1 = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 constants (as bench/accept_co
 MIX2 = np.uint64(0xBF58476D1CE4E5B9)
 SHIFT_MIX = np.uint64(31)
 SHIFT_MANTISSA = np.uint64(40)  # top 24 bits -> float32 in [0, 1)
+GRAPH_LAUNCHES = 20  # run() calls captured in one graph by --graph (the sets rotated)
 CHECK_MAX_SCORES = 400_000  # float64 reference only where T x (N + T) <= this (~1 s of NumPy)
 TORCH_MAX_BYTES = 24e9  # skip the torch peer when its [bs, T, H, S] scores would exceed this (x3 live)
 
@@ -127,6 +136,40 @@ def event_times(call: Callable[[int], None], reps: int, warmup: int, stream) -> 
         end.record(stream)
         end.synchronize()
         times.append(cuda.event_elapsed_time(start, end) * 1e3)
+    return times
+
+
+def graph_times(call: Callable[[int, object], None], reps: int, launches: int = GRAPH_LAUNCHES) -> list[float]:
+    """Microseconds per ``call(i, stream)`` from replays of one CUDA graph holding ``launches`` calls
+    (captured on a ``cuda.core`` GraphBuilder after an eager warm-up call; CUDA events around each
+    replay, as :func:`ddtree_numba.bench.tree_build.time_graph`)."""
+    from cuda.core import Device, EventOptions
+
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream()
+    call(0, stream)   # compile and load before the capture
+    stream.sync()
+    builder = dev.create_graph_builder()
+    builder.begin_building()
+    try:
+        for i in range(launches):
+            call(i, builder)
+    finally:  # end the capture even when a launch failed, so later work is not captured
+        builder.end_building()
+    graph = builder.complete()
+    graph.upload(stream)
+    graph.launch(stream)  # warm-up replay
+    stream.sync()
+    timing = EventOptions(timing_enabled=True)
+    times = []
+    for _ in range(reps):
+        e0 = stream.record(options=timing)
+        graph.launch(stream)
+        e1 = stream.record(options=timing)
+        e1.sync()
+        times.append((e1 - e0) * 1e3 / launches)
+    graph.close()
     return times
 
 
@@ -202,7 +245,7 @@ def reference_error(x: dict, out, lse) -> tuple[float, float]:
 
 def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.DEFAULT_SPLIT_SIZE,
             reps: int = 20, warmup: int = 3, sets: int = 2, seed: int = 0, peers: bool = False,
-            check: bool = False) -> dict:
+            check: bool = False, graph: bool = False) -> dict:
     """Per-repetition times (µs) of one ``run`` call and of the peers, and the reference error.
 
     Returns a dict: ``gpu`` (list), ``torch_fp32`` / ``torch_bf16`` (lists; empty when not run),
@@ -216,12 +259,14 @@ def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.D
     lse = cuda.device_array((bs, t, HEADS), np.float32)
     workspace = p.allocate_workspace()
 
-    def call(i: int) -> None:
+    def call(i: int, on: object = stream) -> None:
         x = inputs[i % sets]
         va.run(p, x["q_latent"], x["q_rope"], x["kv_latent"], x["k_rope"], x["past_lens"],
-               x["tree_sizes"], x["visibility"], SCALE, out, lse, workspace, stream)
+               x["tree_sizes"], x["visibility"], SCALE, out, lse, workspace, on)
 
-    result = {"gpu": event_times(call, reps, warmup, stream), "torch_fp32": [], "torch_bf16": [],
+    stream.synchronize()   # the inputs are filled on `stream`; a graph replays on its own stream
+    times = graph_times(call, reps) if graph else event_times(call, reps, warmup, stream)
+    result = {"gpu": times, "torch_fp32": [], "torch_bf16": [],
               "out_err": float("nan"), "lse_err": float("nan")}
     stream.synchronize()
     result["finite"] = bool(np.isfinite(out.copy_to_host()).all())
@@ -239,10 +284,10 @@ def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.D
 
 
 def bench_case(bs: int, t: int, n: int, tile: str, split: int, reps: int, warmup: int,
-               sets: int, seed: int, peers: bool = False, check: bool = False) -> dict:
+               sets: int, seed: int, peers: bool = False, check: bool = False, graph: bool = False) -> dict:
     """Median/min/max latency (µs) of one run() call, effective TFLOP/s and % of the FP32 peak."""
     m = measure(bs, t, n, tile=tile, split=split, reps=reps, warmup=warmup, sets=sets, seed=seed,
-                peers=peers, check=check)
+                peers=peers, check=check, graph=graph)
     times = m["gpu"]
     med = float(np.median(times))
     tflops = flops(bs, t, n) / (med * 1e-6) / 1e12
@@ -282,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch", action="store_true", help="also time PyTorch eager MLA (fp32, bf16)")
     parser.add_argument("--check", action="store_true", help="error of request 0 vs the float64 reference")
+    parser.add_argument("--graph", action="store_true",
+                        help=f"time CUDA-graph replays of {GRAPH_LAUNCHES} calls (the GPU's time; default: events "
+                             "around each call, the host's launch included)")
     parser.add_argument("--out", type=Path, help="HDF5 file to append the results to")
     args = parser.parse_args(argv)
     if args.reps < 20:
@@ -291,15 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ([tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape
               else DEFAULT_SHAPES)
     rows = []
-    print(f"{'bs':>3} {'T':>4} {'N':>7} {'tile':>8} {'median us':>11} {'min':>9} {'max':>9} "
+    print(f"{'bs':>3} {'T':>4} {'N':>7} {'tile':>14} {'median us':>11} {'min':>9} {'max':>9} "
           f"{'TFLOP/s':>8} {'% FP32':>7} {'torch f32':>10} {'torch bf16':>10} {'out err':>8}")
     for tile in args.tile or ["default"]:
         for bs, t, n in shapes:
             t0 = time.perf_counter()
             r = bench_case(bs, t, n, tile, args.split, args.reps, args.warmup, args.sets,
-                           args.seed, peers=args.torch, check=args.check)
+                           args.seed, peers=args.torch, check=args.check, graph=args.graph)
             rows.append(r)
-            print(f"{bs:>3} {t:>4} {n:>7} {tile:>8} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
+            print(f"{bs:>3} {t:>4} {n:>7} {tile:>14} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
                   f"{r['max_us']:>9.1f} {r['tflops']:>8.2f} {r['pct_fp32_peak']:>6.1f}% "
                   f"{r['torch_fp32_us']:>10.1f} {r['torch_bf16_us']:>10.1f} {r['out_err']:>8.1e}"
                   f"{'' if r['finite'] else '  NON-FINITE OUTPUT'}  ({time.perf_counter() - t0:.0f} s)",
