@@ -1,4 +1,4 @@
-"""What every benchmark shares: provenance and the HDF5 run store.
+"""What every benchmark shares: provenance, the HDF5 run store and CUDA-graph replay timing.
 
 A sweep is an xarray Dataset written as one group ``/<benchmark>/<UTC timestamp>_<git sha>`` of an
 HDF5 file (engine h5netcdf), so one file accumulates the runs of every benchmark and a reader picks
@@ -17,6 +17,7 @@ import sys
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -112,3 +113,37 @@ def summarize(times_us) -> dict[str, float]:
     """Median / min / max of a list of times in microseconds."""
     arr = np.asarray(times_us, dtype=np.float64)
     return {"median_us": float(np.median(arr)), "min_us": float(arr.min()), "max_us": float(arr.max())}
+
+
+def graph_replay_times(enqueue: Callable[[int, Any], None], launches: int, reps: int) -> list[float]:
+    """Microseconds per ``enqueue(i, stream)`` from ``reps`` replays of one CUDA graph holding
+    ``launches`` of them (i = 0 .. launches - 1), captured on a ``cuda.core`` GraphBuilder: the
+    GPU's time as a captured decode step sees it, without the host's per-call work. CUDA events
+    around each replay on a fresh stream after a warm-up replay; the caller has compiled and
+    loaded every kernel first (an eager call), since a capture must not."""
+    from cuda.core import Device, EventOptions
+
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream()
+    builder = dev.create_graph_builder()
+    builder.begin_building()
+    try:
+        for i in range(launches):
+            enqueue(i, builder)
+    finally:  # end the capture even when a launch failed, so later work is not captured
+        builder.end_building()
+    graph = builder.complete()
+    graph.upload(stream)
+    graph.launch(stream)  # warm-up replay
+    stream.sync()
+    timing = EventOptions(timing_enabled=True)
+    times = []
+    for _ in range(reps):
+        e0 = stream.record(options=timing)
+        graph.launch(stream)
+        e1 = stream.record(options=timing)
+        e1.sync()
+        times.append((e1 - e0) * 1e3 / launches)
+    graph.close()
+    return times

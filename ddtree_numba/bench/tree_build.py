@@ -31,7 +31,7 @@ import numpy as np
 
 from numba import cuda
 
-from ddtree_numba.bench.common import write_run
+from ddtree_numba.bench.common import graph_replay_times, write_run
 from ddtree_numba.kernels import tree_build as tb
 
 VOCAB = 163840  # Kimi K2; K = min(B, V)
@@ -98,32 +98,8 @@ def time_launches(plan, sets, out, reps: int, warmup: int) -> list[float]:
 
 def time_graph(plan, sets, out, reps: int, launches: int) -> list[float]:
     """µs per launch from replays of one CUDA graph holding ``launches`` rotated builds."""
-    from cuda.core import Device, EventOptions
-
-    dev = Device()
-    dev.set_current()
-    stream = dev.create_stream()
-    builder = dev.create_graph_builder()
-    builder.begin_building()
-    try:
-        for r in range(launches):
-            tb.run(plan, *sets[r % len(sets)], out, stream=builder)
-    finally:  # end the capture even when a launch failed, so later work is not captured
-        builder.end_building()
-    graph = builder.complete()
-    graph.upload(stream)
-    graph.launch(stream)  # warm-up replay
-    stream.sync()
-    timing = EventOptions(timing_enabled=True)
-    times = []
-    for _ in range(reps):
-        e0 = stream.record(options=timing)
-        graph.launch(stream)
-        e1 = stream.record(options=timing)
-        e1.sync()
-        times.append((e1 - e0) * 1e3 / launches)
-    graph.close()
-    return times
+    return graph_replay_times(lambda r, stream: tb.run(plan, *sets[r % len(sets)], out, stream=stream),
+                              launches, reps)
 
 
 def time_graph_torch(plan, sets, out, reps: int, launches: int) -> list[float]:

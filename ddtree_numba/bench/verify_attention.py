@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from numba import cuda, float32, int64, uint64
 
-from ddtree_numba.bench.common import write_run
+from ddtree_numba.bench.common import graph_replay_times, write_run
 from ddtree_numba.kernels import verify_attention as va
 from reference import pack_visibility
 from reference import verify_attention as reference_attention
@@ -139,40 +139,6 @@ def event_times(call: Callable[[int], None], reps: int, warmup: int, stream) -> 
     return times
 
 
-def graph_times(call: Callable[[int, object], None], reps: int, launches: int = GRAPH_LAUNCHES) -> list[float]:
-    """Microseconds per ``call(i, stream)`` from replays of one CUDA graph holding ``launches`` calls
-    (captured on a ``cuda.core`` GraphBuilder after an eager warm-up call; CUDA events around each
-    replay, as :func:`ddtree_numba.bench.tree_build.time_graph`)."""
-    from cuda.core import Device, EventOptions
-
-    dev = Device()
-    dev.set_current()
-    stream = dev.create_stream()
-    call(0, stream)   # compile and load before the capture
-    stream.sync()
-    builder = dev.create_graph_builder()
-    builder.begin_building()
-    try:
-        for i in range(launches):
-            call(i, builder)
-    finally:  # end the capture even when a launch failed, so later work is not captured
-        builder.end_building()
-    graph = builder.complete()
-    graph.upload(stream)
-    graph.launch(stream)  # warm-up replay
-    stream.sync()
-    timing = EventOptions(timing_enabled=True)
-    times = []
-    for _ in range(reps):
-        e0 = stream.record(options=timing)
-        graph.launch(stream)
-        e1 = stream.record(options=timing)
-        e1.sync()
-        times.append((e1 - e0) * 1e3 / launches)
-    graph.close()
-    return times
-
-
 def flops(bs: int, t: int, n: int) -> float:
     """Effective FLOPs of one call: 2·T·H·(N+T)·1088 per request (limits §3)."""
     return 2.0 * t * HEADS * (n + t) * 1088 * bs
@@ -265,7 +231,12 @@ def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.D
                x["tree_sizes"], x["visibility"], SCALE, out, lse, workspace, on)
 
     stream.synchronize()   # the inputs are filled on `stream`; a graph replays on its own stream
-    times = graph_times(call, reps) if graph else event_times(call, reps, warmup, stream)
+    if graph:
+        call(0)   # compile and load before the capture
+        stream.synchronize()
+        times = graph_replay_times(call, GRAPH_LAUNCHES, reps)
+    else:
+        times = event_times(call, reps, warmup, stream)
     result = {"gpu": times, "torch_fp32": [], "torch_bf16": [],
               "out_err": float("nan"), "lse_err": float("nan")}
     stream.synchronize()
