@@ -414,7 +414,8 @@ SKIP_BASE = dataclasses.replace(TILED, qk_rows=1, qk_keys=4, score_keys=32)
 
 @pytest.mark.parametrize("layout", [
     dict(),                                     # 64 threads, 8 key tiles: live tiles 0-4 a pass
-    dict(score_keys=64, heads=1, pv_dims=1),    # 128 threads; passes cross the 32-key segments
+    dict(score_keys=64, heads=1, pv_dims=1),    # 64 threads, 16 key tiles: 2 warps of 8 each
+    dict(score_keys=48),                        # 12 key tiles a row tile: warp 1 spans both row tiles
 ])
 def test_score_first_skip_dead_keys_is_not_numerics(layout):
     """skip_dead_keys drops the score fmas of key tiles past a pass's last key (their scores are

@@ -114,7 +114,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         tile, cols = variant
         em.FEW_NODES_PER_SM = 0 if tile == "64" else few
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
-        em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip" or skip
+        em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip"
         em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
         em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
         if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only

@@ -11,7 +11,8 @@ Timing: by default CUDA events bracket each ``run`` call, so a call's median inc
 part of it (``run`` validates every argument and launches two kernels: about 0.5 ms a call on the
 H200 host, which dominates at small shapes; PERFORMANCE.md run "in-bounds loads"). ``--graph``
 captures ``GRAPH_LAUNCHES`` rotated calls into one CUDA graph (``cuda.core``, as the engine replays
-a step) and reports a replay's time divided by the launches: the GPU's time, as a decode step sees it.
+a step) and reports a replay's time divided by the launches: the GPU's time, as a decode step sees it
+(``--warmup`` is then one eager call; the ``--torch`` peer keeps its event timing).
 
 Peers (same inputs, same run): ``--torch`` times PyTorch eager absorbed-MLA attention with an
 additive mask in fp32 and bf16 (when torch imports); ``--check`` measures the error of request 0

@@ -91,8 +91,9 @@ FEW_NODES_TILE: int | tuple[int, ...] = (8, 128, 4)
 ATTENTION_PREFETCH_L2 = False
 # Score-first tiles skip the score FMAs of key tiles past a pass's last key (va.TileConfig
 # .skip_dead_keys): layout, not numerics. Off until timed on the H200 (bench.forward_ab's
-# ``auto-skip``): about a third of the 33-node launch's score FMAs are on such keys (PERFORMANCE.md
-# run "in-bounds loads"), and the AR step's 2-head tiles skip about as large a share.
+# ``auto-skip``): about a third of the 33-node launch's score FMAs are on such keys and ~30 % would
+# be skipped (whole warps' key tiles; PERFORMANCE.md run "in-bounds loads"); the AR step's 2-head
+# tiles skip about as large a share, which lowers the DDTree/AR ratio a little.
 ATTENTION_SKIP_DEAD_KEYS = False
 # The segment merge of FEW_NODES_TILE launches: (threads per block, heads per block), va.TileConfig's
 # merge_threads / merge_heads (layout, not numerics); the other launches keep the config's default.

@@ -226,8 +226,11 @@ def vector_load(context: Any, builder: Any, signature: Any, ptr: Any) -> Any:
     The asm has no side effects (so LLVM may schedule, merge and drop it like a load), which
     also lets LLVM execute it whatever branch guards it: a caller's address must be inside the
     array even where the guard is false (verify_attention's ``load_row_f32x4`` clamps its
-    latent and rope addresses; the guarded loads of the absorb kernels, each in a block with
-    its own address arithmetic, stay branches in their sm_90 PTX)."""
+    latent and rope addresses). The guarded loads of the absorb kernels and of
+    ``head_linear``'s staging still form addresses past their arrays where the guard is false:
+    in their sm_90 PTX (checked for the absorb kernels) each sits in a block with its own
+    address arithmetic and stays a branch, and compute-sanitizer found nothing there, but
+    that is the compiler's choice, not the code's."""
     f32 = ir.FloatType()
     asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * VEC), [ptr.type]),
                        "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")

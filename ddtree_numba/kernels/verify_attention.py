@@ -159,11 +159,12 @@ class TileConfig:
             same float32 operations in the same order (``pv_rows``, ``pv_dims`` and ``v_slice``
             do not shape its work; they are still validated). Its prefetch (``prefetch_l2``)
             covers, at each pass's start, the keys ``prefetch_chunks`` chunks on, a pass long.
-        skip_dead_keys: score-first only: a score thread whose key tiles j run past the pass's
-            last key skips their score FMAs (``make_score_slice``), where the pass is its node's
-            last (a node of 165 keys runs two 128-key passes, the second with 37 live). Their
-            scores are never read (-inf), so it is layout, not numerics; the live tiles'
-            fmas keep their order. ``qk_keys`` <= 4: the score loop is compiled for 1, 2 and 3
+        skip_dead_keys: score-first only: a warp whose key tiles j all lie past the pass's last
+            key skips their score FMAs (``make_score_slice``), in the last pass of a node's
+            segment (a node of 165 keys runs two 128-key passes, the second with 37 live: 5 of the
+            8 warp-passes of a row tile skipped there, ~30 % of the node's score FMAs). The count is the warp's most
+            (its lanes run one loop, not two in turn); scores past the last key are never read
+            (-inf), so it is layout, not numerics; the live tiles' fmas keep their order. ``qk_keys`` <= 4: the score loop is compiled for 1, 2 and 3
             live tiles besides all (no dynamic index into the register tiles). Off in the engine
             until timed (``engine.model.ATTENTION_SKIP_DEAD_KEYS``).
     """
@@ -1087,9 +1088,12 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             for i in range(RM):
                 for j in range(RC):
                     s[i, j] = float32(0.0)
-            live_keys = RC   # this thread's key tiles j with key_tile + j * SF_KEY_TILES < n_keys
-            if SKIP_DEAD:
-                live_keys = min(RC, max(0, (n_keys - key_tile + SF_KEY_TILES - 1) // SF_KEY_TILES))
+            live_keys = RC   # key tiles j this warp scores: every j with a live key in the warp
+            if SKIP_DEAD:    # (warp-uniform: a warp never runs two score loops one after the other)
+                kt_min = ((tid // WARP) * WARP // KG) % SF_KEY_TILES   # the warp's first key tile
+                if kt_min + WARP // KG > SF_KEY_TILES:   # the warp spans two row tiles: key tile 0 too
+                    kt_min = 0
+                live_keys = min(RC, (n_keys - kt_min + SF_KEY_TILES - 1) // SF_KEY_TILES)   # n_keys >= 1
             sf_load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, 0, rows, 0, s_row, s_col,
                           q_reg, k_reg)
             for ks in range(N_KSLICES):
@@ -1361,7 +1365,8 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
         scale: softmax scale (> 0, finite).
         out: float32 [bs, Tc, H, Dl]; lse: float32 [bs, Tc, H]; zeros in padding rows.
         workspace: float32 ``p.workspace_shape``.
-        stream: 0, a numba stream or a cuda.core Stream.
+        stream: 0, a numba stream, a cuda.core Stream, or a cuda.core GraphBuilder (a capture:
+            the engine's step graphs, ``bench.verify_attention --graph``).
 
     Raises:
         TypeError / ValueError naming the argument, before any launch.
