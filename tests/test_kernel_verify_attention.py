@@ -750,9 +750,8 @@ def test_gpu_kimi_matches_reference():
                                            va.default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=4),
                                            va.default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=2),
                                            va.default_config(512, 64, 64, tile_heads=16, score_keys=128, score_rows=4),
-                                           dataclasses.replace(va.KIMI_K2_SCORE_FIRST_CONFIG, skip_dead_keys=True),
-                                           dataclasses.replace(va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,
-                                                               skip_dead_keys=True)])
+                                           va.KIMI_K2_SCORE_FIRST_SKIP_CONFIG,
+                                           va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG])
 def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
     """64-head tree tiles vs decode steps with the chunk layout's 64-, 16- and 8-head tiles (the
     last with the L2 prefetch too) and the score-first 2-, 4-, 8- and 16-head tiles (the engine's AR

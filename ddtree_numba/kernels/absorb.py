@@ -423,13 +423,18 @@ def tile_block_plan(mt: int, col_quads: int, row_groups: int, seg_lanes: int, ro
     Raises:
         ValueError: no tile kernel for the block, or its stages and partials pass TILE_SMEM.
     """
-    if not _tile_layout_ok(mt, col_quads, row_groups, seg_lanes) or \
-            tile_shared_bytes(mt, col_quads, row_groups, seg_lanes) > TILE_SMEM:
+    if not _tile_block_ok(mt, col_quads, row_groups, seg_lanes):
         raise ValueError(f"no tile absorb kernel for mt={mt}, col_quads={col_quads}, row_groups={row_groups}, "
                          f"seg_lanes={seg_lanes} within {TILE_SMEM} bytes of shared memory")
     grid = (-(-n_cols // (col_quads * VEC)), -(-rows // (row_groups * mt)), groups)
     return AbsorbPlan("tile", mt, seg_lanes, col_quads, row_groups, grid, col_quads * row_groups * seg_lanes,
                       tile_shared_bytes(mt, col_quads, row_groups, seg_lanes))
+
+
+def _tile_block_ok(mt: int, col_quads: int, row_groups: int, seg_lanes: int) -> bool:
+    """A tile kernel exists for the block, and its stages and partials fit TILE_SMEM."""
+    return _tile_layout_ok(mt, col_quads, row_groups, seg_lanes) and \
+        tile_shared_bytes(mt, col_quads, row_groups, seg_lanes) <= TILE_SMEM
 
 
 def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -> AbsorbPlan:
@@ -447,9 +452,7 @@ def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -
     # Segment lanes: the most (up to TILE_LANES, no more than the segments) whose block and shared
     # memory fit: fewer rounds, more loads in flight a round.
     lanes = max(sl for sl in TILE_SEG_LANES
-                if sl == 1 or (sl <= min(TILE_LANES, _segments(k_dim))
-                               and _tile_layout_ok(mt, cq, row_groups, sl)
-                               and tile_shared_bytes(mt, cq, row_groups, sl) <= TILE_SMEM))
+                if sl == 1 or (sl <= min(TILE_LANES, _segments(k_dim)) and _tile_block_ok(mt, cq, row_groups, sl)))
     return tile_block_plan(mt, cq, row_groups, lanes, rows, groups, n_cols)
 
 

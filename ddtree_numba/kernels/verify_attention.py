@@ -161,12 +161,13 @@ class TileConfig:
             covers, at each pass's start, the keys ``prefetch_chunks`` chunks on, a pass long.
         skip_dead_keys: score-first only: a warp whose key tiles j all lie past the pass's last
             key skips their score FMAs (``make_score_slice``), in the last pass of a node's
-            segment (a node of 165 keys runs two 128-key passes, the second with 37 live: 5 of the
-            8 warp-passes of a row tile skipped there, ~30 % of the node's score FMAs). The count is the warp's most
-            (its lanes run one loop, not two in turn); scores past the last key are never read
-            (-inf), so it is layout, not numerics; the live tiles' fmas keep their order. ``qk_keys`` <= 4: the score loop is compiled for 1, 2 and 3
-            live tiles besides all (no dynamic index into the register tiles). Off in the engine
-            until timed (``engine.model.ATTENTION_SKIP_DEAD_KEYS``).
+            segment (a node of 165 keys runs two 128-key passes, the second with 37 live: 5 of
+            the 8 warp-passes of a row tile skipped there, ~30 % of the node's score FMAs). The
+            count is the warp's most (its lanes run one loop, not two in turn); scores past the
+            last key are never read (-inf), so it is layout, not numerics; the live tiles' fmas
+            keep their order. ``qk_keys`` <= 4: the score loop is compiled for 1, 2 and 3 live
+            tiles besides all (no dynamic index into the register tiles). Off in the engine until
+            timed (``engine.model.ATTENTION_SKIP_DEAD_KEYS``).
     """
 
     latent_dim: int
@@ -1047,6 +1048,11 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         s_row, s_col = sf_stage_lane(tid)   # float4 lanes where SF_STAGE_VEC4
         # Scores: k-group fastest, then key tile (SF_KEY_TILES over the pass), then row tile.
         kg, key_tile, row_tile, q_off, k_off = score_lane(tid, SF_KEY_TILES, SF_QBUF)
+        # skip_dead_keys: the warp's lowest key tile (its first lane's, or 0 where the warp spans
+        # two row tiles) decides how many key tiles j the warp scores in a pass (one loop a warp)
+        kt_min = ((tid // WARP) * WARP // KG) % SF_KEY_TILES
+        if kt_min + WARP // KG > SF_KEY_TILES:
+            kt_min = 0
         # Softmax: head tid // LANES on the chunk layout's lanes (k-group fastest, then key tile).
         sm_head = min(tid // LANES, HEADS - 1)   # lanes past the heads shadow the last head
         sm_writer = tid < HEADS * LANES
@@ -1089,10 +1095,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 for j in range(RC):
                     s[i, j] = float32(0.0)
             live_keys = RC   # key tiles j this warp scores: every j with a live key in the warp
-            if SKIP_DEAD:    # (warp-uniform: a warp never runs two score loops one after the other)
-                kt_min = ((tid // WARP) * WARP // KG) % SF_KEY_TILES   # the warp's first key tile
-                if kt_min + WARP // KG > SF_KEY_TILES:   # the warp spans two row tiles: key tile 0 too
-                    kt_min = 0
+            if SKIP_DEAD:
                 live_keys = min(RC, (n_keys - kt_min + SF_KEY_TILES - 1) // SF_KEY_TILES)   # n_keys >= 1
             sf_load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, 0, rows, 0, s_row, s_col,
                           q_reg, k_reg)
@@ -1103,8 +1106,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 if ks + 1 < N_KSLICES:
                     sf_load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, (ks + 1) * KS,
                                   rows, 0, s_row, s_col, q_reg, k_reg)
-                if SKIP_DEAD and live_keys < RC:   # dead key tiles (a node's last pass): their
-                    if live_keys == 1:                 # scores are never read
+                if SKIP_DEAD and live_keys < RC:   # dead key tiles, whose scores are never read
+                    if live_keys == 1:
                         score_slice_1(bufs, q_off, k_off, SF_KEY_TILES * KSP, q_vec, k_vec, s)
                     elif live_keys == 2:
                         score_slice_2(bufs, q_off, k_off, SF_KEY_TILES * KSP, q_vec, k_vec, s)
@@ -1455,6 +1458,9 @@ SEGMENT_PREFETCH_CHUNKS = DEFAULT_SPLIT_SIZE // KIMI_K2_CONFIG.chunk
 # The score-first tilings the engine uses (model.DECODE_TILE, model.FEW_NODES_TILE).
 KIMI_K2_SCORE_FIRST_CONFIG = default_config(512, 64, 64, tile_heads=2, score_keys=128)
 KIMI_K2_SCORE_FIRST_TREE_CONFIG = default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=4)
+# ... with the dead-key skip (TileConfig.skip_dead_keys, opt-in: engine.model.ATTENTION_SKIP_DEAD_KEYS)
+KIMI_K2_SCORE_FIRST_SKIP_CONFIG = dataclasses.replace(KIMI_K2_SCORE_FIRST_CONFIG, skip_dead_keys=True)
+KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG = dataclasses.replace(KIMI_K2_SCORE_FIRST_TREE_CONFIG, skip_dead_keys=True)
 for _name, _config, _what in (
         ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
         ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
@@ -1466,10 +1472,9 @@ for _name, _config, _what in (
          "score-first layout, 2-head tiles, 128 keys a pass (decode steps)"),
         ("verify_attention_mla_score_first_8_heads", KIMI_K2_SCORE_FIRST_TREE_CONFIG,
          "score-first layout, 8-head tiles (4 x 4 score tiles), 128 keys a pass (small trees)"),
-        ("verify_attention_mla_score_first_skip", dataclasses.replace(KIMI_K2_SCORE_FIRST_CONFIG, skip_dead_keys=True),
+        ("verify_attention_mla_score_first_skip", KIMI_K2_SCORE_FIRST_SKIP_CONFIG,
          "score-first 2-head tiles skipping dead key tiles (opt-in, TileConfig.skip_dead_keys)"),
-        ("verify_attention_mla_score_first_8_heads_skip",
-         dataclasses.replace(KIMI_K2_SCORE_FIRST_TREE_CONFIG, skip_dead_keys=True),
+        ("verify_attention_mla_score_first_8_heads_skip", KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG,
          "score-first 8-head tiles skipping dead key tiles (opt-in, TileConfig.skip_dead_keys)")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
              block_threads=_config.threads)
