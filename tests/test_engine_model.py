@@ -510,18 +510,19 @@ def test_attention_prefetch_switch_changes_only_the_prefetch(monkeypatch) -> Non
 
 
 def test_attention_skip_switch_sets_only_score_first_tiles(monkeypatch) -> None:
-    """engine.model.ATTENTION_SKIP_DEAD_KEYS (bench.forward_ab's auto-skip) turns on the score-first
-    tiles' dead-key skip, layout only; the chunk-layout tiles (many nodes) keep it off (they have
-    no such option)."""
+    """engine.model.ATTENTION_SKIP_DEAD_KEYS (on; bench.forward_ab's auto-noskip turns it off) sets
+    the score-first tiles' dead-key skip, layout only; the chunk-layout tiles (many nodes) keep it
+    off (they have no such option)."""
     import ddtree_numba.engine.model as em
     kimi = ModelConfig.from_name("small")
-    plain = {rows: attention_tile_config(kimi, rows) for rows in (1, 33, 264)}
-    assert not any(cfg.skip_dead_keys for cfg in plain.values())
-    monkeypatch.setattr(em, "ATTENTION_SKIP_DEAD_KEYS", True)
-    for rows, base in plain.items():
-        cfg = attention_tile_config(kimi, rows)
-        assert cfg.skip_dead_keys == (base.score_keys > 0)
-        assert dataclasses.replace(cfg, skip_dead_keys=False) == base
+    assert em.ATTENTION_SKIP_DEAD_KEYS
+    skip = {rows: attention_tile_config(kimi, rows) for rows in (1, 33, 264)}
+    assert skip[1].skip_dead_keys and skip[33].skip_dead_keys and not skip[264].skip_dead_keys
+    monkeypatch.setattr(em, "ATTENTION_SKIP_DEAD_KEYS", False)
+    for rows, cfg in skip.items():
+        plain = attention_tile_config(kimi, rows)
+        assert not plain.skip_dead_keys and cfg.skip_dead_keys == (plain.score_keys > 0)
+        assert dataclasses.replace(cfg, skip_dead_keys=False) == plain
 
 
 def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:

@@ -182,28 +182,9 @@ def test_odd_row_tile_gives_the_plan_bits(m_rows, n_cols, k_dim, phase_steps):
         want = _run_linear(x, w)
     finally:
         lin.set_odd_tiles(previous)
-    for columns in (lin.COLUMNS, lin.WIDE_COLUMNS):   # 11 x 4, and 11 x 8 (ODD_WIDE): 88 partials padded to 128
-        for shuffles in (True, False):
-            got = _shuffle_linear(x, w, mt=11, columns=columns, shuffles=shuffles, phase_steps=phase_steps)
-            np.testing.assert_array_equal(got, want)
-
-
-def test_odd_wide_tiles_are_picked_on_wide_archs_only(odd_tiles):
-    """ODD_WIDE gives the linear and head kinds' 11-row tiles WIDE_COLUMNS on WIDE_ARCHS (the
-    simulator's H200 profile is sm_90), 4 columns elsewhere, and never touches the argmax and expert
-    kinds or the other tiles; a 33-row launch keeps its bits (the same rows as with 11 x 4)."""
-    x, w = _rand(33, 300), _rand(10, 300)
-    want = _run_linear(x, w)
-    previous = lin.set_odd_wide(True)
-    try:
-        assert lin.columns("linear", 11, "sm_90") == lin.columns("head", 11, "sm_90") == lin.WIDE_COLUMNS
-        assert lin.columns("linear", 11, "sm_120") == lin.COLUMNS
-        assert lin.columns("linear", 4, "sm_90") == lin.COLUMNS and lin.columns("argmax", 11, "sm_90") == lin.COLUMNS
-        assert lin.plan_linear(33, 10, 300).columns == lin.columns("linear", 11)
-        np.testing.assert_array_equal(_run_linear(x, w), want)
-    finally:
-        lin.set_odd_wide(previous)
-    assert lin.columns("linear", 11, "sm_90") == lin.COLUMNS and lin.plan_linear(33, 10, 300).columns == lin.COLUMNS
+    for shuffles in (True, False):
+        got = _shuffle_linear(x, w, mt=11, columns=lin.COLUMNS, shuffles=shuffles, phase_steps=phase_steps)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_odd_row_tiles_pick_and_keep_the_order(odd_tiles):
@@ -215,7 +196,7 @@ def test_odd_row_tiles_pick_and_keep_the_order(odd_tiles):
     assert lin.row_tile(33, 300) == 8     # launches name their kind (linear, head_linear, the plans)
     assert lin.plan_linear(33, 5, 300).mt == 11 and lin.plan_linear(33, 5, 300, kind="head").mt == 11
     assert lin.plan_linear(33, 5, 300, kind="expert").mt == 8 and lin.plan_linear(33, 5, 300, kind="argmax").mt == 8
-    for kind, prologue, columns in (("expert", "none", 4), ("argmax", "none", 4), ("argmax", "none", 8)):
+    for kind, prologue, columns in (("expert", "none", 4), ("argmax", "none", 4), ("linear", "none", 8)):
         with pytest.raises(ValueError, match="no linear kernel"):
             lin.get_kernel(kind, prologue, False, 11, columns=columns)
     x, w = _rand(33, 300), _rand(6, 300)
@@ -846,88 +827,6 @@ def test_gpu_split_k_wo_is_linear_bit_for_bit(m_rows):
     got = _split_k(x, w, res, alias=True)
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got, _run_linear(x, w, residual=_dev(res)))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_cols,k_dim,prologue", [(12288, 768, "rmsnorm"), (1344, 2048, "rmsnorm"),
-                                                   (11264, 2048, "none")])
-def test_gpu_odd_wide_tiles_are_the_odd_tiles_bit_for_bit(odd_tiles, n_cols, k_dim, prologue):
-    """`small`'s 33-row linears (w_q, w_a, the dense w13) in 11 x 8 tiles (ODD_WIDE) give the
-    bits of the 11 x 4 tiles, every element written; a row alone is a row among 33."""
-    rng = np.random.default_rng(n_cols + k_dim)
-    x, w, res = _rand(33, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng), _rand(33, n_cols, rng=rng)
-    nw = (1.0 + 0.1 * rng.standard_normal(k_dim)).astype(np.float32)
-
-    def run(rows):
-        out = cuda.to_device(np.full((rows, n_cols), np.nan, np.float32))
-        kw = dict(norm_weight=_dev(nw), eps=1e-6) if prologue == "rmsnorm" else {}
-        lin.linear(_dev(x[:rows]), _dev(w), out, residual=_dev(res[:rows]), **kw)
-        return out.copy_to_host()
-
-    previous = lin.set_odd_wide(False)
-    try:
-        want = run(33)
-        lin.set_odd_wide(True)
-        plan = lin.plan_linear(33, n_cols, k_dim)
-        assert plan.mt == 11 and plan.columns == lin.columns("linear", 11)
-        got = run(33)
-    finally:
-        lin.set_odd_wide(previous)
-    assert not np.isnan(got).any()
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(got[:1], run(1))
-
-
-@pytest.fixture
-def weight_prefetch():
-    """Runs the test body with linear.PREFETCH_WEIGHTS_L2 off, then yields a switch for it."""
-    previous = lin.PREFETCH_WEIGHTS_L2
-
-    def switch(on):
-        lin.PREFETCH_WEIGHTS_L2 = on
-        lin._setup.cache_clear()
-    switch(False)
-    yield switch
-    switch(previous)
-
-
-def _linear_and_experts(rng, m_rows, n_cols, k_dim):
-    """linear (rmsnorm prologue, residual) and expert_linear outputs for one random case."""
-    x, w, res = _rand(m_rows, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng), _rand(m_rows, n_cols, rng=rng)
-    nw = (1.0 + 0.1 * rng.standard_normal(k_dim)).astype(np.float32)
-    out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
-    lin.linear(_dev(x), _dev(w), out, norm_weight=_dev(nw), residual=_dev(res))
-    experts, top_k = 4, 2
-    we = _rand(experts, n_cols, k_dim, rng=rng)
-    offsets, index, _ = _routing(rng, m_rows, experts, top_k)
-    oe = cuda.to_device(np.full((m_rows * top_k, n_cols), np.nan, np.float32))
-    lin.expert_linear(_dev(x), _dev(we), oe, _dev(offsets), _dev(index))
-    return out.copy_to_host(), oe.copy_to_host()
-
-
-def _check_prefetch(weight_prefetch, m_rows, n_cols, k_dim):
-    want = _linear_and_experts(np.random.default_rng(k_dim), m_rows, n_cols, k_dim)
-    weight_prefetch(True)
-    got = _linear_and_experts(np.random.default_rng(k_dim), m_rows, n_cols, k_dim)
-    for g, wnt in zip(got, want):
-        assert not np.isnan(g).any()
-        np.testing.assert_array_equal(g, wnt)
-
-
-@pytest.mark.parametrize("m_rows,n_cols,k_dim", [(1, 40, 1000), (3, 37, 2100), (12, 9, 700), (33, 8, 300)])
-def test_weight_prefetch_keeps_the_bits(weight_prefetch, m_rows, n_cols, k_dim):
-    """The L2 weight prefetch (PREFETCH_WEIGHTS_L2) changes no value: linear and expert_linear
-    give the same bits with it on and off, every element written (under the simulator each
-    prefetch also checks that its element is inside the weight)."""
-    _check_prefetch(weight_prefetch, m_rows, n_cols, k_dim)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m_rows,n_cols,k_dim", [(1, 12288, 768), (33, 1344, 2048), (9, 2048, 5632), (33, 512, 256)])
-def test_gpu_weight_prefetch_keeps_the_bits(weight_prefetch, m_rows, n_cols, k_dim):
-    """`small`-like shapes (w_q at 1 row, w_a at 33, 8 x 8 tiles at 9, the expert down's K 256 at
-    33): the prefetch on gives the bits of the prefetch off, every element written."""
-    _check_prefetch(weight_prefetch, m_rows, n_cols, k_dim)
 
 
 @pytest.mark.gpu

@@ -7,8 +7,9 @@ row count (1: an AR step; 33: a B 32 tree verify; ``bench.profile_forward``'s in
 tree over ``--past`` cached rows).
 
 Variants ``TILE/COLS``: TILE = ``auto`` (``engine.model.attention_tile_config``: score-first 2-head
-tiles for an AR step, 8-head tiles for a 33-node tree), ``auto-skip`` (the same tiles skipping the score
-FMAs of key tiles past a pass's last key, ``engine.model.ATTENTION_SKIP_DEAD_KEYS``), ``auto-pf`` (the same tiles with the L2 prefetch
+tiles for an AR step, 8-head tiles for a 33-node tree; every TILE but ``auto-noskip`` keeps the default of
+``engine.model.ATTENTION_SKIP_DEAD_KEYS``, on), ``auto-skip`` / ``auto-noskip`` (the same tiles with /
+without the skip of the score FMAs of key tiles past a pass's last key), ``auto-pf`` (the same tiles with the L2 prefetch
 of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
 segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``h8`` (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
@@ -29,10 +30,7 @@ they fit, else one: ``linear.SERIAL_LEAF_SPLITS`` = (S,)), ``auto-serial-odd`` /
 off: a 33-row tree in 3 x 11 or 5 x 8; every other COLS keeps the default, on; run odd tiles:
 2632.0 / 2634.5 us odd against 2692.2 / 2704.5), or ``auto-seg`` (the absorbs in ``kernels.absorb``'s
 segment order, ``engine.model.SEGMENT_ABSORBS`` on, the default since it was timed; every other COLS
-runs them in ``head_linear``, the earlier path) with ``-w11`` / ``-w11x4`` (the 11-row tiles with
-8 / 4 columns a warp on sm_90, ``linear.ODD_WIDE`` on / off; every other COLS keeps the default),
-``-pf2`` / ``-nopf2`` (the linears' weight prefetch to L2, ``linear.PREFETCH_WEIGHTS_L2`` on / off;
-every other COLS keeps the default), ``-cN`` (tile blocks of N column quads,
+runs them in ``head_linear``, the earlier path) with ``-cN`` (tile blocks of N column quads,
 ``absorb.TILE_COL_QUADS`` = (N,)), ``-mt4`` / ``-mt8`` (4 / 8 rows a tile thread), ``-l1`` / ``-l2``
 (at most 1 / 2 segment lanes a tile block, ``absorb.TILE_LANES``) or ``-split`` (the split kernel at
 every row count, ``absorb.FEW_ROWS`` past any launch). A variant named twice is timed twice
@@ -56,14 +54,14 @@ import sys
 import numpy as np
 
 REPS = 40
-TILE_VARIANTS = ("auto", "auto-skip", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
+TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
-                 "auto-seg-l1", "auto-seg-l2", "auto-seg-w11", "auto-seg-w11x4", "auto-seg-pf2", "auto-seg-nopf2")
+                 "auto-seg-l1", "auto-seg-l2")
 
 
 class Variant(tuple):
@@ -109,7 +107,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
              lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
              lin.ODD_TILES)
     skip = em.ATTENTION_SKIP_DEAD_KEYS
-    odd_wide, prefetch = lin.ODD_WIDE, lin.PREFETCH_WEIGHTS_L2
     few, wide = saved[0], saved[1]
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
     results: dict[str, dict[int, float]] = {}
@@ -118,7 +115,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         tile, cols = variant
         em.FEW_NODES_PER_SM = 0 if tile == "64" else few
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
-        em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip"
+        em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip" or (skip and tile != "auto-noskip")
         em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
         em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
         if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
@@ -144,8 +141,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
         lin.serial_plan.cache_clear()
         lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
-        lin.PREFETCH_WEIGHTS_L2 = cols.endswith("-pf2") or (prefetch and not cols.endswith("-nopf2"))
-        lin.set_odd_wide(cols.endswith("-w11") or (odd_wide and not cols.endswith("-w11x4")))   # (clears _setup too)
         per_rows = {}
         for rows in row_counts:
             model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
@@ -182,8 +177,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     ab.plan_absorb.cache_clear()
     lin.serial_plan.cache_clear()
     lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
-    lin.PREFETCH_WEIGHTS_L2 = prefetch
-    lin.set_odd_wide(odd_wide)
     return results
 
 

@@ -90,11 +90,11 @@ FEW_NODES_TILE: int | tuple[int, ...] = (8, 128, 4)
 # forward 1889.0 us without, 1890.7 a chunk ahead, 1884.6 the whole segment at the start).
 ATTENTION_PREFETCH_L2 = False
 # Score-first tiles skip the score FMAs of key tiles past a pass's last key (va.TileConfig
-# .skip_dead_keys): layout, not numerics. Off until timed on the H200 (bench.forward_ab's
-# ``auto-skip``): about a third of the 33-node launch's score FMAs are on such keys and ~30 % would
-# be skipped (whole warps' key tiles; PERFORMANCE.md run "in-bounds loads"); the AR step's 2-head
-# tiles skip about as large a share, which lowers the DDTree/AR ratio a little.
-ATTENTION_SKIP_DEAD_KEYS = False
+# .skip_dead_keys): layout, not numerics. On: H200, run "skip and tiles" (PERFORMANCE.md): the
+# 33-node launch over 160 cached rows 65.0 -> 61.6 us, an AR step's 37.2 -> 36.2 (graph replays of
+# the attention alone); forward_ab, a 33-row forward 2373.1 / 2370.2 -> 2360.3 / 2360.0 / 2362.0 us,
+# the AR forward within its spread (bench.forward_ab's ``auto-noskip`` switches it off).
+ATTENTION_SKIP_DEAD_KEYS = True
 # The segment merge of FEW_NODES_TILE launches: (threads per block, heads per block), va.TileConfig's
 # merge_threads / merge_heads (layout, not numerics); the other launches keep the config's default.
 FEW_NODES_MERGE: tuple[int, int] = (128, 1)

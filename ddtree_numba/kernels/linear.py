@@ -166,12 +166,6 @@ MAX_ROW_TILE = ROW_TILES[-1]
 ODD_ROW_TILES = (11,)
 ODD_KINDS = ("linear", "head")
 ODD_TILES = True
-# The odd tiles with WIDE_COLUMNS on WIDE_ARCHS (11 x 8: 88 partials a lane, butterfly padded to
-# 128): each staged float4 feeds 32 FMAs instead of 16, so the L1 / shared traffic per FMA falls
-# from 4 (11 + 4) / 44 to 4 (11 + 8) / 88 of a wavefront. sm_90: 241 registers (rmsnorm +
-# residual) / 245 (head), no spills, a 256-byte stack frame. Layout only (the same bits);
-# switch with :func:`set_odd_wide`.
-ODD_WIDE = False
 XS_BUDGET_BYTES = 40 * 1024  # staged input rows; with the static arrays < 48 KiB (limits §4)
 # On a GPU the staged rows may use the opt-in limit (sim.launch.opt_in_shared; H200 227 KiB,
 # sm_120 99 KiB) less the static arrays (bounded by all of them together: comb 2 KiB, expert
@@ -212,16 +206,6 @@ PIPELINE_WEIGHTS = True
 PIPELINE_MIN_ROW_TILE = 4
 
 
-# The weight prefetch (layout only: no value changes): a lane that issues step j's weight loads
-# also issues ``prefetch.global.L2`` for step j + PREFETCH_STEPS of the same columns, and a
-# column group's start prefetches the first PREFETCH_STEPS steps of the warp's next column group,
-# so the loads that follow wait on L2 instead of HBM (the ring keeps U - 1 steps in registers;
-# a column group's first loads otherwise start cold). Off unless timed faster (bench.forward_ab
-# ``-pf2``).
-PREFETCH_WEIGHTS_L2 = False
-PREFETCH_STEPS = 4
-
-
 def ring_for(mt: int) -> bool:
     """Whether row tiles of ``mt`` rows stream their weights through the ring."""
     return PIPELINE_WEIGHTS and mt >= PIPELINE_MIN_ROW_TILE
@@ -254,7 +238,7 @@ def vector_load(context: Any, builder: Any, signature: Any, ptr: Any) -> Any:
     return context.make_tuple(builder, signature.return_type, [builder.extract_value(value, e) for e in range(VEC)])
 
 
-def _make_loads() -> tuple[Any, Any, Any]:
+def _make_loads() -> tuple[Any, Any]:
     """``load_f32x4(w, i) -> (w.flat[i], ..., w.flat[i + 3])`` and ``load_f32(w, i) -> w.flat[i]``
     for a C-contiguous float32 weight of any rank, element i 16-byte aligned for the vector load:
     ``ld.global.nc.v4.f32`` / ``ld.global.nc.f32`` at the data pointer plus i on a GPU (numba-cuda
@@ -266,12 +250,7 @@ def _make_loads() -> tuple[Any, Any, Any]:
 
         def load_f32(w, i):
             return w[i]
-
-        def prefetch_l2(w, i):
-            """No caches to fill: checks that the element is inside the weight."""
-            if i < 0 or i >= w.size:
-                raise IndexError(f"prefetch_l2 at {i}, outside the weight's {w.size} elements")
-        return load_f32x4, load_f32, prefetch_l2
+        return load_f32x4, load_f32
 
     from numba.cuda.extending import intrinsic
 
@@ -311,27 +290,10 @@ def _make_loads() -> tuple[Any, Any, Any]:
 
         return sig, codegen
 
-    @intrinsic
-    def prefetch_l2(typingctx, array, index):
-        """``prefetch.global.L2`` of the line holding w.flat[i]: the line comes to L2 with no
-        register waiting for it (the load that follows waits on L2, not on HBM)."""
-        if not _accepts(array, index):
-            return None
-        sig = types.void(array, index)
-
-        def codegen(context, builder, signature, args):
-            ptr = _pointer(context, builder, signature, args)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]),
-                               "prefetch.global.L2 [$0];", "l", side_effect=True)
-            builder.call(asm, [ptr])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return load_f32x4, load_f32, prefetch_l2
+    return load_f32x4, load_f32
 
 
-load_f32x4, load_f32, prefetch_l2 = _make_loads()
+load_f32x4, load_f32 = _make_loads()
 
 
 # --- device helpers shared by every specialisation ----------------------------------------------
@@ -392,8 +354,7 @@ def columns(kind: str, mt: int, arch: str | None = None) -> int:
     (64 accumulators per lane: each staged float4 feeds 32 FMAs and each weight float4 8 rows),
     else COLUMNS; argmax keeps COLUMNS. ``arch``: default the active device profile's."""
     arch = _device_arch() if arch is None else arch
-    odd_wide = ODD_WIDE and mt in ODD_ROW_TILES and kind in ODD_KINDS
-    wide = (mt == MAX_ROW_TILE or odd_wide) and kind != "argmax" and arch in WIDE_ARCHS
+    wide = mt == MAX_ROW_TILE and kind != "argmax" and arch in WIDE_ARCHS
     return WIDE_COLUMNS if wide else COLUMNS
 
 
@@ -405,24 +366,22 @@ def _device_arch() -> str:
 
 @functools.cache
 def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: int = COLUMNS,
-               shuffles: bool = not SIM_TREE, pipelined: bool | None = None,
-               prefetch: bool | None = None) -> Any:
+               shuffles: bool = not SIM_TREE, pipelined: bool | None = None) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
     kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
     "expert" (x [R, Kx], w [E, N, K], out [J, N], CSR routing) or "argmax" (x [M, K] -> per-part
     (max, argmax) part_val / part_idx [M, P]); prologue: "none", "rmsnorm" (linear, argmax) or
     "swiglu" (linear, expert); residual: out = residual + x @ w.T (linear only); mt: rows per
-    tile, one of ROW_TILES, or of ODD_ROW_TILES for the linear and head kinds;
+    tile, one of ROW_TILES, or of ODD_ROW_TILES for the linear and head kinds with C = COLUMNS;
     columns: C, COLUMNS or (not argmax) WIDE_COLUMNS (:func:`columns`
     picks it per architecture); shuffles: reduce the lane partials with the transposed shuffle
     butterfly (the GPU build) rather than its tree in shared memory (the simulator's default,
     same bits; tests run the shuffles under the simulator too); pipelined: stream the weights
     through a ring of U register slots, the next steps' loads issued before the current step's
-    FMAs (None: :func:`ring_for`, by the row tile; same bits); prefetch: the weight prefetch to
-    L2 (PREFETCH_WEIGHTS_L2's comment; None: that setting; same bits).
+    FMAs (None: :func:`ring_for`, by the row tile; same bits).
     """
-    odd = mt in ODD_ROW_TILES and kind in ODD_KINDS
+    odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
             columns not in (COLUMNS, WIDE_COLUMNS) or (kind == "argmax" and columns != COLUMNS):
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, mt={mt!r}, "
@@ -436,10 +395,6 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     U = _unroll(mt, C)
     MTC = MT * C
     PIPELINED = ring_for(mt) if pipelined is None else bool(pipelined)
-    # (not the linear kind's 8 x 8 tile: at the 255-register cap the prefetch spilled it on sm_90)
-    PREFETCH = (PREFETCH_WEIGHTS_L2 if prefetch is None else bool(prefetch)) and \
-        not (kind == "linear" and columns == WIDE_COLUMNS)
-    PF = PREFETCH_STEPS
     AHEAD = U - 1                  # ring: steps loaded ahead of the one whose FMAs run
     # The last steps of a segment come from the ring's slots with U = 4; the 8-row tiles (U = 2:
     # 1-2 steps, the first already loaded) re-load them instead: a ring live past the loop
@@ -552,13 +507,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                         xs[uint64(i * row_floats + pos)] = vals[q * MT + i]
 
     @cuda.jit(device=True, inline="always")
-    def load_step(w, wbase, j, wv, u, jp):
-        """The C float4s of step j for this lane's columns into wv[u] (PREFETCH: and step
-        j + PF's lines to L2 where j + PF < jp, the vector steps' end)."""
-        if PREFETCH:
-            if j + PF < jp:
-                for c in range(C):
-                    prefetch_l2(w, wbase[c] + (j + PF) * STEP)
+    def load_step(w, wbase, j, wv, u):
+        """The C float4s of step j for this lane's columns into wv[u]."""
         for c in range(C):
             v0, v1, v2, v3 = load_f32x4(w, wbase[c] + j * STEP)
             wv[u, c, 0] = v0
@@ -596,25 +546,25 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 # j + u + AHEAD goes into the slot step j + u - 1 freed, before step j + u's FMAs.
                 jl = jv - 1
                 for u in range(AHEAD):
-                    load_step(w, wbase, min(j + u, jl), wv, u, jv)
+                    load_step(w, wbase, min(j + u, jl), wv, u)
                 # Every load in range: unclamped, so the steps' addresses share one base (the
                 # loop's pointers plus immediate offsets, as the plain loop's; clamped ones
                 # each took a register pair and spilled the 8 x 8 tile).
                 while j + 2 * U - 1 <= jv:
                     for u in range(U):
-                        load_step(w, wbase, j + u + AHEAD, wv, (u + AHEAD) % U, jv)
+                        load_step(w, wbase, j + u + AHEAD, wv, (u + AHEAD) % U)
                         fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
                     j += U
                 if RING_TAIL:
                     # The last jv - j <= 2U - 2 steps from the ring: loads clamped to step jl (a
                     # re-read past it, never out of bounds, unused), FMAs for steps < jv only.
                     for t in range(2 * U - 2):
-                        load_step(w, wbase, min(j + t + AHEAD, jl), wv, (t + AHEAD) % U, jv)
+                        load_step(w, wbase, min(j + t + AHEAD, jl), wv, (t + AHEAD) % U)
                         if j + t < jv:
                             fma_step(xs, xo0 + (j + t) * STEP, row_floats, wv, t % U, acc)
                     j = jv
                 while j < jv:                       # the 2-slot ring's last 1-2 steps
-                    load_step(w, wbase, j, wv, 0, jv)
+                    load_step(w, wbase, j, wv, 0)
                     fma_step(xs, xo0 + j * STEP, row_floats, wv, 0, acc)
                     j += 1
         else:
@@ -624,7 +574,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 n = min(U, jv - j)
                 for u in range(U):
                     if u < n:
-                        load_step(w, wbase, j + u, wv, u, jv)
+                        load_step(w, wbase, j + u, wv, u)
                 for u in range(U):
                     if u < n:
                         fma_step(xs, xo0 + (j + u) * STEP, row_floats, wv, u, acc)
@@ -752,13 +702,6 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             for c in range(C):
                 col = min(col0 + c, n_cols - 1)    # columns past N re-read the last row
                 wbase[c] = (w_group + col) * k_dim + VEC * lane
-            if PREFETCH and gb + gb_step < gb_end:  # the next column group's first steps
-                col0_next = ((gb + gb_step) * groups_per_block + group) * C
-                jp_end = min(j_seg + PF, min(j_seg_end, vec_steps))
-                for c in range(C):
-                    base = (w_group + min(col0_next + c, n_cols - 1)) * k_dim + VEC * lane
-                    for jp in range(j_seg, jp_end):
-                        prefetch_l2(w, base + jp * STEP)
             for a in range(MTP):
                 acc[a] = ZERO
             for phase in range(n_phases):
@@ -1035,10 +978,6 @@ def _register_all() -> None:
         register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs()[1:],
                  f"batch-invariant per-head x[:, g] @ w[g].T, {mt}-row tiles (ODD_TILES)",
                  block_threads=threads)
-        # ... and with WIDE_COLUMNS on WIDE_ARCHS (ODD_WIDE): the head kind, the wider footprint
-        register(f"head_linear_mt{mt}_wide", get_kernel("head", "none", False, mt, columns=WIDE_COLUMNS),
-                 _head_sigs()[1:], f"the head kernel's {mt} x {WIDE_COLUMNS} register tile (ODD_WIDE), "
-                 f"launched on {', '.join(WIDE_ARCHS)} only", block_threads=threads, archs=WIDE_ARCHS)
 
 
 _register_all()
@@ -1097,16 +1036,6 @@ def row_tile(rows: int, k_dim: int = 0, kind: str = "") -> int:
             if _stage_bytes(t, k_dim) <= xs_budget() and -(-rows // t) * t < -(-rows // mt) * mt:
                 mt = t
     return mt
-
-
-def set_odd_wide(on: bool) -> bool:
-    """Switch ODD_WIDE (11 x 8 tiles on WIDE_ARCHS) and clear the plan caches that read the
-    columns (:func:`set_odd_tiles`'s). Returns the previous setting."""
-    global ODD_WIDE
-    previous, ODD_WIDE = ODD_WIDE, bool(on)
-    for cached in (row_tile, _plan, _grid_cols, _setup):
-        cached.cache_clear()
-    return previous
 
 
 def set_odd_tiles(on: bool) -> bool:
@@ -1216,7 +1145,7 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     # The loop is read per launch shape (not get_kernel's default, frozen at import): a bench can
     # switch PIPELINE_WEIGHTS / PIPELINE_MIN_ROW_TILE and clear this cache.
     return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns,
-                       pipelined=ring_for(plan.mt), prefetch=PREFETCH_WEIGHTS_L2), grid, plan.threads,
+                       pipelined=ring_for(plan.mt)), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
 

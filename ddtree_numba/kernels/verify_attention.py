@@ -166,8 +166,8 @@ class TileConfig:
             count is the warp's most (its lanes run one loop, not two in turn); scores past the
             last key are never read (-inf), so it is layout, not numerics; the live tiles' fmas
             keep their order. ``qk_keys`` <= 4: the score loop is compiled for 1, 2 and 3 live
-            tiles besides all (no dynamic index into the register tiles). Off in the engine until
-            timed (``engine.model.ATTENTION_SKIP_DEAD_KEYS``).
+            tiles besides all (no dynamic index into the register tiles). On in the engine since it
+            was timed (``engine.model.ATTENTION_SKIP_DEAD_KEYS``).
     """
 
     latent_dim: int
@@ -1458,7 +1458,7 @@ SEGMENT_PREFETCH_CHUNKS = DEFAULT_SPLIT_SIZE // KIMI_K2_CONFIG.chunk
 # The score-first tilings the engine uses (model.DECODE_TILE, model.FEW_NODES_TILE).
 KIMI_K2_SCORE_FIRST_CONFIG = default_config(512, 64, 64, tile_heads=2, score_keys=128)
 KIMI_K2_SCORE_FIRST_TREE_CONFIG = default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=4)
-# ... with the dead-key skip (TileConfig.skip_dead_keys, opt-in: engine.model.ATTENTION_SKIP_DEAD_KEYS)
+# ... with the dead-key skip (TileConfig.skip_dead_keys; the engine's tiles: engine.model.ATTENTION_SKIP_DEAD_KEYS)
 KIMI_K2_SCORE_FIRST_SKIP_CONFIG = dataclasses.replace(KIMI_K2_SCORE_FIRST_CONFIG, skip_dead_keys=True)
 KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG = dataclasses.replace(KIMI_K2_SCORE_FIRST_TREE_CONFIG, skip_dead_keys=True)
 for _name, _config, _what in (
@@ -1473,9 +1473,9 @@ for _name, _config, _what in (
         ("verify_attention_mla_score_first_8_heads", KIMI_K2_SCORE_FIRST_TREE_CONFIG,
          "score-first layout, 8-head tiles (4 x 4 score tiles), 128 keys a pass (small trees)"),
         ("verify_attention_mla_score_first_skip", KIMI_K2_SCORE_FIRST_SKIP_CONFIG,
-         "score-first 2-head tiles skipping dead key tiles (opt-in, TileConfig.skip_dead_keys)"),
+         "score-first 2-head tiles skipping dead key tiles (decode steps, TileConfig.skip_dead_keys)"),
         ("verify_attention_mla_score_first_8_heads_skip", KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG,
-         "score-first 8-head tiles skipping dead key tiles (opt-in, TileConfig.skip_dead_keys)")):
+         "score-first 8-head tiles skipping dead key tiles (small trees, TileConfig.skip_dead_keys)")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
              block_threads=_config.threads)
 register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
