@@ -7,8 +7,9 @@ from ddtree_numba.bench import forward_ab
 
 
 def test_variants_parse_and_refuse():
-    assert forward_ab._variants("auto/auto,64/4,auto-pf/auto,auto/auto-plain,auto-skip/auto") == [
-        ("auto", "auto"), ("64", "4"), ("auto-pf", "auto"), ("auto", "auto-plain"), ("auto-skip", "auto")]
+    assert forward_ab._variants("auto/auto,64/4,auto-pf/auto,auto/auto-plain,auto-skip/auto,auto-noskip/auto") == [
+        ("auto", "auto"), ("64", "4"), ("auto-pf", "auto"), ("auto", "auto-plain"), ("auto-skip", "auto"),
+        ("auto-noskip", "auto")]
     for bad in ("32/auto", "auto/8", "auto", "64/auto,", "64-pf/auto", "auto/plain"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)

@@ -45,8 +45,8 @@ def test_decode_tiles_differ_only_in_the_prefetch():
 
 
 def test_skip_tiles_differ_only_in_the_skip():
-    """The bench's -skip tiles are the engine's score-first tiles with skip_dead_keys on (layout, not
-    numerics), so their A/B times the skip alone."""
+    """The bench's -skip tiles (the engine's default) are the plain score-first tiles with
+    skip_dead_keys on (layout, not numerics), so their A/B times the skip alone."""
     for name in ("sf2x128", "sf8x128r4"):
         skip = bva.TILES[f"{name}-skip"]
         assert skip.skip_dead_keys and not bva.TILES[name].skip_dead_keys

@@ -768,7 +768,8 @@ def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [va.KIMI_K2_SCORE_FIRST_TREE_CONFIG, va.KIMI_K2_SCORE_FIRST_CONFIG])
+@pytest.mark.parametrize("cfg", [va.KIMI_K2_SCORE_FIRST_TREE_CONFIG, va.KIMI_K2_SCORE_FIRST_CONFIG,
+                                 va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, va.KIMI_K2_SCORE_FIRST_SKIP_CONFIG])
 @pytest.mark.parametrize("past, nodes", [(160, 33), (128, 33), (64, 1), (191, 1)])
 def test_gpu_score_first_reads_inside_its_arrays(cfg, past, nodes):
     """Each input its own exact-size device allocation, the engine's short-prefix shapes (one

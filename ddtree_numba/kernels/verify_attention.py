@@ -1455,7 +1455,8 @@ KIMI_K2_DECODE_CONFIG = default_config(512, 64, 64, tile_heads=8)
 KIMI_K2_SMALL_TREE_CONFIG = default_config(512, 64, 64, tile_heads=16)
 # prefetch_chunks that covers a whole default segment at the start (32-key chunks in every preset)
 SEGMENT_PREFETCH_CHUNKS = DEFAULT_SPLIT_SIZE // KIMI_K2_CONFIG.chunk
-# The score-first tilings the engine uses (model.DECODE_TILE, model.FEW_NODES_TILE).
+# The score-first tilings the engine uses (model.DECODE_TILE, model.FEW_NODES_TILE), before the
+# dead-key skip (the engine's tiles have it: the _SKIP configs below, model.ATTENTION_SKIP_DEAD_KEYS).
 KIMI_K2_SCORE_FIRST_CONFIG = default_config(512, 64, 64, tile_heads=2, score_keys=128)
 KIMI_K2_SCORE_FIRST_TREE_CONFIG = default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=4)
 # ... with the dead-key skip (TileConfig.skip_dead_keys; the engine's tiles: engine.model.ATTENTION_SKIP_DEAD_KEYS)
