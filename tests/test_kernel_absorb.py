@@ -157,6 +157,48 @@ def test_segment_lanes_keep_the_order(m_rows, k_dim, mt, row_groups):
     _assert_close(got, x, w)
 
 
+@pytest.mark.parametrize("mt, col_quads, row_groups, lanes, blocks_per_sm", [(4, 8, 2, 1, 4), (4, 16, 4, 1, 3),
+                                                                         (8, 8, 2, 2, 2), (4, 16, 10, 1, 4)])
+def test_pair_lanes_and_block_counts_keep_the_bits(mt, col_quads, row_groups, lanes, blocks_per_sm):
+    """The tile kernel's 2 x 2 lane squares (``pairs``) and launch-bound block counts: layout only,
+    so the split kernel's bits (and under the simulator the emulated order) at 33 rows (rows past M
+    in the last square), K 72 (a partial round with two lanes), N 36 (a partial column slab)."""
+    x, w = _rand(33, 2, 72), _rand(2, 72, 36)
+    x[3] = -0.0
+    want = _run(x, w, plan=_split(x, w))
+    for pairs in (False, True):
+        plan = ab.tile_block_plan(mt, col_quads, row_groups, lanes, 33, 2, 36, blocks_per_sm, pairs)
+        assert (plan.blocks_per_sm, plan.pairs) == (blocks_per_sm, pairs) and ab._fits(plan, 33, 2, 36, 72, True)
+        got = _run(x, w, plan=plan)
+        _same_bits(got, want)
+        if SIMULATED:
+            _same_bits(got, _emulate(x, w))
+    with pytest.raises(ValueError, match="pairs"):
+        ab.tile_block_plan(4, 8, 3, 1, 33, 2, 36, 2, True)   # pairs need an even row-group count
+    with pytest.raises(ValueError, match="blocks_per_sm"):
+        ab.tile_block_plan(4, 8, 2, 1, 33, 2, 36, 5)
+
+
+def test_tile_plan_runs_a_tree_verify_in_one_wave():
+    """The H200's (132 SMs) 33-row absorbs of ``small`` / Kimi K2 (64 heads): the q absorb (K 128,
+    N 512) in 16 x 9 blocks (36 rows, not 32 x 5's 40) at 4 blocks an SM, 512 blocks in one wave;
+    the value absorb (K 512, N 128) keeps 8 x 9 blocks with 2 segment lanes at 2 an SM (256
+    blocks, one wave already); a 1056-row prefill keeps 32 x 8 at 2 (many waves either way)."""
+    def shape(p):
+        return p.col_quads, p.row_groups, p.lanes, p.blocks_per_sm, p.grid
+    assert shape(ab._tile_plan(33, 64, 512, 128, 132)) == (16, 9, 1, 4, (8, 1, 64))
+    assert shape(ab._tile_plan(33, 64, 128, 512, 132)) == (8, 9, 2, 2, (4, 1, 64))
+    assert shape(ab._tile_plan(1056, 64, 512, 128, 132)) == (32, 8, 1, 2, (4, 33, 64))
+    for rows in range(9, 260, 7):
+        for n_cols, k_dim in ((512, 128), (128, 512)):
+            plan = ab._tile_plan(rows, 64, n_cols, k_dim, 132)
+            blocks = int(np.prod(plan.grid))
+            assert plan.grid[1] * plan.row_groups * plan.mt >= rows and plan.grid[0] * plan.col_quads * 4 >= n_cols
+            if plan.blocks_per_sm > ab.TILE_BLOCKS_PER_SM:   # only to put a grid in one wave
+                assert plan.lanes == 1 and plan.threads <= ab.WAVE_THREADS
+                assert ab.TILE_BLOCKS_PER_SM * 132 < blocks <= plan.blocks_per_sm * 132
+
+
 def test_tile_stages_fit_the_default_shared_memory():
     """Many rows at 8 rows a thread and 32 column quads: the plan trims the row groups so that the
     two stages fit TILE_SMEM (the kernel's dynamic shared memory, checked by the launch check)."""

@@ -9,8 +9,9 @@ exceed the L2 3x where that many fit (small: 12 copies; tiny's weights stay cach
 (CUDA events around GPU work only, as bench/linear.py: what a captured graph replays).
 
 Layouts (``--layout``, repeatable): ``auto`` (plan_absorb's choice), ``split`` (the split kernel at
-any row count), ``tile`` (the tile plan), ``tile:MT,CQ,RW,SL`` (a forced tile block: MT rows a
-thread, CQ column quads, RW row groups, SL segment lanes; the grid follows). Every layout gives the
+any row count), ``tile`` (the tile plan), ``tile:MT,CQ,RW,SL[,BPS[,P]]`` (a forced tile block: MT rows a
+thread, CQ column quads, RW row groups, SL segment lanes, optionally BPS blocks an SM in the launch
+bounds and P = 1 for the 2 x 2 lane squares of ``get_tile_kernel``'s ``pairs``; the grid follows). Every layout gives the
 same bits (checked on the first call of each case against the split kernel, output poisoned with
 NaN first), so the table is a choice of layout, not of numerics.
 
@@ -39,12 +40,12 @@ import numpy as np
 DEFAULT_ROWS = (1, 9, 33, 64)
 ROTATION_L2_FACTOR = 3
 MAX_WEIGHT_SETS = 16
-KEYS = ("m", "k", "n", "heads", "mt", "lanes", "col_quads", "row_groups", "threads", "blocks",
+KEYS = ("m", "k", "n", "heads", "mt", "lanes", "col_quads", "row_groups", "blocks_per_sm", "pairs", "threads", "blocks",
         "median_us", "min_us", "max_us", "pct_hbm", "pct_fp32", "x_floor")
 
 
 def parse_layout(text: str) -> tuple[str, tuple[int, ...]]:
-    """``auto`` / ``split`` / ``tile`` / ``tile:MT,CQ,RW,SL`` -> (name, forced tile block or ())."""
+    """``auto`` / ``split`` / ``tile`` / ``tile:MT,CQ,RW,SL[,BPS[,P]]`` -> (name, forced tile block or ())."""
     if text in ("auto", "split", "tile"):
         return text, ()
     name, _, spec = text.partition(":")
@@ -52,8 +53,8 @@ def parse_layout(text: str) -> tuple[str, tuple[int, ...]]:
         block = tuple(int(v) for v in spec.split(","))
     except ValueError:
         block = ()
-    if name != "tile" or len(block) != 4:
-        raise ValueError(f"layout must be auto, split, tile or tile:MT,CQ,RW,SL, got {text!r}")
+    if name != "tile" or len(block) not in (4, 5, 6):
+        raise ValueError(f"layout must be auto, split, tile or tile:MT,CQ,RW,SL[,BPS[,P]], got {text!r}")
     return name, block
 
 
@@ -69,7 +70,7 @@ def layout_plan(layout: str, m_rows: int, heads: int, n_cols: int, k_dim: int, s
     if not block:
         return ab._tile_plan(m_rows, heads, n_cols, k_dim, sm_count)
     try:
-        return ab.tile_block_plan(*block, m_rows, heads, n_cols)
+        return ab.tile_block_plan(*block[:4], m_rows, heads, n_cols, *block[4:5], *(bool(p) for p in block[5:6]))
     except ValueError as err:
         raise ValueError(f"layout {layout!r}: {err}") from None
 
@@ -114,6 +115,7 @@ def bench_case(name: str, heads: int, k_dim: int, n_cols: int, m_rows: int, layo
         med = statistics.median(times)
         rows.append(dict(absorb=name, layout=layout, kind=plan.kind, m=m_rows, k=k_dim, n=n_cols, heads=heads,
                          mt=plan.mt, lanes=plan.lanes, col_quads=plan.col_quads, row_groups=plan.row_groups,
+                         blocks_per_sm=plan.blocks_per_sm, pairs=int(plan.pairs),
                          threads=plan.threads, blocks=int(np.prod(plan.grid)), median_us=med, min_us=min(times),
                          max_us=max(times), pct_hbm=100.0 * moved / (med * 1e-6) / profile.hbm_bandwidth_spec,
                          pct_fp32=100.0 * flops / (med * 1e-6) / profile.fp32_peak, x_floor=med / floor_us))
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="small", help="model preset whose absorb shapes are timed")
     parser.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)), help="row counts, comma-separated")
     parser.add_argument("--layout", action="append",
-                        help="auto, split, tile or tile:MT,CQ,RW,SL (repeatable; default auto)")
+                        help="auto, split, tile or tile:MT,CQ,RW,SL[,BPS[,P]] (repeatable; default auto)")
     parser.add_argument("--absorb", choices=("q", "value"), action="append", help="which absorb (default both)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 except ValueError as err:
                     parser.error(str(err))
     print(f"profile {profile.describe()}; {args.preset}: {cfg.n_heads} heads; GPU times queue-ahead")
-    print(f"{'absorb':>6} {'M':>4} {'layout':>14} {'kind':>5} {'MT':>2} {'SL':>2} {'CQ':>3} {'RW':>3} {'thr':>4} "
+    print(f"{'absorb':>6} {'M':>4} {'layout':>18} {'kind':>5} {'MT':>2} {'SL':>2} {'CQ':>3} {'RW':>3} {'thr':>4} "
           f"{'blocks':>6} {'GPU us':>8} {'min':>7} {'% HBM':>6} {'% FP32':>6} {'x floor':>7}")
     results = []
     for name in absorbs:
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         for m_rows in rows:
             for r in bench_case(name, cfg.n_heads, k_dim, n_cols, m_rows, layouts, args):
                 results.append(r)
-                print(f"{r['absorb']:>6} {r['m']:>4} {r['layout']:>14} {r['kind']:>5} {r['mt']:>2} {r['lanes']:>2} "
+                print(f"{r['absorb']:>6} {r['m']:>4} {r['layout']:>18} {r['kind']:>5} {r['mt']:>2} {r['lanes']:>2} "
                       f"{r['col_quads']:>3} {r['row_groups']:>3} {r['threads']:>4} {r['blocks']:>6} "
                       f"{r['median_us']:>8.1f} {r['min_us']:>7.1f} {r['pct_hbm']:>5.1f}% {r['pct_fp32']:>5.1f}% "
                       f"{r['x_floor']:>7.2f}", flush=True)

@@ -77,8 +77,17 @@ SPLIT_MAX_LANES = 16            # segment lanes a split block may have (K 512: 1
 TILE_ROW_TILES = (4, 8)         # rows a tile thread may keep (multiples of 4: 16-byte x reads)
 TILE_ROWS = 4                   # ... and keeps (H200, forward_ab run "segment absorbs": a 33-row
                                 # forward 2438.8 us with 4, 2469.1 / 2474.4 with 8)
-TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: the widest giving TILE_BLOCKS_PER_SM
+TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: of those padding few rows (_tile_plan),
+                                # the widest giving TILE_BLOCKS_PER_SM blocks an SM
 TILE_BLOCKS_PER_SM = 2
+TILE_MIN_BLOCKS = (2, 3, 4)     # blocks an SM a tile kernel may be compiled for (launch bounds: its registers)
+# One wave: a one-lane block of at most WAVE_THREADS threads whose grid passes TILE_BLOCKS_PER_SM
+# blocks an SM runs at up to WAVE_BLOCKS_PER_SM (96 registers at 144-160 threads, no spill on
+# sm_90 / sm_120: the compile check). H200, small's 33-row q absorb (bench.absorb, run one wave):
+# 512 blocks at 3 an SM (1.29 waves) 27.0 us, at 4 in one wave 21.7 (32 quads x 5 row groups) and
+# 20.1 (16 x 9: 36 rows, not 40).
+WAVE_BLOCKS_PER_SM = 4
+WAVE_THREADS = 160
 TILE_MAX_THREADS = 256          # a tile block's threads, CQ x RW x SL (rows past CQ x RW x MT take grid y)
 TILE_SEG_LANES = (1, 2)         # segment lanes a tile block may have (4: past 48 KiB from 2 row groups on)
 TILE_LANES = 2                  # ... and the plan's most, where threads and shared memory allow
@@ -109,9 +118,11 @@ def _split_layout_ok(mt: int, lanes: int, threads: int) -> bool:
     return mt in SPLIT_ROW_TILES and lanes in SPLIT_LANES and threads in SPLIT_BLOCKS and threads >= lanes
 
 
-def _tile_layout_ok(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1) -> bool:
+def _tile_layout_ok(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1,
+                    blocks_per_sm: int = TILE_BLOCKS_PER_SM, pairs: bool = False) -> bool:
     return mt in TILE_ROW_TILES and col_quads in TILE_COL_QUADS and 1 <= row_groups and \
-        seg_lanes in TILE_SEG_LANES and col_quads * row_groups * seg_lanes <= TILE_MAX_THREADS
+        seg_lanes in TILE_SEG_LANES and col_quads * row_groups * seg_lanes <= TILE_MAX_THREADS and \
+        blocks_per_sm in TILE_MIN_BLOCKS and (not pairs or row_groups % 2 == 0)
 
 
 def split_shared_bytes(k_dim: int, mt: int, lanes: int, threads: int) -> int:
@@ -204,7 +215,8 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
 # --- many rows: a thread keeps MT x 4 outputs, its segment lane's segments ---------------------------
 
 @functools.cache
-def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1) -> Any:
+def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1,
+                    blocks_per_sm: int = TILE_BLOCKS_PER_SM, pairs: bool = False) -> Any:
     """The tile kernel (compiled lazily, cached): ``col_quads`` x ``row_groups`` x ``seg_lanes``
     threads a block, each MT rows x 4 adjacent columns. A round stages ``seg_lanes`` segments of
     the head's weights [SL * SEGMENT, NB] and rows [SL * SEGMENT, RB] (k-major) in one of two
@@ -213,11 +225,22 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1
     and then the other lanes' (met in shared memory, two buffers by round parity) in segment order.
     One lane (SL = 1) is a thread running every segment; more lanes put more loads in flight
     per round and need fewer rounds (each round waits one memory round trip when its fmas are
-    fewer than the latency: the value absorb's 16 segments of 72-thread blocks)."""
-    if not _tile_layout_ok(mt, col_quads, row_groups, seg_lanes):
+    fewer than the latency: the value absorb's 16 segments of 72-thread blocks).
+
+    ``blocks_per_sm`` is the launch bounds' block count (registers: 3 fit ~124 a thread at 160
+    threads, 4 ~96), so a grid that passes one wave at 3 blocks an SM can run in one. ``pairs``
+    (an even ``row_groups``) deals a warp's lanes in 2 x 2 squares, lanes 4i + 2a + b on column
+    quad 2 q(i) + a and row group 2 r(i) + b: lanes t and t ^ 1 read the same weight float4 and
+    lanes t and t ^ 2 the same x float4: the pair-uniform shared loads that NVIDIA documents as
+    returning in 2 cycles instead of 4 an LDS.128 on sm_70-75, instead of 32 distinct weight quads
+    a warp. On the H200 (bench.absorb, PERFORMANCE run one wave) the q absorb took 20.5 us with
+    pairs and 20.2 without (16 x 10, 4 an SM), the value absorb 26.8 with (8 x 10, 2 lanes) against
+    28.1 for the default 8 x 9 without; the plan leaves pairs off. Both are layout, never the order."""
+    if not _tile_layout_ok(mt, col_quads, row_groups, seg_lanes, blocks_per_sm, pairs):
         raise ValueError(f"no tile absorb kernel for mt={mt!r}, col_quads={col_quads!r}, row_groups={row_groups!r}, "
-                         f"seg_lanes={seg_lanes!r}")
+                         f"seg_lanes={seg_lanes!r}, blocks_per_sm={blocks_per_sm!r}, pairs={pairs!r}")
     MT, CQ, RW, SL = mt, col_quads, row_groups, seg_lanes
+    PAIRS = bool(pairs)
     SLOT = CQ * RW                      # threads a segment lane
     THREADS = SLOT * SL
     NB = CQ * VEC                       # columns a block
@@ -284,7 +307,7 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1
                 sh[at + 2 * XR] = xpre[i, 2]
                 sh[at + 3 * XR] = xpre[i, 3]
 
-    @cuda.jit(**launch_bounds(THREADS, TILE_BLOCKS_PER_SM))   # (without a block count: 128 registers, a spill)
+    @cuda.jit(**launch_bounds(THREADS, blocks_per_sm))   # (without a block count: 128 registers, a spill)
     def kernel(x, w_kn, out, n_cols, k_dim):
         """x [M, G, K] (16-byte aligned rows, K % 4 == 0), w_kn [G, K, N] (flat under the
         simulator; N % 4 == 0), out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G); dynamic shared
@@ -299,8 +322,13 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1
         tid = int32(cuda.threadIdx.x)
         lane = int32(0) if SL == 1 else tid // SLOT   # (constant with one lane: the SL = 1 kernel's registers)
         st = tid - lane * SLOT
-        quad = st & (CQ - 1)
-        rg = st >> CQ_SHIFT
+        if PAIRS:                              # lanes 4i + 2a + b: quad 2 q(i) + a, row group 2 r(i) + b
+            four = st >> 2
+            quad = ((four & (CQ // 2 - 1)) << 1) | ((st >> 1) & 1)
+            rg = ((four >> (CQ_SHIFT - 1)) << 1) | (st & 1)
+        else:                                  # column quads fastest
+            quad = st & (CQ - 1)
+            rg = st >> CQ_SHIFT
         g = int32(cuda.blockIdx.z)
         row0 = int32(cuda.blockIdx.y) * RB
         col0 = int32(cuda.blockIdx.x) * NB
@@ -380,6 +408,7 @@ class AbsorbPlan:
         lanes: segment lanes (split: the threads sharing an output's segments; tile: the lanes a
             round's segments are dealt to, 1 = a thread runs every segment).
         col_quads / row_groups: the tile kernel's block (0 for a split launch).
+        blocks_per_sm / pairs: the tile kernel's launch bounds and lane layout (get_tile_kernel).
         grid, threads, shared_bytes: the launch (dynamic shared bytes: the split's partials).
     """
 
@@ -391,11 +420,13 @@ class AbsorbPlan:
     grid: tuple[int, int, int]
     threads: int
     shared_bytes: int
+    blocks_per_sm: int = TILE_BLOCKS_PER_SM
+    pairs: bool = False
 
     def kernel(self) -> Any:
         if self.kind == "split":
             return get_split_kernel(self.mt, self.lanes, self.threads)
-        return get_tile_kernel(self.mt, self.col_quads, self.row_groups, self.lanes)
+        return get_tile_kernel(self.mt, self.col_quads, self.row_groups, self.lanes, self.blocks_per_sm, self.pairs)
 
 
 def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
@@ -417,43 +448,59 @@ def tile_shared_bytes(mt: int, col_quads: int, row_groups: int, seg_lanes: int =
 
 
 def tile_block_plan(mt: int, col_quads: int, row_groups: int, seg_lanes: int, rows: int, groups: int,
-                    n_cols: int) -> AbsorbPlan:
+                    n_cols: int, blocks_per_sm: int = TILE_BLOCKS_PER_SM, pairs: bool = False) -> AbsorbPlan:
     """The tile launch of one block shape for these rows, heads and columns (the grid follows).
 
     Raises:
         ValueError: no tile kernel for the block, or its stages and partials pass TILE_SMEM.
     """
-    if not _tile_block_ok(mt, col_quads, row_groups, seg_lanes):
+    if not _tile_block_ok(mt, col_quads, row_groups, seg_lanes, blocks_per_sm, pairs):
         raise ValueError(f"no tile absorb kernel for mt={mt}, col_quads={col_quads}, row_groups={row_groups}, "
-                         f"seg_lanes={seg_lanes} within {TILE_SMEM} bytes of shared memory")
+                         f"seg_lanes={seg_lanes}, blocks_per_sm={blocks_per_sm}, pairs={pairs} within "
+                         f"{TILE_SMEM} bytes of shared memory")
     grid = (-(-n_cols // (col_quads * VEC)), -(-rows // (row_groups * mt)), groups)
     return AbsorbPlan("tile", mt, seg_lanes, col_quads, row_groups, grid, col_quads * row_groups * seg_lanes,
-                      tile_shared_bytes(mt, col_quads, row_groups, seg_lanes))
+                      tile_shared_bytes(mt, col_quads, row_groups, seg_lanes), blocks_per_sm, bool(pairs))
 
 
-def _tile_block_ok(mt: int, col_quads: int, row_groups: int, seg_lanes: int) -> bool:
+def _tile_block_ok(mt: int, col_quads: int, row_groups: int, seg_lanes: int,
+                   blocks_per_sm: int = TILE_BLOCKS_PER_SM, pairs: bool = False) -> bool:
     """A tile kernel exists for the block, and its stages and partials fit TILE_SMEM."""
-    return _tile_layout_ok(mt, col_quads, row_groups, seg_lanes) and \
+    return _tile_layout_ok(mt, col_quads, row_groups, seg_lanes, blocks_per_sm, pairs) and \
         tile_shared_bytes(mt, col_quads, row_groups, seg_lanes) <= TILE_SMEM
+
+
+def _tile_slab(rows: int, groups: int, n_cols: int, mt: int, cq: int) -> tuple[int, int]:
+    """(row groups, blocks) of a tile block of ``cq`` column quads: as many row groups as the
+    threads and TILE_SMEM allow, balanced over the row blocks."""
+    row_groups = min(-(-rows // mt), TILE_MAX_THREADS // cq)
+    while row_groups > 1 and tile_shared_bytes(mt, cq, row_groups) > TILE_SMEM:
+        row_groups -= 1
+    row_blocks = -(-rows // (row_groups * mt))
+    row_groups = -(-rows // (row_blocks * mt))
+    return row_groups, -(-n_cols // (cq * VEC)) * row_blocks * groups
 
 
 def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -> AbsorbPlan:
     mt = TILE_ROWS
     min_blocks = TILE_BLOCKS_PER_SM * sm_count
-    for cq in TILE_COL_QUADS:   # the widest slab giving min_blocks, else the narrowest
-        row_groups = min(-(-rows // mt), TILE_MAX_THREADS // cq)
-        while row_groups > 1 and tile_shared_bytes(mt, cq, row_groups) > TILE_SMEM:
-            row_groups -= 1
-        row_blocks = -(-rows // (row_groups * mt))
-        row_groups = -(-rows // (row_blocks * mt))      # balanced over the row blocks
-        grid = (-(-n_cols // (cq * VEC)), row_blocks, groups)
-        if grid[0] * grid[1] * grid[2] >= min_blocks:
-            break
+    slabs = {cq: _tile_slab(rows, groups, n_cols, mt, cq) for cq in TILE_COL_QUADS}
+    padded = {cq: -(-rows // (rg * mt)) * rg * mt for cq, (rg, _) in slabs.items()}
+    least = min(padded.values())
+    fewest = [cq for cq in TILE_COL_QUADS if 16 * padded[cq] <= 17 * least]
+    # Of the slabs padding at most 1/16 more rows than the fewest (a 33-row tree: 36 in 16 x 9, not
+    # 40 in 32 x 5), the widest giving min_blocks, else the narrowest.
+    cq = next((c for c in fewest if slabs[c][1] >= min_blocks), fewest[-1])
+    row_groups, blocks = slabs[cq]
     # Segment lanes: the most (up to TILE_LANES, no more than the segments) whose block and shared
     # memory fit: fewer rounds, more loads in flight a round.
     lanes = max(sl for sl in TILE_SEG_LANES
                 if sl == 1 or (sl <= min(TILE_LANES, _segments(k_dim)) and _tile_block_ok(mt, cq, row_groups, sl)))
-    return tile_block_plan(mt, cq, row_groups, lanes, rows, groups, n_cols)
+    # One wave where the grid passes TILE_BLOCKS_PER_SM an SM and WAVE_BLOCKS_PER_SM take it.
+    bps = TILE_BLOCKS_PER_SM
+    if lanes == 1 and cq * row_groups <= WAVE_THREADS and min_blocks < blocks <= WAVE_BLOCKS_PER_SM * sm_count:
+        bps = next(b for b in TILE_MIN_BLOCKS if blocks <= b * sm_count and b <= WAVE_BLOCKS_PER_SM)
+    return tile_block_plan(mt, cq, row_groups, lanes, rows, groups, n_cols, bps)
 
 
 def plan_absorb(rows: int, groups: int, n_cols: int, k_dim: int, *, rows_aligned: bool = True) -> AbsorbPlan:
@@ -486,7 +533,7 @@ def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, a
         cols, rows = plan.threads // plan.lanes * VEC, plan.mt
         staged = plan.shared_bytes >= split_shared_bytes(k_dim, plan.mt, plan.lanes, plan.threads)
     elif plan.kind == "tile":
-        if not _tile_layout_ok(plan.mt, plan.col_quads, plan.row_groups, plan.lanes) or \
+        if not _tile_layout_ok(plan.mt, plan.col_quads, plan.row_groups, plan.lanes, plan.blocks_per_sm, plan.pairs) or \
                 plan.threads != plan.col_quads * plan.row_groups * plan.lanes:
             return False
         cols, rows = plan.col_quads * VEC, plan.row_groups * plan.mt
@@ -561,12 +608,14 @@ def _sigs() -> tuple:
 
 
 # The compile check: the H200's launches of `small` (the AR step's split kernels for K 128 and 512,
-# the 33-row verify's tile kernels), an 8-row split (a small batch) and an 8-row tile thread.
+# the 33-row verify's tile kernels: the q absorb at 4 blocks an SM), an 8-row split (a small batch),
+# an 8-row tile thread and the 32 x 5 block of many rows (a prefill's q absorb).
 for _mt, _lanes in ((1, 4), (1, 16), (8, 4)):
     register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(),
              f"MLA absorb in segment order, {_mt} row(s), {_lanes} segment lanes a block, partials met in shared memory",
              block_threads=SPLIT_THREADS)
-for _mt, _cq, _rw, _sl in ((4, 32, 5, 1), (4, 8, 9, 2), (8, 32, 5, 1)):
-    register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}" + (f"_s{_sl}" if _sl > 1 else ""), get_tile_kernel(_mt, _cq, _rw, _sl),
-             _sigs(), f"MLA absorb in segment order, {_mt} x 4 outputs a thread, {_sl} segment lane(s), "
-             "double-buffered tiles", block_threads=_cq * _rw * _sl)
+for _mt, _cq, _rw, _sl, _bps in ((4, 16, 9, 1, 4), (4, 8, 9, 2, 2), (8, 32, 5, 1, 2), (4, 32, 5, 1, 2)):
+    register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}" + (f"_s{_sl}" if _sl > 1 else "") + (f"_b{_bps}" if _bps > 2 else ""),
+             get_tile_kernel(_mt, _cq, _rw, _sl, _bps), _sigs(),
+             f"MLA absorb in segment order, {_mt} x 4 outputs a thread, {_sl} segment lane(s), "
+             f"double-buffered tiles, launch bounds for {_bps} blocks an SM", block_threads=_cq * _rw * _sl)
