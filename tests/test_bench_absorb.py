@@ -9,7 +9,7 @@ def test_layouts_parse_and_refuse():
     assert bench.parse_layout("auto") == ("auto", ())
     assert bench.parse_layout("tile:4,8,9,2") == ("tile", (4, 8, 9, 2))
     assert bench.parse_layout("tile:4,16,10,1,4,1") == ("tile", (4, 16, 10, 1, 4, 1))
-    for bad in ("tile:4,8,9", "tile:a,b,c,d", "split:1,2,3,4", "tiles", "", "tile:4,8,9,1,2,0,0"):
+    for bad in ("tile:4,8,9", "tile:a,b,c,d", "split:1,2,3,4", "tiles", "", "tile:4,8,9,1,2,0,0", "tile:4,8,10,1,2,7"):
         with pytest.raises(ValueError, match="layout"):
             bench.parse_layout(bad)
 

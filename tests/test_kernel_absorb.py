@@ -194,9 +194,14 @@ def test_tile_plan_runs_a_tree_verify_in_one_wave():
             plan = ab._tile_plan(rows, 64, n_cols, k_dim, 132)
             blocks = int(np.prod(plan.grid))
             assert plan.grid[1] * plan.row_groups * plan.mt >= rows and plan.grid[0] * plan.col_quads * 4 >= n_cols
-            if plan.blocks_per_sm > ab.TILE_BLOCKS_PER_SM:   # only to put a grid in one wave
-                assert plan.lanes == 1 and plan.threads <= ab.WAVE_THREADS
-                assert ab.TILE_BLOCKS_PER_SM * 132 < blocks <= plan.blocks_per_sm * 132
+            if plan.blocks_per_sm > ab.TILE_BLOCKS_PER_SM:   # only to put a grid in one wave, at the fewest
+                assert plan.lanes == 1 and (plan.blocks_per_sm - 1) * 132 < blocks <= plan.blocks_per_sm * 132
+            if plan.blocks_per_sm == ab.WAVE_BLOCKS_PER_SM:   # 96-112 registers: no more threads than compile clean
+                assert plan.threads <= ab.WAVE_THREADS
+    wide = ab._tile_plan(20, 64, 1024, 128, 132)   # 32 x 5, 160 threads: 4 an SM would spill on sm_90
+    assert (wide.col_quads, wide.row_groups, wide.threads, int(np.prod(wide.grid))) == (32, 5, 160, 512)
+    assert wide.blocks_per_sm == ab.TILE_BLOCKS_PER_SM   # 512 blocks need 4 an SM for one wave: not taken
+    assert ab._tile_plan(20, 64, 768, 128, 132).blocks_per_sm == 3   # 384 blocks: one wave at 3
 
 
 def test_tile_stages_fit_the_default_shared_memory():

@@ -53,7 +53,7 @@ def parse_layout(text: str) -> tuple[str, tuple[int, ...]]:
         block = tuple(int(v) for v in spec.split(","))
     except ValueError:
         block = ()
-    if name != "tile" or len(block) not in (4, 5, 6):
+    if name != "tile" or len(block) not in (4, 5, 6) or block[5:6] not in ((), (0,), (1,)):
         raise ValueError(f"layout must be auto, split, tile or tile:MT,CQ,RW,SL[,BPS[,P]], got {text!r}")
     return name, block
 

@@ -82,12 +82,15 @@ TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: of those padding
 TILE_BLOCKS_PER_SM = 2
 TILE_MIN_BLOCKS = (2, 3, 4)     # blocks an SM a tile kernel may be compiled for (launch bounds: its registers)
 # One wave: a one-lane block of at most WAVE_THREADS threads whose grid passes TILE_BLOCKS_PER_SM
-# blocks an SM runs at up to WAVE_BLOCKS_PER_SM (96 registers at 144-160 threads, no spill on
-# sm_90 / sm_120: the compile check). H200, small's 33-row q absorb (bench.absorb, run one wave):
-# 512 blocks at 3 an SM (1.29 waves) 27.0 us, at 4 in one wave 21.7 (32 quads x 5 row groups) and
-# 20.1 (16 x 9: 36 rows, not 40).
+# blocks an SM runs at up to WAVE_BLOCKS_PER_SM. At 4 an SM the launch bounds leave 112 registers
+# at 144 threads and 96 at 160; the 144-thread blocks (16 x 9, 8 x 18, 8 x 17) compile to 96 with
+# no spill on sm_90 / sm_120 (the compile check has 16 x 9 and 8 x 18), while 32 x 5 (160 threads,
+# 7 weight loads a thread) spills on sm_90; blocks past 144 threads stop at 3 (32 x 5, 8 x 20: 124-127
+# registers, clean). H200, small's 33-row q absorb (bench.absorb, run one wave): 512 blocks at 3 an
+# SM (1.29 waves) 27.0 us, at 4 in one wave 21.7 (32 quads x 5 row groups, spilling) and 20.1
+# (16 x 9: 36 rows, not 40).
 WAVE_BLOCKS_PER_SM = 4
-WAVE_THREADS = 160
+WAVE_THREADS = 144
 TILE_MAX_THREADS = 256          # a tile block's threads, CQ x RW x SL (rows past CQ x RW x MT take grid y)
 TILE_SEG_LANES = (1, 2)         # segment lanes a tile block may have (4: past 48 KiB from 2 row groups on)
 TILE_LANES = 2                  # ... and the plan's most, where threads and shared memory allow
@@ -231,11 +234,14 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1
     threads, 4 ~96), so a grid that passes one wave at 3 blocks an SM can run in one. ``pairs``
     (an even ``row_groups``) deals a warp's lanes in 2 x 2 squares, lanes 4i + 2a + b on column
     quad 2 q(i) + a and row group 2 r(i) + b: lanes t and t ^ 1 read the same weight float4 and
-    lanes t and t ^ 2 the same x float4: the pair-uniform shared loads that NVIDIA documents as
-    returning in 2 cycles instead of 4 an LDS.128 on sm_70-75, instead of 32 distinct weight quads
-    a warp. On the H200 (bench.absorb, PERFORMANCE run one wave) the q absorb took 20.5 us with
-    pairs and 20.2 without (16 x 10, 4 an SM), the value absorb 26.8 with (8 x 10, 2 lanes) against
-    28.1 for the default 8 x 9 without; the plan leaves pairs off. Both are layout, never the order."""
+    lanes t and t ^ 2 the same x float4, instead of 32 distinct weight quads a warp: the
+    pair-uniform shared loads that an NVIDIA engineer describes on the developer forum ("Unexpected
+    shared memory bank conflict", 2019) as returning an LDS.128 in 2 requests instead of 4 on
+    sm_70-75; not documented for sm_90. On the H200 (bench.absorb, PERFORMANCE run one wave) the q
+    absorb took 20.5 us with pairs and 20.2 without (16 x 10, 4 an SM); the value absorb 26.8 with
+    pairs at 8 x 10 (2 lanes) against 28.1 for the plan's 8 x 9 without, a comparison that changes
+    the row groups too (8 x 10 without pairs was not timed). The plan leaves pairs off. Both knobs
+    are layout, never the order."""
     if not _tile_layout_ok(mt, col_quads, row_groups, seg_lanes, blocks_per_sm, pairs):
         raise ValueError(f"no tile absorb kernel for mt={mt!r}, col_quads={col_quads!r}, row_groups={row_groups!r}, "
                          f"seg_lanes={seg_lanes!r}, blocks_per_sm={blocks_per_sm!r}, pairs={pairs!r}")
@@ -496,10 +502,12 @@ def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -
     # memory fit: fewer rounds, more loads in flight a round.
     lanes = max(sl for sl in TILE_SEG_LANES
                 if sl == 1 or (sl <= min(TILE_LANES, _segments(k_dim)) and _tile_block_ok(mt, cq, row_groups, sl)))
-    # One wave where the grid passes TILE_BLOCKS_PER_SM an SM and WAVE_BLOCKS_PER_SM take it.
+    # One wave where the grid passes TILE_BLOCKS_PER_SM an SM and a block count the registers allow
+    # takes it (WAVE_BLOCKS_PER_SM up to WAVE_THREADS threads, one fewer past them).
     bps = TILE_BLOCKS_PER_SM
-    if lanes == 1 and cq * row_groups <= WAVE_THREADS and min_blocks < blocks <= WAVE_BLOCKS_PER_SM * sm_count:
-        bps = next(b for b in TILE_MIN_BLOCKS if blocks <= b * sm_count and b <= WAVE_BLOCKS_PER_SM)
+    most = WAVE_BLOCKS_PER_SM if cq * row_groups <= WAVE_THREADS else WAVE_BLOCKS_PER_SM - 1
+    if lanes == 1 and min_blocks < blocks <= most * sm_count:
+        bps = next(b for b in TILE_MIN_BLOCKS if blocks <= b * sm_count)
     return tile_block_plan(mt, cq, row_groups, lanes, rows, groups, n_cols, bps)
 
 
@@ -609,13 +617,14 @@ def _sigs() -> tuple:
 
 # The compile check: the H200's launches of `small` (the AR step's split kernels for K 128 and 512,
 # the 33-row verify's tile kernels: the q absorb at 4 blocks an SM), an 8-row split (a small batch),
-# an 8-row tile thread and the 32 x 5 block of many rows (a prefill's q absorb).
+# an 8-row tile thread, the widest block the plan runs at 4 an SM (8 x 18: 144 threads) and the
+# 32 x 8 block of many rows (a prefill's q absorb).
 for _mt, _lanes in ((1, 4), (1, 16), (8, 4)):
     register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(),
              f"MLA absorb in segment order, {_mt} row(s), {_lanes} segment lanes a block, partials met in shared memory",
              block_threads=SPLIT_THREADS)
-for _mt, _cq, _rw, _sl, _bps in ((4, 16, 9, 1, 4), (4, 8, 9, 2, 2), (8, 32, 5, 1, 2), (4, 32, 5, 1, 2)):
+for _mt, _cq, _rw, _sl, _bps in ((4, 16, 9, 1, 4), (4, 8, 9, 2, 2), (8, 32, 5, 1, 2), (4, 8, 18, 1, 4), (4, 32, 8, 1, 2)):
     register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}" + (f"_s{_sl}" if _sl > 1 else "") + (f"_b{_bps}" if _bps > 2 else ""),
-             get_tile_kernel(_mt, _cq, _rw, _sl, _bps), _sigs(),
+             get_tile_kernel(_mt, _cq, _rw, _sl, _bps, False), _sigs(),
              f"MLA absorb in segment order, {_mt} x 4 outputs a thread, {_sl} segment lane(s), "
              f"double-buffered tiles, launch bounds for {_bps} blocks an SM", block_threads=_cq * _rw * _sl)
