@@ -80,7 +80,6 @@ TILE_ROWS = 4                   # ... and keeps (H200, forward_ab run "segment a
 TILE_COL_QUADS = (32, 16, 8)    # column quads of a tile block: of those padding few rows (_tile_plan),
                                 # the widest giving TILE_BLOCKS_PER_SM blocks an SM
 TILE_BLOCKS_PER_SM = 2
-TILE_MIN_BLOCKS = (2, 3, 4)     # blocks an SM a tile kernel may be compiled for (launch bounds: its registers)
 # One wave: a one-lane block of at most WAVE_THREADS threads whose grid passes TILE_BLOCKS_PER_SM
 # blocks an SM runs at up to WAVE_BLOCKS_PER_SM. At 4 an SM the launch bounds leave 112 registers
 # at 144 threads and 96 at 160; the 144-thread blocks (16 x 9, 8 x 18, 8 x 17) compile to 96 with
@@ -91,6 +90,8 @@ TILE_MIN_BLOCKS = (2, 3, 4)     # blocks an SM a tile kernel may be compiled for
 # (16 x 9: 36 rows, not 40).
 WAVE_BLOCKS_PER_SM = 4
 WAVE_THREADS = 144
+# blocks an SM a tile kernel may be compiled for (launch bounds: its registers): 2, 3, 4
+TILE_MIN_BLOCKS = tuple(range(TILE_BLOCKS_PER_SM, WAVE_BLOCKS_PER_SM + 1))
 TILE_MAX_THREADS = 256          # a tile block's threads, CQ x RW x SL (rows past CQ x RW x MT take grid y)
 TILE_SEG_LANES = (1, 2)         # segment lanes a tile block may have (4: past 48 KiB from 2 row groups on)
 TILE_LANES = 2                  # ... and the plan's most, where threads and shared memory allow
@@ -476,28 +477,27 @@ def _tile_block_ok(mt: int, col_quads: int, row_groups: int, seg_lanes: int,
         tile_shared_bytes(mt, col_quads, row_groups, seg_lanes) <= TILE_SMEM
 
 
-def _tile_slab(rows: int, groups: int, n_cols: int, mt: int, cq: int) -> tuple[int, int]:
-    """(row groups, blocks) of a tile block of ``cq`` column quads: as many row groups as the
-    threads and TILE_SMEM allow, balanced over the row blocks."""
+def _tile_slab(rows: int, groups: int, n_cols: int, mt: int, cq: int) -> tuple[int, int, int]:
+    """(row groups, blocks, rows computed with the padding) of a tile block of ``cq`` column
+    quads: as many row groups as the threads and TILE_SMEM allow, balanced over the row blocks."""
     row_groups = min(-(-rows // mt), TILE_MAX_THREADS // cq)
     while row_groups > 1 and tile_shared_bytes(mt, cq, row_groups) > TILE_SMEM:
         row_groups -= 1
     row_blocks = -(-rows // (row_groups * mt))
     row_groups = -(-rows // (row_blocks * mt))
-    return row_groups, -(-n_cols // (cq * VEC)) * row_blocks * groups
+    return row_groups, -(-n_cols // (cq * VEC)) * row_blocks * groups, row_blocks * row_groups * mt
 
 
 def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -> AbsorbPlan:
     mt = TILE_ROWS
     min_blocks = TILE_BLOCKS_PER_SM * sm_count
     slabs = {cq: _tile_slab(rows, groups, n_cols, mt, cq) for cq in TILE_COL_QUADS}
-    padded = {cq: -(-rows // (rg * mt)) * rg * mt for cq, (rg, _) in slabs.items()}
-    least = min(padded.values())
-    fewest = [cq for cq in TILE_COL_QUADS if 16 * padded[cq] <= 17 * least]
+    least = min(padded for _, _, padded in slabs.values())
+    fewest = [cq for cq in TILE_COL_QUADS if 16 * slabs[cq][2] <= 17 * least]
     # Of the slabs padding at most 1/16 more rows than the fewest (a 33-row tree: 36 in 16 x 9, not
     # 40 in 32 x 5), the widest giving min_blocks, else the narrowest.
     cq = next((c for c in fewest if slabs[c][1] >= min_blocks), fewest[-1])
-    row_groups, blocks = slabs[cq]
+    row_groups, blocks, _ = slabs[cq]
     # Segment lanes: the most (up to TILE_LANES, no more than the segments) whose block and shared
     # memory fit: fewer rounds, more loads in flight a round.
     lanes = max(sl for sl in TILE_SEG_LANES
