@@ -31,7 +31,7 @@ def test_flops_and_peer_sizing():
 def test_score_first_tiles_are_the_engines():
     """The bench's score-first tiles are the ones engine.model picks for AR steps and small trees."""
     import ddtree_numba.engine.model as em
-    for name, tile in (("sf2x128", em.DECODE_TILE), ("sf8x128r4", em.FEW_NODES_TILE)):
+    for name, tile in (("sf2x256", em.DECODE_TILE), ("sf8x128r4", em.FEW_NODES_TILE)):
         cfg = bva.TILES[name]
         assert (cfg.heads, cfg.score_keys, cfg.qk_rows) == (tile + (1,))[:3]
 
@@ -47,7 +47,7 @@ def test_decode_tiles_differ_only_in_the_prefetch():
 def test_skip_tiles_differ_only_in_the_skip():
     """The bench's -skip tiles (the engine's default) are the plain score-first tiles with
     skip_dead_keys on (layout, not numerics), so their A/B times the skip alone."""
-    for name in ("sf2x128", "sf8x128r4"):
+    for name in ("sf2x128", "sf2x256", "sf8x128r4"):
         skip = bva.TILES[f"{name}-skip"]
         assert skip.skip_dead_keys and not bva.TILES[name].skip_dead_keys
         assert dataclasses.replace(skip, skip_dead_keys=False) == bva.TILES[name]

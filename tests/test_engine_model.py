@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -472,10 +473,13 @@ def test_attention_tile_config_fits_prefill_chunks() -> None:
     big = attention_tile_config(kimi, 4096)
     assert 64 <= big.max_path < 4096 and big.static_shared_bytes <= 48 * 1024
     assert attention_tile_config(kimi, 16).max_path == 64
-    # Few nodes: score-first 2-head tiles (an AR step), 8-head with 4 x 4 score tiles (a batch-1
-    # tree); many: 64-head chunk-layout tiles (layout only).
+    # Few nodes: score-first 2-head tiles with 256-key passes (an AR step), 8-head with 4 x 4 score
+    # tiles (a batch-1 tree); many: 64-head chunk-layout tiles (layout only). The AR tile's 32-dim
+    # key slices and the tree's 64 give a lane the same 4 dims at once (the numerics' k_slice part).
     decode, tree = attention_tile_config(kimi, 1), attention_tile_config(kimi, 33)
-    assert (decode.heads, decode.score_keys, tree.heads, tree.score_keys, tree.qk_rows) == (2, 128, 8, 128, 4)
+    assert (decode.heads, decode.score_keys, tree.heads, tree.score_keys, tree.qk_rows) == (2, 256, 8, 128, 4)
+    assert (decode.k_slice, tree.k_slice, decode.threads) == (32, 64, 256)
+    assert math.gcd(decode.k_slice // decode.k_groups, 4) == math.gcd(tree.k_slice // tree.k_groups, 4)
     assert attention_tile_config(kimi, 33, batch_size=8).heads == 64
     assert attention_tile_config(tiny, 1).merge_heads == 4
 

@@ -182,13 +182,14 @@ def test_pair_lanes_and_block_counts_keep_the_bits(mt, col_quads, row_groups, la
 def test_tile_plan_runs_a_tree_verify_in_one_wave():
     """The H200's (132 SMs) 33-row absorbs of ``small`` / Kimi K2 (64 heads): the q absorb (K 128,
     N 512) in 16 x 9 blocks (36 rows, not 32 x 5's 40) at 4 blocks an SM, 512 blocks in one wave;
-    the value absorb (K 512, N 128) keeps 8 x 9 blocks with 2 segment lanes at 2 an SM (256
-    blocks, one wave already); a 1056-row prefill keeps 32 x 8 at 2 (many waves either way)."""
+    the value absorb (K 512, N 128) in 8 x 10 blocks with 2 segment lanes in 2 x 2 lane squares at
+    2 an SM (256 blocks, one wave already; 9 row groups rounded up to even for the squares); a
+    1056-row prefill keeps 32 x 8 at 2 (many waves either way)."""
     def shape(p):
-        return p.col_quads, p.row_groups, p.lanes, p.blocks_per_sm, p.grid
-    assert shape(ab._tile_plan(33, 64, 512, 128, 132)) == (16, 9, 1, 4, (8, 1, 64))
-    assert shape(ab._tile_plan(33, 64, 128, 512, 132)) == (8, 9, 2, 2, (4, 1, 64))
-    assert shape(ab._tile_plan(1056, 64, 512, 128, 132)) == (32, 8, 1, 2, (4, 33, 64))
+        return p.col_quads, p.row_groups, p.lanes, p.blocks_per_sm, p.pairs, p.grid
+    assert shape(ab._tile_plan(33, 64, 512, 128, 132)) == (16, 9, 1, 4, False, (8, 1, 64))
+    assert shape(ab._tile_plan(33, 64, 128, 512, 132)) == (8, 10, 2, 2, True, (4, 1, 64))
+    assert shape(ab._tile_plan(1056, 64, 512, 128, 132)) == (32, 8, 1, 2, False, (4, 33, 64))
     for rows in range(9, 260, 7):
         for n_cols, k_dim in ((512, 128), (128, 512)):
             plan = ab._tile_plan(rows, 64, n_cols, k_dim, 132)
@@ -198,6 +199,11 @@ def test_tile_plan_runs_a_tree_verify_in_one_wave():
                 assert plan.lanes == 1 and (plan.blocks_per_sm - 1) * 132 < blocks <= plan.blocks_per_sm * 132
             if plan.blocks_per_sm == ab.WAVE_BLOCKS_PER_SM:   # 96-112 registers: no more threads than compile clean
                 assert plan.threads <= ab.WAVE_THREADS
+            # lane squares exactly where a block runs PAIR_LANES lanes and an even row-group count fits
+            assert not plan.pairs or (plan.lanes == ab.PAIR_LANES and plan.row_groups % 2 == 0)
+            if plan.lanes == ab.PAIR_LANES and not plan.pairs:
+                even = plan.row_groups + plan.row_groups % 2
+                assert not ab._tile_block_ok(plan.mt, plan.col_quads, even, plan.lanes, plan.blocks_per_sm, True)
     wide = ab._tile_plan(20, 64, 1024, 128, 132)   # 32 x 5, 160 threads: 4 an SM would spill on sm_90
     assert (wide.col_quads, wide.row_groups, wide.threads, int(np.prod(wide.grid))) == (32, 5, 160, 512)
     assert wide.blocks_per_sm == ab.TILE_BLOCKS_PER_SM   # 512 blocks need 4 an SM for one wave: not taken
@@ -263,7 +269,7 @@ def test_plans():
             assert plan.grid[0] * plan.col_quads * 4 >= n_cols and plan.grid[1] * plan.row_groups * plan.mt >= rows
             assert (plan.grid[1] - 1) * plan.row_groups * plan.mt < rows   # no empty row block
     v33 = ab.plan_absorb(33, 64, 128, 512)   # small's 33-row value absorb: 16 segments, two lanes
-    assert (v33.lanes, v33.col_quads, v33.row_groups, v33.threads) == (2, 8, 9, 144)
+    assert (v33.lanes, v33.col_quads, v33.row_groups, v33.threads, v33.pairs) == (2, 8, 10, 160, True)
     assert ab.plan_absorb(33, 64, 512, 128, rows_aligned=False).kind == "split"
     assert ab.plan_absorb(33, 2, 16, 30).kind == "split"   # K % 4 != 0: no 16-byte x reads
 

@@ -431,13 +431,16 @@ def test_score_first_skip_dead_keys_is_not_numerics(layout):
     _assert_close(*got, *_reference(inputs, 0.3))
 
 
-def test_score_first_skip_dead_keys_kimi_dims():
-    """The same at Kimi dims (2 heads, 128 keys a pass as in the engine's tiles; 168 keys: a
-    second pass with 40 live), against the chunk layout."""
+@pytest.mark.parametrize("score_keys, k_slice", [(128, 64), (256, 32)])
+def test_score_first_skip_dead_keys_kimi_dims(score_keys, k_slice):
+    """The same at Kimi dims, 2 heads, against the chunk layout: 128 keys a pass (168 keys: a second
+    pass with 40 live) and the AR step's 256 keys a pass (256 threads, 32-dim key slices, two P·V
+    dims a thread: scalar value loads; one pass with 88 dead keys)."""
     rng = np.random.default_rng(24)
     inputs, _ = _batch(rng, KIMI_DIMS_H2, 2, [165], [3], 3, 168, chain=True)
     want = _run(inputs, 0.3, KIMI_DIMS_H2, 2048)
-    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=128, skip_dead_keys=True), 2048)
+    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=score_keys, k_slice=k_slice,
+                                                skip_dead_keys=True), 2048)
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
@@ -751,12 +754,13 @@ def test_gpu_kimi_matches_reference():
                                            va.default_config(512, 64, 64, tile_heads=8, score_keys=128, score_rows=2),
                                            va.default_config(512, 64, 64, tile_heads=16, score_keys=128, score_rows=4),
                                            va.KIMI_K2_SCORE_FIRST_SKIP_CONFIG,
-                                           va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG])
+                                           va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG,
+                                           va.KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG])
 def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
     """64-head tree tiles vs decode steps with the chunk layout's 64-, 16- and 8-head tiles (the
     last with the L2 prefetch too) and the score-first 2-, 4-, 8- and 16-head tiles (the engine's AR
-    model: 2 heads; 8 and 16 with 2 or 4 heads a score thread, 16 with 32-dim key slices; the
-    engine's two with skip_dead_keys)."""
+    model: 2 heads, 256 keys a pass; 8 and 16 with 2 or 4 heads a score thread, 16 with 32-dim key
+    slices; the engine's two with skip_dead_keys)."""
     rng = np.random.default_rng(11)
     inputs, parents = _kimi_case(rng, [4093, 2047], [33, 9])
     split = va.DEFAULT_SPLIT_SIZE
@@ -769,7 +773,8 @@ def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [va.KIMI_K2_SCORE_FIRST_TREE_CONFIG, va.KIMI_K2_SCORE_FIRST_CONFIG,
-                                 va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, va.KIMI_K2_SCORE_FIRST_SKIP_CONFIG])
+                                 va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, va.KIMI_K2_SCORE_FIRST_SKIP_CONFIG,
+                                 va.KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG])
 @pytest.mark.parametrize("past, nodes", [(160, 33), (128, 33), (64, 1), (191, 1)])
 def test_gpu_score_first_reads_inside_its_arrays(cfg, past, nodes):
     """Each input its own exact-size device allocation, the engine's short-prefix shapes (one

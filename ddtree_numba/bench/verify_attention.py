@@ -60,13 +60,16 @@ TILES = {
     "h16": va.KIMI_K2_SMALL_TREE_CONFIG,           # 16 heads per tile: the engine's small trees
     "h16-prefetch-seg": dataclasses.replace(va.KIMI_K2_SMALL_TREE_CONFIG, prefetch_l2=True,
                                             prefetch_chunks=va.SEGMENT_PREFETCH_CHUNKS),
-    "sf2x128": va.KIMI_K2_SCORE_FIRST_CONFIG,      # score-first, 2 heads: the engine's AR steps without the skip
+    "sf2x128": va.KIMI_K2_SCORE_FIRST_CONFIG,      # score-first, 2 heads: the AR steps' tile before run "lane squares"
+    # 2 heads, 256 keys a pass: the engine's AR steps without the skip
+    "sf2x256": dataclasses.replace(va.KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG, skip_dead_keys=False),
     "sf4x128": va.default_config(512, 64, 64, tile_heads=4, score_keys=128),  # the small trees' tile before
     "sf8x128r4": va.KIMI_K2_SCORE_FIRST_TREE_CONFIG,  # score-first, 8 heads, 4 x 4 score tiles: the small trees without the skip
     # the same two score-first tiles skipping the score FMAs past a pass's last key (TileConfig.skip_dead_keys):
     # the engine's tiles (engine.model.ATTENTION_SKIP_DEAD_KEYS)
     "sf2x128-skip": va.KIMI_K2_SCORE_FIRST_SKIP_CONFIG,
     "sf8x128r4-skip": va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG,
+    "sf2x256-skip": va.KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG,
 }
 AMPLITUDE = 1.0  # inputs uniform in [-1, 1): scores have std ~1.2 after the scale
 FILL_THREADS = 256

@@ -82,8 +82,11 @@ FEW_NODES_PER_SM = 2
 # score tile, default 1). Layout, not numerics; bench.forward_ab times them
 # (H200, run "attention score-first": an AR forward 1793.2 us with 8-head chunk tiles, 1424.7
 # with (2, 128); a 33-row forward 3377.4 with 16-head tiles, 3278.6 with (4, 128); run "score
-# rows": a 33-row forward 3151.9 with (4, 128), 2829.8 with (8, 128, 4), 2993.9 with (8, 128, 2)).
-DECODE_TILE: int | tuple[int, ...] = (2, 128)
+# rows": a 33-row forward 3151.9 with (4, 128), 2829.8 with (8, 128, 4), 2993.9 with (8, 128, 2);
+# run "lane squares", graph replays of the AR step's attention alone (bench.verify_attention, skip
+# on): 35.8 us with (2, 128), 31.2 with (2, 256), 36.0 with (1, 256), 34.3 with (4, 256) at 160
+# cached rows; 156.2 and 134.4 at 1000).
+DECODE_TILE: int | tuple[int, ...] = (2, 256)
 FEW_NODES_TILE: int | tuple[int, ...] = (8, 128, 4)
 # The attention tiles' L2 prefetch of the next chunk's key rows (va.TileConfig.prefetch_l2): layout,
 # not numerics. Off: on the H200 it did not pay (forward_ab, run "attention score-first": an AR

@@ -95,6 +95,11 @@ TILE_MIN_BLOCKS = tuple(range(TILE_BLOCKS_PER_SM, WAVE_BLOCKS_PER_SM + 1))
 TILE_MAX_THREADS = 256          # a tile block's threads, CQ x RW x SL (rows past CQ x RW x MT take grid y)
 TILE_SEG_LANES = (1, 2)         # segment lanes a tile block may have (4: past 48 KiB from 2 row groups on)
 TILE_LANES = 2                  # ... and the plan's most, where threads and shared memory allow
+# The 2 x 2 lane squares (get_tile_kernel's pairs) for blocks of this many segment lanes. H200,
+# small's 33-row value absorb (bench.absorb, K 512, N 128, 2 lanes, runs one wave and lane squares):
+# 8 x 9 28.0-28.2 us, 8 x 10 28.8, 8 x 10 with pairs 26.8-27.0; the one-lane q absorb 20.2 / 20.5
+# without / with (16 x 10 at 4 an SM): one-lane plans leave them off.
+PAIR_LANES = 2
 TILE_X_PAD = VEC                # floats after a staged k-row of x (keeps the next k-row 16-byte aligned)
 TILE_SMEM = 48 * 1024           # a tile block's stages and partials at most (the default limit: no opt-in)
 SHARED_ALIGN = None if SIM_TREE else 16   # 16-byte vector accesses (the simulator takes no alignment)
@@ -240,9 +245,10 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1
     shared memory bank conflict", 2019) as returning an LDS.128 in 2 requests instead of 4 on
     sm_70-75; not documented for sm_90. On the H200 (bench.absorb, PERFORMANCE run one wave) the q
     absorb took 20.5 us with pairs and 20.2 without (16 x 10, 4 an SM); the value absorb 26.8 with
-    pairs at 8 x 10 (2 lanes) against 28.1 for the plan's 8 x 9 without, a comparison that changes
-    the row groups too (8 x 10 without pairs was not timed). The plan leaves pairs off. Both knobs
-    are layout, never the order."""
+    pairs at 8 x 10 (2 lanes) against 28.1 for the plan's 8 x 9 without; in a later call 8 x 9
+    28.2, 8 x 10 28.8 and 8 x 10 with pairs 27.0. So the plan takes pairs for blocks of
+    PAIR_LANES segment lanes (the value absorb) and leaves them off for one lane. Both knobs are
+    layout, never the order."""
     if not _tile_layout_ok(mt, col_quads, row_groups, seg_lanes, blocks_per_sm, pairs):
         raise ValueError(f"no tile absorb kernel for mt={mt!r}, col_quads={col_quads!r}, row_groups={row_groups!r}, "
                          f"seg_lanes={seg_lanes!r}, blocks_per_sm={blocks_per_sm!r}, pairs={pairs!r}")
@@ -508,6 +514,11 @@ def _tile_plan(rows: int, groups: int, n_cols: int, k_dim: int, sm_count: int) -
     most = WAVE_BLOCKS_PER_SM if cq * row_groups <= WAVE_THREADS else WAVE_BLOCKS_PER_SM - 1
     if lanes == 1 and min_blocks < blocks <= most * sm_count:
         bps = next(b for b in TILE_MIN_BLOCKS if blocks <= b * sm_count)
+    # Lane squares where a block runs PAIR_LANES segment lanes, the row groups rounded up to even
+    # where the block still fits (a 33-row value absorb: 8 x 9 -> 8 x 10).
+    even = row_groups + row_groups % 2
+    if lanes == PAIR_LANES and _tile_block_ok(mt, cq, even, lanes, bps, True):
+        return tile_block_plan(mt, cq, even, lanes, rows, groups, n_cols, bps, True)
     return tile_block_plan(mt, cq, row_groups, lanes, rows, groups, n_cols, bps)
 
 
@@ -616,15 +627,17 @@ def _sigs() -> tuple:
 
 
 # The compile check: the H200's launches of `small` (the AR step's split kernels for K 128 and 512,
-# the 33-row verify's tile kernels: the q absorb at 4 blocks an SM), an 8-row split (a small batch),
-# an 8-row tile thread, the widest block the plan runs at 4 an SM (8 x 18: 144 threads) and the
-# 32 x 8 block of many rows (a prefill's q absorb).
+# the 33-row verify's tile kernels: the q absorb at 4 blocks an SM, the value absorb's two lanes in
+# lane squares), an 8-row split (a small batch), an 8-row tile thread, the widest block the plan
+# runs at 4 an SM (8 x 18: 144 threads) and the 32 x 8 block of many rows (a prefill's q absorb).
 for _mt, _lanes in ((1, 4), (1, 16), (8, 4)):
     register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(),
              f"MLA absorb in segment order, {_mt} row(s), {_lanes} segment lanes a block, partials met in shared memory",
              block_threads=SPLIT_THREADS)
-for _mt, _cq, _rw, _sl, _bps in ((4, 16, 9, 1, 4), (4, 8, 9, 2, 2), (8, 32, 5, 1, 2), (4, 8, 18, 1, 4), (4, 32, 8, 1, 2)):
-    register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}" + (f"_s{_sl}" if _sl > 1 else "") + (f"_b{_bps}" if _bps > 2 else ""),
-             get_tile_kernel(_mt, _cq, _rw, _sl, _bps, False), _sigs(),
+for _mt, _cq, _rw, _sl, _bps, _pairs in ((4, 16, 9, 1, 4, False), (4, 8, 10, 2, 2, True), (8, 32, 5, 1, 2, False),
+                                         (4, 8, 18, 1, 4, False), (4, 32, 8, 1, 2, False)):
+    register(f"absorb_tile_mt{_mt}_c{_cq}_r{_rw}" + (f"_s{_sl}" if _sl > 1 else "") + (f"_b{_bps}" if _bps > 2 else "")
+             + ("_pairs" if _pairs else ""),
+             get_tile_kernel(_mt, _cq, _rw, _sl, _bps, _pairs), _sigs(),
              f"MLA absorb in segment order, {_mt} x 4 outputs a thread, {_sl} segment lane(s), "
-             f"double-buffered tiles, launch bounds for {_bps} blocks an SM", block_threads=_cq * _rw * _sl)
+             f"{'2 x 2 lane squares, ' if _pairs else ''}double-buffered tiles, launch bounds for {_bps} blocks an SM", block_threads=_cq * _rw * _sl)

@@ -1462,6 +1462,10 @@ KIMI_K2_SCORE_FIRST_TREE_CONFIG = default_config(512, 64, 64, tile_heads=8, scor
 # ... with the dead-key skip (TileConfig.skip_dead_keys; the engine's tiles: engine.model.ATTENTION_SKIP_DEAD_KEYS)
 KIMI_K2_SCORE_FIRST_SKIP_CONFIG = dataclasses.replace(KIMI_K2_SCORE_FIRST_CONFIG, skip_dead_keys=True)
 KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG = dataclasses.replace(KIMI_K2_SCORE_FIRST_TREE_CONFIG, skip_dead_keys=True)
+# The AR step's tile since run "lane squares" (model.DECODE_TILE): 2 heads, 256 keys a pass (256
+# threads; 32-dim key slices within the static limit, two P·V dims a thread), with the skip.
+KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG = dataclasses.replace(
+    default_config(512, 64, 64, tile_heads=2, score_keys=256), skip_dead_keys=True)
 for _name, _config, _what in (
         ("verify_attention_mla", KIMI_K2_CONFIG, "segment partials (Kimi K2: H=64, Dl=512, Dr=64)"),
         ("verify_attention_mla_8_heads", KIMI_K2_DECODE_CONFIG, "8-head tiles for launches with few nodes (decode)"),
@@ -1470,11 +1474,13 @@ for _name, _config, _what in (
          "8-head tiles, the segment's key rows prefetched to L2 at the start (opt-in, TileConfig.prefetch_l2)"),
         ("verify_attention_mla_16_heads", KIMI_K2_SMALL_TREE_CONFIG, "16-head tiles for small trees"),
         ("verify_attention_mla_score_first", KIMI_K2_SCORE_FIRST_CONFIG,
-         "score-first layout, 2-head tiles, 128 keys a pass (decode steps)"),
+         "score-first layout, 2-head tiles, 128 keys a pass"),
         ("verify_attention_mla_score_first_8_heads", KIMI_K2_SCORE_FIRST_TREE_CONFIG,
          "score-first layout, 8-head tiles (4 x 4 score tiles), 128 keys a pass (small trees)"),
         ("verify_attention_mla_score_first_skip", KIMI_K2_SCORE_FIRST_SKIP_CONFIG,
-         "score-first 2-head tiles skipping dead key tiles (decode steps, TileConfig.skip_dead_keys)"),
+         "score-first 2-head tiles skipping dead key tiles (TileConfig.skip_dead_keys)"),
+        ("verify_attention_mla_score_first_256_skip", KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG,
+         "score-first 2-head tiles, 256 keys a pass, skipping dead key tiles (decode steps)"),
         ("verify_attention_mla_score_first_8_heads_skip", KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG,
          "score-first 8-head tiles skipping dead key tiles (small trees, TileConfig.skip_dead_keys)")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
