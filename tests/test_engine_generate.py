@@ -26,7 +26,7 @@ def test_help_explains_the_options(capsys):
     text = capsys.readouterr().out
     for option in ("--preset", "--weights", "--prompt-lens", "--max-new-tokens", "--budget", "--block-size",
                    "--drafter", "--accuracy", "--entropy", "--temperature", "--seed", "--json", "{oracle,dflash}",
-                   "--no-graphs"):
+                   "--no-graphs", "--no-warmup"):
         assert option in text
     assert "simulator" in text and "must reproduce AR" in text
 
@@ -87,3 +87,33 @@ def test_tiny_run_with_the_dflash_drafter_sampled(capsys):
                    "--max-new-tokens", "2", "--budget", "3", "--temperature", "0.8", "--seed", "5", "--quiet"])
     text = capsys.readouterr().out
     assert status == 0 and "identical tokens" in text and "yes" in text and "drafter dflash" in text
+
+
+def test_warmup_pass_runs_untimed_before_the_reported_runs(tmp_path, monkeypatch, capsys):
+    """On a GPU (here: the check that picks the simulator's defaults answering no) an untimed pass of
+    both runs compiles every kernel first; the report and the JSON are the second pass, with the
+    counts of one run (test_tiny_run_side_by_side_with_json's case). --no-warmup is in the help."""
+    from reference.weights import init_weights, save_weights
+    from ddtree_numba.config import ModelConfig
+
+    tiny = ModelConfig.from_name("tiny")
+    checkpoint = save_weights(tmp_path / "tiny.h5", init_weights(tiny, 3), tiny)
+    runs = []
+    import ddtree_numba.engine.decode as decode   # _run imports generate_ar from it at run time
+    original = decode.generate_ar
+
+    def counted(*args, **kwargs):
+        runs.append("ar")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "generate_ar", counted)
+    monkeypatch.setattr(generate, "_simulated", lambda: False)
+    status = _run(["--weights", str(checkpoint), "--batch", "1", "--prompt-len", "2", "--max-new-tokens", "3",
+                   "--budget", "2", "--block-size", "3", "--accuracy", "1", "--quiet", "--no-graphs",
+                   "--json", str(tmp_path / "warm.json")])
+    text = capsys.readouterr().out
+    assert status == 0 and runs == ["ar", "ar"] and "warm-up pass" in text
+    assert text.index("warm-up pass") < text.index("identical tokens")   # one report, after the pass
+    data = json.loads((tmp_path / "warm.json").read_text())
+    assert data["identical"] is True and data["ar"]["forward_passes"] == 3 and data["ddtree"]["forward_passes"] == 2
+    assert data["ddtree"]["acceptance_histogram"] == [0, 0, 0, 1]

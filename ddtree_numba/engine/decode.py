@@ -64,7 +64,8 @@ from numba import cuda, float32, int32
 from ddtree_numba.engine.drafters import Drafter
 from ddtree_numba.engine.graphs import StepGraph
 from ddtree_numba.kernels import tree_build
-from ddtree_numba.kernels.accept import GREEDY_TEMPERATURE, accept_walk, posterior_argmax, posterior_sample
+from ddtree_numba.kernels.accept import (GREEDY_TEMPERATURE, MAX_SAMPLE_THREADS, accept_walk, posterior_argmax,
+                                         posterior_sample)
 from ddtree_numba.kernels.compact import plan_compaction, run_compaction
 from ddtree_numba.kernels.registry import register
 from ddtree_numba.kernels.topk import plan_topk, run_topk
@@ -88,7 +89,12 @@ AR_STAGES = ("verify", "accept")
 DDTREE_STAGES = ("draft", "topk", "build", "verify", "accept", "compact")
 MAX_BUDGET = tree_build.MAX_BUDGET  # 1024 drafted nodes
 COMMIT_THREADS = 128  # one thread per request, looping when bs is larger
-POSTERIOR_THREADS = 1024  # block of the posterior kernels on a GPU (one row per block; see PERFORMANCE run "lane squares")
+# Blocks of the posterior kernels on a GPU (one row a block): the greedy argmax at 1024 threads, the
+# Gumbel sample at its kernel's most (MAX_SAMPLE_THREADS, 512). H200 graph replays, one row of
+# small's 32768 logits (PERFORMANCE run "lane squares"): argmax 7.86 / 6.06 / 5.74 us at 256 / 512 /
+# 1024 threads, sample 76.9 / 49.8 at 256 / 512.
+POSTERIOR_THREADS = 1024
+SAMPLE_THREADS = MAX_SAMPLE_THREADS
 TOPK_THREADS = 256  # block of the top-k kernels on a GPU
 COMPACT_THREADS = 128  # word columns per block of the compaction
 GATHER_THREADS = 256  # threads striding over the vocabulary when copying a logits row
@@ -562,6 +568,7 @@ class _Session:
         self.seeds = cuda.to_device(seeds, stream=stream)
         self.forward_passes = 0
         self.posterior_threads = _threads(POSTERIOR_THREADS)
+        self.sample_threads = _threads(SAMPLE_THREADS)
         self.commit_threads = min(COMMIT_THREADS, WARP_SIZE * -(-bs // WARP_SIZE))  # the commit: one block
 
     # -- the pieces of a step (``stream``: the session's, or a GraphBuilder while capturing) --
@@ -571,7 +578,7 @@ class _Session:
             posterior_argmax(logits, sizes, out, stream=stream, threads=self.posterior_threads)
         else:
             posterior_sample(logits, sizes, self.temperatures, self.seeds, positions, out,
-                             stream=stream, threads=self.posterior_threads)
+                             stream=stream, threads=self.sample_threads)
 
     def prefill(self) -> Any:
         """Prefill forward + first token + past_lens = prompt lengths; returns the ForwardOut.

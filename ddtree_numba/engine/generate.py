@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ random weights instead (acceptance ~1: a correctness run). DDTree must reproduce
 token (greedy, or sampled with the same seed); the exit status is 1 if it does not.
 
 Without a GPU the kernels run on the numba-cuda simulator: use the tiny preset and a few tokens
-(each simulated target forward takes seconds)."""
+(each simulated target forward takes seconds). On a GPU an untimed first pass of both runs compiles
+every kernel (--no-warmup skips it), so the times printed are decoding, not the JIT."""
 
 # Per-preset defaults of the sizes (None on the command line = take these).
 PRESET_DEFAULTS: dict[str, dict[str, int]] = {
@@ -112,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree.add_argument("--no-graphs", action="store_true",
                       help="launch every step / round eagerly instead of replaying a CUDA graph captured "
                            "after the first (graphs are off anyway under the simulator)")
+    tree.add_argument("--no-warmup", action="store_true",
+                      help="on a GPU, skip the untimed first pass of both runs that JIT-compiles every "
+                           "kernel (minutes for small); without it the first run's times include compiling")
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, default=None, help="write the numbers to this JSON file (atomically)")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -291,26 +296,39 @@ def _run(args: argparse.Namespace) -> int:
           f"drafter {args.drafter}, budget {budget}, block size {block}, "
           f"{'CUDA graphs' if graphs else 'eager steps'}", flush=True)
 
-    progress = _Progress(bs * n, "AR", args.quiet)
-    try:
-        ar = generate_ar(model, prompts, progress=progress, **common)
-    finally:
-        progress.close()
-    if dflash_config is not None:
-        from ddtree_numba.engine.dflash import DFlashDrafter
+    def run_both(label: str) -> tuple[Any, Any]:
+        """AR, then DDTree with a drafter made for it, each with a progress bar."""
+        progress = _Progress(bs * n, f"{label}AR", args.quiet)
+        try:
+            ar = generate_ar(model, prompts, progress=progress, **common)
+        finally:
+            progress.close()
+        if dflash_config is not None:
+            from ddtree_numba.engine.dflash import DFlashDrafter
 
-        drafter = DFlashDrafter.random(config, model, bs, args.seed)
-    else:
-        reference = np.full((bs, n), -1, dtype=np.int64)
-        for b, tokens in enumerate(ar.tokens):
-            reference[b, :len(tokens)] = tokens
-        drafter = OracleDrafter(reference, config.vocab_size, block - 1, accuracy=args.accuracy,
-                                entropy=args.entropy, seed=args.seed)
-    progress = _Progress(bs * n, "DDTree", args.quiet)
-    try:
-        tree = generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, progress=progress, **common)
-    finally:
-        progress.close()
+            drafter = DFlashDrafter.random(config, model, bs, args.seed)
+        else:
+            reference = np.full((bs, n), -1, dtype=np.int64)
+            for b, tokens in enumerate(ar.tokens):
+                reference[b, :len(tokens)] = tokens
+            drafter = OracleDrafter(reference, config.vocab_size, block - 1, accuracy=args.accuracy,
+                                    entropy=args.entropy, seed=args.seed)
+        progress = _Progress(bs * n, f"{label}DDTree", args.quiet)
+        try:
+            tree = generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, progress=progress,
+                                   **common)
+        finally:
+            progress.close()
+        return ar, tree
+
+    if not simulated and not args.no_warmup:
+        # Numba compiles each kernel at its first launch: an untimed pass of the same runs, so the
+        # timed ones below measure decoding, not the JIT (the simulator compiles nothing: no pass).
+        t_warm = time.perf_counter()
+        run_both("compile: ")
+        print(f"warm-up pass (JIT compile of every kernel, untimed): {time.perf_counter() - t_warm:.1f} s",
+              flush=True)
+    ar, tree = run_both("")
 
     print(_format(ar, tree))
     identical = ar.tokens == tree.tokens
