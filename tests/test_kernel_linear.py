@@ -458,6 +458,22 @@ def test_expert_linear_is_invariant_to_the_routing():
         np.testing.assert_array_equal(got, results[0])
 
 
+def test_expert_slots_is_the_least_bound_of_the_tiles():
+    """expert_slots(J, E, MT) is the most MT-row tiles any routing of at most J entries over E
+    experts needs (brute force over every count vector), so every tile gets a slot and, at one-row
+    tiles, every slot a tile (an AR step's gate | up: J slots, not 2 J)."""
+    import itertools
+
+    for experts in range(1, 5):
+        for entries in range(9):
+            for mt in (1, 2, 4, 8, 11):
+                most = max(sum(-(-c // mt) for c in counts)
+                           for counts in itertools.product(range(entries + 1), repeat=experts)
+                           if sum(counts) <= entries)
+                assert lin.expert_slots(entries, experts, mt) == most
+    assert lin.expert_slots(4, 16, 1) == 4 and lin.expert_slots(132, 16, 8) == 30   # small: AR, 33 rows
+
+
 def test_expert_linear_bad_device_row_index_gives_nan_row():
     x, w = _rand(2, 40), _rand(2, 3, 40)
     out = cuda.to_device(np.zeros((2, 3), np.float32))
