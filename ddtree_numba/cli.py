@@ -21,6 +21,7 @@ BENCHMARKS = {
     "tree-build": ("tree_build", "best-first tree build (GPU, CUDA-graph replay)"),
     "verify-attention": ("verify_attention", "tree-verify MLA attention, FP32 (GPU)"),
     "accept-compact": ("accept_compact", "posterior argmax / sampling, accept walk, KV compaction (GPU)"),
+    "launch-shapes": ("launch_shapes", "expert-linear grids and posterior block sizes, bits checked (GPU)"),
     "cpu-tree": ("cpu_tree", "the CPU path: NumPy top-k + Python heapq build (host)"),
     "sweep": ("sweep", "sweeps over batch/budget/block/N/dtype with bounds and peers; e2e (GPU)"),
 }

@@ -60,3 +60,19 @@ def test_gpu_graph_timing_gives_per_call_times(tile):
     call and finite outputs (the engine's short-prefix verify shape)."""
     m = bva.measure(1, 33, 160, tile=tile, reps=20, graph=True)
     assert len(m["gpu"]) == 20 and all(0 < t < 1e5 for t in m["gpu"]) and m["finite"]
+
+
+def test_any_score_first_tile_by_name():
+    """--tile takes any score-first tile sfHxK[rR][-skip] (the AR tile exploration of run "lane
+    squares": 1-4 heads, 128 or 256 keys a pass), built as va.default_config builds it; a known
+    name is the TILES entry; anything else is an argparse error naming the choices."""
+    assert bva.tile_config("sf2x256-skip") == bva.TILES["sf2x256-skip"]
+    cfg = bva.tile_config("sf4x256r4-skip")
+    assert (cfg.heads, cfg.score_keys, cfg.qk_rows, cfg.skip_dead_keys) == (4, 256, 4, True)
+    one = bva.tile_config("sf1x128")
+    assert (one.heads, one.score_keys, one.qk_rows, one.skip_dead_keys, one.threads) == (1, 128, 1, False, 64)
+    for bad in ("sf3x128", "sf2x256r3", "h7", "sf2x"):
+        with pytest.raises(ValueError):
+            bva.tile_config(bad)
+    with pytest.raises(SystemExit):
+        bva.main(["--tile", "nope"])

@@ -22,6 +22,9 @@ against the float64 reference (``reference.verify_attention``) where that is che
     ddtree-numba bench verify-attention --shape 8,33,32768 --tile h32 --torch --out data/bench/h200.h5
     python3 -m ddtree_numba.bench.verify_attention --shape 1,33,160 --shape 1,1,160 --graph \
         --tile sf8x128r4 --tile sf8x128r4-skip --tile sf2x128 --tile sf2x128-skip
+    python3 -m ddtree_numba.bench.verify_attention --shape 1,1,160 --graph --tile sf2x256-skip --tile sf1x256-skip
+
+``--tile`` takes the named tiles of ``TILES`` or any score-first tile ``sfHxK[rR][-skip]``.
 
 Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarray Dataset
 (dims case, values latency_us median/min/max, tflops, pct_fp32_peak) to an HDF5 file.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +75,32 @@ TILES = {
     "sf8x128r4-skip": va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG,
     "sf2x256-skip": va.KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG,
 }
+SCORE_FIRST_NAME = re.compile(r"sf(\d+)x(\d+)(?:r(\d+))?(-skip)?")   # sfHxK[rR][-skip]
+
+
+def tile_config(name: str) -> va.TileConfig:
+    """A named tile: one of TILES, or any score-first tile ``sfHxK[rR][-skip]`` (H heads, K keys a
+    pass, R heads a score thread, the dead-key skip), as ``va.default_config`` builds it (layout,
+    not numerics: every one gives the same bits)."""
+    if name in TILES:
+        return TILES[name]
+    match = SCORE_FIRST_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"tile must be one of {sorted(TILES)} or sfHxK[rR][-skip], got {name!r}")
+    heads, keys, rows, skip = match.groups()
+    config = va.default_config(LATENT, ROPE, HEADS, tile_heads=int(heads), score_keys=int(keys),
+                               score_rows=int(rows or 1))
+    return dataclasses.replace(config, skip_dead_keys=bool(skip))
+
+
+def _tile_name(text: str) -> str:
+    try:
+        tile_config(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 AMPLITUDE = 1.0  # inputs uniform in [-1, 1): scores have std ~1.2 after the scale
 FILL_THREADS = 256
 FILL_BLOCKS = 4096
@@ -224,7 +254,7 @@ def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.D
     """
     rng = np.random.default_rng(seed)
     stream = cuda.stream()
-    p = va.plan(bs, t, HEADS, n + t, split_size=split, config=TILES[tile])
+    p = va.plan(bs, t, HEADS, n + t, split_size=split, config=tile_config(tile))
     inputs = [make_input_set(rng, bs, t, n, seed + s, stream) for s in range(sets)]
     out = cuda.device_array((bs, t, HEADS, LATENT), np.float32)
     lse = cuda.device_array((bs, t, HEADS), np.float32)
@@ -294,8 +324,10 @@ def _write(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", help="bs,T,N (repeatable; default sweep)")
-    parser.add_argument("--tile", choices=sorted(TILES), action="append",
-                        help="tile config (repeatable; default: default)")
+    parser.add_argument("--tile", type=_tile_name, action="append",
+                        help=f"tile config: one of {', '.join(sorted(TILES))}, or any score-first "
+                             "sfHxK[rR][-skip] (H heads, K keys a pass, R heads a score thread; repeatable; "
+                             "default: default)")
     parser.add_argument("--split", type=int, default=va.DEFAULT_SPLIT_SIZE)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

@@ -1,0 +1,51 @@
+"""bench.launch_shapes: its routings, its variants (the plan's is expert_linear's launch) and its
+argument checks. The timing itself needs a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddtree_numba.bench import launch_shapes as ls
+from ddtree_numba.kernels import linear as lin
+
+
+@pytest.mark.parametrize("rows, experts, top_k, seed", [(1, 16, 4, 0), (33, 16, 4, 1), (7, 5, 5, 2)])
+def test_routing_is_a_csr_of_distinct_experts(rows, experts, top_k, seed):
+    offsets, index, counts = ls.routing(rows, experts, top_k, seed)
+    assert offsets[0] == 0 and offsets[-1] == rows * top_k and np.all(np.diff(offsets) == counts)
+    assert sorted(index.tolist()) == sorted(list(range(rows)) * top_k)
+    for e in range(experts):   # rows ascending within an expert, each row at most once
+        rows_e = index[offsets[e]:offsets[e + 1]]
+        assert np.all(np.diff(rows_e) > 0)
+
+
+@pytest.mark.parametrize("rows, n_cols, k_dim, entries", [(1, 512, 2048, 4), (4, 2048, 256, 4),
+                                                          (33, 512, 2048, 132), (132, 2048, 256, 132)])
+def test_plan_variant_is_what_expert_linear_launches(rows, n_cols, k_dim, entries):
+    variants = {name: (grid, threads) for name, grid, threads in ls.expert_variants(rows, n_cols, k_dim, entries, 16)}
+    mt = lin.row_tile(rows, k_dim, "expert")
+    _, grid, threads, _, _ = lin._setup("expert", "none", False, rows, n_cols, k_dim, True,
+                                        lin.expert_slots(entries, 16, mt))
+    assert variants["plan"] == (grid, threads)
+    assert variants["loose"][0][0] == -(-entries // mt) + min(16, entries) >= grid[0]
+    for name, (grid_v, threads_v) in variants.items():
+        if name.startswith("g"):
+            assert grid_v[0] == grid[0] and threads_v % 32 == 0 and threads_v <= lin.BLOCK_WARPS * 32
+
+
+@pytest.mark.parametrize("argv", [[], ["--expert", "--reps", "5"], ["--posterior", "--seeds", "0"],
+                                  ["--expert", "--rows", "0"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        ls.main(argv)
+    capsys.readouterr()
+
+
+def test_needs_a_gpu(capsys):
+    from numba import cuda
+
+    if not cuda.config.ENABLE_CUDASIM:
+        pytest.skip("the simulator's refusal")
+    with pytest.raises(SystemExit):
+        ls.main(["--expert"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err
