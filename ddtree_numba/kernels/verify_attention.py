@@ -62,9 +62,9 @@ Score-first layout (``TileConfig.score_keys``, few-node launches: an AR step, a 
     ``Dl / threads`` adjacent dims of every head. A score thread holds ``qk_rows x qk_keys``
     scores (heads x keys: a 4 x 4 tile takes 8 shared loads per 64 FFMA), the probabilities are
     stored key-major (P·V reads a key's heads as float4s), and query / key slices and value rows
-    move as float4s (16-byte aligned arrays, checked in :func:`run`). Tiles of 2 heads (an AR
-    step: 32 blocks) or 8 heads with 4 x 4 score tiles (a 33-node tree: 264 blocks) give the
-    same bits as the chunk layout.
+    move as float4s (16-byte aligned arrays, checked in :func:`run`). Tiles of 2 heads with
+    256-key passes (an AR step: 32 blocks of 256 threads) or 8 heads with 4 x 4 score tiles and
+    128-key passes (a 33-node tree: 264 blocks) give the same bits as the chunk layout.
 
 Inputs that a device-side engine produces (``past_lens``, ``tree_sizes``, ``visibility`` on the
 device) cannot be checked on the host without a copy; the kernels guard them instead: a request
