@@ -24,7 +24,7 @@ def test_routing_is_a_csr_of_distinct_experts(rows, experts, top_k, seed):
 def test_plan_variant_is_what_expert_linear_launches(rows, n_cols, k_dim, entries):
     variants = {name: (grid, threads) for name, grid, threads in ls.expert_variants(rows, n_cols, k_dim, entries, 16)}
     mt = lin.row_tile(rows, k_dim, "expert")
-    _, grid, threads, _, _ = lin._setup("expert", "none", False, rows, n_cols, k_dim, True,
+    _, grid, threads, _, _ = lin._setup("expert", "none", False, mt, n_cols, k_dim, True,   # expert_linear's call
                                         lin.expert_slots(entries, 16, mt))
     assert variants["plan"] == (grid, threads)
     assert variants["loose"][0][0] == -(-entries // mt) + min(16, entries) >= grid[0]
@@ -34,11 +34,14 @@ def test_plan_variant_is_what_expert_linear_launches(rows, n_cols, k_dim, entrie
 
 
 @pytest.mark.parametrize("argv", [[], ["--expert", "--reps", "5"], ["--posterior", "--seeds", "0"],
-                                  ["--expert", "--rows", "0"]])
+                                  ["--expert", "--rows", "0"], ["--expert", "--preset", "no-such-preset"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         ls.main(argv)
-    capsys.readouterr()
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" not in err   # refused for the argument, before the device check
+    if "--preset" in argv:
+        assert "--preset" in err and "no-such-preset" in err
 
 
 def test_needs_a_gpu(capsys):

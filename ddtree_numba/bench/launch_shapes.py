@@ -9,7 +9,8 @@ decode step sees it).
 ``--expert``: ``linear.expert_linear`` at the preset's routed experts (gate | up: N 2 I, K D;
 down: N D, K I with the SwiGLU prologue) for ``--rows`` token rows, each row routed to
 ``n_activated_experts`` distinct experts drawn at random (``--seeds`` routings a row count), the
-weights rotated over enough copies to pass the L2. Variants: ``plan`` (what ``expert_linear``
+weights rotated over enough copies to pass the L2 three times, each variant's output poisoned with
+NaN first. Variants: ``plan`` (what ``expert_linear``
 launches), ``loose`` (the plan's kernel on the grid of the slot bound before run "lane squares",
 ceil(J / MT) + min(E, J) slots, its column blocks chosen by the same rule) and grids of ``G``
 warps a block (8, 4, 2) by ``Y`` column blocks on the tight slot count
@@ -69,7 +70,7 @@ def expert_variants(rows: int, n_cols: int, k_dim: int, entries: int, experts: i
     from ddtree_numba.kernels import linear as lin
 
     mt = lin.row_tile(rows, k_dim, "expert")
-    plan = lin._plan("expert", rows, n_cols, k_dim, True)
+    plan = lin._plan("expert", mt, n_cols, k_dim, True)   # as expert_linear plans it (rows = MT)
     tight = lin.expert_slots(entries, experts, mt)
     loose = -(-entries // mt) + min(experts, entries)
     out = [("plan", (tight, lin._grid_cols(plan, tight), 1), plan.threads),
@@ -106,13 +107,13 @@ def bench_expert(config: Any, rows: int, seed: int, which: str, reps: int) -> li
     offsets_d, index_d = cuda.to_device(offsets), cuda.to_device(index)
     tile_rows = min(x_rows, entries)
     mt = lin.row_tile(tile_rows, k_dim, "expert")
-    plan = lin._plan("expert", tile_rows, n_cols, k_dim, True)
+    plan = lin._plan("expert", mt, n_cols, k_dim, True)
     kernel = lin.get_kernel("expert", prologue, False, mt, columns=plan.columns, pipelined=lin.ring_for(mt))
     geometry = plan.geometry(n_cols, k_dim)
     tiles = int(np.sum(-(-counts // mt)))
     results, first = [], None
     for name, grid, threads in expert_variants(tile_rows, n_cols, k_dim, entries, experts):
-        out = cuda.device_array((entries, n_cols), np.float32)
+        out = cuda.to_device(np.full((entries, n_cols), np.nan, np.float32))   # poisoned: unwritten rows differ
 
         def enqueue(i: int, stream: Any, grid: tuple = grid, threads: int = threads, out: Any = out) -> None:
             lin._configured(kernel, grid, threads, stream, plan.shared_bytes)(
@@ -156,6 +157,7 @@ def bench_posterior(config: Any, rows: int, reps: int, seed: int) -> list[dict]:
                     posterior_sample(logits[i % 2], sizes, temperatures, seeds, positions, out, stream=stream,
                                      threads=threads)
 
+            out.copy_to_device(np.full((1, rows), -2, np.int32))   # poisoned: an unwritten row differs
             enqueue(0, 0)
             cuda.synchronize()
             times = graph_replay_times(enqueue, GRAPH_LAUNCHES, reps)
@@ -195,13 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--reps must be >= 20")
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
+    from ddtree_numba.config import ModelConfig
+
+    try:
+        config = ModelConfig.from_name(args.preset)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(f"--preset: {err}")
     from numba import cuda
 
     if cuda.config.ENABLE_CUDASIM:
         parser.error("needs a CUDA GPU (NUMBA_ENABLE_CUDASIM is set)")
-    from ddtree_numba.config import ModelConfig
-
-    config = ModelConfig.from_name(args.preset)
     if args.expert and config.n_routed_experts == 0:
         parser.error(f"--expert: preset {args.preset} has no routed experts")
     results = []
