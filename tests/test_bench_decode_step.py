@@ -125,6 +125,26 @@ def test_report_table_and_hdf5_run(tmp_path):
 
 
 def test_bad_arguments_exit_before_any_work():
-    for argv in (["--batch", "0"], ["--new-tokens", "2"], ["--accuracy", "1.5"], ["--block", "1"]):
+    for argv in (["--batch", "0"], ["--new-tokens", "2"], ["--accuracy", "1.5"], ["--block", "1"],
+                 ["--temperature", "-1"], ["--temperature", "nan"]):
         with pytest.raises(SystemExit, match="error"):
             ds.main(argv)
+
+
+def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys):
+    """--temperature: AR and DDTree sample with the same seed (the Gumbel posterior) through the
+    whole bench on tiny, the tokens agree (exit status 0) and the run records its temperature."""
+    import json
+
+    import xarray as xr
+
+    out = tmp_path / "ds.h5"
+    status = ds.main(["--preset", "tiny", "--batch", "1", "--prompt-len", "3", "--new-tokens", "4",
+                      "--eager-tokens", "2", "--budget", "3", "--block", "3", "--accuracy", "1.0",
+                      "--temperature", "0.8", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert status == 0 and "temperature 0.8" in text
+    group = text.split(f"wrote {out}:")[1].split()[0]
+    with xr.open_dataset(out, group=group, engine="h5netcdf") as back:
+        assert json.loads(back.attrs["config"])["temperature"] == 0.8
+        assert int(back["tree_identical"].values[0]) == 1

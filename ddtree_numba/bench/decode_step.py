@@ -19,6 +19,10 @@ graphs: the first step eager, then one captured graph replayed per step):
    compiles are not in them: the graph run's first, eager round carries them).
 
     python -m ddtree_numba.bench.decode_step --preset small [--batch 1 8] [--out data/bench/h200.h5]
+    python -m ddtree_numba.bench.decode_step --preset small --batch 1 --accuracy 1.0 --temperature 0.8
+
+``--temperature`` > 0 samples (AR and DDTree with the same seed: the posterior is the Gumbel sample
+kernel, the tokens must still agree); the targets are stated for greedy decoding.
 
 The DDTree tokens must equal the AR tokens (greedy, lossless); the exit status is 1 if not.
 """
@@ -156,12 +160,14 @@ def _prompts(rng: np.random.Generator, batch: int, prompt_len: int, vocab: int) 
 
 
 def measure_ar(config: Any, model: Any, prompts: list[list[int]], n_new: int, eager_new: int,
-               bandwidth: float) -> ArPoint:
-    """AR with graphs (n_new tokens) and eager (eager_new tokens) on ``model``."""
+               bandwidth: float, *, temperature: float = 0.0, seed: int = 0) -> ArPoint:
+    """AR with graphs (n_new tokens) and eager (eager_new tokens) on ``model``; greedy, or sampled
+    at ``temperature`` with ``seed`` (the posterior kernel is then the Gumbel sample)."""
     from ddtree_numba.engine.decode import generate_ar
 
-    replayed = generate_ar(model, prompts, max_new_tokens=n_new, graphs=True)
-    eager = generate_ar(model, prompts, max_new_tokens=eager_new, graphs=False)
+    sampling = dict(temperature=temperature, seed=seed)
+    replayed = generate_ar(model, prompts, max_new_tokens=n_new, graphs=True, **sampling)
+    eager = generate_ar(model, prompts, max_new_tokens=eager_new, graphs=False, **sampling)
     times = replayed.replay_s if replayed.graphs else replayed.step_s  # the simulator has no graphs
     first = replayed.stage_rounds if replayed.graphs else 0
     nbytes = step_bytes(config, len(prompts), mean_kv_rows(len(prompts[0]), first, times.size))["total"]
@@ -171,8 +177,10 @@ def measure_ar(config: Any, model: Any, prompts: list[list[int]], n_new: int, ea
 
 
 def measure_tree(config: Any, model: Any, prompts: list[list[int]], ar: ArPoint, n_new: int, eager_new: int,
-                 accuracy: float, *, budget: int, block: int, entropy: float, seed: int) -> TreePoint:
-    """DDTree with the oracle fed ``ar``'s tokens: graph-replayed run + a short eager run."""
+                 accuracy: float, *, budget: int, block: int, entropy: float, seed: int,
+                 temperature: float = 0.0) -> TreePoint:
+    """DDTree with the oracle fed ``ar``'s tokens: graph-replayed run + a short eager run (sampled
+    at ``temperature`` with ``seed`` as the AR run was: the same tokens, lossless)."""
     from ddtree_numba.engine.decode import generate_ddtree
     from ddtree_numba.engine.drafters import OracleDrafter
 
@@ -183,7 +191,7 @@ def measure_tree(config: Any, model: Any, prompts: list[list[int]], ar: ArPoint,
     def run(n: int, graphs: bool) -> Any:
         drafter = OracleDrafter(ref, config.vocab_size, block - 1, accuracy=accuracy, entropy=entropy, seed=seed)
         return generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, max_new_tokens=n,
-                               graphs=graphs)
+                               graphs=graphs, temperature=temperature, seed=seed)
 
     tree = run(n_new, True)
     eager = run(eager_new, False)
@@ -279,6 +287,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="oracle accuracies of the DDTree runs (none: skip DDTree)")
     parser.add_argument("--entropy", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (the targets' runs); > 0: AR and DDTree sample with the same seed "
+                             "(Gumbel-max posterior), so the tokens must still agree (default: %(default)s)")
     parser.add_argument("--odd-tiles", choices=("on", "off"),
                         help="11-row tiles for many-row linear and head launches (kernels/linear.py ODD_TILES; "
                              "a B 32 tree's 33 rows in 3 x 11 instead of 5 x 8; default: ODD_TILES, on)")
@@ -292,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --batch and --prompt-len must be >= 1, --eager-tokens >= 2, --new-tokens >= 3")
     if args.budget < 1 or args.block < 2 or any(not 0.0 <= a <= 1.0 for a in args.accuracy):
         raise SystemExit("error: --budget >= 1, --block >= 2, --accuracy in [0, 1]")
+    if not args.temperature >= 0.0:
+        raise SystemExit(f"error: --temperature must be >= 0, got {args.temperature}")
     from ddtree_numba.config import ModelConfig
     from ddtree_numba.engine.decode import required_kv_capacity
     from ddtree_numba.engine.model import TargetModel
@@ -325,18 +338,19 @@ def main(argv: list[str] | None = None) -> int:
         # The model's absorb path (numerics: a process keeps one) and its layout knobs as set.
         args.absorbs = (f"segment (split up to {ab.FEW_ROWS} rows, tile {ab.TILE_ROWS} rows a thread)"
                         if model._segment_absorbs else "head_linear")
-        point = measure_ar(config, model, prompts, n, ne, bandwidth)
+        point = measure_ar(config, model, prompts, n, ne, bandwidth, temperature=args.temperature, seed=args.seed)
         ar_points.append(point)
         print(f"[{time.perf_counter() - t_start:.0f} s] AR batch {bs}: {point.graph_us:.1f} us/step", file=sys.stderr)
         if drafting:
             for accuracy in args.accuracy:
                 trees.append(measure_tree(config, model, prompts, point, n, ne, accuracy, budget=args.budget,
-                                          block=args.block, entropy=args.entropy, seed=args.seed))
+                                          block=args.block, entropy=args.entropy, seed=args.seed,
+                                          temperature=args.temperature))
                 print(f"[{time.perf_counter() - t_start:.0f} s] DDTree accuracy {accuracy}", file=sys.stderr)
         del model
     del host_weights
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
-          f"block {args.block}, oracle entropy {args.entropy}, absorbs {args.absorbs}"
+          f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}"
           + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
     print(format_table(ar_points, trees, bandwidth, profile.name))
     if args.out:
@@ -344,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
-                                                      "odd_tiles", "absorbs")}
+                                                      "temperature", "odd_tiles", "absorbs")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),
