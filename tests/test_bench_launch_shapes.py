@@ -52,3 +52,22 @@ def test_needs_a_gpu(capsys):
     with pytest.raises(SystemExit):
         ls.main(["--expert"])
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_results_go_to_hdf5_with_provenance(tmp_path):
+    """to_dataset + write_run: one case per result, the bit check kept, the run's arguments and
+    provenance in the group's attributes (read back)."""
+    import argparse
+    import json
+
+    import xarray as xr
+
+    from ddtree_numba.bench.common import write_run
+
+    results = [dict(kernel="expert_down", rows=1, seed=0, variant=v, grid_x=4, grid_y=y, threads=256, tiles=4,
+                    median_us=t, min_us=t - 0.1, same_bits=True) for v, y, t in (("plan", 33, 8.1), ("loose", 26, 9.7))]
+    group = write_run(tmp_path / "shapes.h5", ls.to_dataset(results, argparse.Namespace(expert=True, rows=[1])))
+    with xr.open_dataset(tmp_path / "shapes.h5", group=group, engine="h5netcdf") as back:
+        assert back.attrs["benchmark"] == "launch_shapes" and json.loads(back.attrs["config"])["rows"] == [1]
+        assert "git_sha" in back.attrs and list(back["variant"].values) == ["plan", "loose"]
+        assert back["same_bits"].values.all() and back["median_us"].values.tolist() == [8.1, 9.7]
