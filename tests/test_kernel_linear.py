@@ -627,6 +627,76 @@ def test_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows,
     np.testing.assert_array_equal(ring, plain)
 
 
+def _with_vectors(monkeypatch, on, call):
+    """(call(), the kernels it launched) with every kernel the wrappers launch built with the
+    16-byte x reads and staging ``on`` or off (get_kernel's vector_x / vector_stage)."""
+    real, built = lin.get_kernel, []
+
+    def forced(*args, **kwargs):
+        built.append(real(*args, **{**kwargs, "vector_x": on, "vector_stage": on}))
+        return built[-1]
+    monkeypatch.setattr(lin, "get_kernel", forced)
+    lin._setup.cache_clear()
+    try:
+        return call(), built
+    finally:
+        monkeypatch.setattr(lin, "get_kernel", real)
+        lin._setup.cache_clear()
+
+
+def _offset_case(m_rows, n_cols, k_dim, offset, rng):
+    """linear() with the RMSNorm prologue on x a column slice starting ``offset`` floats into a
+    wider buffer (rows off 16 bytes unless offset % 4 == 0), residual aliasing nothing."""
+    wide = _rand(m_rows, k_dim + 8, rng=rng)
+    x, w, nw = _dev(wide)[:, offset:offset + k_dim], _dev(_rand(n_cols, k_dim, rng=rng)), _dev(_rand(k_dim, rng=rng))
+
+    def call():
+        out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
+        return lin.linear(x, w, out, norm_weight=nw, eps=1e-6).copy_to_host()
+    return call
+
+
+@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim,offset", [
+    ("linear", "rmsnorm", 33, 11, 1000, None),  # 11-row tiles (8 x 8 on the H200): quads, x * inv * w
+    ("linear", "swiglu", 5, 6, 300, None),      # gate and up quads, silu(gate) * up
+    ("linear", "none", 1, 5, 2100, None),       # two K segments: quads cross a segment's end
+    ("head", "none", 5, 7, 648, None),
+    ("expert", "swiglu", 9, 6, 520, None),      # gathered rows, an expert's second tile
+    ("linear", "none", 3, 5, 1001, None),       # K % 4 != 0: the scalar staging
+    ("linear", "rmsnorm", 4, 9, 640, 1),        # rows off 16 bytes: the scalar staging
+    ("linear", "rmsnorm", 4, 9, 640, 4)])       # a column slice on 16 bytes: quads
+def test_vector_x_reads_and_staging_are_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols,
+                                                            k_dim, offset):
+    """The staged rows read with one 16-byte shared load a lane and step, and staged in 16-byte
+    quads where K and the rows' alignment allow (else the scalar staging), give the bits of four
+    scalar reads and a float a load; every element written (NaN-poisoned outputs)."""
+    rng = np.random.default_rng(k_dim + m_rows)
+    call = (_ring_case(kind, prologue, m_rows, n_cols, k_dim, rng) if offset is None
+            else _offset_case(m_rows, n_cols, k_dim, offset, rng))
+    quads, quad_kernels = _with_vectors(monkeypatch, True, call)
+    scalar, scalar_kernels = _with_vectors(monkeypatch, False, call)
+    assert quad_kernels and scalar_kernels and not set(quad_kernels) & set(scalar_kernels)
+    assert not np.isnan(quads).any()
+    np.testing.assert_array_equal(quads, scalar)
+
+
+def test_rows_aligned16_reads_pointer_and_strides():
+    """The staging's alignment test, in a kernel: rows on 16 bytes with unit inner stride only."""
+    @cuda.jit
+    def probe(a, b, c, d, e, out):
+        out[0] = lin.rows_aligned16(a)
+        out[1] = lin.rows_aligned16(b)
+        out[2] = lin.rows_aligned16(c)
+        out[3] = lin.rows_aligned16(d)
+        out[4] = lin.rows_aligned16(e)
+
+    base = _dev(np.zeros((4, 24), np.float32))
+    out = cuda.to_device(np.zeros(5, np.int32))
+    probe[1, 1](base, base[:, 4:20], base[:, 1:17], _dev(np.zeros((4, 6), np.float32)),
+                base[:, ::2], out)
+    assert out.copy_to_host().tolist() == [1, 1, 0, 0, 0]
+
+
 @pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
 def test_weight_ring_in_phases_is_layout_not_numerics():
     """Rows staged in phases of 3 steps (the ring restarts per phase: 3 vector steps of a 1-row

@@ -33,8 +33,10 @@ segment order, ``engine.model.SEGMENT_ABSORBS`` on, the default since it was tim
 runs them in ``head_linear``, the earlier path) with ``-cN`` (tile blocks of N column quads,
 ``absorb.TILE_COL_QUADS`` = (N,)), ``-mt4`` / ``-mt8`` (4 / 8 rows a tile thread), ``-l1`` / ``-l2``
 (at most 1 / 2 segment lanes a tile block, ``absorb.TILE_LANES``) or ``-split`` (the split kernel at
-every row count, ``absorb.FEW_ROWS`` past any launch). A variant named twice is timed twice
-and printed twice; the HDF5 group keeps its last run.
+every row count, ``absorb.FEW_ROWS`` past any launch), or ``auto-sx`` (the linears' staged rows
+read with four scalar shared loads a lane and staged one float a load, as before run "quads":
+``linear.VECTOR_X_LOADS`` and ``linear.VECTOR_STAGING`` off) or ``auto-sstage`` (the scalar staging
+only). A variant named twice is timed twice and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
@@ -61,7 +63,7 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
-                 "auto-seg-l1", "auto-seg-l2")
+                 "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage")
 
 
 class Variant(tuple):
@@ -105,7 +107,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     saved = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
              em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
              lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
-             lin.ODD_TILES)
+             lin.ODD_TILES, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING)
     skip = em.ATTENTION_SKIP_DEAD_KEYS
     few, wide = saved[0], saved[1]
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
@@ -140,6 +142,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
         lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
         lin.serial_plan.cache_clear()
+        lin.VECTOR_X_LOADS = saved[13] and cols != "auto-sx"
+        lin.VECTOR_STAGING = saved[14] and cols not in ("auto-sx", "auto-sstage")
         lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
         per_rows = {}
         for rows in row_counts:
@@ -170,7 +174,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
      em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
      lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
-     odd) = saved
+     odd, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING) = saved
     em.SEGMENT_ABSORBS = segment
     em.ATTENTION_SKIP_DEAD_KEYS = skip
     ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES = saved_ab

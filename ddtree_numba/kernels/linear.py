@@ -195,6 +195,7 @@ ONE = np.float32(1.0)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 MAX_DIM = np.iinfo(np.int32).max // 2   # int32 geometry with room for offsets
+XS_ALIGN = None if SIM_TREE else 4 * VEC  # staged rows: 16-byte shared loads (shared_x4; the simulator takes no alignment)
 
 
 # The weight loop per row tile: the ring (module docstring: the next steps' loads issued before
@@ -204,6 +205,12 @@ MAX_DIM = np.iinfo(np.int32).max // 2   # int32 geometry with room for offsets
 # PIPELINE_WEIGHTS off: load-then-FMA everywhere. Layout only: the same bits either way.
 PIPELINE_WEIGHTS = True
 PIPELINE_MIN_ROW_TILE = 4
+# The staged rows' traffic (layout only, the same values; get_kernel's vector_x / vector_stage,
+# read per launch shape by _setup so that a bench can switch them). The FMA loop's reads of a
+# lane's 4 staged floats were four scalar shared loads until run "quads": 4 lanes on each bank,
+# 16 wavefronts a row and step where one 16-byte load takes 4. Staging moved one float a load.
+VECTOR_X_LOADS = True
+VECTOR_STAGING = True
 
 
 def ring_for(mt: int) -> bool:
@@ -366,7 +373,8 @@ def _device_arch() -> str:
 
 @functools.cache
 def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: int = COLUMNS,
-               shuffles: bool = not SIM_TREE, pipelined: bool | None = None) -> Any:
+               shuffles: bool = not SIM_TREE, pipelined: bool | None = None,
+               vector_x: bool = True, vector_stage: bool = True) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
     kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
@@ -379,7 +387,10 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     butterfly (the GPU build) rather than its tree in shared memory (the simulator's default,
     same bits; tests run the shuffles under the simulator too); pipelined: stream the weights
     through a ring of U register slots, the next steps' loads issued before the current step's
-    FMAs (None: :func:`ring_for`, by the row tile; same bits).
+    FMAs (None: :func:`ring_for`, by the row tile; same bits); vector_x: the FMA loop reads a
+    lane's 4 staged floats of a row with one 16-byte shared load, not four scalar ones (same
+    values; :data:`VECTOR_X_LOADS`); vector_stage: the rows are staged in 16-byte quads where K
+    and the rows' alignment allow (same values; :data:`VECTOR_STAGING`).
     """
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
@@ -408,6 +419,11 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     TREE = not shuffles
     SU = max(1, STAGE_LOADS // MT)  # staging positions per thread and round
     SU_MT = SU * MT                 # their values (a compile-time local array size)
+    # The head kind's 8 x 8 tile sat at 255 registers; the quads spilled it (sm_90: 32 / 56 bytes).
+    VSTAGE = bool(vector_stage) and not (kind == "head" and C == WIDE_COLUMNS)
+    VSU = max(1, STAGE_LOADS // MT)  # vector staging: 16-byte positions per thread and round
+    VSU_MT4 = VSU * MT * VEC
+    VX = bool(vector_x)
     RED = BLOCK_WARPS * MTC * RED_ROW if TREE else 1   # the tree's lane partials
     OFFS = MAX_EXPERTS + 1
     CAND = BLOCK_WARPS * MTC       # argmax: one candidate per (warp, owned element)
@@ -463,48 +479,119 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         offset kk holds k = (s * seg_steps + phase * phase_steps) * STEP + kk, prologue applied;
         zeros past K, past the segment and for absent rows, NaN for invalid source rows. A thread
         takes SU positions for all MT rows per round: SU * MT loads into registers, then the
-        stores (loads first, so all are in flight: a round costs one latency, not SU * MT)."""
-        vals = cuda.local.array(SU_MT, float32)
-        kcw = phase_steps * STEP
-        row_floats = k_split_ * kcw
-        total_steps = (k_dim + STEP - 1) // STEP
-        stride = cuda.blockDim.x
-        for base in range(cuda.threadIdx.x, row_floats, stride * SU):
-            for q in range(SU):
-                pos = base + q * stride
-                # pos = s * kcw + r (segment s < k_split_, offset r) without a division: a
-                # runtime divisor made each position a 64-bit division and its floor fix-up
-                # (linear_none_mt1's sm_90 PTX: 2967 instructions with them, 1751 without;
-                # PERFORMANCE, run odd tiles).
-                s = 0
-                r = pos
-                if pos < row_floats:
-                    while r >= kcw:
-                        r -= kcw
-                        s += 1
-                j = s * seg_steps + phase * phase_steps + (r >> STEP_SHIFT)
-                k = j * STEP + (r & (STEP - 1))
-                inside = (pos < row_floats and j < min((s + 1) * seg_steps, total_steps)
-                          and k < k_dim)
-                scale = ONE
-                if RMS and inside:
-                    scale = load_f32(norm_w, k)
-                for i in range(MT):
-                    src = src_sh[i]
-                    value = ZERO
-                    if inside and src != -1:
-                        if src < 0:      # -2: an invalid source row (expert routing)
-                            value = float32(math.nan)
-                        elif RMS:
-                            value = x_value(x, src, g, k, k_dim) * inv_sh[i] * scale
-                        else:
-                            value = x_value(x, src, g, k, k_dim)
-                    vals[q * MT + i] = value
-            for q in range(SU):
-                pos = base + q * stride
-                if pos < row_floats:
+        stores (loads first, so all are in flight: a round costs one latency, not SU * MT).
+        With VSTAGE, K a multiple of 4 and 16-byte aligned rows (x, and the RMSNorm weight), a
+        position is 4 adjacent k (one 16-byte load a row, one 16-byte shared store): a quarter of
+        the rounds (11-row tiles at K 2048: 2 round trips, not 8), the same values."""
+        vec = VSTAGE and (k_dim & (VEC - 1)) == 0 and rows_aligned16(x)
+        if RMS:
+            vec = vec and rows_aligned16(norm_w)
+        if vec:
+            quads = cuda.local.array(VSU_MT4, float32)
+            kcw = phase_steps * STEP
+            row_floats = k_split_ * kcw
+            row_quads = row_floats >> 2
+            total_steps = (k_dim + STEP - 1) // STEP
+            stride = cuda.blockDim.x
+            for base in range(cuda.threadIdx.x, row_quads, stride * VSU):
+                for q in range(VSU):
+                    pos = (base + q * stride) * VEC
+                    s = 0                    # pos = s * kcw + r, no runtime division (as below)
+                    r = pos
+                    if pos < row_floats:
+                        while r >= kcw:
+                            r -= kcw
+                            s += 1
+                    j = s * seg_steps + phase * phase_steps + (r >> STEP_SHIFT)
+                    k = j * STEP + (r & (STEP - 1))     # a multiple of 4: the quad is all in or out
+                    inside = (pos < row_floats and j < min((s + 1) * seg_steps, total_steps)
+                              and k < k_dim)
+                    n0 = ONE
+                    n1 = ONE
+                    n2 = ONE
+                    n3 = ONE
+                    if RMS and inside:
+                        n0, n1, n2, n3 = load_f32x4(norm_w, k)
                     for i in range(MT):
-                        xs[uint64(i * row_floats + pos)] = vals[q * MT + i]
+                        src = src_sh[i]
+                        v0 = ZERO
+                        v1 = ZERO
+                        v2 = ZERO
+                        v3 = ZERO
+                        if inside and src != -1:
+                            if src < 0:      # -2: an invalid source row (expert routing)
+                                v0 = float32(math.nan)
+                                v1 = v0
+                                v2 = v0
+                                v3 = v0
+                            else:
+                                v0, v1, v2, v3 = load_x4(x, src, g, k)
+                                if SWIGLU:
+                                    u0, u1, u2, u3 = load_x4(x, src, g, k_dim + k)
+                                    v0 = _silu_mul(v0, u0)
+                                    v1 = _silu_mul(v1, u1)
+                                    v2 = _silu_mul(v2, u2)
+                                    v3 = _silu_mul(v3, u3)
+                                if RMS:      # (x * inv) * weight, as the scalar path
+                                    inv = inv_sh[i]
+                                    v0 = v0 * inv * n0
+                                    v1 = v1 * inv * n1
+                                    v2 = v2 * inv * n2
+                                    v3 = v3 * inv * n3
+                        at = (q * MT + i) * VEC
+                        quads[at] = v0
+                        quads[at + 1] = v1
+                        quads[at + 2] = v2
+                        quads[at + 3] = v3
+                for q in range(VSU):
+                    pos = (base + q * stride) * VEC
+                    if pos < row_floats:
+                        for i in range(MT):
+                            at = (q * MT + i) * VEC
+                            shared_put4(xs, uint64(i * row_floats + pos), quads[at], quads[at + 1],
+                                        quads[at + 2], quads[at + 3])
+        else:
+            vals = cuda.local.array(SU_MT, float32)
+            kcw = phase_steps * STEP
+            row_floats = k_split_ * kcw
+            total_steps = (k_dim + STEP - 1) // STEP
+            stride = cuda.blockDim.x
+            for base in range(cuda.threadIdx.x, row_floats, stride * SU):
+                for q in range(SU):
+                    pos = base + q * stride
+                    # pos = s * kcw + r (segment s < k_split_, offset r) without a division: a
+                    # runtime divisor made each position a 64-bit division and its floor fix-up
+                    # (linear_none_mt1's sm_90 PTX: 2967 instructions with them, 1751 without;
+                    # PERFORMANCE, run odd tiles).
+                    s = 0
+                    r = pos
+                    if pos < row_floats:
+                        while r >= kcw:
+                            r -= kcw
+                            s += 1
+                    j = s * seg_steps + phase * phase_steps + (r >> STEP_SHIFT)
+                    k = j * STEP + (r & (STEP - 1))
+                    inside = (pos < row_floats and j < min((s + 1) * seg_steps, total_steps)
+                              and k < k_dim)
+                    scale = ONE
+                    if RMS and inside:
+                        scale = load_f32(norm_w, k)
+                    for i in range(MT):
+                        src = src_sh[i]
+                        value = ZERO
+                        if inside and src != -1:
+                            if src < 0:      # -2: an invalid source row (expert routing)
+                                value = float32(math.nan)
+                            elif RMS:
+                                value = x_value(x, src, g, k, k_dim) * inv_sh[i] * scale
+                            else:
+                                value = x_value(x, src, g, k, k_dim)
+                        vals[q * MT + i] = value
+                for q in range(SU):
+                    pos = base + q * stride
+                    if pos < row_floats:
+                        for i in range(MT):
+                            xs[uint64(i * row_floats + pos)] = vals[q * MT + i]
 
     @cuda.jit(device=True, inline="always")
     def load_step(w, wbase, j, wv, u):
@@ -520,11 +607,14 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     def fma_step(xs, xo, row_floats, wv, u, acc):
         """acc[i * C + c] += x[i, 4l + e] * w[c, 4l + e], e ascending (xs offset xo of row 0)."""
         for i in range(MT):
-            base = uint64(xo + i * row_floats)
-            x0 = xs[base]
-            x1 = xs[base + uint64(1)]
-            x2 = xs[base + uint64(2)]
-            x3 = xs[base + uint64(3)]
+            if VX:      # one 16-byte shared load (xo, row_floats: multiples of 4; xs 16-byte aligned)
+                x0, x1, x2, x3 = shared_x4(xs, uint64(xo + i * row_floats))
+            else:       # four scalar loads: lanes 16 bytes apart, 4 lanes a bank, 16 wavefronts not 4
+                base = uint64(xo + i * row_floats)
+                x0 = xs[base]
+                x1 = xs[base + uint64(1)]
+                x2 = xs[base + uint64(2)]
+                x3 = xs[base + uint64(3)]
             for c in range(C):
                 a = cuda.fma(x0, wv[u, c, 0], acc[i * C + c])
                 a = cuda.fma(x1, wv[u, c, 1], a)
@@ -761,7 +851,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             out / residual [M, N], norm_w [K] (rmsnorm; else unused). Grid (ceil(M / MT),
             column blocks): the row tiles of one column block run together and share its weight
             rows through L2. Dynamic shared xs."""
-            xs = cuda.shared.array(0, float32)
+            xs = cuda.shared.array(0, float32, alignment=XS_ALIGN)
             comb = cuda.shared.array(COMB, float32)
             red = cuda.shared.array(RED, float32)
             src_sh = cuda.shared.array(MT, int32)
@@ -780,7 +870,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             [p * part_cols, min((p + 1) * part_cols, N)) of prologue(x[m]) @ w.T (the logits
             ``linear`` computes, never stored). x [M, K], w flat [N * K], part_val float32 /
             part_idx int32 [M, P], norm_w [K] (rmsnorm; else unused). Grid (ceil(M / MT), P)."""
-            xs = cuda.shared.array(0, float32)
+            xs = cuda.shared.array(0, float32, alignment=XS_ALIGN)
             comb = cuda.shared.array(COMB, float32)
             red = cuda.shared.array(RED, float32)
             src_sh = cuda.shared.array(MT, int32)
@@ -819,7 +909,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         def kernel(x, w, out, n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps):
             """out[m, g] = x[m, g] @ w[g].T. x [M, G, K], w flat [G * N * K], out [M, G, N].
             Grid (ceil(M / MT), column blocks, G)."""
-            xs = cuda.shared.array(0, float32)
+            xs = cuda.shared.array(0, float32, alignment=XS_ALIGN)
             comb = cuda.shared.array(COMB, float32)
             red = cuda.shared.array(RED, float32)
             src_sh = cuda.shared.array(MT, int32)
@@ -843,7 +933,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             x [R, Kx], w flat [E * N * K], out [J, N], row_offsets int32 [E + 1], row_index int32
             [J]. Grid (tile slots, column blocks): slot t is the t-th non-empty MT-row tile in
             expert order; slots past the last tile exit."""
-            xs = cuda.shared.array(0, float32)
+            xs = cuda.shared.array(0, float32, alignment=XS_ALIGN)
             comb = cuda.shared.array(COMB, float32)
             red = cuda.shared.array(RED, float32)
             src_sh = cuda.shared.array(MT, int32)
@@ -1145,7 +1235,8 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     # The loop is read per launch shape (not get_kernel's default, frozen at import): a bench can
     # switch PIPELINE_WEIGHTS / PIPELINE_MIN_ROW_TILE and clear this cache.
     return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns,
-                       pipelined=ring_for(plan.mt)), grid, plan.threads,
+                       pipelined=ring_for(plan.mt), vector_x=VECTOR_X_LOADS,
+                       vector_stage=VECTOR_STAGING), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
 
@@ -1399,41 +1490,75 @@ def serial_split_warps(mt: int) -> int:
     return SERIAL_MAX_SPLIT_WARPS if mt < 4 else SERIAL_MAX_WARPS
 
 
-def _make_row_load() -> Any:
-    """``load_x4(x, r, g, k) -> x[r, g, k : k + 4]`` for a float32 [M, G, K] array of any strides
-    whose element (r, g, k) is 16-byte aligned: one ``ld.global.nc.v4.f32`` on a GPU (numba-cuda has
-    no vector load, stack §1), four element reads under the simulator."""
+def _make_row_load() -> tuple[Any, Any]:
+    """``load_x4(x, r, g, k) -> x[r, g, k : k + 4]`` for a float32 [M, G, K] array (``x[r, k : k + 4]``
+    for [M, K], g unused) of any strides whose element (r, [g,] k) is 16-byte aligned: one
+    ``ld.global.nc.v4.f32`` on a GPU (numba-cuda has no vector load, stack §1), four element reads
+    under the simulator; and ``rows_aligned16(x)``: whether every row of such an array starts on 16
+    bytes with unit stride along its last axis (data pointer and outer strides multiples of 16, the
+    last stride 4 bytes), so that k a multiple of 4 gives an aligned ``load_x4``."""
     if cuda.config.ENABLE_CUDASIM:
         def load_x4(x, r, g, k):
+            if x.ndim == 2:
+                return x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
             return x[r, g, k], x[r, g, k + 1], x[r, g, k + 2], x[r, g, k + 3]
-        return load_x4
+
+        def rows_aligned16(x):
+            address = x.__array_interface__["data"][0]
+            return (x.strides[-1] == 4 and address % 16 == 0
+                    and all(stride % 16 == 0 for stride in x.strides[:-1]))
+        return load_x4, rows_aligned16
 
     from numba.core import cgutils
     from numba.cuda.extending import intrinsic
 
+    def _rows(array) -> bool:
+        return isinstance(array, types.Array) and array.ndim in (1, 2, 3) and array.dtype == types.float32
+
     @intrinsic
     def load_x4(typingctx, array, r, g, k):
-        if not (isinstance(array, types.Array) and array.ndim == 3 and array.dtype == types.float32
-                and all(isinstance(t, types.Integer) for t in (r, g, k))):
+        if not (_rows(array) and array.ndim > 1 and all(isinstance(t, types.Integer) for t in (r, g, k))):
             return None
         sig = types.UniTuple(types.float32, 4)(array, r, g, k)
 
         def codegen(context, builder, signature, args):
+            ndim = signature.args[0].ndim
             ary = context.make_array(signature.args[0])(context, builder, value=args[0])
-            strides = cgutils.unpack_tuple(builder, ary.strides, 3)   # bytes
+            strides = cgutils.unpack_tuple(builder, ary.strides, ndim)   # bytes
             r_, g_, k_ = (context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:]))
             intp = context.get_value_type(types.intp)
-            offset = builder.add(builder.add(builder.mul(r_, strides[0]), builder.mul(g_, strides[1])),
-                                 builder.mul(k_, ir.Constant(intp, 4)))
+            offset = builder.add(builder.mul(r_, strides[0]), builder.mul(k_, ir.Constant(intp, 4)))
+            if ndim == 3:
+                offset = builder.add(offset, builder.mul(g_, strides[1]))
             ptr = builder.inttoptr(builder.add(builder.ptrtoint(ary.data, intp), offset), ary.data.type)
             return vector_load(context, builder, signature, ptr)
 
         return sig, codegen
 
-    return load_x4
+    @intrinsic
+    def rows_aligned16(typingctx, array):
+        if not _rows(array):
+            return None
+        sig = types.boolean(array)
+
+        def codegen(context, builder, signature, args):
+            ndim = signature.args[0].ndim
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            strides = cgutils.unpack_tuple(builder, ary.strides, ndim)
+            intp = context.get_value_type(types.intp)
+            bits = builder.ptrtoint(ary.data, intp)
+            for stride in strides[:-1]:
+                bits = builder.or_(bits, stride)
+            low = builder.icmp_unsigned("==", builder.and_(bits, ir.Constant(intp, 15)), ir.Constant(intp, 0))
+            unit = builder.icmp_signed("==", strides[-1], ir.Constant(intp, 4))
+            return builder.and_(low, unit)
+
+        return sig, codegen
+
+    return load_x4, rows_aligned16
 
 
-load_x4 = _make_row_load()
+load_x4, rows_aligned16 = _make_row_load()
 
 
 def _make_shared_x4() -> tuple[Any, Any]:
