@@ -559,13 +559,14 @@ def test_row_tile_width_is_layout_not_numerics(columns, shuffles):
         _run_linear(x, w))
 
 
-def _with_ring(monkeypatch, pipelined, call):
-    """(call(), the kernels it launched) with every kernel the wrappers launch built with
-    ``pipelined`` (their own plans, grids and prologues; the launch cache cleared around it)."""
+def _with_options(monkeypatch, options, call):
+    """(call(), the kernels it launched) with every kernel the wrappers launch built with the
+    get_kernel keyword ``options`` (their own plans, grids and prologues; the launch cache cleared
+    around it)."""
     real, built = lin.get_kernel, []
 
     def forced(*args, **kwargs):
-        built.append(real(*args, **{**kwargs, "pipelined": pipelined}))
+        built.append(real(*args, **{**kwargs, **options}))
         return built[-1]
     monkeypatch.setattr(lin, "get_kernel", forced)
     lin._setup.cache_clear()
@@ -574,6 +575,11 @@ def _with_ring(monkeypatch, pipelined, call):
     finally:
         monkeypatch.setattr(lin, "get_kernel", real)
         lin._setup.cache_clear()
+
+
+def _with_ring(monkeypatch, pipelined, call):
+    """_with_options: the weight ring ``pipelined`` or not."""
+    return _with_options(monkeypatch, {"pipelined": pipelined}, call)
 
 
 def _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng):
@@ -628,20 +634,8 @@ def test_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows,
 
 
 def _with_vectors(monkeypatch, on, call):
-    """(call(), the kernels it launched) with every kernel the wrappers launch built with the
-    16-byte x reads and staging ``on`` or off (get_kernel's vector_x / vector_stage)."""
-    real, built = lin.get_kernel, []
-
-    def forced(*args, **kwargs):
-        built.append(real(*args, **{**kwargs, "vector_x": on, "vector_stage": on}))
-        return built[-1]
-    monkeypatch.setattr(lin, "get_kernel", forced)
-    lin._setup.cache_clear()
-    try:
-        return call(), built
-    finally:
-        monkeypatch.setattr(lin, "get_kernel", real)
-        lin._setup.cache_clear()
+    """_with_options: the 16-byte x reads and staging ``on`` or off (vector_x / vector_stage)."""
+    return _with_options(monkeypatch, {"vector_x": on, "vector_stage": on}, call)
 
 
 def _offset_case(m_rows, n_cols, k_dim, offset, rng):

@@ -26,8 +26,9 @@ Work layout (limits §3, §7).
     tiles of one column block run side by side and its weight rows come from HBM once and from
     L2 for the others (column-fastest, a 1056-row launch streamed W 132 times). The MT input
     rows are staged in dynamic shared memory ``[MT, k_split, phase_steps * 128]`` with the
-    prologue applied (none, RMSNorm with the row's rms, or SwiGLU); a thread stages one k for
-    all MT rows (MT loads in flight). When they fit in one phase a block stages them once and
+    prologue applied (none, RMSNorm with the row's rms, or SwiGLU); a thread stages 4 adjacent
+    k for all MT rows (one 16-byte load and one 16-byte shared store a row, MT loads in flight)
+    where K % 4 == 0 and the rows sit on 16 bytes, else one k a load (VECTOR_STAGING). When they fit in one phase a block stages them once and
     loops over column blocks (grid-stride, about one block per SM: decode streams W with no tail
     wave). The staging budget (:func:`xs_budget`) is the device's opt-in shared memory on a GPU
     (H200: 215 KiB of 227; launches above 48 KiB go through ``sim.launch.opt_in_shared``) and
@@ -342,6 +343,25 @@ def _row_inv_rms(x, row, k_dim, eps, lane):
 
 
 @cuda.jit(device=True, inline="always")
+def _staged_k(pos, row_floats, kcw, seg_steps, phase, phase_steps, total_steps, k_dim):
+    """(k, inside) of staged offset ``pos`` of a row: pos = s * kcw + r (segment s, offset r) holds
+    k = (s * seg_steps + phase * phase_steps) * STEP + r; inside: within the row's staged floats,
+    the segment's steps and K. The split takes no division: a runtime divisor made each position
+    a 64-bit division and its floor fix-up (linear_none_mt1's sm_90 PTX: 2967 instructions with
+    them, 1751 without; PERFORMANCE, run odd tiles)."""
+    s = 0
+    r = pos
+    if pos < row_floats:
+        while r >= kcw:
+            r -= kcw
+            s += 1
+    j = s * seg_steps + phase * phase_steps + (r >> STEP_SHIFT)
+    k = j * STEP + (r & (STEP - 1))
+    inside = pos < row_floats and j < min((s + 1) * seg_steps, total_steps) and k < k_dim
+    return k, inside
+
+
+@cuda.jit(device=True, inline="always")
 def _tree_sum(red, base):
     """Sum of red[base : base + 32] in :func:`.warp.warp_sum_f32`'s butterfly order, as lane 0
     sees it (v_l + v_(l + o) for o = 16, 8, 4, 2, 1; every lane ends with these bits because
@@ -496,16 +516,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             for base in range(cuda.threadIdx.x, row_quads, stride * VSU):
                 for q in range(VSU):
                     pos = (base + q * stride) * VEC
-                    s = 0                    # pos = s * kcw + r, no runtime division (as below)
-                    r = pos
-                    if pos < row_floats:
-                        while r >= kcw:
-                            r -= kcw
-                            s += 1
-                    j = s * seg_steps + phase * phase_steps + (r >> STEP_SHIFT)
-                    k = j * STEP + (r & (STEP - 1))     # a multiple of 4: the quad is all in or out
-                    inside = (pos < row_floats and j < min((s + 1) * seg_steps, total_steps)
-                              and k < k_dim)
+                    # k: a multiple of 4, so the quad is all inside or all out
+                    k, inside = _staged_k(pos, row_floats, kcw, seg_steps, phase, phase_steps,
+                                          total_steps, k_dim)
                     n0 = ONE
                     n1 = ONE
                     n2 = ONE
@@ -559,20 +572,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             for base in range(cuda.threadIdx.x, row_floats, stride * SU):
                 for q in range(SU):
                     pos = base + q * stride
-                    # pos = s * kcw + r (segment s < k_split_, offset r) without a division: a
-                    # runtime divisor made each position a 64-bit division and its floor fix-up
-                    # (linear_none_mt1's sm_90 PTX: 2967 instructions with them, 1751 without;
-                    # PERFORMANCE, run odd tiles).
-                    s = 0
-                    r = pos
-                    if pos < row_floats:
-                        while r >= kcw:
-                            r -= kcw
-                            s += 1
-                    j = s * seg_steps + phase * phase_steps + (r >> STEP_SHIFT)
-                    k = j * STEP + (r & (STEP - 1))
-                    inside = (pos < row_floats and j < min((s + 1) * seg_steps, total_steps)
-                              and k < k_dim)
+                    k, inside = _staged_k(pos, row_floats, kcw, seg_steps, phase, phase_steps,
+                                          total_steps, k_dim)
                     scale = ONE
                     if RMS and inside:
                         scale = load_f32(norm_w, k)
