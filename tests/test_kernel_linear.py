@@ -638,11 +638,13 @@ def _with_vectors(monkeypatch, on, call):
     return _with_options(monkeypatch, {"vector_x": on, "vector_stage": on}, call)
 
 
-def _offset_case(m_rows, n_cols, k_dim, offset, rng):
+def _offset_case(m_rows, n_cols, k_dim, offset, rng, norm_offset=0):
     """linear() with the RMSNorm prologue on x a column slice starting ``offset`` floats into a
-    wider buffer (rows off 16 bytes unless offset % 4 == 0), residual aliasing nothing."""
-    wide = _rand(m_rows, k_dim + 8, rng=rng)
-    x, w, nw = _dev(wide)[:, offset:offset + k_dim], _dev(_rand(n_cols, k_dim, rng=rng)), _dev(_rand(k_dim, rng=rng))
+    wider buffer (rows off 16 bytes unless offset % 4 == 0), its weight a slice starting
+    ``norm_offset`` floats into a longer vector."""
+    wide, norm = _rand(m_rows, k_dim + 8, rng=rng), _rand(k_dim + 8, rng=rng)
+    x, w = _dev(wide)[:, offset:offset + k_dim], _dev(_rand(n_cols, k_dim, rng=rng))
+    nw = _dev(norm)[norm_offset:norm_offset + k_dim]
 
     def call():
         out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
@@ -650,45 +652,105 @@ def _offset_case(m_rows, n_cols, k_dim, offset, rng):
     return call
 
 
-@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim,offset", [
-    ("linear", "rmsnorm", 33, 11, 1000, None),  # 11-row tiles (8 x 8 on the H200): quads, x * inv * w
-    ("linear", "swiglu", 5, 6, 300, None),      # gate and up quads, silu(gate) * up
-    ("linear", "none", 1, 5, 2100, None),       # two K segments: quads cross a segment's end
-    ("head", "none", 5, 7, 648, None),
-    ("expert", "swiglu", 9, 6, 520, None),      # gathered rows, an expert's second tile
-    ("linear", "none", 3, 5, 1001, None),       # K % 4 != 0: the scalar staging
-    ("linear", "rmsnorm", 4, 9, 640, 1),        # rows off 16 bytes: the scalar staging
-    ("linear", "rmsnorm", 4, 9, 640, 4)])       # a column slice on 16 bytes: quads
+def _argmax_case(m_rows, n_cols, k_dim, rng):
+    """linear_argmax() with the RMSNorm prologue: its parts' values and ids, side by side."""
+    x, w = _dev(_rand(m_rows, k_dim, rng=rng)), _dev(_rand(n_cols, k_dim, rng=rng))
+    nw = _dev(_rand(k_dim, rng=rng))
+    parts = lin.argmax_parts(n_cols)
+
+    def call():
+        val = cuda.to_device(np.full((m_rows, parts), np.nan, np.float32))
+        idx = cuda.to_device(np.full((m_rows, parts), -7, np.int32))
+        lin.linear_argmax(x, w, val, idx, norm_weight=nw, eps=1e-6)
+        return np.concatenate([val.copy_to_host(), idx.copy_to_host().astype(np.float32)], axis=1)
+    return call
+
+
+# (kind, prologue, M, N, K, x offset, norm offset, whether the quad staging runs under the
+# simulator, which plans for the H200 with a 40 KiB staging budget)
+VECTOR_CASES = [
+    ("linear", "rmsnorm", 33, 11, 640, None, 0, True),    # 11 x 4 tiles: quads, (x * inv) * w
+    ("linear", "rmsnorm", 33, 11, 1000, None, 0, True),   # 11 rows overflow the budget: 8 x 8 tiles
+    ("linear", "swiglu", 5, 6, 300, None, 0, True),       # gate and up quads, silu(gate) * up
+    ("linear", "none", 1, 5, 2100, None, 0, True),        # two K segments: quads end at a segment's end
+    ("linear", "none", 1, 3, 12000, None, 0, True),       # 8 segments staged in 2 phases
+    ("head", "none", 33, 7, 648, None, 0, True),          # 11-row head tiles
+    ("head", "none", 5, 7, 648, None, 0, False),          # the head kind's 8 x 8 tile: x reads only
+    ("expert", "swiglu", 9, 6, 520, None, 0, True),       # gathered rows, an expert's second tile
+    ("argmax", "rmsnorm", 9, 40, 512, None, 0, True),     # the lm_head's ranked parts
+    ("linear", "none", 3, 5, 1001, None, 0, False),       # K % 4 != 0: the scalar staging
+    ("linear", "rmsnorm", 4, 9, 640, 1, 0, False),        # rows off 16 bytes: the scalar staging
+    ("linear", "rmsnorm", 4, 9, 640, 4, 0, True),         # a column slice on 16 bytes: quads
+    ("linear", "rmsnorm", 4, 9, 640, 4, 1, False)]        # the RMSNorm weight off 16 bytes
+
+
+@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim,offset,norm_offset,staged_in_quads", VECTOR_CASES)
 def test_vector_x_reads_and_staging_are_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols,
-                                                            k_dim, offset):
+                                                            k_dim, offset, norm_offset, staged_in_quads):
     """The staged rows read with one 16-byte shared load a lane and step, and staged in 16-byte
     quads where K and the rows' alignment allow (else the scalar staging), give the bits of four
-    scalar reads and a float a load; every element written (NaN-poisoned outputs)."""
+    scalar reads and a float a load; every element written (NaN-poisoned outputs). Under the
+    simulator the quad staging's row loads are counted: they run exactly where expected."""
     rng = np.random.default_rng(k_dim + m_rows)
-    call = (_ring_case(kind, prologue, m_rows, n_cols, k_dim, rng) if offset is None
-            else _offset_case(m_rows, n_cols, k_dim, offset, rng))
+    if kind == "argmax":
+        call = _argmax_case(m_rows, n_cols, k_dim, rng)
+    elif offset is None:
+        call = _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng)
+    else:
+        call = _offset_case(m_rows, n_cols, k_dim, offset, rng, norm_offset)
+    if k_dim == 12000:
+        assert not lin.plan_linear(m_rows, n_cols, k_dim).one_phase
+    loads = []
+    if SIMULATED:
+        real_load = lin.load_x4
+
+        def counted(*args):
+            loads.append(1)
+            return real_load(*args)
+        monkeypatch.setattr(lin, "load_x4", counted)
     quads, quad_kernels = _with_vectors(monkeypatch, True, call)
+    quad_loads = len(loads)
     scalar, scalar_kernels = _with_vectors(monkeypatch, False, call)
     assert quad_kernels and scalar_kernels and not set(quad_kernels) & set(scalar_kernels)
     assert not np.isnan(quads).any()
     np.testing.assert_array_equal(quads, scalar)
+    if SIMULATED:
+        assert (quad_loads > 0) == staged_in_quads and len(loads) == quad_loads
 
 
-def test_rows_aligned16_reads_pointer_and_strides():
-    """The staging's alignment test, in a kernel: rows on 16 bytes with unit inner stride only."""
+def _alignment_probe():
+    """rows_aligned16 in a kernel over 1-, 2- and 3-D arrays and views."""
     @cuda.jit
-    def probe(a, b, c, d, e, out):
+    def probe(a, b, c, d, e, f, g, h, i, out):
         out[0] = lin.rows_aligned16(a)
         out[1] = lin.rows_aligned16(b)
         out[2] = lin.rows_aligned16(c)
         out[3] = lin.rows_aligned16(d)
         out[4] = lin.rows_aligned16(e)
+        out[5] = lin.rows_aligned16(f)
+        out[6] = lin.rows_aligned16(g)
+        out[7] = lin.rows_aligned16(h)
+        out[8] = lin.rows_aligned16(i)
 
     base = _dev(np.zeros((4, 24), np.float32))
-    out = cuda.to_device(np.zeros(5, np.int32))
-    probe[1, 1](base, base[:, 4:20], base[:, 1:17], _dev(np.zeros((4, 6), np.float32)),
-                base[:, ::2], out)
-    assert out.copy_to_host().tolist() == [1, 1, 0, 0, 0]
+    flat = _dev(np.zeros(24, np.float32))
+    heads = _dev(np.zeros((2, 3, 8), np.float32))
+    out = cuda.to_device(np.zeros(9, np.int32))
+    probe[1, 1](base, base[:, 4:20], base[:, 1:17], _dev(np.zeros((4, 6), np.float32)), base[:, ::2],
+                flat[4:], flat[1:], heads[:, :, 4:], _dev(np.zeros((2, 3, 6), np.float32)), out)
+    assert out.copy_to_host().tolist() == [1, 1, 0, 0, 0, 1, 0, 1, 0]
+
+
+def test_rows_aligned16_reads_pointer_and_strides():
+    """The staging's alignment test: rows on 16 bytes (pointer and outer strides) with a unit
+    inner stride only; 1-D weights, [M, K] rows, [M, G, K] heads."""
+    _alignment_probe()
+
+
+@pytest.mark.gpu
+def test_gpu_rows_aligned16_reads_pointer_and_strides():
+    """The same on the GPU, where the intrinsic reads the array's pointer and strides in LLVM IR."""
+    _alignment_probe()
 
 
 @pytest.mark.skipif(not SIMULATED, reason="the tree reduction exists only under the simulator")
@@ -907,6 +969,24 @@ def test_gpu_split_k_wo_is_linear_bit_for_bit(m_rows):
     got = _split_k(x, w, res, alias=True)
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got, _run_linear(x, w, residual=_dev(res)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim", [
+    ("linear", "rmsnorm", 33, 1344, 2048),   # w_a: 11-row tiles, quads with x * inv * w
+    ("linear", "none", 1, 12288, 768),       # w_q at an AR step
+    ("linear", "swiglu", 33, 2048, 256),     # the shared expert's w2
+    ("expert", "swiglu", 33, 2048, 256),     # the routed experts' down projection (8 x 8 tile)
+    ("head", "none", 33, 512, 128)])         # 11-row head tiles
+def test_gpu_vector_x_reads_and_staging_are_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols,
+                                                                k_dim):
+    """On the GPU (where the 16-byte shared loads and stores are real): small's shapes give the
+    same bits with the quads on and off, every element written."""
+    call = _ring_case(kind, prologue, m_rows, n_cols, k_dim, np.random.default_rng(n_cols + k_dim))
+    quads, _ = _with_vectors(monkeypatch, True, call)
+    scalar, _ = _with_vectors(monkeypatch, False, call)
+    assert not np.isnan(quads).any()
+    np.testing.assert_array_equal(quads, scalar)
 
 
 @pytest.mark.gpu

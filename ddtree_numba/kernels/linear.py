@@ -27,8 +27,10 @@ Work layout (limits §3, §7).
     L2 for the others (column-fastest, a 1056-row launch streamed W 132 times). The MT input
     rows are staged in dynamic shared memory ``[MT, k_split, phase_steps * 128]`` with the
     prologue applied (none, RMSNorm with the row's rms, or SwiGLU); a thread stages 4 adjacent
-    k for all MT rows (one 16-byte load and one 16-byte shared store a row, MT loads in flight)
-    where K % 4 == 0 and the rows sit on 16 bytes, else one k a load (VECTOR_STAGING). When they fit in one phase a block stages them once and
+    k of every row with one 16-byte load and one 16-byte shared store a row (STAGE_LOADS // MT
+    such positions a round, at least one, all loads in flight) where K % 4 == 0 and the rows
+    (and the RMSNorm weight) sit on 16 bytes, else one k a load (VECTOR_STAGING; the head
+    kind's 8 x 8 tile always one k a load). When they fit in one phase a block stages them once and
     loops over column blocks (grid-stride, about one block per SM: decode streams W with no tail
     wave). The staging budget (:func:`xs_budget`) is the device's opt-in shared memory on a GPU
     (H200: 215 KiB of 227; launches above 48 KiB go through ``sim.launch.opt_in_shared``) and
@@ -196,7 +198,8 @@ ONE = np.float32(1.0)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 MAX_DIM = np.iinfo(np.int32).max // 2   # int32 geometry with room for offsets
-XS_ALIGN = None if SIM_TREE else 4 * VEC  # staged rows: 16-byte shared loads (shared_x4; the simulator takes no alignment)
+# staged rows: 16-byte shared loads (shared_x4); the simulator takes no alignment
+XS_ALIGN = None if SIM_TREE else 4 * VEC
 
 
 # The weight loop per row tile: the ring (module docstring: the next steps' loads issued before
@@ -234,8 +237,9 @@ def vector_load(context: Any, builder: Any, signature: Any, ptr: Any) -> Any:
     The asm has no side effects (so LLVM may schedule, merge and drop it like a load), which
     also lets LLVM execute it whatever branch guards it: a caller's address must be inside the
     array even where the guard is false (verify_attention's ``load_row_f32x4`` clamps its
-    latent and rope addresses). The guarded loads of the absorb kernels and of
-    ``head_linear``'s staging still form addresses past their arrays where the guard is false:
+    latent and rope addresses, and linear's quad staging its row and k). The guarded loads of the
+    absorb kernels and of ``head_linear``'s staging still form addresses past their arrays where
+    the guard is false:
     in their sm_90 PTX (checked for the absorb kernels) each sits in a block with its own
     address arithmetic and stays a branch, and compute-sanitizer found nothing there, but
     that is the compiler's choice, not the code's."""
@@ -410,7 +414,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     FMAs (None: :func:`ring_for`, by the row tile; same bits); vector_x: the FMA loop reads a
     lane's 4 staged floats of a row with one 16-byte shared load, not four scalar ones (same
     values; :data:`VECTOR_X_LOADS`); vector_stage: the rows are staged in 16-byte quads where K
-    and the rows' alignment allow (same values; :data:`VECTOR_STAGING`).
+    and the rows' alignment allow (same values; :data:`VECTOR_STAGING`; ignored by the head
+    kind's 8 x 8 tile, which the quads spilled on sm_90).
     """
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
@@ -441,8 +446,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     SU_MT = SU * MT                 # their values (a compile-time local array size)
     # The head kind's 8 x 8 tile sat at 255 registers; the quads spilled it (sm_90: 32 / 56 bytes).
     VSTAGE = bool(vector_stage) and not (kind == "head" and C == WIDE_COLUMNS)
-    VSU = max(1, STAGE_LOADS // MT)  # vector staging: 16-byte positions per thread and round
-    VSU_MT4 = VSU * MT * VEC
+    SU_MT4 = SU_MT * VEC            # the quad staging's values (SU quads for MT rows)
     VX = bool(vector_x)
     RED = BLOCK_WARPS * MTC * RED_ROW if TREE else 1   # the tree's lane partials
     OFFS = MAX_EXPERTS + 1
@@ -507,14 +511,14 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         if RMS:
             vec = vec and rows_aligned16(norm_w)
         if vec:
-            quads = cuda.local.array(VSU_MT4, float32)
+            quads = cuda.local.array(SU_MT4, float32)
             kcw = phase_steps * STEP
             row_floats = k_split_ * kcw
             row_quads = row_floats >> 2
             total_steps = (k_dim + STEP - 1) // STEP
             stride = cuda.blockDim.x
-            for base in range(cuda.threadIdx.x, row_quads, stride * VSU):
-                for q in range(VSU):
+            for base in range(cuda.threadIdx.x, row_quads, stride * SU):
+                for q in range(SU):
                     pos = (base + q * stride) * VEC
                     # k: a multiple of 4, so the quad is all inside or all out
                     k, inside = _staged_k(pos, row_floats, kcw, seg_steps, phase, phase_steps,
@@ -523,8 +527,11 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                     n1 = ONE
                     n2 = ONE
                     n3 = ONE
+                    # Loads from in-bounds addresses even where their guard is false (a
+                    # side-effect-free load may be hoisted past it: vector_load).
+                    k_in = k if inside else 0
                     if RMS and inside:
-                        n0, n1, n2, n3 = load_f32x4(norm_w, k)
+                        n0, n1, n2, n3 = load_f32x4(norm_w, k_in)
                     for i in range(MT):
                         src = src_sh[i]
                         v0 = ZERO
@@ -538,9 +545,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                                 v2 = v0
                                 v3 = v0
                             else:
-                                v0, v1, v2, v3 = load_x4(x, src, g, k)
+                                v0, v1, v2, v3 = load_x4(x, max(src, 0), g, k_in)
                                 if SWIGLU:
-                                    u0, u1, u2, u3 = load_x4(x, src, g, k_dim + k)
+                                    u0, u1, u2, u3 = load_x4(x, max(src, 0), g, k_dim + k_in)
                                     v0 = _silu_mul(v0, u0)
                                     v1 = _silu_mul(v1, u1)
                                     v2 = _silu_mul(v2, u2)
@@ -556,7 +563,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                         quads[at + 1] = v1
                         quads[at + 2] = v2
                         quads[at + 3] = v3
-                for q in range(VSU):
+                for q in range(SU):
                     pos = (base + q * stride) * VEC
                     if pos < row_floats:
                         for i in range(MT):
@@ -1493,7 +1500,8 @@ def serial_split_warps(mt: int) -> int:
 
 def _make_row_load() -> tuple[Any, Any]:
     """``load_x4(x, r, g, k) -> x[r, g, k : k + 4]`` for a float32 [M, G, K] array (``x[r, k : k + 4]``
-    for [M, K], g unused) of any strides whose element (r, [g,] k) is 16-byte aligned: one
+    for [M, K], g unused) of any outer strides and a unit last stride whose element (r, [g,] k)
+    is 16-byte aligned: one
     ``ld.global.nc.v4.f32`` on a GPU (numba-cuda has no vector load, stack §1), four element reads
     under the simulator; and ``rows_aligned16(x)``: whether every row of such an array starts on 16
     bytes with unit stride along its last axis (data pointer and outer strides multiples of 16, the
