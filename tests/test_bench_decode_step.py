@@ -131,20 +131,28 @@ def test_bad_arguments_exit_before_any_work():
             ds.main(argv)
 
 
-def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys):
+def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys, monkeypatch, request):
     """--temperature: AR and DDTree sample with the same seed (the Gumbel posterior) through the
-    whole bench on tiny, the tokens agree (exit status 0) and the run records its temperature."""
+    whole bench on tiny, the tokens agree (exit status 0) and the run records its temperature
+    (and --quads off: the linears' scalar staged-row traffic, restored after the run)."""
     import json
 
     import xarray as xr
 
+    from ddtree_numba.kernels import linear as lin
+
+    for name in ("VECTOR_X_LOADS", "VECTOR_STAGING"):   # restored after the test, the plans rebuilt
+        monkeypatch.setattr(lin, name, getattr(lin, name))
+    request.addfinalizer(lin._setup.cache_clear)
     out = tmp_path / "ds.h5"
     status = ds.main(["--preset", "tiny", "--batch", "1", "--prompt-len", "3", "--new-tokens", "4",
                       "--eager-tokens", "2", "--budget", "3", "--block", "3", "--accuracy", "1.0",
-                      "--temperature", "0.8", "--out", str(out)])
+                      "--temperature", "0.8", "--quads", "off", "--out", str(out)])
     text = capsys.readouterr().out
     assert status == 0 and "temperature 0.8" in text
     group = text.split(f"wrote {out}:")[1].split()[0]
     with xr.open_dataset(out, group=group, engine="h5netcdf") as back:
-        assert json.loads(back.attrs["config"])["temperature"] == 0.8
+        config = json.loads(back.attrs["config"])
+        assert config["temperature"] == 0.8 and config["quads"] == "off"
         assert int(back["tree_identical"].values[0]) == 1
+    assert not lin.VECTOR_X_LOADS and not lin.VECTOR_STAGING

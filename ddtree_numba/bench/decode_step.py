@@ -293,6 +293,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--odd-tiles", choices=("on", "off"),
                         help="11-row tiles for many-row linear and head launches (kernels/linear.py ODD_TILES; "
                              "a B 32 tree's 33 rows in 3 x 11 instead of 5 x 8; default: ODD_TILES, on)")
+    parser.add_argument("--quads", choices=("on", "off"),
+                        help="the linears' staged rows read with 16-byte shared loads and staged in 16-byte "
+                             "quads (kernels/linear.py VECTOR_X_LOADS and VECTOR_STAGING, both; the same bits; "
+                             "default: on). Set explicitly, so in-process A/B runs can alternate")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -318,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.odd_tiles:
         lin.set_odd_tiles(args.odd_tiles == "on")
     args.odd_tiles = "on" if lin.ODD_TILES else "off"   # (recorded in the config attrs)
+    if args.quads:
+        lin.VECTOR_X_LOADS = lin.VECTOR_STAGING = args.quads == "on"
+        lin._setup.cache_clear()                          # launch shapes built with the other setting
+    quads = (lin.VECTOR_X_LOADS, lin.VECTOR_STAGING)
+    args.quads = {(True, True): "on", (False, False): "off"}.get(quads, f"x loads {quads[0]}, staging {quads[1]}")
     config = ModelConfig.from_name(args.preset)
     profile = active_profile()
     bandwidth = roofline(profile, 1.0, 0.0).bandwidth
@@ -358,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
-                                                      "temperature", "odd_tiles", "absorbs")}
+                                                      "temperature", "odd_tiles", "quads", "absorbs")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),
