@@ -507,17 +507,16 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         With VSTAGE, K a multiple of 4 and 16-byte aligned rows (x, and the RMSNorm weight), a
         position is 4 adjacent k (one 16-byte load a row, one 16-byte shared store): a quarter of
         the rounds (11-row tiles at K 2048: 2 round trips, not 8), the same values."""
+        kcw = phase_steps * STEP
+        row_floats = k_split_ * kcw
+        total_steps = (k_dim + STEP - 1) // STEP
+        stride = cuda.blockDim.x
         vec = VSTAGE and (k_dim & (VEC - 1)) == 0 and rows_aligned16(x)
         if RMS:
             vec = vec and rows_aligned16(norm_w)
         if vec:
             quads = cuda.local.array(SU_MT4, float32)
-            kcw = phase_steps * STEP
-            row_floats = k_split_ * kcw
-            row_quads = row_floats >> 2
-            total_steps = (k_dim + STEP - 1) // STEP
-            stride = cuda.blockDim.x
-            for base in range(cuda.threadIdx.x, row_quads, stride * SU):
+            for base in range(cuda.threadIdx.x, row_floats >> 2, stride * SU):
                 for q in range(SU):
                     pos = (base + q * stride) * VEC
                     # k: a multiple of 4, so the quad is all inside or all out
@@ -572,10 +571,6 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                                         quads[at + 2], quads[at + 3])
         else:
             vals = cuda.local.array(SU_MT, float32)
-            kcw = phase_steps * STEP
-            row_floats = k_split_ * kcw
-            total_steps = (k_dim + STEP - 1) // STEP
-            stride = cuda.blockDim.x
             for base in range(cuda.threadIdx.x, row_floats, stride * SU):
                 for q in range(SU):
                     pos = base + q * stride
