@@ -5,6 +5,8 @@ a simulated run of even ``tiny`` takes minutes, so here only the pure parts run.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -125,7 +127,7 @@ def test_report_table_and_hdf5_run(tmp_path):
 
 
 def test_bad_arguments_exit_before_any_work():
-    for argv in (["--batch", "0"], ["--new-tokens", "2"], ["--accuracy", "1.5"], ["--block", "1"],
+    for argv in (["--batch", "0"], ["--new-tokens", "2"], ["--accuracy", "1.5"], ["--block", "1"], ["--ring", "1"],
                  ["--temperature", "-1"], ["--temperature", "nan"]):
         with pytest.raises(SystemExit, match="error"):
             ds.main(argv)
@@ -134,7 +136,8 @@ def test_bad_arguments_exit_before_any_work():
 def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys, monkeypatch, request):
     """--temperature: AR and DDTree sample with the same seed (the Gumbel posterior) through the
     whole bench on tiny, the tokens agree (exit status 0) and the run records its temperature
-    (and --quads off: the linears' scalar staged-row traffic, restored after the run)."""
+    (and --quads off: the linears' scalar staged-row traffic; --ring 2: the async weight ring at
+    2 slots; both restored after the run)."""
     import json
 
     import xarray as xr
@@ -144,15 +147,16 @@ def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys, monkeypatch, 
     for name in ("VECTOR_X_LOADS", "VECTOR_STAGING"):   # restored after the test, the plans rebuilt
         monkeypatch.setattr(lin, name, getattr(lin, name))
     request.addfinalizer(lin._setup.cache_clear)
+    request.addfinalizer(functools.partial(lin.set_async_ring, *(lin.ASYNC_RING_STAGES, lin.ASYNC_RING_MIN_ROW_TILE)))
     out = tmp_path / "ds.h5"
     status = ds.main(["--preset", "tiny", "--batch", "1", "--prompt-len", "3", "--new-tokens", "4",
                       "--eager-tokens", "2", "--budget", "3", "--block", "3", "--accuracy", "1.0",
-                      "--temperature", "0.8", "--quads", "off", "--out", str(out)])
+                      "--temperature", "0.8", "--quads", "off", "--ring", "2", "--out", str(out)])
     text = capsys.readouterr().out
     assert status == 0 and "temperature 0.8" in text
     group = text.split(f"wrote {out}:")[1].split()[0]
     with xr.open_dataset(out, group=group, engine="h5netcdf") as back:
         config = json.loads(back.attrs["config"])
-        assert config["temperature"] == 0.8 and config["quads"] == "off"
+        assert config["temperature"] == 0.8 and config["quads"] == "off" and config["ring"] == 2
         assert int(back["tree_identical"].values[0]) == 1
-    assert not lin.VECTOR_X_LOADS and not lin.VECTOR_STAGING
+    assert not lin.VECTOR_X_LOADS and not lin.VECTOR_STAGING and lin.ASYNC_RING_STAGES == 2

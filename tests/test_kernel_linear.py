@@ -6,6 +6,8 @@ output is the same whether computed alone, among 7 or 33 rows, or through expert
 head_linear. Under the simulator the reduction order itself is checked bit for bit against a
 NumPy emulation (the simulator's fma is a*b + c in float32).
 """
+import contextlib
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -578,8 +580,38 @@ def _with_options(monkeypatch, options, call):
 
 
 def _with_ring(monkeypatch, pipelined, call):
-    """_with_options: the weight ring ``pipelined`` or not."""
-    return _with_options(monkeypatch, {"pipelined": pipelined}, call)
+    """_with_options: the register weight ring ``pipelined`` or not (the async ring off, which
+    would replace both; its plan's shared bytes, a superset, stay)."""
+    return _with_options(monkeypatch, {"pipelined": pipelined, "ring_stages": 0}, call)
+
+
+@contextlib.contextmanager
+def _counting(monkeypatch, name):
+    """A list that gets one entry per call of ``lin.<name>`` inside the block (under the
+    simulator, where the kernels call the module's Python function; empty on a GPU)."""
+    calls = []
+    real = getattr(lin, name)
+    if SIMULATED:
+        def counted(*args):
+            calls.append(1)
+            return real(*args)
+        monkeypatch.setattr(lin, name, counted)
+    try:
+        yield calls
+    finally:
+        monkeypatch.setattr(lin, name, real)
+
+
+def _with_async_ring(monkeypatch, stages, call):
+    """(call(), the kernels it launched, copy_async16 calls under the simulator) with the async
+    weight ring's plans at ``stages`` slots for every row tile (0: off)."""
+    previous = lin.set_async_ring(stages, 1)
+    try:
+        with _counting(monkeypatch, "copy_async16") as copies:
+            out, kernels = _with_options(monkeypatch, {}, call)
+    finally:
+        lin.set_async_ring(*previous)
+    return out, kernels, len(copies)
 
 
 def _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng):
@@ -684,6 +716,59 @@ VECTOR_CASES = [
     ("linear", "rmsnorm", 4, 9, 640, 4, 1, False)]        # the RMSNorm weight off 16 bytes
 
 
+# (kind, prologue, M, N, K, the ring's slots, those the simulator's plan gives: its 32 KiB ring
+# budget over a 40 KiB staging budget, and the ring only where a block loops over 2 or more
+# column blocks with its rows staged once; the simulator's grid has one column block, so: N over
+# one block's C columns)
+ASYNC_RING_CASES = [
+    ("linear", "none", 1, 5, 2100, 4, 4),      # two K segments of 9 and 7 vector steps, tail 52
+    ("linear", "none", 1, 5, 2100, 2, 2),      # 2 slots: one step in flight
+    ("linear", "rmsnorm", 33, 11, 640, 3, 3),  # 11 x 4 tiles, 5 steps, (x * inv) * w staged
+    ("linear", "swiglu", 5, 20, 300, 4, 4),    # the 8 x 8 tile: 2 vector steps, fewer than the slots
+    ("linear", "swiglu", 5, 6, 300, 4, 0),     # one column block: no ring
+    ("linear", "none", 1, 6, 12000, 4, 0),     # rows staged in phases: no ring
+    ("head", "none", 33, 7, 648, 4, 3),        # 11-row head tiles, 5 steps and a tail: 3 slots left
+    ("expert", "swiglu", 9, 20, 520, 3, 3),    # gathered rows, an expert's second tile
+    ("argmax", "rmsnorm", 9, 40, 512, 4, 4),   # the lm_head's ranked parts, 2 passes each
+    ("linear", "none", 3, 5, 1001, 4, 0)]      # K % 4 != 0: no vector steps, no ring      # K % 4 != 0: no vector steps, no ring
+
+
+@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim,stages,planned", ASYNC_RING_CASES)
+def test_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols, k_dim,
+                                                  stages, planned):
+    """The weights streamed through the async ring (cp.async into D slots a warp, D - 1 steps
+    ahead) give the bits of the register loads; every element written (NaN-poisoned outputs).
+    The plan gives the slots expected, and under the simulator its copies are counted: one
+    16-byte copy a lane, column and vector step of every column group, so they run exactly where
+    the plan says."""
+    rng = np.random.default_rng(k_dim + m_rows + stages)
+    call = (_argmax_case(m_rows, n_cols, k_dim, rng) if kind == "argmax"
+            else _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng))
+    previous = lin.set_async_ring(stages, 1)
+    try:
+        plan = lin.plan_linear(m_rows if kind != "expert" else 2 * m_rows, n_cols, k_dim, kind=kind)
+        assert plan.ring_stages == planned
+        if k_dim == 12000:
+            assert not plan.one_phase
+    finally:
+        lin.set_async_ring(*previous)
+    ring, ring_kernels, copies = _with_async_ring(monkeypatch, stages, call)
+    plain, plain_kernels, plain_copies = _with_async_ring(monkeypatch, 0, call)
+    assert ring_kernels and plain_kernels and (planned == 0) == (set(ring_kernels) == set(plain_kernels))
+    assert not np.isnan(ring).any()
+    np.testing.assert_array_equal(ring, plain)
+    if SIMULATED:
+        assert plain_copies == 0 and (copies > 0) == (planned > 0)
+
+
+@pytest.mark.parametrize("stages", [1, 9, -2, True, 2.0])
+def test_set_async_ring_refuses_bad_stages(stages):
+    with pytest.raises(ValueError, match="stages"):
+        lin.set_async_ring(stages)
+    with pytest.raises(ValueError, match="min_row_tile"):
+        lin.set_async_ring(0, 0)
+
+
 @pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim,offset,norm_offset,staged_in_quads", VECTOR_CASES)
 def test_vector_x_reads_and_staging_are_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols,
                                                             k_dim, offset, norm_offset, staged_in_quads):
@@ -700,17 +785,10 @@ def test_vector_x_reads_and_staging_are_layout_not_numerics(monkeypatch, kind, p
         call = _offset_case(m_rows, n_cols, k_dim, offset, rng, norm_offset)
     if k_dim == 12000:
         assert not lin.plan_linear(m_rows, n_cols, k_dim).one_phase
-    loads = []
-    if SIMULATED:
-        real_load = lin.load_x4
-
-        def counted(*args):
-            loads.append(1)
-            return real_load(*args)
-        monkeypatch.setattr(lin, "load_x4", counted)
-    quads, quad_kernels = _with_vectors(monkeypatch, True, call)
-    quad_loads = len(loads)
-    scalar, scalar_kernels = _with_vectors(monkeypatch, False, call)
+    with _counting(monkeypatch, "load_x4") as loads:
+        quads, quad_kernels = _with_vectors(monkeypatch, True, call)
+        quad_loads = len(loads)
+        scalar, scalar_kernels = _with_vectors(monkeypatch, False, call)
     assert quad_kernels and scalar_kernels and not set(quad_kernels) & set(scalar_kernels)
     assert not np.isnan(quads).any()
     np.testing.assert_array_equal(quads, scalar)
@@ -987,6 +1065,32 @@ def test_gpu_vector_x_reads_and_staging_are_layout_not_numerics(monkeypatch, kin
     scalar, _ = _with_vectors(monkeypatch, False, call)
     assert not np.isnan(quads).any()
     np.testing.assert_array_equal(quads, scalar)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim", [
+    ("linear", "none", 33, 12288, 768),      # w_q: 11-row tiles, 4 slots, ~9 column blocks a block
+    ("linear", "none", 1, 12288, 768),       # w_q at an AR step (the ring's 1-row tile, off by default)
+    ("linear", "rmsnorm", 33, 11264, 2048),  # the dense gate | up
+    ("linear", "swiglu", 33, 2048, 256),     # the shared expert's w2
+    ("expert", "swiglu", 33, 2048, 256),     # the routed experts' down projection (8 x 8 tile, 3 slots)
+    ("argmax", "rmsnorm", 33, 32768, 2048)])  # the lm_head's ranked parts
+def test_gpu_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols, k_dim):
+    """On the GPU (real cp.async copies and waits): small's shapes that the ring's plan takes give
+    the same bits with the async weight ring (4 slots, every row tile) and without it, every
+    element written."""
+    rng = np.random.default_rng(n_cols + k_dim + m_rows)
+    call = (_argmax_case(m_rows, n_cols, k_dim, rng) if kind == "argmax"
+            else _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng))
+    previous = lin.set_async_ring(4, 1)
+    try:
+        assert kind == "expert" or lin.plan_linear(m_rows, n_cols, k_dim, kind=kind).ring_stages > 0
+    finally:
+        lin.set_async_ring(*previous)
+    ring, _, _ = _with_async_ring(monkeypatch, 4, call)
+    plain, _, _ = _with_async_ring(monkeypatch, 0, call)
+    assert not np.isnan(ring).any()
+    np.testing.assert_array_equal(ring, plain)
 
 
 @pytest.mark.gpu

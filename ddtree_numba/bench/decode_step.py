@@ -297,6 +297,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="the linears' staged rows read with 16-byte shared loads and staged in 16-byte "
                              "quads (kernels/linear.py VECTOR_X_LOADS and VECTOR_STAGING, both; the same bits; "
                              "default: on). Set explicitly, so in-process A/B runs can alternate")
+    parser.add_argument("--ring", type=int, metavar="SLOTS",
+                        help="the linears' async weight ring: SLOTS step slots a warp in shared memory filled "
+                             "by cp.async (kernels/linear.py ASYNC_RING_STAGES; 0: off, the register loads; the "
+                             "same bits; default: ASYNC_RING_STAGES). Set explicitly, so in-process A/B runs "
+                             "can alternate")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -318,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     from sim.install import simulator_active
     from sim.profiles import active_profile, roofline
 
+    if args.ring is not None and not (args.ring == 0 or 2 <= args.ring <= lin.MAX_RING_STAGES):
+        raise SystemExit(f"error: --ring must be 0 or 2-{lin.MAX_RING_STAGES}, got {args.ring}")
     t_start = time.perf_counter()
     if args.odd_tiles:
         lin.set_odd_tiles(args.odd_tiles == "on")
@@ -326,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         lin.VECTOR_X_LOADS = lin.VECTOR_STAGING = args.quads == "on"
         lin._setup.cache_clear()                          # launch shapes built with the other setting
     quads = (lin.VECTOR_X_LOADS, lin.VECTOR_STAGING)
+    if args.ring is not None:
+        lin.set_async_ring(args.ring)                     # clears the plans built with the other setting
+    args.ring = lin.ASYNC_RING_STAGES
     args.quads = {(True, True): "on", (False, False): "off"}.get(quads, f"x loads {quads[0]}, staging {quads[1]}")
     config = ModelConfig.from_name(args.preset)
     profile = active_profile()
@@ -367,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
-                                                      "temperature", "odd_tiles", "quads", "absorbs")}
+                                                      "temperature", "odd_tiles", "quads", "ring", "absorbs")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),

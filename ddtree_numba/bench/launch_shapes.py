@@ -109,7 +109,8 @@ def bench_expert(config: Any, rows: int, seed: int, which: str, reps: int) -> li
     mt = lin.row_tile(tile_rows, k_dim, "expert")
     plan = lin._plan("expert", mt, n_cols, k_dim, True)
     kernel = lin.get_kernel("expert", prologue, False, mt, columns=plan.columns, pipelined=lin.ring_for(mt),
-                            vector_x=lin.VECTOR_X_LOADS, vector_stage=lin.VECTOR_STAGING)   # as _setup
+                            vector_x=lin.VECTOR_X_LOADS, vector_stage=lin.VECTOR_STAGING,
+                            ring_stages=plan.ring_stages)   # as _setup
     geometry = plan.geometry(n_cols, k_dim)
     tiles = int(np.sum(-(-counts // mt)))
     results, first = [], None

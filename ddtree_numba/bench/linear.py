@@ -210,10 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="rows 0 and M-1 vs float64 too")
     parser.add_argument("--prologue", action="append", choices=lin.PROLOGUES,
                         help="input prologue (repeatable; default none): rmsnorm (x [M, K]) or swiglu (x [M, 2K])")
+    parser.add_argument("--ring", type=int, metavar="SLOTS",
+                        help="the async weight ring's slots a warp (linear.set_async_ring; 0: off; default: "
+                             "ASYNC_RING_STAGES); recorded in the run's config")
     parser.add_argument("--out", type=Path, help="HDF5 file to append the results to")
     args = parser.parse_args(argv)
     if args.reps < 20:
         parser.error("--reps must be >= 20")
+    if args.ring is not None and not (args.ring == 0 or 2 <= args.ring <= lin.MAX_RING_STAGES):
+        parser.error(f"--ring must be 0 or 2-{lin.MAX_RING_STAGES}")
+    if args.ring is not None:
+        lin.set_async_ring(args.ring)
+    args.ring = lin.ASYNC_RING_STAGES
     shapes = [_ints(s) for s in args.shape] if args.shape else DEFAULT_SHAPES
     rows = _ints(args.rows)
     print(f"profile {active_profile().describe()}; GPU times queue-ahead (no host time inside)")

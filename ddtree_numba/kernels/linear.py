@@ -56,6 +56,15 @@ Weight ring (row tiles of at least ``PIPELINE_MIN_ROW_TILE`` rows, :func:`ring_f
     (registers). Layout, not numerics: the same fma chains in the same order, bit for bit with
     the load-then-FMA loop (tested both ways), in the same U x C x 4 weight registers.
 
+Async weight ring (off by default: ASYNC_RING_STAGES, :func:`_launch_plan`). The weights'
+    vector steps go through D step slots a warp in dynamic shared memory after the staged rows
+    (``[warps, D, C, 128]`` floats), filled by ``cp.async`` (:func:`copy_async16`) D - 1 steps
+    ahead of the FMAs; each lane reads back with one 16-byte shared load only the quads it
+    copied, so no barrier is needed, and ``cp.async.wait_group D - 2`` orders the copies before
+    those loads. With rows staged once, a column block's first D - 1 steps are copied before the
+    rows' rms and staging (the first block) or under the previous block's butterfly and stores.
+    Layout only: the same values reach the same fma chains.
+
 Decode (M = 1..16) streams W at HBM bandwidth when enough loads are in flight: C = 4 columns
 and U = 2-4 steps per lane, 8 warps per block. Large K is split over up to 8 warps
 (``k_split``) so that narrow outputs (N = 2048, K = 8192) still fill the GPU. The simulator
@@ -122,6 +131,7 @@ __all__ = [
     "k_split",
     "row_tile",
     "set_odd_tiles",
+    "set_async_ring",
     "plan_linear",
     "expert_slots",
     "linear",
@@ -215,6 +225,24 @@ PIPELINE_MIN_ROW_TILE = 4
 # 16 wavefronts a row and step where one 16-byte load takes 4. Staging moved one float a load.
 VECTOR_X_LOADS = True
 VECTOR_STAGING = True
+# The weights' async ring (get_kernel's ring_stages; layout only, the same bits): row tiles of at
+# least ASYNC_RING_MIN_ROW_TILE rows whose blocks loop over at least ASYNC_RING_MIN_LOOPS column
+# blocks (:func:`_launch_plan`) stream W through ASYNC_RING_STAGES step slots a warp in shared
+# memory, filled by cp.async D - 1 steps ahead, a column block's first copies issued before the
+# rows' staging or under the previous block's butterfly (0: off, the register ring /
+# load-then-FMA rounds above). The ring takes at most RING_BUDGET_BYTES of the staging budget
+# (fewer slots where it would not fit; off below 2); W's loads in flight cost no registers (the
+# register ring kept 1 step ahead at the 11-row tile: 2 or 3 spilled it, run lane squares).
+# Off by default: on the H200 (run ring) it made the 33-row w_q and dense gate | up 8 % faster
+# alone but the 33-row w_a 18 % and every 1-row tile 2-13 % slower, and a decode step with it
+# on where it won (4 slots, 8-row tiles on, 2 loops) took 2338.2 us a round, not measurably
+# under the rounds without it (no same-process pair). Switch with :func:`set_async_ring`
+# (clears the plans), or ``bench.decode_step --ring 4``.
+ASYNC_RING_STAGES = 0
+ASYNC_RING_MIN_ROW_TILE = 8
+ASYNC_RING_MIN_LOOPS = 2
+MAX_RING_STAGES = 8
+RING_BUDGET_BYTES = (32 if SIM_TREE else 96) * 1024   # sim: 2 slots of 8 warps over a 40 KiB budget
 
 
 def ring_for(mt: int) -> bool:
@@ -308,6 +336,94 @@ def _make_loads() -> tuple[Any, Any]:
 load_f32x4, load_f32 = _make_loads()
 
 
+def _make_async_copy() -> tuple[Any, Any, Any]:
+    """The weight ring's copies (sm_80 on): ``copy_async16(sh, i, w, k)`` starts a 16-byte copy
+    of ``w.flat[k : k + 4]`` into the shared float32 array ``sh[i : i + 4]`` (both 16-byte
+    aligned) without registers (``cp.async.cg.shared.global``, L2 to shared memory);
+    ``commit_async()`` closes the thread's copies issued since the last commit into a group
+    (``cp.async.commit_group``; a group may be empty); ``wait_async(n)`` (``n`` a Python int,
+    fixed when the kernel is built) returns the device function that waits until at most the
+    ``n`` most recent groups of this thread are pending (``cp.async.wait_group n``): the older
+    groups' values are then in shared memory and visible to this thread. Every asm has side
+    effects and clobbers memory, so LLVM keeps them in program order with the shared loads
+    around them. Under the simulator the copy is four element copies, done at once, and the
+    commit and the waits do nothing (the same values reach the same loads)."""
+    if cuda.config.ENABLE_CUDASIM:
+        def copy_async16(sh, i, w, k):
+            sh[i] = w[k]
+            sh[i + 1] = w[k + 1]
+            sh[i + 2] = w[k + 2]
+            sh[i + 3] = w[k + 3]
+
+        def commit_async():
+            pass
+
+        def _wait(n: int) -> Any:
+            def wait_async():
+                pass
+            return wait_async
+        return copy_async16, commit_async, functools.cache(_wait)
+
+    from numba.cuda.extending import intrinsic
+
+    def _asm(builder, text, args=(), constraints=""):
+        fnty = ir.FunctionType(ir.VoidType(), [a.type for a in args])
+        clobber = "~{memory}" if not constraints else constraints + ",~{memory}"
+        builder.call(ir.InlineAsm(fnty, text, clobber, side_effect=True), list(args))
+
+    @intrinsic
+    def copy_async16(typingctx, sh, i, w, k):
+        if not (isinstance(sh, types.Array) and sh.dtype == types.float32 and isinstance(i, types.Integer)
+                and isinstance(w, types.Array) and w.layout == "C" and w.dtype == types.float32
+                and isinstance(k, types.Integer)):
+            return None
+        sig = types.void(sh, i, w, k)
+
+        def codegen(context, builder, signature, args):
+            sh_ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            w_ary = context.make_array(signature.args[2])(context, builder, value=args[2])
+            i_ = context.cast(builder, args[1], signature.args[1], types.intp)
+            k_ = context.cast(builder, args[3], signature.args[3], types.intp)
+            dst = builder.addrspacecast(builder.gep(sh_ary.data, [i_]), ir.PointerType(ir.FloatType(), 3))
+            dst32 = builder.ptrtoint(dst, ir.IntType(32))       # a shared address fits 32 bits
+            src = builder.gep(w_ary.data, [k_])
+            _asm(builder, "cp.async.cg.shared.global [$0], [$1], 16;", (dst32, src), "r,l")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def commit_async(typingctx):
+        def codegen(context, builder, signature, args):
+            _asm(builder, "cp.async.commit_group;")
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @functools.cache
+    def _wait(n: int) -> Any:
+        if not 0 <= n < 8:
+            raise ValueError(f"wait_async: n must be 0-7, got {n!r}")
+
+        @intrinsic
+        def wait_group(typingctx):
+            def codegen(context, builder, signature, args):
+                _asm(builder, f"cp.async.wait_group {n};")
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        @cuda.jit(device=True, inline="always")
+        def wait_async():
+            wait_group()
+        return wait_async
+
+    return copy_async16, commit_async, _wait
+
+
+copy_async16, commit_async, wait_async = _make_async_copy()
+
+
 # --- device helpers shared by every specialisation ----------------------------------------------
 
 @cuda.jit(device=True, inline="always")
@@ -398,7 +514,7 @@ def _device_arch() -> str:
 @functools.cache
 def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: int = COLUMNS,
                shuffles: bool = not SIM_TREE, pipelined: bool | None = None,
-               vector_x: bool = True, vector_stage: bool = True) -> Any:
+               vector_x: bool = True, vector_stage: bool = True, ring_stages: int = 0) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
     kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
@@ -415,7 +531,11 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     lane's 4 staged floats of a row with one 16-byte shared load, not four scalar ones (same
     values; :data:`VECTOR_X_LOADS`); vector_stage: the rows are staged in 16-byte quads where K
     and the rows' alignment allow (same values; :data:`VECTOR_STAGING`; ignored by the head
-    kind's 8 x 8 tile, which the quads spilled on sm_90).
+    kind's 8 x 8 tile, which the quads spilled on sm_90); ring_stages: 0, or D >= 2: the
+    weights' vector steps stream through a ring of D step slots a warp in shared memory, after
+    the staged rows, filled by ``cp.async`` copies D - 1 steps ahead of the FMAs (no weight
+    registers in flight; :data:`ASYNC_RING_STAGES`; same values, so the same bits; it replaces
+    the register ring and the load-then-FMA rounds).
     """
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
@@ -431,12 +551,22 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     U = _unroll(mt, C)
     MTC = MT * C
     PIPELINED = ring_for(mt) if pipelined is None else bool(pipelined)
+    if ring_stages != 0 and not 2 <= ring_stages <= MAX_RING_STAGES:
+        raise ValueError(f"ring_stages must be 0 or 2-{MAX_RING_STAGES}, got {ring_stages!r}")
+    ASYNC = ring_stages >= 2
+    D = max(2, ring_stages)        # the async ring's slots a warp (D - 1 steps in flight)
+    RING_FLOATS = D * C * STEP     # one warp's ring: [D, C, 128] floats after the staged rows
+    wait_ahead = wait_async(D - 2)  # the oldest step's copies landed, D - 2 newer may be pending
+    wait_all = wait_async(0)
     AHEAD = U - 1                  # ring: steps loaded ahead of the one whose FMAs run
     # The last steps of a segment come from the ring's slots with U = 4; the 8-row tiles (U = 2:
     # 1-2 steps, the first already loaded) re-load them instead: a ring live past the loop
     # spilled the 8 x 8 head_linear tile on sm_90.
     RING_TAIL = AHEAD > 1
     RMS = prologue == "rmsnorm"
+    # With the ring, tile() finds the rows of the linear and argmax kinds (tile_rows) after its
+    # first weight copies; without it the kernel body does, before tile() (as before the ring)
+    ROWS_IN_TILE = kind in ("linear", "argmax")
     SWIGLU = prologue == "swiglu"
     RESIDUAL = residual
     ARGMAX = kind == "argmax"
@@ -607,6 +737,21 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             wv[u, c, 3] = v3
 
     @cuda.jit(device=True, inline="always")
+    def ring_prologue(w, wbase, xs, ring0, j, jv):
+        """The async ring's first D - 1 steps j .. j + D - 2 (those < jv), one group each, into
+        slots 0 .. D - 2."""
+        for u in range(D - 1):
+            if j + u < jv:
+                copy_step(w, wbase, j + u, xs, ring0 + u * (C * STEP))
+            commit_async()
+
+    @cuda.jit(device=True, inline="always")
+    def copy_step(w, wbase, j, xs, at):
+        """The C quads of step j for this lane's columns: cp.async into xs[at + c * STEP]."""
+        for c in range(C):
+            copy_async16(xs, uint64(at + c * STEP), w, wbase[c] + j * STEP)
+
+    @cuda.jit(device=True, inline="always")
     def fma_step(xs, xo, row_floats, wv, u, acc):
         """acc[i * C + c] += x[i, 4l + e] * w[c, 4l + e], e ascending (xs offset xo of row 0)."""
         for i in range(MT):
@@ -625,15 +770,42 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 acc[i * C + c] = cuda.fma(x3, wv[u, c, 3], a)
 
     @cuda.jit(device=True, inline="always")
-    def accumulate(xs, w, wbase, acc, wv, lane, seg, j0, j1, vec_steps, k_dim, k_split_,
-                   phase_steps):
-        """Steps [j0, j1) of this warp's segment (staged from step j0 on) into acc."""
+    def accumulate(xs, w, wbase, acc, wv, lane, warp, seg, j0, j1, vec_steps, k_dim, k_split_,
+                   phase_steps, primed):
+        """Steps [j0, j1) of this warp's segment (staged from step j0 on) into acc. primed (the
+        async ring): :func:`ring_prologue` already issued these steps' first copies."""
         kcw = phase_steps * STEP
         row_floats = k_split_ * kcw
         xo0 = seg * kcw + VEC * lane - j0 * STEP   # xs offset of step j is xo0 + j * STEP
         jv = min(j1, max(j0, vec_steps))
         j = j0
-        if PIPELINED:
+        if ASYNC:
+            if j < jv:
+                # This lane's quad of column c in slot s: ring0 + (s * C + c) * STEP. A lane
+                # reads back only the 16 bytes it copied, so no warp barrier is needed.
+                ring0 = int64(MT * row_floats + warp * RING_FLOATS + VEC * lane)
+                if not primed:
+                    ring_prologue(w, wbase, xs, ring0, j, jv)
+                slot = 0
+                while j < jv:
+                    wait_ahead()                    # step j's group has landed in its slot
+                    # step j + D - 1 into the slot step j - 1 used: its shared loads fed that
+                    # step's FMAs, issued before this copy
+                    ahead = slot - 1 if slot > 0 else D - 1
+                    if j + D - 1 < jv:
+                        copy_step(w, wbase, j + D - 1, xs, ring0 + ahead * (C * STEP))
+                    commit_async()                  # (empty past the last step: the count stays)
+                    for c in range(C):
+                        v0, v1, v2, v3 = shared_x4(xs, uint64(ring0 + (slot * C + c) * STEP))
+                        wv[0, c, 0] = v0
+                        wv[0, c, 1] = v1
+                        wv[0, c, 2] = v2
+                        wv[0, c, 3] = v3
+                    fma_step(xs, xo0 + j * STEP, row_floats, wv, 0, acc)
+                    slot = slot + 1 if slot + 1 < D else 0
+                    j += 1
+                wait_all()                          # nothing lands in the ring after this loop
+        elif PIPELINED:
             if j < jv:
                 # A ring of U slots: slot u holds step j + u at the top of the loop; step
                 # j + u + AHEAD goes into the slot step j + u - 1 freed, before step j + u's FMAs.
@@ -740,7 +912,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     @cuda.jit(device=True, inline="always")
     def tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps):
         """Rows of tile blockIdx.x: src_sh / dst_sh [MT] (-1: past M) and, for RMSNorm, the
-        rows' 1 / rms in inv_sh [MT]. The caller syncs before reading them."""
+        rows' 1 / rms in inv_sh [MT] (the linear and argmax kinds: their kernel body, or tile()
+        with the async ring). The caller syncs before reading them."""
         row0 = cuda.blockIdx.x * MT
         tid = cuda.threadIdx.x
         if tid < MT:
@@ -756,8 +929,16 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                     inv_sh[i] = inv
 
     @cuda.jit(device=True, inline="always")
+    def column_bases(wbase, w_group, group_index, n_cols, k_dim, lane):
+        """wbase[c]: the flat offset of this lane's first quad in the weight row of column
+        group_index * C + c (columns past N re-read the last row)."""
+        for c in range(C):
+            col = min(group_index * C + c, n_cols - 1)
+            wbase[c] = (w_group + col) * k_dim + VEC * lane
+
+    @cuda.jit(device=True, inline="always")
     def tile(x, w, out, residual_arr, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, g, w_group,
-             n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols):
+             n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols, eps):
         """The row tile (src_sh / dst_sh staged) times column blocks blockIdx.y, + gridDim.y, ...
         (a grid-stride: the tile is staged once when K fits in one phase), or (argmax) the
         passes of part blockIdx.y, part_cols columns from column blockIdx.y * part_cols."""
@@ -777,9 +958,10 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         n_phases = (seg_steps + phase_steps - 1) // phase_steps
         j_seg = min(seg * seg_steps, total_steps)
         j_seg_end = min(j_seg + seg_steps, total_steps)
-        if n_phases == 1:   # the whole segment fits: stage once for every column group
-            stage(x, xs, src_sh, inv_sh, norm_w, g, 0, k_dim, k_split_, seg_steps, phase_steps)
-            cuda.syncthreads()  # staged rows visible to every warp
+        if not ASYNC:       # (this order: the head kind's 8 x 8 tile spilled with the ring's)
+            if n_phases == 1:   # the whole segment fits: stage once for every column group
+                stage(x, xs, src_sh, inv_sh, norm_w, g, 0, k_dim, k_split_, seg_steps, phase_steps)
+                cuda.syncthreads()  # staged rows visible to every warp
         n_groups = (n_cols + C - 1) // C
         n_group_blocks = (n_groups + groups_per_block - 1) // groups_per_block
         gb_first = cuda.blockIdx.y
@@ -790,11 +972,25 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             gb_first = cuda.blockIdx.y * passes
             gb_end = min(gb_first + passes, n_group_blocks)
             gb_step = 1
+        # The async ring, rows staged once: a column group's first weight copies are issued
+        # before the work that precedes its FMAs (the rows' rms and staging for the first group,
+        # the previous group's butterfly and stores for the next), which W does not depend on.
+        prime = ASYNC and n_phases == 1
+        jv_first = min(j_seg_end, max(j_seg, vec_steps))
+        ring0 = int64(MT * k_split_ * phase_steps * STEP + warp * RING_FLOATS + VEC * lane)
+        if ASYNC:
+            if prime and gb_first < gb_end:
+                column_bases(wbase, w_group, gb_first * groups_per_block + group, n_cols, k_dim, lane)
+                ring_prologue(w, wbase, xs, ring0, j_seg, jv_first)
+            if ROWS_IN_TILE:
+                tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps)
+                cuda.syncthreads()  # tile rows (and their rms) visible before staging
+            if n_phases == 1:   # the whole segment fits: stage once for every column group
+                stage(x, xs, src_sh, inv_sh, norm_w, g, 0, k_dim, k_split_, seg_steps, phase_steps)
+                cuda.syncthreads()  # staged rows visible to every warp
         for gb in range(gb_first, gb_end, gb_step):
             col0 = (gb * groups_per_block + group) * C
-            for c in range(C):
-                col = min(col0 + c, n_cols - 1)    # columns past N re-read the last row
-                wbase[c] = (w_group + col) * k_dim + VEC * lane
+            column_bases(wbase, w_group, gb * groups_per_block + group, n_cols, k_dim, lane)
             for a in range(MTP):
                 acc[a] = ZERO
             for phase in range(n_phases):
@@ -805,8 +1001,12 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                     stage(x, xs, src_sh, inv_sh, norm_w, g, phase, k_dim, k_split_, seg_steps,
                           phase_steps)
                     cuda.syncthreads()  # this phase's rows staged
-                accumulate(xs, w, wbase, acc, wv, lane, seg, j0, j1, vec_steps, k_dim,
-                           k_split_, phase_steps)
+                accumulate(xs, w, wbase, acc, wv, lane, warp, seg, j0, j1, vec_steps, k_dim,
+                           k_split_, phase_steps, prime)
+            if prime and gb + gb_step < gb_end:    # the next group's first copies (above)
+                column_bases(wbase, w_group, (gb + gb_step) * groups_per_block + group, n_cols,
+                             k_dim, lane)
+                ring_prologue(w, wbase, xs, ring0, j_seg, jv_first)
             if TREE:        # the butterfly's tree through shared memory (simulated shuffles are slow)
                 red_base = warp * MTC * RED_ROW
                 for a in range(MTC):
@@ -860,10 +1060,11 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             src_sh = cuda.shared.array(MT, int32)
             dst_sh = cuda.shared.array(MT, int32)
             inv_sh = cuda.shared.array(MT, float32)
-            tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps)
-            cuda.syncthreads()  # tile rows (and their rms) visible before staging
+            if not ASYNC:   # (with the ring, tile() finds the rows after its first copies)
+                tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps)
+                cuda.syncthreads()  # tile rows (and their rms) visible before staging
             tile(x, w, out, residual_arr, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, 0, 0,
-                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0)
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0, eps)
 
     elif ARGMAX:
         @cuda.jit(**options)
@@ -885,10 +1086,11 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             best_i = cuda.local.array(1, int32)
             best_v[0] = NEG_INF_F32
             best_i[0] = NO_INDEX
-            tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps)
-            cuda.syncthreads()  # tile rows (and their rms) visible before staging
+            if not ASYNC:   # (with the ring, tile() finds the rows after its first copies)
+                tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps)
+                cuda.syncthreads()  # tile rows (and their rms) visible before staging
             tile(x, w, best_v, best_i, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, 0, 0,
-                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols)
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols, eps)
             tid = cuda.threadIdx.x
             a = owned_element(tid % WARP)
             if a >= 0:          # this lane ranked element a = i * C + c of its warp's groups
@@ -926,7 +1128,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 dst_sh[tid] = row if row < x.shape[0] else -1
             cuda.syncthreads()  # tile rows visible before staging
             tile(x, w, out, out, w, xs, comb, red, src_sh, dst_sh, comb, g, g * n_cols,
-                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0)
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0, ZERO)
 
     else:
         @cuda.jit(**options)
@@ -985,7 +1187,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 dst_sh[tid] = dst
             cuda.syncthreads()  # tile rows visible before staging
             tile(x, w, out, out, w, xs, comb, red, src_sh, dst_sh, comb, 0, expert * n_cols,
-                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0)
+                 n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0, ZERO)
 
     return kernel
 
@@ -1071,6 +1273,21 @@ def _register_all() -> None:
         register(f"head_linear_mt{mt}", get_kernel("head", "none", False, mt), _head_sigs()[1:],
                  f"batch-invariant per-head x[:, g] @ w[g].T, {mt}-row tiles (ODD_TILES)",
                  block_threads=threads)
+    # The async weight ring (off by default, ASYNC_RING_STAGES): the tiles that bench.decode_step
+    # --ring 4 launches with it (the 11-row linear, the 8-row lm_head argmax, the 8 x 8 expert at 3
+    # slots), and the 1-row tile that set_async_ring(4, 1) gives.
+    for name, kernel, sigs, what, archs in (
+            ("linear_rmsnorm_residual_mt11_ring4", get_kernel("linear", "rmsnorm", True, 11, ring_stages=4),
+             _linear_sigs("rmsnorm"), "the 11-row linear tile", None),
+            ("linear_none_mt1_ring4", get_kernel("linear", "none", False, 1, ring_stages=4),
+             _linear_sigs("none"), "the 1-row linear tile", None),
+            ("linear_argmax_rmsnorm_mt8_ring4", get_kernel("argmax", "rmsnorm", False, 8, ring_stages=4),
+             _argmax_sigs("rmsnorm"), "the lm_head argmax's 8-row tile", None),
+            ("expert_linear_swiglu_mt8_ring3_wide",
+             get_kernel("expert", "swiglu", False, 8, columns=WIDE_COLUMNS, ring_stages=3),
+             _expert_sigs(), "the expert kernel's 8 x 8 tile", WIDE_ARCHS)):
+        register(name, kernel, sigs[1:], f"{what} with its weights through the async cp.async ring "
+                 f"(ASYNC_RING_STAGES, off by default)", block_threads=threads, archs=archs)
 
 
 _register_all()
@@ -1131,13 +1348,33 @@ def row_tile(rows: int, k_dim: int = 0, kind: str = "") -> int:
     return mt
 
 
+def set_async_ring(stages: int, min_row_tile: int | None = None) -> tuple[int, int]:
+    """Set ASYNC_RING_STAGES (0: off, else 2..MAX_RING_STAGES) and, if given,
+    ASYNC_RING_MIN_ROW_TILE, and clear the plan caches that read them. Returns the previous
+    (stages, min_row_tile)."""
+    global ASYNC_RING_STAGES, ASYNC_RING_MIN_ROW_TILE
+    if isinstance(stages, bool) or not isinstance(stages, numbers.Integral) or \
+            not (stages == 0 or 2 <= stages <= MAX_RING_STAGES):
+        raise ValueError(f"stages must be 0 or 2-{MAX_RING_STAGES}, got {stages!r}")
+    if min_row_tile is not None and (isinstance(min_row_tile, bool)
+                                     or not isinstance(min_row_tile, numbers.Integral) or min_row_tile < 1):
+        raise ValueError(f"min_row_tile must be a positive int, got {min_row_tile!r}")
+    previous = (ASYNC_RING_STAGES, ASYNC_RING_MIN_ROW_TILE)
+    ASYNC_RING_STAGES = int(stages)
+    if min_row_tile is not None:
+        ASYNC_RING_MIN_ROW_TILE = int(min_row_tile)
+    for cached in (_plan, _grid_cols, _launch_plan, _setup):
+        cached.cache_clear()
+    return previous
+
+
 def set_odd_tiles(on: bool) -> bool:
     """Switch ODD_TILES and clear the plan caches that read it (row_tile, _plan, _grid_cols,
     _setup: a stale plan could launch a tile other than its caller's grid assumes). Returns the
     previous setting."""
     global ODD_TILES
     previous, ODD_TILES = ODD_TILES, bool(on)
-    for cached in (row_tile, _plan, _grid_cols, _setup):
+    for cached in (row_tile, _plan, _grid_cols, _launch_plan, _setup):
         cached.cache_clear()
     return previous
 
@@ -1151,7 +1388,8 @@ class LinearPlan:
         the K segmentation (from K); phase_steps: steps staged per phase; vec_steps: steps read
         with 16-byte loads (K // 128 when the weight rows are 16-byte aligned, else 0: scalar
         loads, same order); threads: block size; col_blocks: column blocks covering N;
-        shared_bytes: dynamic shared memory.
+        shared_bytes: dynamic shared memory (the staged rows, then the weight ring);
+        ring_stages: the async weight ring's slots a warp (0: none; :func:`get_kernel`).
     """
 
     mt: int
@@ -1163,6 +1401,7 @@ class LinearPlan:
     threads: int
     col_blocks: int
     shared_bytes: int
+    ring_stages: int = 0
 
     @property
     def one_phase(self) -> bool:
@@ -1175,16 +1414,32 @@ class LinearPlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool) -> LinearPlan:
+def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool, ring: bool = False) -> LinearPlan:
+    """The geometry of a launch; ``ring``: with the async weight ring where the knobs, the tile
+    and the shared memory allow (:func:`_launch_plan` decides per launch)."""
     mt = row_tile(rows, k_dim, kind)
     c = columns(kind, mt)
     split = k_split(k_dim)
     seg_steps = _seg_steps(k_dim)
-    phase_steps = max(1, min(seg_steps, xs_budget() // (4 * mt * split * STEP)))
     groups = SIM_GROUPS if SIM_TREE else max(1, BLOCK_WARPS // split)
+    step_bytes = 4 * mt * split * STEP          # one staged step of every segment's rows
+    slot_bytes = 4 * groups * split * c * STEP  # one ring slot of every warp
+    vec_steps = k_dim // STEP if aligned else 0
+    want = 0
+    if ring and ASYNC_RING_STAGES >= 2 and mt >= ASYNC_RING_MIN_ROW_TILE and vec_steps > 0:
+        want = min(ASYNC_RING_STAGES, MAX_RING_STAGES, RING_BUDGET_BYTES // slot_bytes)
+        want = want if want >= 2 else 0
+    budget = xs_budget()
+    if step_bytes * seg_steps <= budget:        # one phase; the ring takes what is left
+        phase_steps = seg_steps
+        stages = min(want, (budget - step_bytes * seg_steps) // slot_bytes)
+    else:                                       # phases, the ring's bytes set aside first
+        phase_steps = max(1, min(seg_steps, (budget - want * slot_bytes) // step_bytes))
+        stages = min(want, (budget - step_bytes * phase_steps) // slot_bytes)
+    stages = stages if stages >= 2 else 0
     col_blocks = -(-(-(-n_cols // c)) // groups)
-    return LinearPlan(mt, c, split, seg_steps, phase_steps, k_dim // STEP if aligned else 0,
-                      groups * split * WARP, col_blocks, 4 * mt * split * phase_steps * STEP)
+    return LinearPlan(mt, c, split, seg_steps, phase_steps, vec_steps, groups * split * WARP,
+                      col_blocks, step_bytes * phase_steps + stages * slot_bytes, stages)
 
 
 def _aligned(w: Any, k_dim: int) -> bool:
@@ -1195,8 +1450,30 @@ def _aligned(w: Any, k_dim: int) -> bool:
 def plan_linear(rows: int, n_cols: int, k_dim: int, *, w: Any = None,
                 kind: str = "linear") -> LinearPlan:
     """Launch geometry for ``rows`` rows per tile group, N = n_cols, K = k_dim (``w``: the weight,
-    for the 16-byte alignment check; ``kind`` as :func:`get_kernel`)."""
-    return _plan(kind, rows, n_cols, k_dim, k_dim % VEC == 0 if w is None else _aligned(w, k_dim))
+    for the 16-byte alignment check; ``kind`` as :func:`get_kernel`), as a launch of ceil(rows /
+    MT) row tiles (one group; the argmax kind over its parts) plans it, async ring included."""
+    aligned = k_dim % VEC == 0 if w is None else _aligned(w, k_dim)
+    mt = row_tile(rows, k_dim, kind)
+    return _launch_plan(kind, mt, n_cols, k_dim, aligned, -(-rows // mt), 1,
+                        argmax_parts(n_cols) if kind == "argmax" else 0)[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool, tiles: int,
+                 groups: int, grid_y: int) -> tuple[LinearPlan, int]:
+    """(plan, grid y) of a launch (:func:`_setup`'s arguments). The async weight ring runs where
+    each block loops over at least ASYNC_RING_MIN_LOOPS column blocks (or argmax passes) with
+    its rows staged once: there a column block's first copies are issued under the previous
+    one's butterfly and stores (run ring: the 33-row w_q and dense gate | up, 8-9 column blocks
+    a block, 8 % faster on the H200), while a block of one column block (the 33-row w_a) and
+    the 1-row tiles' load-then-FMA rounds were faster without it."""
+    plan = _plan(kind, rows, n_cols, k_dim, aligned)
+    y = grid_y or _grid_cols(plan, tiles * groups)
+    if plan.one_phase and -(-plan.col_blocks // y) >= ASYNC_RING_MIN_LOOPS:
+        ringed = _plan(kind, rows, n_cols, k_dim, aligned, True)
+        if ringed.ring_stages and ringed.one_phase:
+            return ringed, y
+    return plan, y
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1230,8 +1507,8 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     checked once against the device profile (sim.launch.check_launch). ``tiles``: blocks along
     x (row tiles or expert slots); ``groups``: along z; ``grid_y``: 0 for the column blocks of
     :func:`_grid_cols`, else that many (the argmax parts)."""
-    plan = _plan(kind, rows, n_cols, k_dim, aligned)
-    grid = (tiles, grid_y or _grid_cols(plan, tiles * groups), groups)
+    plan, y = _launch_plan(kind, rows, n_cols, k_dim, aligned, tiles, groups, grid_y)
+    grid = (tiles, y, groups)
     opt_in = _opts_in(plan.shared_bytes)
     check_launch(grid, plan.threads, plan.shared_bytes, opt_in=opt_in,
                  static_shared_bytes=STATIC_BOUND_BYTES if opt_in else 0)
@@ -1239,7 +1516,7 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     # switch PIPELINE_WEIGHTS / PIPELINE_MIN_ROW_TILE and clear this cache.
     return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns,
                        pipelined=ring_for(plan.mt), vector_x=VECTOR_X_LOADS,
-                       vector_stage=VECTOR_STAGING), grid, plan.threads,
+                       vector_stage=VECTOR_STAGING, ring_stages=plan.ring_stages), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
 
