@@ -132,20 +132,23 @@ def test_rmsnorm_prologue_order_is_the_documented_one(m_rows, k_dim, strided):
 
 
 def _shuffle_linear(x, w, kind_prologue="none", columns=None, mt=None, phase_steps=None,
-                    shuffles=True, pipelined=None):
+                    shuffles=True, pipelined=None, ring_stages=0):
     """linear() through the GPU build's reduction (the transposed shuffle butterfly; the tree
     with ``shuffles=False``), launched directly under the simulator: grid (row tiles, 1 column
     block looping over all); ``columns``, ``mt``, ``phase_steps``: the tile's C, row tile and
-    staged steps per phase (default the plan's); ``pipelined``: the weight ring or not."""
+    staged steps per phase (default the plan's); ``pipelined``: the weight ring or not;
+    ``ring_stages``: the async weight ring's slots (its shared memory added after the rows)."""
     m_rows, n_cols, k_dim = x.shape[0], w.shape[0], w.shape[1]
     plan = lin.plan_linear(m_rows, n_cols, k_dim)
     mt = mt or plan.mt
     phase_steps = phase_steps or plan.phase_steps
-    kernel = lin.get_kernel("linear", kind_prologue, False, mt, columns=columns or plan.columns,
-                            shuffles=shuffles, pipelined=pipelined)
+    columns = columns or plan.columns
+    kernel = lin.get_kernel("linear", kind_prologue, False, mt, columns=columns,
+                            shuffles=shuffles, pipelined=pipelined, ring_stages=ring_stages)
     out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
     geometry = plan.geometry(n_cols, k_dim)[:4] + (phase_steps, plan.vec_steps)
-    kernel[(-(-m_rows // mt), 1, 1), plan.threads, 0, 4 * mt * plan.k_split * phase_steps * lin.STEP](
+    ring_bytes = 4 * (plan.threads // lin.WARP) * ring_stages * columns * lin.STEP
+    kernel[(-(-m_rows // mt), 1, 1), plan.threads, 0, 4 * mt * plan.k_split * phase_steps * lin.STEP + ring_bytes](
         _dev(x), _dev(w.ravel()), out, out, _dev(np.ones(k_dim, np.float32)), np.float32(1e-6), *geometry)
     return out.copy_to_host()
 
@@ -730,7 +733,7 @@ ASYNC_RING_CASES = [
     ("head", "none", 33, 7, 648, 4, 3),        # 11-row head tiles, 5 steps and a tail: 3 slots left
     ("expert", "swiglu", 9, 20, 520, 3, 3),    # gathered rows, an expert's second tile
     ("argmax", "rmsnorm", 9, 40, 512, 4, 4),   # the lm_head's ranked parts, 2 passes each
-    ("linear", "none", 3, 5, 1001, 4, 0)]      # K % 4 != 0: no vector steps, no ring      # K % 4 != 0: no vector steps, no ring
+    ("linear", "none", 3, 5, 1001, 4, 0)]      # K % 4 != 0: no vector steps, no ring
 
 
 @pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim,stages,planned", ASYNC_RING_CASES)
@@ -738,15 +741,16 @@ def test_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m
                                                   stages, planned):
     """The weights streamed through the async ring (cp.async into D slots a warp, D - 1 steps
     ahead) give the bits of the register loads; every element written (NaN-poisoned outputs).
-    The plan gives the slots expected, and under the simulator its copies are counted: one
-    16-byte copy a lane, column and vector step of every column group, so they run exactly where
-    the plan says."""
+    The plan gives the slots expected, and under the simulator (where a copy lands only at the
+    wait that covers it, so a wrong wait count reads stale slots) the copies are counted: one
+    16-byte copy a lane, column and vector step of every row tile and column group."""
     rng = np.random.default_rng(k_dim + m_rows + stages)
     call = (_argmax_case(m_rows, n_cols, k_dim, rng) if kind == "argmax"
             else _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng))
+    rows = m_rows if kind != "expert" else 2 * m_rows
     previous = lin.set_async_ring(stages, 1)
     try:
-        plan = lin.plan_linear(m_rows if kind != "expert" else 2 * m_rows, n_cols, k_dim, kind=kind)
+        plan = lin.plan_linear(rows, n_cols, k_dim, kind=kind)
         assert plan.ring_stages == planned
         if k_dim == 12000:
             assert not plan.one_phase
@@ -759,6 +763,21 @@ def test_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m
     np.testing.assert_array_equal(ring, plain)
     if SIMULATED:
         assert plain_copies == 0 and (copies > 0) == (planned > 0)
+        if planned and kind != "expert":     # (an expert's tiles follow its random routing)
+            tiles = -(-m_rows // plan.mt) * (2 if kind == "head" else 1)
+            groups = -(-n_cols // plan.columns)
+            assert copies == tiles * groups * lin.WARP * plan.columns * plan.vec_steps
+
+
+@pytest.mark.skipif(not SIMULATED, reason="a hand-made launch of the simulator's one column block")
+@pytest.mark.parametrize("stages", [2, 3])
+def test_async_weight_ring_in_phases_is_layout_not_numerics(stages):
+    """The ring with rows staged in phases (its plan never takes it; the kernel runs it unprimed,
+    each phase's first copies issued at the phase's start): 8-row tiles in 3 phases of 4 steps
+    over two K segments, the same bits as linear()."""
+    x, w = _rand(9, 2100), _rand(11, 2100)
+    np.testing.assert_array_equal(
+        _shuffle_linear(x, w, columns=4, mt=8, phase_steps=4, ring_stages=stages), _run_linear(x, w))
 
 
 @pytest.mark.parametrize("stages", [1, 9, -2, True, 2.0])
@@ -1087,8 +1106,9 @@ def test_gpu_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologu
         assert kind == "expert" or lin.plan_linear(m_rows, n_cols, k_dim, kind=kind).ring_stages > 0
     finally:
         lin.set_async_ring(*previous)
-    ring, _, _ = _with_async_ring(monkeypatch, 4, call)
-    plain, _, _ = _with_async_ring(monkeypatch, 0, call)
+    ring, ring_kernels, _ = _with_async_ring(monkeypatch, 4, call)
+    plain, plain_kernels, _ = _with_async_ring(monkeypatch, 0, call)
+    assert set(ring_kernels) != set(plain_kernels)   # the ring ran (the expert case included)
     assert not np.isnan(ring).any()
     np.testing.assert_array_equal(ring, plain)
 

@@ -107,12 +107,14 @@ def bench_expert(config: Any, rows: int, seed: int, which: str, reps: int) -> li
     offsets_d, index_d = cuda.to_device(offsets), cuda.to_device(index)
     tile_rows = min(x_rows, entries)
     mt = lin.row_tile(tile_rows, k_dim, "expert")
-    plan = lin._plan("expert", mt, n_cols, k_dim, True)
+    tiles = int(np.sum(-(-counts // mt)))
+    # the plan as _setup makes it for the slots the routing needs (the async ring's slots sized
+    # for the plan's block: the variants launch at most its threads)
+    plan = lin._launch_plan("expert", mt, n_cols, k_dim, True, lin.expert_slots(entries, experts, mt), 1, 0)[0]
     kernel = lin.get_kernel("expert", prologue, False, mt, columns=plan.columns, pipelined=lin.ring_for(mt),
                             vector_x=lin.VECTOR_X_LOADS, vector_stage=lin.VECTOR_STAGING,
                             ring_stages=plan.ring_stages)   # as _setup
     geometry = plan.geometry(n_cols, k_dim)
-    tiles = int(np.sum(-(-counts // mt)))
     results, first = [], None
     for name, grid, threads in expert_variants(tile_rows, n_cols, k_dim, entries, experts):
         out = cuda.to_device(np.full((entries, n_cols), np.nan, np.float32))   # poisoned: unwritten rows differ

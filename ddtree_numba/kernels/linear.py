@@ -62,7 +62,8 @@ Async weight ring (off by default: ASYNC_RING_STAGES, :func:`_launch_plan`). The
     ahead of the FMAs; each lane reads back with one 16-byte shared load only the quads it
     copied, so no barrier is needed, and ``cp.async.wait_group D - 2`` orders the copies before
     those loads. With rows staged once, a column block's first D - 1 steps are copied before the
-    rows' rms and staging (the first block) or under the previous block's butterfly and stores.
+    rows' staging (and, for the linear and argmax kinds, their rms) for the first block, or under
+    the previous block's butterfly and stores.
     Layout only: the same values reach the same fma chains.
 
 Decode (M = 1..16) streams W at HBM bandwidth when enough loads are in flight: C = 4 columns
@@ -231,10 +232,10 @@ VECTOR_STAGING = True
 # memory, filled by cp.async D - 1 steps ahead, a column block's first copies issued before the
 # rows' staging or under the previous block's butterfly (0: off, the register ring /
 # load-then-FMA rounds above). The ring takes at most RING_BUDGET_BYTES of the staging budget
-# (fewer slots where it would not fit; off below 2); W's loads in flight cost no registers (the
+# (fewer slots where the staged rows leave less; off below 2 and where rows are staged in phases); W's loads in flight cost no registers (the
 # register ring kept 1 step ahead at the 11-row tile: 2 or 3 spilled it, run lane squares).
 # Off by default: on the H200 (run ring) it made the 33-row w_q and dense gate | up 8 % faster
-# alone but the 33-row w_a 18 % and every 1-row tile 2-13 % slower, and a decode step with it
+# alone but the 33-row w_a 18 % and the 1-row tiles up to 13 % slower, and a decode step with it
 # on where it won (4 slots, 8-row tiles on, 2 loops) took 2338.2 us a round, not measurably
 # under the rounds without it (no same-process pair). Switch with :func:`set_async_ring`
 # (clears the plans), or ``bench.decode_step --ring 4``.
@@ -346,22 +347,38 @@ def _make_async_copy() -> tuple[Any, Any, Any]:
     ``n`` most recent groups of this thread are pending (``cp.async.wait_group n``): the older
     groups' values are then in shared memory and visible to this thread. Every asm has side
     effects and clobbers memory, so LLVM keeps them in program order with the shared loads
-    around them. Under the simulator the copy is four element copies, done at once, and the
-    commit and the waits do nothing (the same values reach the same loads)."""
+    around them. Under the simulator (each CUDA thread a Python thread) a copy reads its four
+    source floats and queues them in the thread's open group; ``commit_async`` closes the group
+    and ``wait_async(n)`` writes every group but the newest n into shared memory, in order: a
+    read of a slot whose copy has not been waited for sees the slot's old values, as it may on a
+    GPU, so a wrong wait count changes the bits the tests compare."""
     if cuda.config.ENABLE_CUDASIM:
+        import threading
+
+        state = threading.local()
+
+        def _groups() -> list:
+            if not hasattr(state, "groups"):
+                state.groups = [[]]          # the closed groups, then the open one
+            return state.groups
+
         def copy_async16(sh, i, w, k):
-            sh[i] = w[k]
-            sh[i + 1] = w[k + 1]
-            sh[i + 2] = w[k + 2]
-            sh[i + 3] = w[k + 3]
+            _groups()[-1].append((sh, int(i), (w[k], w[k + 1], w[k + 2], w[k + 3])))
 
         def commit_async():
-            pass
+            _groups().append([])
 
         def _wait(n: int) -> Any:
             def wait_async():
-                pass
+                groups = _groups()
+                closed = len(groups) - 1
+                for group in groups[:max(0, closed - n)]:
+                    for sh, i, values in group:
+                        for e in range(VEC):
+                            sh[i + e] = values[e]
+                del groups[:max(0, closed - n)]
             return wait_async
+
         return copy_async16, commit_async, functools.cache(_wait)
 
     from numba.cuda.extending import intrinsic
@@ -1430,12 +1447,10 @@ def _plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool, ring: bo
         want = min(ASYNC_RING_STAGES, MAX_RING_STAGES, RING_BUDGET_BYTES // slot_bytes)
         want = want if want >= 2 else 0
     budget = xs_budget()
-    if step_bytes * seg_steps <= budget:        # one phase; the ring takes what is left
-        phase_steps = seg_steps
+    phase_steps = max(1, min(seg_steps, budget // step_bytes))
+    stages = 0
+    if phase_steps == seg_steps:                # rows staged once: the ring takes what is left
         stages = min(want, (budget - step_bytes * seg_steps) // slot_bytes)
-    else:                                       # phases, the ring's bytes set aside first
-        phase_steps = max(1, min(seg_steps, (budget - want * slot_bytes) // step_bytes))
-        stages = min(want, (budget - step_bytes * phase_steps) // slot_bytes)
     stages = stages if stages >= 2 else 0
     col_blocks = -(-(-(-n_cols // c)) // groups)
     return LinearPlan(mt, c, split, seg_steps, phase_steps, vec_steps, groups * split * WARP,
@@ -1462,9 +1477,9 @@ def plan_linear(rows: int, n_cols: int, k_dim: int, *, w: Any = None,
 def _launch_plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool, tiles: int,
                  groups: int, grid_y: int) -> tuple[LinearPlan, int]:
     """(plan, grid y) of a launch (:func:`_setup`'s arguments). The async weight ring runs where
-    each block loops over at least ASYNC_RING_MIN_LOOPS column blocks (or argmax passes) with
-    its rows staged once: there a column block's first copies are issued under the previous
-    one's butterfly and stores (run ring: the 33-row w_q and dense gate | up, 8-9 column blocks
+    the blocks loop over up to ceil(column blocks / grid y) >= ASYNC_RING_MIN_LOOPS column blocks
+    (the argmax kind: passes of a part) with their rows staged once: there a column block's first
+    copies are issued under the previous one's butterfly and stores (run ring: the 33-row w_q and dense gate | up, 8-9 column blocks
     a block, 8 % faster on the H200), while a block of one column block (the 33-row w_a) and
     the 1-row tiles' load-then-FMA rounds were faster without it."""
     plan = _plan(kind, rows, n_cols, k_dim, aligned)
