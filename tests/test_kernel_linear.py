@@ -605,15 +605,22 @@ def _counting(monkeypatch, name):
         monkeypatch.setattr(lin, name, real)
 
 
-def _with_async_ring(monkeypatch, stages, call):
-    """(call(), the kernels it launched, copy_async16 calls under the simulator) with the async
-    weight ring's plans at ``stages`` slots for every row tile (0: off)."""
+@contextlib.contextmanager
+def _async_ring(stages):
+    """The async weight ring's plans at ``stages`` slots for every row tile (0: off) inside the
+    block, the module's setting restored after it."""
     previous = lin.set_async_ring(stages, 1)
     try:
-        with _counting(monkeypatch, "copy_async16") as copies:
-            out, kernels = _with_options(monkeypatch, {}, call)
+        yield
     finally:
         lin.set_async_ring(*previous)
+
+
+def _with_async_ring(monkeypatch, stages, call):
+    """(call(), the kernels it launched, copy_async16 calls under the simulator) with
+    :func:`_async_ring` at ``stages`` slots."""
+    with _async_ring(stages), _counting(monkeypatch, "copy_async16") as copies:
+        out, kernels = _with_options(monkeypatch, {}, call)
     return out, kernels, len(copies)
 
 
@@ -748,14 +755,11 @@ def test_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m
     call = (_argmax_case(m_rows, n_cols, k_dim, rng) if kind == "argmax"
             else _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng))
     rows = m_rows if kind != "expert" else 2 * m_rows
-    previous = lin.set_async_ring(stages, 1)
-    try:
+    with _async_ring(stages):
         plan = lin.plan_linear(rows, n_cols, k_dim, kind=kind)
-        assert plan.ring_stages == planned
-        if k_dim == 12000:
-            assert not plan.one_phase
-    finally:
-        lin.set_async_ring(*previous)
+    assert plan.ring_stages == planned
+    if k_dim == 12000:
+        assert not plan.one_phase
     ring, ring_kernels, copies = _with_async_ring(monkeypatch, stages, call)
     plain, plain_kernels, plain_copies = _with_async_ring(monkeypatch, 0, call)
     assert ring_kernels and plain_kernels and (planned == 0) == (set(ring_kernels) == set(plain_kernels))
@@ -1101,11 +1105,8 @@ def test_gpu_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologu
     rng = np.random.default_rng(n_cols + k_dim + m_rows)
     call = (_argmax_case(m_rows, n_cols, k_dim, rng) if kind == "argmax"
             else _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng))
-    previous = lin.set_async_ring(4, 1)
-    try:
+    with _async_ring(4):
         assert kind == "expert" or lin.plan_linear(m_rows, n_cols, k_dim, kind=kind).ring_stages > 0
-    finally:
-        lin.set_async_ring(*previous)
     ring, ring_kernels, _ = _with_async_ring(monkeypatch, 4, call)
     plain, plain_kernels, _ = _with_async_ring(monkeypatch, 0, call)
     assert set(ring_kernels) != set(plain_kernels)   # the ring ran (the expert case included)

@@ -323,8 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     from sim.install import simulator_active
     from sim.profiles import active_profile, roofline
 
-    if args.ring is not None and not (args.ring == 0 or 2 <= args.ring <= lin.MAX_RING_STAGES):
-        raise SystemExit(f"error: --ring must be 0 or 2-{lin.MAX_RING_STAGES}, got {args.ring}")
+    if args.ring is not None:
+        try:
+            lin.check_ring_stages(args.ring, "--ring")
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
     t_start = time.perf_counter()
     if args.odd_tiles:
         lin.set_odd_tiles(args.odd_tiles == "on")

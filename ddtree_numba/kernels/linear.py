@@ -133,6 +133,7 @@ __all__ = [
     "row_tile",
     "set_odd_tiles",
     "set_async_ring",
+    "check_ring_stages",
     "plan_linear",
     "expert_slots",
     "linear",
@@ -232,8 +233,9 @@ VECTOR_STAGING = True
 # memory, filled by cp.async D - 1 steps ahead, a column block's first copies issued before the
 # rows' staging or under the previous block's butterfly (0: off, the register ring /
 # load-then-FMA rounds above). The ring takes at most RING_BUDGET_BYTES of the staging budget
-# (fewer slots where the staged rows leave less; off below 2 and where rows are staged in phases); W's loads in flight cost no registers (the
-# register ring kept 1 step ahead at the 11-row tile: 2 or 3 spilled it, run lane squares).
+# (fewer slots where the staged rows leave less; off below 2 and where rows are staged in
+# phases). W's loads in flight cost no registers (the register ring kept 1 step ahead at the
+# 11-row tile: 2 or 3 spilled it, run lane squares).
 # Off by default: on the H200 (run ring) it made the 33-row w_q and dense gate | up 8 % faster
 # alone but the 33-row w_a 18 % and the 1-row tiles up to 13 % slower, and a decode step with it
 # on where it won (4 slots, 8-row tiles on, 2 loops) took 2338.2 us a round, not measurably
@@ -244,6 +246,14 @@ ASYNC_RING_MIN_ROW_TILE = 8
 ASYNC_RING_MIN_LOOPS = 2
 MAX_RING_STAGES = 8
 RING_BUDGET_BYTES = (32 if SIM_TREE else 96) * 1024   # sim: 2 slots of 8 warps over a 40 KiB budget
+
+
+def check_ring_stages(stages: Any, name: str = "stages") -> None:
+    """Raise ValueError naming ``name`` unless ``stages`` is an int, 0 (no async ring) or
+    2..MAX_RING_STAGES."""
+    if isinstance(stages, bool) or not isinstance(stages, numbers.Integral) or \
+            not (stages == 0 or 2 <= stages <= MAX_RING_STAGES):
+        raise ValueError(f"{name} must be 0 or 2-{MAX_RING_STAGES}, got {stages!r}")
 
 
 def ring_for(mt: int) -> bool:
@@ -568,8 +578,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     U = _unroll(mt, C)
     MTC = MT * C
     PIPELINED = ring_for(mt) if pipelined is None else bool(pipelined)
-    if ring_stages != 0 and not 2 <= ring_stages <= MAX_RING_STAGES:
-        raise ValueError(f"ring_stages must be 0 or 2-{MAX_RING_STAGES}, got {ring_stages!r}")
+    check_ring_stages(ring_stages, "ring_stages")
     ASYNC = ring_stages >= 2
     D = max(2, ring_stages)        # the async ring's slots a warp (D - 1 steps in flight)
     RING_FLOATS = D * C * STEP     # one warp's ring: [D, C, 128] floats after the staged rows
@@ -798,7 +807,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         j = j0
         if ASYNC:
             if j < jv:
-                # This lane's quad of column c in slot s: ring0 + (s * C + c) * STEP. A lane
+                # This lane's quad of column c in slot s: ring0 + (s * C + c) * STEP (tile()'s
+                # ring0, derived here again: passing it changed the ring kernels' code). A lane
                 # reads back only the 16 bytes it copied, so no warp barrier is needed.
                 ring0 = int64(MT * row_floats + warp * RING_FLOATS + VEC * lane)
                 if not primed:
@@ -994,6 +1004,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         # the previous group's butterfly and stores for the next), which W does not depend on.
         prime = ASYNC and n_phases == 1
         jv_first = min(j_seg_end, max(j_seg, vec_steps))
+        # this lane's quad of column 0 in slot 0 of its warp's ring, after the staged rows
         ring0 = int64(MT * k_split_ * phase_steps * STEP + warp * RING_FLOATS + VEC * lane)
         if ASYNC:
             if prime and gb_first < gb_end:
@@ -1370,9 +1381,7 @@ def set_async_ring(stages: int, min_row_tile: int | None = None) -> tuple[int, i
     ASYNC_RING_MIN_ROW_TILE, and clear the plan caches that read them. Returns the previous
     (stages, min_row_tile)."""
     global ASYNC_RING_STAGES, ASYNC_RING_MIN_ROW_TILE
-    if isinstance(stages, bool) or not isinstance(stages, numbers.Integral) or \
-            not (stages == 0 or 2 <= stages <= MAX_RING_STAGES):
-        raise ValueError(f"stages must be 0 or 2-{MAX_RING_STAGES}, got {stages!r}")
+    check_ring_stages(stages)
     if min_row_tile is not None and (isinstance(min_row_tile, bool)
                                      or not isinstance(min_row_tile, numbers.Integral) or min_row_tile < 1):
         raise ValueError(f"min_row_tile must be a positive int, got {min_row_tile!r}")
@@ -1479,14 +1488,15 @@ def _launch_plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool, t
     """(plan, grid y) of a launch (:func:`_setup`'s arguments). The async weight ring runs where
     the blocks loop over up to ceil(column blocks / grid y) >= ASYNC_RING_MIN_LOOPS column blocks
     (the argmax kind: passes of a part) with their rows staged once: there a column block's first
-    copies are issued under the previous one's butterfly and stores (run ring: the 33-row w_q and dense gate | up, 8-9 column blocks
-    a block, 8 % faster on the H200), while a block of one column block (the 33-row w_a) and
-    the 1-row tiles' load-then-FMA rounds were faster without it."""
+    copies are issued under the previous one's butterfly and stores (run ring: the 33-row w_q
+    and dense gate | up, 8-9 column blocks a block, 8 % faster on the H200), while a block of
+    one column block (the 33-row w_a) and the 1-row tiles' load-then-FMA rounds were faster
+    without it. (:func:`_plan` gives a ring only to rows staged once.)"""
     plan = _plan(kind, rows, n_cols, k_dim, aligned)
     y = grid_y or _grid_cols(plan, tiles * groups)
     if plan.one_phase and -(-plan.col_blocks // y) >= ASYNC_RING_MIN_LOOPS:
         ringed = _plan(kind, rows, n_cols, k_dim, aligned, True)
-        if ringed.ring_stages and ringed.one_phase:
+        if ringed.ring_stages:
             return ringed, y
     return plan, y
 
