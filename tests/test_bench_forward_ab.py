@@ -64,3 +64,13 @@ def test_gpu_variants_time_one_forward(tmp_path):
         group = "forward_ab/" + list(f["forward_ab"])[0]
     ds = xr.open_dataset(tmp_path / "ab.h5", group=group, engine="h5netcdf")
     assert ds.forward_us.shape == (2, 2) and float(ds.forward_us.min()) > 0
+
+
+def test_async_ring_variants_parse():
+    """auto-seg-asyncN: the segment absorbs (the engine's default) with the weights' async ring at
+    N slots a warp, N in 2..8 (linear.MAX_RING_STAGES)."""
+    assert forward_ab._variants("auto/auto-seg,auto/auto-seg-async4,auto/auto-seg-async8") == [
+        ("auto", "auto-seg"), ("auto", "auto-seg-async4"), ("auto", "auto-seg-async8")]
+    for bad in ("auto/auto-seg-async1", "auto/auto-seg-async9", "auto/auto-async4", "auto/auto-seg-async"):
+        with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+            forward_ab._variants(bad)

@@ -35,8 +35,10 @@ runs them in ``head_linear``, the earlier path) with ``-cN`` (tile blocks of N c
 (at most 1 / 2 segment lanes a tile block, ``absorb.TILE_LANES``) or ``-split`` (the split kernel at
 every row count, ``absorb.FEW_ROWS`` past any launch), or ``auto-sx`` (the linears' staged rows
 read with four scalar shared loads a lane and staged one float a load, as before run "quads":
-``linear.VECTOR_X_LOADS`` and ``linear.VECTOR_STAGING`` off) or ``auto-sstage`` (the scalar staging
-only). A variant named twice is timed twice and printed twice; the HDF5 group keeps its last run.
+``linear.VECTOR_X_LOADS`` and ``linear.VECTOR_STAGING`` off), ``auto-sstage`` (the scalar staging
+only) or ``auto-seg-asyncN`` (``auto-seg`` with the weights' async ``cp.async`` ring at N slots a
+warp, N in 2..8, where ``linear._launch_plan`` gives it; every other COLS keeps
+``linear.ASYNC_RING_STAGES``, 0 by default). A variant named twice is timed twice and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
@@ -63,7 +65,8 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
-                 "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage")
+                 "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage",
+                 *(f"auto-seg-async{n}" for n in range(2, 9)))
 
 
 class Variant(tuple):
@@ -108,6 +111,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
              em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
              lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
              lin.ODD_TILES, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING)
+    async_ring = (lin.ASYNC_RING_STAGES, lin.ASYNC_RING_MIN_ROW_TILE)
     skip = em.ATTENTION_SKIP_DEAD_KEYS
     few, wide = saved[0], saved[1]
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
@@ -145,6 +149,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.VECTOR_X_LOADS = saved[13] and cols != "auto-sx"
         lin.VECTOR_STAGING = saved[14] and cols not in ("auto-sx", "auto-sstage")
         lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
+        lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
         per_rows = {}
         for rows in row_counts:
             model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
@@ -181,6 +186,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     ab.plan_absorb.cache_clear()
     lin.serial_plan.cache_clear()
     lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
+    lin.set_async_ring(*async_ring)
     return results
 
 

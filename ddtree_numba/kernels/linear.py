@@ -237,10 +237,12 @@ VECTOR_STAGING = True
 # phases). W's loads in flight cost no registers (the register ring kept 1 step ahead at the
 # 11-row tile: 2 or 3 spilled it, run lane squares).
 # Off by default: on the H200 (run ring) it made the 33-row w_q and dense gate | up 8 % faster
-# alone but the 33-row w_a 18 % and the 1-row tiles up to 13 % slower, and a decode step with it
-# on where it won (4 slots, 8-row tiles on, 2 loops) took 2338.2 us a round, not measurably
-# under the rounds without it (no same-process pair). Switch with :func:`set_async_ring`
-# (clears the plans), or ``bench.decode_step --ring 4``.
+# alone but the 33-row w_a 18 % and the 1-row tiles up to 13 % slower; in one process with this
+# plan (run async pair, two interleaved passes of bench.forward_ab) the 33-row forward took
+# 2313.9 / 2310.7 us with 4 slots and 2307.6 / 2311.8 with 3, against 2276.5 / 2277.3 without
+# (the 1-row forward, which it leaves alone: 1081-1083 us in every setting). Switch with
+# :func:`set_async_ring` (clears the plans), ``bench.decode_step --ring 4`` or
+# ``bench.forward_ab``'s ``auto-seg-async4``.
 ASYNC_RING_STAGES = 0
 ASYNC_RING_MIN_ROW_TILE = 8
 ASYNC_RING_MIN_LOOPS = 2
