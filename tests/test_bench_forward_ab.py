@@ -74,3 +74,9 @@ def test_async_ring_variants_parse():
     for bad in ("auto/auto-seg-async1", "auto/auto-seg-async9", "auto/auto-async4", "auto/auto-seg-async"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)
+
+
+def test_merge_variant_parses():
+    """auto-merge: the default tiles with the segment merge launched where the plan needs none."""
+    assert forward_ab._variants("auto-merge/auto-seg,auto/auto-seg") == [("auto-merge", "auto-seg"),
+                                                                      ("auto", "auto-seg")]

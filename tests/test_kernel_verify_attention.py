@@ -488,6 +488,45 @@ def test_device_guards_give_nan_not_truncation():
     _assert_close(out[1:2], lse[1:2], ref_out, ref_lse)
 
 
+@pytest.mark.parametrize("cfg", [TINY, dataclasses.replace(TINY, score_keys=16)], ids=["chunk", "score-first"])
+def test_merge_free_plans_write_every_output(cfg, monkeypatch):
+    """kv_capacity < split_size: run launches no merge (VerifyPlan.merge_free) and the attention
+    blocks write every output the merge would, over outputs poisoned first: live nodes (one
+    segment each), padding nodes (zeros) and a request the device guards reject (NaN), bit for bit
+    what the same launch with the merge writes."""
+    rng = np.random.default_rng(31)
+    inputs, _ = _batch(rng, cfg, 2, [5, 2, 3, 0], [3, 1, 3, 0], 3, 12)
+    inputs["past_lens"][2] = 10                       # 10 + 3 > S = 12: the guards reject it
+    dev = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in
+           dict(inputs, visibility=pack_visibility(inputs["visibility"])).items()}
+    kernels = []
+    launch = va.launch
+    monkeypatch.setattr(va, "launch", lambda kernel, *a, **k: (kernels.append(kernel), launch(kernel, *a, **k)))
+    results = []
+    for free in (True, False):
+        monkeypatch.setattr(va, "MERGE_FREE_SHORT_CACHES", free)
+        p = va.plan(4, 3, 2, 12, latent_dim=16, rope_dim=8, split_size=16, config=cfg)
+        assert p.merge_free is free and p.num_splits == 1
+        out = cuda.to_device(np.full((4, 3, 2, 16), 7.0, np.float32))
+        lse = cuda.to_device(np.full((4, 3, 2), 7.0, np.float32))
+        kernels.clear()
+        va.run(p, dev["q_latent"], dev["q_rope"], dev["kv_latent"], dev["k_rope"], dev["past_lens"],
+               dev["tree_sizes"], dev["visibility"], 0.3, out, lse,
+               cuda.to_device(np.full(p.workspace_shape, 7.0, np.float32)))
+        assert len(kernels) == (1 if free else 2)
+        results.append((out.copy_to_host(), lse.copy_to_host()))
+    (out, lse), (merged_out, merged_lse) = results
+    assert _same_bits(out, merged_out) and _same_bits(lse, merged_lse)
+    assert np.all(np.isnan(out[2])) and np.all(np.isnan(lse[2]))
+    for b, size in ((0, 3), (1, 1), (3, 0)):          # padding rows: exact zeros
+        assert not np.any(out[b, size:]) and not np.any(lse[b, size:])
+    live = {k: v[:2] for k, v in inputs.items()}
+    ref_out, ref_lse = _reference(live, 0.3)
+    _assert_close(out[0:1], lse[0:1], ref_out[0:1], ref_lse[0:1])
+    _assert_close(out[1:2, :1], lse[1:2, :1], ref_out[1:2, :1], ref_lse[1:2, :1])
+    assert not va.plan(1, 3, 2, 16, latent_dim=16, rope_dim=8, split_size=16, config=cfg).merge_free
+
+
 def test_plan_layout():
     p = va.plan(8, 33, 64, 32768 + 64, max_kv_len=32768 + 33)
     assert p.config == va.KIMI_K2_CONFIG and p.config.threads == 256

@@ -11,7 +11,9 @@ tiles for an AR step, 8-head tiles for a 33-node tree; every TILE but ``auto-nos
 ``engine.model.ATTENTION_SKIP_DEAD_KEYS``, on), ``auto-skip`` / ``auto-noskip`` (the same tiles with /
 without the skip of the score FMAs of key tiles past a pass's last key), ``auto-pf`` (the same tiles with the L2 prefetch
 of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
-segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``h8`` (8-head chunk-layout
+segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``auto-merge`` (the
+segment merge launched where the plan needs none, ``verify_attention.MERGE_FREE_SHORT_CACHES`` off:
+the step before it), ``h8`` (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
 ``engine.model.FEW_NODES_TILE``; H in 1, 2, 4, 8, 16; a suffix ``rR`` before the ``+``: R heads
@@ -58,7 +60,7 @@ import sys
 import numpy as np
 
 REPS = 40
-TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "64", "h8")   # and sfHxK, sfHxK+
+TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "64", "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
@@ -112,6 +114,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
              lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
              lin.ODD_TILES, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING)
     async_ring = (lin.ASYNC_RING_STAGES, lin.ASYNC_RING_MIN_ROW_TILE)
+    merge_free = va.MERGE_FREE_SHORT_CACHES
     skip = em.ATTENTION_SKIP_DEAD_KEYS
     few, wide = saved[0], saved[1]
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
@@ -123,6 +126,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
         em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip" or (skip and tile != "auto-noskip")
         em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
+        va.MERGE_FREE_SHORT_CACHES = merge_free and tile != "auto-merge"
         em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
         if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
             em.FEW_NODES_TILE = variant.score_first
@@ -187,6 +191,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     lin.serial_plan.cache_clear()
     lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
     lin.set_async_ring(*async_ring)
+    va.MERGE_FREE_SHORT_CACHES = merge_free
     return results
 
 

@@ -18,10 +18,12 @@ Numerics: one key sequence, one result.
     workspace, and the merge kernel folds the segments in segment order (a node whose keys end
     inside segment 0, ``N + path length < split_size``, gets the merge's arithmetic in its attention
     block, written straight to ``out`` / ``lse``, and the merge skips it: the same operations, so
-    the same bits, one launch's work and a workspace round trip less). Nothing depends on ``T``,
-    the batch or the other queries, so a tree node's output equals, bit for bit, a ``T = 1`` call
-    (root only, visibility ``[[1]]``) on the compacted cache of its path: DDTree stays exactly
-    lossless (spec §1.4). The invariance holds between calls with the same :class:`TileConfig`
+    the same bits, one launch's work and a workspace round trip less; where every key lies in
+    segment 0, ``kv_capacity < split_size``, the blocks of nodes without keys write the merge's
+    zeros or NaN too, and :func:`run` launches no merge: ``VerifyPlan.merge_free``). Nothing
+    depends on ``T``, the batch or the other queries, so a tree node's output equals, bit for
+    bit, a ``T = 1`` call (root only, visibility ``[[1]]``) on the compacted cache of its path:
+    DDTree stays exactly lossless (spec §1.4). The invariance holds between calls with the same :class:`TileConfig`
     numerics (``chunk``, ``k_groups``, ``qk_keys``, and ``k_slice`` through the dims a lane
     takes at once, ``gcd(k_slice / k_groups, 4)``) and the same ``split_size``; :func:`plan`
     picks the config from ``(Dl, Dr, H)`` only, never from ``T``, ``N`` or the batch size.
@@ -113,6 +115,12 @@ NEG_INF = -math.inf
 # for a model (tree verify and plain decode must use the same value for bit-identical outputs).
 DEFAULT_SPLIT_SIZE = 2048
 STATIC_SHARED_LIMIT = 48 * 1024  # static shared memory of a kernel (limits §4)
+# A plan whose keys all lie in segment 0 (kv_capacity < split_size) launches no merge
+# (VerifyPlan.merge_free): its attention blocks write every output the merge would (one_segment,
+# or write_fill for a node with no keys), so the merge's blocks would all return at once. Its
+# launch took 2.9 us a layer of an AR step and 5.4 of a 33-node tree (Nsight Compute, run skip and
+# tiles). False launches it anyway: the same bits (bench.forward_ab's auto-merge, an A/B).
+MERGE_FREE_SHORT_CACHES = True
 
 
 @dataclass(frozen=True)
@@ -508,6 +516,18 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         return seg == 0 and seg_end < split
 
     @cuda.jit(device=True, inline="always")
+    def write_fill(out, lse, b, node, h0, size, tree_capacity, num_heads, tid):
+        """The merge's outputs for a node with no keys to attend (a padding node: zeros; a node
+        the guards reject: NaN), written by its attention block where no merge runs
+        (:func:`merge_free`: ``kv_rows < split``): the same values at the same places."""
+        fill = float32(0.0) if node >= size else float32(math.nan)
+        row = (b * tree_capacity + node) * num_heads + h0      # flat row of (b, node, h0)
+        for e in range(tid, HEADS * DL, THREADS):              # the tile's heads are adjacent rows
+            out[uint64(row * DL + e)] = fill
+        if tid < HEADS:
+            lse[uint64(row + tid)] = fill
+
+    @cuda.jit(device=True, inline="always")
     def merged(acc, m, l):
         """The merge's output element for one segment: the same operations (w = exp(m - m),
         fma(x, w, 0)), so the same bits."""
@@ -799,6 +819,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(
             past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words, split)
         if seg_start >= seg_end:   # block-uniform, before any barrier
+            if kv_rows < split:    # no merge runs (merge_free): the block writes the node's fill
+                write_fill(out, lse, b, node, h0, size, tree_capacity, num_heads, tid)
             return
 
         fill_path(visibility, vis_base, size, path, tid)
@@ -1036,6 +1058,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(
             past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words, split)
         if seg_start >= seg_end:   # block-uniform, before any barrier
+            if kv_rows < split:    # no merge runs (merge_free): the block writes the node's fill
+                write_fill(out, lse, b, node, h0, size, tree_capacity, num_heads, tid)
             return
         fill_path(visibility, vis_base, size, path, tid)
         cuda.syncthreads()  # path[] complete before any key row is looked up
@@ -1250,6 +1274,13 @@ class VerifyPlan:
                 self.batch_size)
 
     @property
+    def merge_free(self) -> bool:
+        """:func:`run` launches no merge: every key of every request lies in segment 0
+        (``kv_capacity < split_size``; the kernels' guards hold ``past + size <= kv_capacity``),
+        so the attention blocks write every output (MERGE_FREE_SHORT_CACHES)."""
+        return MERGE_FREE_SHORT_CACHES and self.kv_capacity < self.split_size
+
+    @property
     def merge_grid(self) -> tuple[int, int]:
         return (self.tree_capacity * (self.num_heads // self.config.merge_heads), self.batch_size)
 
@@ -1407,8 +1438,9 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
     dims = (np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)))
     launch(attention, p.attention_grid, cfg.threads, stream, 0, q_lat, q_rp, kv_lat, k_rp,
            past_lens, tree_sizes, vis, *dims, scale, np.int32(p.split_size), ws, out_flat, lse_flat)
-    launch(merge, p.merge_grid, cfg.merge_threads, stream, 0, past_lens, tree_sizes, vis, *dims,
-           np.int32(p.split_size), np.int32(p.num_splits), ws, out_flat, lse_flat)
+    if not p.merge_free:
+        launch(merge, p.merge_grid, cfg.merge_threads, stream, 0, past_lens, tree_sizes, vis, *dims,
+               np.int32(p.split_size), np.int32(p.num_splits), ws, out_flat, lse_flat)
 
 
 def _flat(arr: Any) -> Any:
