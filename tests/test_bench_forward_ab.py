@@ -76,7 +76,9 @@ def test_async_ring_variants_parse():
             forward_ab._variants(bad)
 
 
-def test_merge_variant_parses():
-    """auto-merge: the default tiles with the segment merge launched where the plan needs none."""
-    assert forward_ab._variants("auto-merge/auto-seg,auto/auto-seg") == [("auto-merge", "auto-seg"),
-                                                                      ("auto", "auto-seg")]
+def test_launch_merge_variants_parse():
+    """auto-merge: the segment merge launched where the plan needs none; auto-unfused: that and the
+    RoPE / kv write and the MoE RMSNorm in their own launches; auto-normroute: the RMSNorm inside
+    the routing launch."""
+    assert forward_ab._variants("auto-merge/auto-seg,auto/auto-seg,auto-unfused/auto-seg,auto-normroute/auto-seg") == [
+        ("auto-merge", "auto-seg"), ("auto", "auto-seg"), ("auto-unfused", "auto-seg"), ("auto-normroute", "auto-seg")]

@@ -338,6 +338,30 @@ def test_split_k_o_proj_and_8_row_tiles_give_the_same_bits(monkeypatch, scenario
     np.testing.assert_array_equal(_host(got.features), want[1])
 
 
+def test_merged_launches_give_the_same_bits(monkeypatch, scenario) -> None:
+    """Each launch merge switched the other way from its default: the query RoPE and the kv write
+    in two launches (engine.model.FUSED_ROPE_KV_WRITE), the MoE RMSNorm inside the routing launch
+    (FUSED_MOE_NORM) and the attention's segment merge launched (verify_attention
+    .MERGE_FREE_SHORT_CACHES off): the scenario's prefill, bit for bit (one simulator forward)."""
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.kernels import verify_attention as va
+
+    config, weights = _tiny()
+    assert config.n_layers > config.n_dense_layers   # a MoE layer: the routing launch normalises
+    assert KV_CAPACITY < va.DEFAULT_SPLIT_SIZE   # the scenario launched no merge (merge_free)
+    monkeypatch.setattr(em, "FUSED_ROPE_KV_WRITE", not em.FUSED_ROPE_KV_WRITE)
+    monkeypatch.setattr(em, "FUSED_MOE_NORM", not em.FUSED_MOE_NORM)
+    monkeypatch.setattr(va, "MERGE_FREE_SHORT_CACHES", False)
+    pre = _golden_built()["prefill"]
+    inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
+                          pre.in_visibility.values, 9)
+    model = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
+    assert not model.plan.merge_free
+    got = model.forward(*inputs)
+    np.testing.assert_array_equal(_host(got.logits), scenario["prefill"]["logits"])
+    np.testing.assert_array_equal(_host(got.features), scenario["prefill"]["features"])
+
+
 def test_serial_absorbs_take_k_major_copies(monkeypatch, request) -> None:
     """The absorbs' k-major copies (DeviceWeights.k_major, w_kn[h, k, n] = w[h, n, k]): kept by
     every model with engine.model.SEGMENT_ABSORBS on (the default: kernels.absorb reads them), and

@@ -267,6 +267,69 @@ def test_mla_ops_device_guards():
     assert np.all(np.isnan(got[:2])) and np.all(np.isfinite(got[2]))
 
 
+def _rope_case(rng, m: int, h: int, nope: int, c: int, r: int):
+    cos, sin = mo.rope_tables(TINY, 32)
+    return dict(q=rng.standard_normal((m, h, nope + r)).astype(np.float32),
+                kv=rng.standard_normal((m, c + r)).astype(np.float32),
+                norm_w=(1.0 + 0.1 * rng.standard_normal(c)).astype(np.float32),
+                cos=np.ascontiguousarray(cos[:, :r // 2]), sin=np.ascontiguousarray(sin[:, :r // 2]),
+                positions=rng.integers(0, 32, m).astype(np.int32))
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "neox"])
+def test_mla_rope_kv_write_is_the_two_kernels(layout):
+    """The engine's one launch: the query RoPE (in place, as the engine calls it) and the cache
+    write give the bits of mla_q_rope and mla_kv_write; padding rows (cache row -1) are skipped
+    and the other cache rows left as they were."""
+    rng = np.random.default_rng(12)
+    m, h, nope, c, r = 5, 3, 6, 8, 4
+    case = _rope_case(rng, m, h, nope, c, r)
+    cache_rows = np.array([3, -1, 0, 6, 2], np.int32)
+    d_cos, d_sin, d_pos = _dev(case["cos"]), _dev(case["sin"]), _dev(case["positions"])
+    results = []
+    for fused in (False, True):
+        d_q = _dev(case["q"])
+        latent = _dev(np.full((8, c), SENTINEL, np.float32))
+        k_rope = _dev(np.full((8, r), SENTINEL, np.float32))
+        kv_args = (_dev(case["kv"]), _dev(case["norm_w"]), 1e-6, d_cos, d_sin, d_pos, _dev(cache_rows), latent, k_rope)
+        if fused:
+            mo.mla_rope_kv_write(d_q, d_q[:, :, nope:], *kv_args, layout=layout)
+        else:
+            mo.mla_q_rope(d_q, d_cos, d_sin, d_pos, d_q[:, :, nope:], layout=layout)
+            mo.mla_kv_write(*kv_args, layout=layout)
+        results.append([a.copy_to_host() for a in (d_q, latent, k_rope)])
+    for want, got in zip(*results):
+        assert _same_bits(got, want)
+    q, latent, k_rope = results[1]
+    assert np.array_equal(q[:, :, :nope], case["q"][:, :, :nope])      # the nope part untouched
+    assert np.all(latent[[1, 4, 5, 7]] == SENTINEL) and np.all(k_rope[[1, 4, 5, 7]] == SENTINEL)
+    _close(latent[[3, 0, 6, 2]], rm.rms_norm(case["kv"][[0, 2, 3, 4], :c], case["norm_w"].astype(np.float64), 1e-6))
+
+
+@pytest.mark.parametrize("name, change", [
+    ("q", lambda a: dict(a, q=a["q"][:4])),                       # rows differ from kv_a's
+    ("kv_a", lambda a: dict(a, kv_a=a["kv_a"][:, :-1])),          # C + R columns
+    ("q_out", lambda a: dict(a, q_out=np.zeros((5, 2, 4), np.float32))),   # heads differ from q's
+    ("positions", lambda a: dict(a, positions=np.full(5, 40, np.int32))),
+    ("cache_rows", lambda a: dict(a, cache_rows=np.array([0, 0, 1, 2, 3], np.int32))),
+])
+def test_mla_rope_kv_write_checks_before_launching(name, change):
+    """Both halves' checks run before the one launch: a bad argument names itself and leaves
+    every output as it was."""
+    rng = np.random.default_rng(13)
+    case = _rope_case(rng, 5, 3, 6, 8, 4)
+    q_out = np.full((5, 3, 4), SENTINEL, np.float32)
+    latent = np.full((8, 8), SENTINEL, np.float32)
+    k_rope = np.full((8, 4), SENTINEL, np.float32)
+    args = dict(q=case["q"], q_out=q_out, kv_a=case["kv"], kv_norm_weight=case["norm_w"], eps=1e-6,
+                cos=case["cos"], sin=case["sin"], positions=case["positions"],
+                cache_rows=np.array([3, -1, 0, 6, 2], np.int32), kv_latent=latent, k_rope=k_rope)
+    args = change(args)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        mo.mla_rope_kv_write(**args, layout="neox")
+    assert np.all(q_out == SENTINEL) and np.all(latent == SENTINEL) and np.all(k_rope == SENTINEL)
+
+
 # --- MoE routing -------------------------------------------------------------------------------
 
 def _routing_config(**changes) -> ModelConfig:
@@ -493,6 +556,58 @@ def test_moe_route_batch_and_launch_shape_invariant(monkeypatch, case):
     assert np.array_equal(alone[0], batch[0][1:2]) and _same_bits(alone[1], batch[1][1:2])
 
 
+def _route_outputs(config, m: int) -> tuple:
+    k, e = config.n_activated_experts, config.n_routed_experts
+    return (cuda.device_array((m, k), np.int32), cuda.device_array((m, k), np.float32),
+            cuda.device_array(e + 1, np.int32), cuda.device_array(m * k, np.int32),
+            cuda.device_array((m, k), np.int32))
+
+
+@pytest.mark.parametrize("case", ["softmax", "wide"])
+def test_moe_route_with_its_rmsnorm_is_the_two_launches(monkeypatch, case):
+    """x and norm_weight given: the routing launch writes xn = rms_norm(x) before its gate reads
+    it. xn and every routing output are the bits of rms_norm then moe_route, at the simulator's
+    launch shape and at the GPU's (a block a row: its first warp normalises, the rest wait)."""
+    config = _routing_config(**ROUTING_CASES[case])
+    rng = np.random.default_rng(14)
+    d = config.hidden_size
+    x = rng.standard_normal((3, d)).astype(np.float32)
+    norm_w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    gate_w = (rng.standard_normal((8, d)) / 8).astype(np.float32)
+    bias = (0.01 * rng.standard_normal(8)).astype(np.float32)
+    for gpu_shape in (False, True):
+        if gpu_shape:
+            monkeypatch.setattr(mo, "simulator_active", lambda: False)
+        xn = cuda.device_array((3, d), np.float32)
+        mo.rms_norm(_dev(x), _dev(norm_w), 1e-6, xn)
+        want = [xn.copy_to_host(), *_route(config, xn.copy_to_host(), gate_w, bias)]
+        fused_xn = _dev(np.full((3, d), SENTINEL, np.float32))
+        outs = _route_outputs(config, 3)
+        mo.moe_route(fused_xn, _dev(gate_w), _dev(bias), config, *outs, x=_dev(x), norm_weight=_dev(norm_w),
+                     eps=1e-6)
+        got = [fused_xn.copy_to_host(), *(o.copy_to_host() for o in outs)]
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("name, change", [
+    ("x", lambda a: dict(a, norm_weight=None)),                         # one without the other
+    ("x", lambda a: dict(a, x=a["x"][:2])),                              # rows differ from xn's
+    ("norm_weight", lambda a: dict(a, norm_weight=a["norm_weight"][:-1])),
+    ("eps", lambda a: dict(a, eps=0.0)),
+])
+def test_moe_route_rmsnorm_arguments_are_checked_first(name, change):
+    config = _routing_config(**ROUTING_CASES["softmax"])
+    rng = np.random.default_rng(15)
+    d = config.hidden_size
+    xn = np.full((3, d), SENTINEL, np.float32)
+    args = change(dict(x=rng.standard_normal((3, d)).astype(np.float32), norm_weight=np.ones(d, np.float32),
+                       eps=1e-6))
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        mo.moe_route(xn, np.ones((8, d), np.float32), None, config, *_route_outputs(config, 3), **args)
+    assert np.all(xn == SENTINEL)
+
+
 def test_csr_kernel_over_several_chunks():
     """300 rows (two CSR chunks of 256), 20 experts of which some empty, k = 3."""
     rng = np.random.default_rng(14)
@@ -642,7 +757,8 @@ def test_bad_inputs_raise_naming_the_argument(func, arg, value, exc):
 
 
 def test_kernels_are_registered():
-    names = {"embed_rows", "rms_norm_rows", "mla_kv_write", "mla_q_rope", "moe_route", "moe_route_csr", "moe_combine"}
+    names = {"embed_rows", "rms_norm_rows", "mla_kv_write", "mla_q_rope", "mla_rope_kv_write", "moe_route",
+             "moe_route_csr", "moe_combine"}
     for name in names:
         spec = registry.get(name)
         assert spec.signatures and spec.block_threads is not None
@@ -687,6 +803,14 @@ def test_gpu_real_shapes(preset):
     q_out = cuda.device_array((m, h, r), np.float32)
     mo.mla_q_rope(_dev(q), _dev(cos), _dev(sin), _dev(positions), q_out, layout=config.rope_layout)
     _close(q_out.copy_to_host(), rm.apply_rope(q[:, :, nope:].astype(np.float64), cos64, sin64, config.rope_layout))
+    fused_q = cuda.device_array((m, h, r), np.float32)     # the engine's one launch: the same bits
+    fused_latent = cuda.device_array((2 * m, c), np.float32)
+    fused_rope = cuda.device_array((2 * m, r), np.float32)
+    mo.mla_rope_kv_write(_dev(q), fused_q, _dev(kv), _dev(norm_w), config.rms_norm_eps, _dev(cos), _dev(sin),
+                         _dev(positions), _dev(cache_rows), fused_latent, fused_rope, layout=config.rope_layout)
+    assert _same_bits(fused_q.copy_to_host(), q_out.copy_to_host())
+    assert _same_bits(fused_latent.copy_to_host()[cache_rows], latent.copy_to_host()[cache_rows])
+    assert _same_bits(fused_rope.copy_to_host()[cache_rows], k_rope.copy_to_host()[cache_rows])
 
     gate_w = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
     bias = (0.01 * rng.standard_normal(e)).astype(np.float32)

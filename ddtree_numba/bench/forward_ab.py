@@ -12,8 +12,10 @@ tiles for an AR step, 8-head tiles for a 33-node tree; every TILE but ``auto-nos
 without the skip of the score FMAs of key tiles past a pass's last key), ``auto-pf`` (the same tiles with the L2 prefetch
 of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
 segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``auto-merge`` (the
-segment merge launched where the plan needs none, ``verify_attention.MERGE_FREE_SHORT_CACHES`` off:
-the step before it), ``h8`` (8-head chunk-layout
+segment merge launched where the plan needs none, ``verify_attention.MERGE_FREE_SHORT_CACHES`` off),
+``auto-unfused`` (that, with the query RoPE and the kv write in two launches and the MoE RMSNorm
+in its own, ``engine.model.FUSED_ROPE_KV_WRITE`` and ``FUSED_MOE_NORM`` off: the forward before the
+three), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on), ``h8`` (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
 ``engine.model.FEW_NODES_TILE``; H in 1, 2, 4, 8, 16; a suffix ``rR`` before the ``+``: R heads
@@ -60,7 +62,8 @@ import sys
 import numpy as np
 
 REPS = 40
-TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "64", "h8")   # and sfHxK, sfHxK+
+TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
+                 "auto-normroute", "64", "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
@@ -115,6 +118,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
              lin.ODD_TILES, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING)
     async_ring = (lin.ASYNC_RING_STAGES, lin.ASYNC_RING_MIN_ROW_TILE)
     merge_free = va.MERGE_FREE_SHORT_CACHES
+    fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     skip = em.ATTENTION_SKIP_DEAD_KEYS
     few, wide = saved[0], saved[1]
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
@@ -126,7 +130,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
         em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip" or (skip and tile != "auto-noskip")
         em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
-        va.MERGE_FREE_SHORT_CACHES = merge_free and tile != "auto-merge"
+        va.MERGE_FREE_SHORT_CACHES = merge_free and tile not in ("auto-merge", "auto-unfused")
+        em.FUSED_ROPE_KV_WRITE = fused[0] and tile != "auto-unfused"
+        em.FUSED_MOE_NORM = tile == "auto-normroute" or (fused[1] and tile != "auto-unfused")
         em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
         if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
             em.FEW_NODES_TILE = variant.score_first
@@ -192,6 +198,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
     lin.set_async_ring(*async_ring)
     va.MERGE_FREE_SHORT_CACHES = merge_free
+    em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
     return results
 
 

@@ -52,8 +52,8 @@ from ddtree_numba.kernels.absorb import absorb, supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
-from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, moe_combine, moe_route, rms_norm,
-                                            rope_tables)
+from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, mla_rope_kv_write, moe_combine,
+                                            moe_route, rms_norm, rope_tables)
 from ddtree_numba.kernels.registry import register
 from reference.tree import pack_visibility, unpack_visibility
 from sim.launch import launch
@@ -111,6 +111,15 @@ PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.ma
 # not a multiple of 4, K over absorb.MAX_K). Numerics, not layout: AR and verify must agree, so
 # one process keeps one setting (bench.forward_ab's COLS other than ``auto-seg*`` time the earlier path).
 SEGMENT_ABSORBS = True
+# Launches merged, not numerics (the same bits either way; each kernel's own tests compare them):
+# the query RoPE and the kv cache write of a layer in one launch (model_ops.mla_rope_kv_write), and
+# the MoE layer's RMSNorm inside the routing launch (model_ops.moe_route's x / norm_weight). Neither
+# was timed on the H200 when it was built; the fused RoPE launch is on (one launch less a layer,
+# both parts the two kernels' code, the kv write's registers), the fused norm off until timed: its
+# routing specialisation meets the kernel's 128-register launch bound, where ptxas once scheduled
+# the gate loads 1.4-2x slower (bench.forward_ab's ``auto-unfused`` / ``auto-normroute`` switch them).
+FUSED_ROPE_KV_WRITE = True
+FUSED_MOE_NORM = False
 
 
 class ForwardOut(NamedTuple):
@@ -576,13 +585,18 @@ class TargetModel:
             linear(v.a_q, w.w_q, v.q2, norm_weight=w.q_norm, eps=eps, stream=stream)  # [M, H * (nope + R)]
         else:
             linear(b.x, w.w_q, v.q2, norm_weight=w.norm, eps=eps, stream=stream)
-        mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
-                   stream=stream)  # [M, H, R]
+        latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
+        if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
+            mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
+                              b.row_positions, b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout,
+                              stream=stream)
+        else:
+            mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
+                       stream=stream)  # [M, H, R]
+            mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
+                         latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
         uk_kn, uv_kn = (None, None) if self._absorb_kn is None else (kn[lw.index] for kn in self._absorb_kn)
         self._absorb(v.q_nope, w.w_uk_t, uk_kn, v.q_latent, stream)  # [M, H, C]
-        latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
-        mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
-                     latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream)  # [bs, Tc, H, C]
         self._absorb(v.attn, w.w_uv, uv_kn, b.heads, stream)  # [M, H, v]
@@ -606,9 +620,13 @@ class TargetModel:
                 linear_split_k(act_split, w_split[lw.index], parts, b.x, residual=b.x, stream=stream)  # [M, D]
             return
         assert isinstance(f, MoeWeights)
-        rms_norm(b.x, f.norm, eps, b.xn, stream=stream)  # [M, D]
-        moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, b.row_offsets, b.row_index, b.slot_of,
-                  stream=stream)
+        if FUSED_MOE_NORM:  # xn = rms_norm(x) [M, D], written by the routing launch before its gate reads it
+            moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, b.row_offsets, b.row_index, b.slot_of,
+                      x=b.x, norm_weight=f.norm, eps=eps, stream=stream)
+        else:
+            rms_norm(b.x, f.norm, eps, b.xn, stream=stream)  # [M, D]
+            moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, b.row_offsets, b.row_index, b.slot_of,
+                      stream=stream)
         expert_linear(b.xn, f.w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J, 2I]
         expert_linear(b.e13, f.w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, stream=stream)  # [J, D]
         if f.shared_w13 is not None:

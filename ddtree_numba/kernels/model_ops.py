@@ -8,6 +8,7 @@ the same in float32 for a whole batch of M rows at once:
 - :func:`rope_tables`: host cos / sin tables from ``reference.model.rope_cos_sin`` (YaRN).
 - :func:`mla_kv_write`: kv norm of the latent, RoPE of the key part, scattered into cache rows.
 - :func:`mla_q_rope`: RoPE of every head's query rope part.
+- :func:`mla_rope_kv_write`: both of the above in one launch (the engine's per-layer call).
 - :func:`moe_route`: ``reference.model.moe_gate`` plus the CSR that ``linear.expert_linear``
   consumes (a second, single-block launch builds the CSR).
 - :func:`moe_combine`: residual + weighted expert outputs (ascending expert id) + shared expert.
@@ -59,7 +60,7 @@ from .warp import warp_inclusive_scan_i32
 
 __all__ = [
     "MAX_EXPERTS", "MAX_GROUPS", "MAX_TOPK", "ROW_THREADS", "ELEM_THREADS", "CSR_THREADS",
-    "MAX_ROUTE_THREADS", "embed", "rms_norm", "rope_tables", "mla_kv_write", "mla_q_rope",
+    "MAX_ROUTE_THREADS", "embed", "rms_norm", "rope_tables", "mla_kv_write", "mla_q_rope", "mla_rope_kv_write",
     "moe_route", "moe_combine", "route_threads",
 ]
 
@@ -272,21 +273,15 @@ def rms_norm_kernel(x, weight, eps, out):
         cuda.syncwarp()  # every lane has read the partials before the next row overwrites them
 
 
-@cuda.jit
-def mla_kv_write_kernel(kv_a, norm_weight, eps, cos, sin, positions, cache_rows, kv_latent,
-                        k_rope, layout):
-    """Normed latent and RoPE'd key of row m into cache row cache_rows[m] (< 0: padding).
-
-    kv_a [M, C + R] (C = kv_lora, R = rope), norm_weight [C], cos / sin [capacity, R / 2],
-    positions / cache_rows int32 [M], kv_latent [rows, C], k_rope [rows, R]. One warp per row,
-    grid-stride over rows.
-    """
-    s_part = cuda.shared.array(ROW_THREADS, float32)  # one partial sum of squares per lane
+@cuda.jit(device=True)
+def _kv_write_rows(kv_a, norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope,
+                   layout, s_part, block, blocks):
+    """:func:`mla_kv_write_kernel`'s rows on block ``block`` of ``blocks``: one warp per row,
+    grid-stride over the rows."""
     warps = cuda.blockDim.x // WARP_SIZE
     c = kv_latent.shape[1]
     half = k_rope.shape[1] // 2
-    for row in range(cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP_SIZE, kv_a.shape[0],
-                     cuda.gridDim.x * warps):  # per warp
+    for row in range(block * warps + cuda.threadIdx.x // WARP_SIZE, kv_a.shape[0], blocks * warps):  # per warp
         dst = cache_rows[row]
         if dst < 0 or dst >= kv_latent.shape[0]:  # padding, or no such cache row (per warp)
             continue
@@ -301,18 +296,15 @@ def mla_kv_write_kernel(kv_a, norm_weight, eps, cos, sin, positions, cache_rows,
         cuda.syncwarp()  # every lane has read the partials before the next row overwrites them
 
 
-@cuda.jit
-def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
-    """out[m, h] = RoPE(q[m, h, nope:]) at positions[m]; q [M, H, nope + R], out [M, H, R].
-
-    One thread per (row, head, pair), grid-stride; each reads its pair before writing it, so
-    out may be q[:, :, nope:] itself.
-    """
+@cuda.jit(device=True)
+def _q_rope_pairs(q, cos, sin, positions, out, layout, block, blocks):
+    """:func:`mla_q_rope_kernel`'s pairs on block ``block`` of ``blocks``: one thread per
+    (row, head, pair), grid-stride."""
     heads = out.shape[1]
     half = out.shape[2] // 2
     nope = q.shape[2] - out.shape[2]
-    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * heads * half,
-                     cuda.gridDim.x * cuda.blockDim.x):
+    for idx in range(block * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * heads * half,
+                     blocks * cuda.blockDim.x):
         m = idx // (heads * half)
         rest = idx - m * heads * half
         h = rest // half
@@ -323,15 +315,57 @@ def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
         out[m, h, c1] = y1
 
 
+@cuda.jit
+def mla_kv_write_kernel(kv_a, norm_weight, eps, cos, sin, positions, cache_rows, kv_latent,
+                        k_rope, layout):
+    """Normed latent and RoPE'd key of row m into cache row cache_rows[m] (< 0: padding).
+
+    kv_a [M, C + R] (C = kv_lora, R = rope), norm_weight [C], cos / sin [capacity, R / 2],
+    positions / cache_rows int32 [M], kv_latent [rows, C], k_rope [rows, R]. One warp per row,
+    grid-stride over rows.
+    """
+    s_part = cuda.shared.array(ROW_THREADS, float32)  # one partial sum of squares per lane
+    _kv_write_rows(kv_a, norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope,
+                   layout, s_part, cuda.blockIdx.x, cuda.gridDim.x)
+
+
+@cuda.jit
+def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
+    """out[m, h] = RoPE(q[m, h, nope:]) at positions[m]; q [M, H, nope + R], out [M, H, R].
+
+    One thread per (row, head, pair), grid-stride; each reads its pair before writing it, so
+    out may be q[:, :, nope:] itself.
+    """
+    _q_rope_pairs(q, cos, sin, positions, out, layout, cuda.blockIdx.x, cuda.gridDim.x)
+
+
+@cuda.jit
+def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, sin, positions,
+                             cache_rows, kv_latent, k_rope, layout):
+    """:func:`mla_q_rope_kernel` on blocks ``[0, q_blocks)`` and :func:`mla_kv_write_kernel` on
+    the others, in one launch: an MLA layer's two RoPE steps run side by side (the same loops
+    per element and per row, so the same bits). Arguments as those two kernels'."""
+    s_part = cuda.shared.array(ROW_THREADS, float32)  # the kv rows: one partial sum per lane
+    if cuda.blockIdx.x < q_blocks:  # block-uniform
+        _q_rope_pairs(q, cos, sin, positions, q_out, layout, cuda.blockIdx.x, q_blocks)
+    else:
+        _kv_write_rows(kv_a, norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope,
+                       layout, s_part, cuda.blockIdx.x - q_blocks, cuda.gridDim.x - q_blocks)
+
+
 # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
 # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
 # the H200).
 @cuda.jit(**launch_bounds(MAX_ROUTE_THREADS, 1))
-def moe_route_kernel(xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
+def moe_route_kernel(x, norm_w, eps, xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
                      route_scale, topk_ids, topk_w):
     """reference.model.moe_gate, rows blockIdx.x, + gridDim.x, ...; picks in ascending expert id.
 
     xn [M, D], gate_w [E, D], bias float32 [E] or None, topk_ids int32 [M, k], topk_w [M, k].
+    0. With ``norm_w`` (float32 [D]; None: xn is given), the block's first warp writes
+       ``xn[row] = rms_norm(x[row], norm_w, eps)`` first, as :func:`rms_norm_kernel`'s warp does
+       (the same bits), and the block reads it back after a barrier: the FFN's RMSNorm and the
+       routing in one launch.
     1. Logit e = the sum, in order, of ROUTE_SPLIT partials, partial c over d = c, c + SPLIT, ...
        (one (expert, partial) pair per thread, consecutive threads on consecutive columns):
        a fixed order whatever the block size. 2. Scores and selection values per expert.
@@ -356,6 +390,11 @@ def moe_route_kernel(xn, gate_w, bias, n_groups, n_limited, softmax_scores, norm
     k = topk_ids.shape[1]
     top2_sum = bias is not None and per_group > 1  # else a group scores its max
     for row in range(cuda.blockIdx.x, xn.shape[0], cuda.gridDim.x):  # uniform over the block
+        if norm_w is not None:  # compile-time
+            if tid < WARP_SIZE:   # s_part[0:32] holds the warp's partial sums of squares here
+                rms = _warp_row_rms(x, row, x.shape[1], eps, s_part)
+                _write_normed(x, row, 0, x.shape[1], rms, norm_w, xn, row)
+            cuda.syncthreads()  # the row's normed values (global, this block's) before the gate reads them
         for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
             e = q // ROUTE_SPLIT
             s_part[q] = _strided_dot(xn, row, gate_w, e, q - e * ROUTE_SPLIT, ROUTE_SPLIT, xn.shape[1])
@@ -535,9 +574,15 @@ register("mla_kv_write", mla_kv_write_kernel,
          "MLA kv norm + key RoPE scattered into cache rows, one warp per row", block_threads=ROW_THREADS)
 register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),),
          "RoPE of the query rope part of every head, one thread per pair", block_threads=ELEM_THREADS)
+register("mla_rope_kv_write", mla_rope_kv_write_kernel,
+         ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32),),
+         "the query RoPE and the kv cache write in one launch (the engine's)", block_threads=ELEM_THREADS)
 register("moe_route", moe_route_kernel,
-         tuple((_F2A, _F2C, bias, int32, int32, int32, int32, float32, _I2, _F2C) for bias in (_F1, nbtypes.none)),
-         "MoE gate: scores, grouped top-k, weights; one block per row", block_threads=MAX_ROUTE_THREADS)
+         tuple((*norm, _F2A, _F2C, bias, int32, int32, int32, int32, float32, _I2, _F2C)
+               for norm in ((nbtypes.none, nbtypes.none, float32), (_F2A, _F1, float32))
+               for bias in (_F1, nbtypes.none)),
+         "MoE gate (after the RMSNorm of its rows, or on normed rows): scores, grouped top-k, weights; "
+         "one block per row", block_threads=MAX_ROUTE_THREADS)
 register("moe_route_csr", moe_csr_kernel, ((_I2, _I1, _I1, _I2),),
          "MoE routing CSR (entries per expert in ascending row order), one block",
          block_threads=CSR_THREADS)
@@ -698,28 +743,9 @@ def rope_tables(config: ModelConfig, capacity: int) -> tuple[np.ndarray, np.ndar
     return cos.astype(np.float32), sin.astype(np.float32)
 
 
-def mla_kv_write(kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any, positions: Any,
-                 cache_rows: Any, kv_latent: Any, k_rope: Any, *, layout: str, stream: Any = 0) -> None:
-    """Write the new MLA cache rows: normed latent and RoPE'd key (``reference.model.mla_project``).
-
-    For each row m with ``cache_rows[m] >= 0``: ``kv_latent[cache_rows[m]] = rms_norm(kv_a[m, :C],
-    kv_norm_weight, eps)`` and ``k_rope[cache_rows[m]] = rope(kv_a[m, C:], positions[m])``.
-
-    Args:
-        kv_a: float32 [M, C + R] (C = kv_lora, R = rope), unit inner stride: e.g. the kv columns
-            of the fused [wq_a | wkv_a] output.
-        kv_norm_weight: float32 [C] (``kv_a_layernorm.weight``); eps: finite, > 0.
-        cos, sin: float32 [capacity, R / 2] from :func:`rope_tables`.
-        positions: int32 [M], RoPE positions (host values in [0, capacity); device values
-            outside give a NaN key row).
-        cache_rows: int32 [M], flat row of the [bs * S] layer cache; < 0 = padding (skipped).
-            Host values must be < rows and the non-negative ones distinct; device values
-            >= rows are skipped.
-        kv_latent: float32 [rows, C]; k_rope: float32 [rows, R] (unit inner stride; views of
-            a combined [rows, C + R] cache are fine).
-        layout: "interleaved" or "neox" (``config.rope_layout``).
-        stream: as :func:`embed`.
-    """
+def _kv_write_args(kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any, positions: Any,
+                   cache_rows: Any, kv_latent: Any, k_rope: Any, layout: str) -> tuple:
+    """:func:`mla_kv_write`'s arguments checked, as its kernel takes them."""
     kv_a = _check_rows(kv_a, "kv_a", 2)
     kv_latent = _check_matrix(kv_latent, "kv_latent", 2)
     k_rope = _check_matrix(k_rope, "k_rope", 2)
@@ -744,8 +770,51 @@ def mla_kv_write(kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any,
             raise ValueError(f"cache_rows must be < {kv_latent.shape[0]} (the cache rows)")
         if np.unique(real).size != real.size:
             raise ValueError("cache_rows must not repeat a row (>= 0)")
-    launch(mla_kv_write_kernel, *_shape(m, ROW_WARPS, ROW_THREADS), stream, 0, kv_a, kv_norm_weight, eps32,
-           cos, sin, positions, cache_rows, kv_latent, k_rope, layout_code)
+    return kv_a, kv_norm_weight, eps32, cos, sin, positions, cache_rows, kv_latent, k_rope, layout_code
+
+
+def _q_rope_args(q: Any, cos: Any, sin: Any, positions: Any, out: Any, layout: str,
+                 out_name: str = "out") -> tuple:
+    """:func:`mla_q_rope`'s arguments checked, as its kernel takes them (``out_name``: how the
+    caller names ``out``)."""
+    q = _check_rows(q, "q", 3)
+    out = _check_matrix(out, out_name, 3)
+    r = out.shape[2]
+    if r < 2 or r % 2:
+        raise ValueError(f"{out_name}: the rope width must be even and >= 2, got {r}")
+    if q.shape[2] < r:
+        raise ValueError(f"q must have at least R = {r} columns per head, got {q.shape[2]}")
+    check_shape(out, out_name, (q.shape[0], q.shape[1], r))
+    cos, sin = _check_tables(cos, sin, r)
+    layout_code = _check_layout(layout)
+    positions = _check_positions(positions, q.shape[0], cos.shape[0])
+    return q, cos, sin, positions, out, layout_code
+
+
+def mla_kv_write(kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any, positions: Any,
+                 cache_rows: Any, kv_latent: Any, k_rope: Any, *, layout: str, stream: Any = 0) -> None:
+    """Write the new MLA cache rows: normed latent and RoPE'd key (``reference.model.mla_project``).
+
+    For each row m with ``cache_rows[m] >= 0``: ``kv_latent[cache_rows[m]] = rms_norm(kv_a[m, :C],
+    kv_norm_weight, eps)`` and ``k_rope[cache_rows[m]] = rope(kv_a[m, C:], positions[m])``.
+
+    Args:
+        kv_a: float32 [M, C + R] (C = kv_lora, R = rope), unit inner stride: e.g. the kv columns
+            of the fused [wq_a | wkv_a] output.
+        kv_norm_weight: float32 [C] (``kv_a_layernorm.weight``); eps: finite, > 0.
+        cos, sin: float32 [capacity, R / 2] from :func:`rope_tables`.
+        positions: int32 [M], RoPE positions (host values in [0, capacity); device values
+            outside give a NaN key row).
+        cache_rows: int32 [M], flat row of the [bs * S] layer cache; < 0 = padding (skipped).
+            Host values must be < rows and the non-negative ones distinct; device values
+            >= rows are skipped.
+        kv_latent: float32 [rows, C]; k_rope: float32 [rows, R] (unit inner stride; views of
+            a combined [rows, C + R] cache are fine).
+        layout: "interleaved" or "neox" (``config.rope_layout``).
+        stream: as :func:`embed`.
+    """
+    args = _kv_write_args(kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
+    launch(mla_kv_write_kernel, *_shape(args[0].shape[0], ROW_WARPS, ROW_THREADS), stream, 0, *args)
 
 
 def mla_q_rope(q: Any, cos: Any, sin: Any, positions: Any, out: Any, *, layout: str,
@@ -763,21 +832,35 @@ def mla_q_rope(q: Any, cos: Any, sin: Any, positions: Any, out: Any, *, layout: 
     Returns:
         ``out``.
     """
-    q = _check_rows(q, "q", 3)
-    out = _check_matrix(out, "out", 3)
-    r = out.shape[2]
-    if r < 2 or r % 2:
-        raise ValueError(f"out: the rope width must be even and >= 2, got {r}")
-    if q.shape[2] < r:
-        raise ValueError(f"q must have at least R = {r} columns per head, got {q.shape[2]}")
-    check_shape(out, "out", (q.shape[0], q.shape[1], r))
-    cos, sin = _check_tables(cos, sin, r)
-    layout_code = _check_layout(layout)
-    positions = _check_positions(positions, q.shape[0], cos.shape[0])
-    pairs = q.shape[0] * q.shape[1] * (r // 2)
+    q, cos, sin, positions, out, layout_code = _q_rope_args(q, cos, sin, positions, out, layout)
+    pairs = q.shape[0] * q.shape[1] * (out.shape[2] // 2)
     launch(mla_q_rope_kernel, *_shape(pairs, ELEM_THREADS, ELEM_THREADS), stream, 0, q, cos, sin, positions, out,
            layout_code)
     return out
+
+
+def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any,
+                      positions: Any, cache_rows: Any, kv_latent: Any, k_rope: Any, *, layout: str,
+                      stream: Any = 0) -> Any:
+    """:func:`mla_q_rope` ``(q, cos, sin, positions, q_out)`` and :func:`mla_kv_write` ``(kv_a,
+    kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope)`` in one launch
+    (the engine's per-layer RoPE step: one kernel instead of two, the same bits).
+
+    Args: as those two functions; ``q`` and ``kv_a`` have the same rows M (one position each).
+    Every argument is checked before the launch. Returns ``q_out``.
+    """
+    kv_args = _kv_write_args(kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
+    q = _check_rows(q, "q", 3)
+    if q.shape[0] != kv_args[0].shape[0]:
+        raise ValueError(f"q must have the rows of kv_a ({kv_args[0].shape[0]}), got {q.shape[0]}")
+    q, cos, sin, positions, q_out, layout_code = _q_rope_args(q, cos, sin, positions, q_out, layout, "q_out")
+    pairs = q.shape[0] * q.shape[1] * (q_out.shape[2] // 2)
+    q_blocks, threads = _shape(pairs, ELEM_THREADS, ELEM_THREADS)
+    kv_blocks, kv_threads = _shape(kv_args[0].shape[0], ROW_WARPS, ROW_THREADS)
+    assert threads == kv_threads   # one block size for both parts: ELEM_THREADS == ROW_THREADS
+    launch(mla_rope_kv_write_kernel, q_blocks + kv_blocks, threads, stream, 0, q, q_out, np.int32(q_blocks),
+           *kv_args)
+    return q_out
 
 
 def route_threads(n_experts: int) -> int:
@@ -799,7 +882,8 @@ def _check_routing_config(config: Any) -> None:
 
 
 def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: Any, topk_w: Any,
-              row_offsets: Any, row_index: Any, slot_of: Any, *, stream: Any = 0) -> None:
+              row_offsets: Any, row_index: Any, slot_of: Any, *, x: Any = None, norm_weight: Any = None,
+              eps: float = 1e-6, stream: Any = 0) -> None:
     """MoE routing of M rows (``reference.model.moe_gate``) and the CSR for ``expert_linear``.
 
     Scores are sigmoid (or softmax) of ``gate_w · xn[m]``; ``bias`` shifts them for selection
@@ -818,14 +902,27 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
         row_offsets: int32 [E + 1] out: entries of expert e are [row_offsets[e], row_offsets[e+1]).
         row_index: int32 [M * k] out: each entry's row, ascending within an expert.
         slot_of: int32 [M, k] out: the entry of (m, topk_ids[m, s]).
+        x, norm_weight, eps: None, or float32 [M, hidden] (unit inner stride), float32 [hidden]
+            and eps: then ``xn`` is an output too, ``rms_norm(x, norm_weight, eps)`` (the bits of
+            :func:`rms_norm`), written in the routing launch before the gate reads it (the
+            engine's MoE layers: one launch less). Both or neither.
         stream: as :func:`embed`.
 
-    Two launches: one block per row (routing), then one block (the CSR).
+    Two launches: one block per row (the RMSNorm when asked, then the routing), then one block
+    (the CSR).
     """
     _check_routing_config(config)
     xn = _check_rows(xn, "xn", 2)
     n_experts, k, hidden = config.n_routed_experts, config.n_activated_experts, config.hidden_size
     check_shape(xn, "xn", (xn.shape[0], hidden))
+    if (x is None) != (norm_weight is None):
+        raise ValueError("x and norm_weight must be given together (the RMSNorm before the gate) or not at all")
+    eps32 = np.float32(0.0)
+    if x is not None:
+        x = _check_rows(x, "x", 2)
+        check_shape(x, "x", tuple(xn.shape))
+        norm_weight = _check_vector(norm_weight, "norm_weight", hidden)
+        eps32 = _check_eps(eps)
     gate_w = check_array(gate_w, "gate_w", (np.float32,), 2)
     check_shape(gate_w, "gate_w", (n_experts, hidden))
     if bias is not None:
@@ -844,7 +941,7 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
     check_shape(row_index, "row_index", (m * k,))
     slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
     check_shape(slot_of, "slot_of", (m, k))
-    launch(moe_route_kernel, *_shape(m, 1, route_threads(n_experts)), stream, 0, xn, gate_w, bias,
+    launch(moe_route_kernel, *_shape(m, 1, route_threads(n_experts)), stream, 0, x, norm_weight, eps32, xn, gate_w, bias,
            np.int32(config.n_expert_groups), np.int32(config.n_limited_groups),
            np.int32(config.score_func == "softmax"), np.int32(config.norm_topk_prob),
            np.float32(config.route_scale), topk_ids, topk_w)
