@@ -310,6 +310,7 @@ def test_mla_rope_kv_write_is_the_two_kernels(layout):
     ("q", lambda a: dict(a, q=a["q"][:4])),                       # rows differ from kv_a's
     ("kv_a", lambda a: dict(a, kv_a=a["kv_a"][:, :-1])),          # C + R columns
     ("q_out", lambda a: dict(a, q_out=np.zeros((5, 2, 4), np.float32))),   # heads differ from q's
+    ("q_out", lambda a: dict(a, q_out=np.zeros((5, 3, 2), np.float32))),   # rope width differs from k_rope's
     ("positions", lambda a: dict(a, positions=np.full(5, 40, np.int32))),
     ("cache_rows", lambda a: dict(a, cache_rows=np.array([0, 0, 1, 2, 3], np.int32))),
 ])
@@ -818,6 +819,14 @@ def test_gpu_real_shapes(preset):
     alone = _route(config, normed[5:6], gate_w, bias)
     batch = _route(config, normed, gate_w, bias)
     assert np.array_equal(alone[0], ids[5:6]) and _same_bits(alone[1], batch[1][5:6])
+    fused_xn = _dev(np.full((m, d), SENTINEL, np.float32))   # the RMSNorm inside the routing launch
+    outs = (cuda.device_array((m, k), np.int32), cuda.device_array((m, k), np.float32),
+            cuda.device_array(e + 1, np.int32), cuda.device_array(m * k, np.int32), cuda.device_array((m, k), np.int32))
+    mo.moe_route(fused_xn, _dev(gate_w), _dev(bias), config, *outs, x=_dev(x), norm_weight=_dev(w),
+                 eps=config.rms_norm_eps)
+    assert _same_bits(fused_xn.copy_to_host(), normed)
+    for got, want in zip(outs, batch):
+        assert np.array_equal(got.copy_to_host().view(np.uint32), want.view(np.uint32))
 
     _, weights_k, _, _, slot_of = batch
     expert_out = rng.standard_normal((m * k, d)).astype(np.float32)

@@ -527,6 +527,27 @@ def test_merge_free_plans_write_every_output(cfg, monkeypatch):
     assert not va.plan(1, 3, 2, 16, latent_dim=16, rope_dim=8, split_size=16, config=cfg).merge_free
 
 
+@pytest.mark.parametrize("s", [24, 12], ids=["merge", "merge-free"])
+def test_a_node_without_keys_gets_nan(s):
+    """A device visibility row without its own bit and no past: a node with no keys at all. NaN
+    from the merge (kv_capacity >= split) and from its attention block (merge-free), never the
+    stale values the outputs held."""
+    rng = np.random.default_rng(32)
+    inputs, _ = _batch(rng, TINY, 2, [0], [2], 2, s)
+    inputs["visibility"][0, 1] = False               # node 1 sees nothing, itself included
+    p = va.plan(1, 2, 2, s, latent_dim=16, rope_dim=8, split_size=16, config=TINY)
+    assert p.merge_free is (s < 16)
+    dev = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in
+           dict(inputs, visibility=pack_visibility(inputs["visibility"])).items()}
+    out = cuda.to_device(np.full((1, 2, 2, 16), 7.0, np.float32))
+    lse = cuda.to_device(np.full((1, 2, 2), 7.0, np.float32))
+    va.run(p, dev["q_latent"], dev["q_rope"], dev["kv_latent"], dev["k_rope"], dev["past_lens"],
+           dev["tree_sizes"], dev["visibility"], 0.3, out, lse, cuda.to_device(np.zeros(p.workspace_shape, np.float32)))
+    out, lse = out.copy_to_host(), lse.copy_to_host()
+    assert np.all(np.isnan(out[0, 1])) and np.all(np.isnan(lse[0, 1]))
+    assert np.all(np.isfinite(out[0, 0])) and np.all(np.isfinite(lse[0, 0]))
+
+
 def test_plan_layout():
     p = va.plan(8, 33, 64, 32768 + 64, max_kv_len=32768 + 33)
     assert p.config == va.KIMI_K2_CONFIG and p.config.threads == 256

@@ -14,8 +14,8 @@ of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pf
 segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``auto-merge`` (the
 segment merge launched where the plan needs none, ``verify_attention.MERGE_FREE_SHORT_CACHES`` off),
 ``auto-unfused`` (that, with the query RoPE and the kv write in two launches and the MoE RMSNorm
-in its own, ``engine.model.FUSED_ROPE_KV_WRITE`` and ``FUSED_MOE_NORM`` off: the forward before the
-three), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on), ``h8`` (8-head chunk-layout
+in its own, ``engine.model.FUSED_ROPE_KV_WRITE`` and ``FUSED_MOE_NORM`` off: the launches before the
+three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on), ``h8`` (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
 ``engine.model.FEW_NODES_TILE``; H in 1, 2, 4, 8, 16; a suffix ``rR`` before the ``+``: R heads
@@ -124,81 +124,83 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
     results: dict[str, dict[int, float]] = {}
     advanced = False
-    for variant in variants:
-        tile, cols = variant
-        em.FEW_NODES_PER_SM = 0 if tile == "64" else few
-        em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
-        em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip" or (skip and tile != "auto-noskip")
-        em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
-        va.MERGE_FREE_SHORT_CACHES = merge_free and tile not in ("auto-merge", "auto-unfused")
-        em.FUSED_ROPE_KV_WRITE = fused[0] and tile != "auto-unfused"
-        em.FUSED_MOE_NORM = tile == "auto-normroute" or (fused[1] and tile != "auto-unfused")
-        em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
-        if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
-            em.FEW_NODES_TILE = variant.score_first
-        elif tile.startswith("sf"):   # sfHxK[rR]: score-first decode tiles; a trailing +: small trees too
-            em.DECODE_TILE = variant.score_first
-            if tile.endswith("+"):
+    try:
+        for variant in variants:
+            tile, cols = variant
+            em.FEW_NODES_PER_SM = 0 if tile == "64" else few
+            em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
+            em.ATTENTION_SKIP_DEAD_KEYS = tile == "auto-skip" or (skip and tile != "auto-noskip")
+            em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
+            va.MERGE_FREE_SHORT_CACHES = merge_free and tile not in ("auto-merge", "auto-unfused")
+            em.FUSED_ROPE_KV_WRITE = fused[0] and tile != "auto-unfused"
+            em.FUSED_MOE_NORM = tile == "auto-normroute" or (fused[1] and tile != "auto-unfused")
+            em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
+            if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
                 em.FEW_NODES_TILE = variant.score_first
-        elif tile == "h8":
-            em.DECODE_TILE = 8
-        em.FEW_NODES_MERGE = _merge_tile(tile) or saved[9]
-        lin.WIDE_ARCHS = () if cols.startswith("4") else wide
-        lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
-        lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
-        lin.SERIAL_HEADS = "-serial" in cols
-        em.SEGMENT_ABSORBS = cols.startswith("auto-seg")
-        ab.TILE_COL_QUADS = (int(cols.rsplit("-c", 1)[1]),) if "-seg-c" in cols else saved_ab[0]
-        ab.TILE_ROWS = 4 if cols.endswith("-mt4") else 8 if cols.endswith("-mt8") else saved_ab[1]
-        ab.FEW_ROWS = 1 << 30 if cols.endswith("-split") else saved_ab[2]
-        ab.TILE_LANES = int(cols[-1]) if cols.startswith("auto-seg-l") else saved_ab[3]
+            elif tile.startswith("sf"):   # sfHxK[rR]: score-first decode tiles; a trailing +: small trees too
+                em.DECODE_TILE = variant.score_first
+                if tile.endswith("+"):
+                    em.FEW_NODES_TILE = variant.score_first
+            elif tile == "h8":
+                em.DECODE_TILE = 8
+            em.FEW_NODES_MERGE = _merge_tile(tile) or saved[9]
+            lin.WIDE_ARCHS = () if cols.startswith("4") else wide
+            lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
+            lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
+            lin.SERIAL_HEADS = "-serial" in cols
+            em.SEGMENT_ABSORBS = cols.startswith("auto-seg")
+            ab.TILE_COL_QUADS = (int(cols.rsplit("-c", 1)[1]),) if "-seg-c" in cols else saved_ab[0]
+            ab.TILE_ROWS = 4 if cols.endswith("-mt4") else 8 if cols.endswith("-mt8") else saved_ab[1]
+            ab.FEW_ROWS = 1 << 30 if cols.endswith("-split") else saved_ab[2]
+            ab.TILE_LANES = int(cols[-1]) if cols.startswith("auto-seg-l") else saved_ab[3]
+            ab.plan_absorb.cache_clear()
+            lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
+            lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
+            lin.serial_plan.cache_clear()
+            lin.VECTOR_X_LOADS = saved[13] and cols != "auto-sx"
+            lin.VECTOR_STAGING = saved[14] and cols not in ("auto-sx", "auto-sstage")
+            lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
+            lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
+            per_rows = {}
+            for rows in row_counts:
+                model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
+                                    max_rows=rows, cache=cache)
+                weights, cache = model.weights, model.cache
+                if not advanced:
+                    model.advance(cuda.to_device(np.array([past], np.int32)))
+                    advanced = True
+                args = forward_inputs(rows, past)
+                graph = StepGraph(lambda s, m=model, a=args: m.forward(*a, stream=s), stream)
+                graph.warm_up()
+                graph.capture()
+                for _ in range(5):
+                    graph.replay()
+                stream.sync()
+                times = []
+                for _ in range(REPS):
+                    e0 = stream.record(options=timing)
+                    graph.replay()
+                    e1 = stream.record(options=timing)
+                    e1.sync()
+                    times.append((e1 - e0) * 1e3)
+                per_rows[rows] = round(float(np.median(times)), 1)
+                graph.close()
+            results[f"{tile}/{cols}"] = per_rows
+            print(f"tile {tile:11s} cols {cols:10s} " + json.dumps(per_rows), flush=True)
+    finally:   # every switch back, also when a variant fails
+        (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
+         em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
+         lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
+         odd, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING) = saved
+        em.SEGMENT_ABSORBS = segment
+        em.ATTENTION_SKIP_DEAD_KEYS = skip
+        ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES = saved_ab
         ab.plan_absorb.cache_clear()
-        lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
-        lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
         lin.serial_plan.cache_clear()
-        lin.VECTOR_X_LOADS = saved[13] and cols != "auto-sx"
-        lin.VECTOR_STAGING = saved[14] and cols not in ("auto-sx", "auto-sstage")
-        lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
-        lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
-        per_rows = {}
-        for rows in row_counts:
-            model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
-                                max_rows=rows, cache=cache)
-            weights, cache = model.weights, model.cache
-            if not advanced:
-                model.advance(cuda.to_device(np.array([past], np.int32)))
-                advanced = True
-            args = forward_inputs(rows, past)
-            graph = StepGraph(lambda s, m=model, a=args: m.forward(*a, stream=s), stream)
-            graph.warm_up()
-            graph.capture()
-            for _ in range(5):
-                graph.replay()
-            stream.sync()
-            times = []
-            for _ in range(REPS):
-                e0 = stream.record(options=timing)
-                graph.replay()
-                e1 = stream.record(options=timing)
-                e1.sync()
-                times.append((e1 - e0) * 1e3)
-            per_rows[rows] = round(float(np.median(times)), 1)
-            graph.close()
-        results[f"{tile}/{cols}"] = per_rows
-        print(f"tile {tile:11s} cols {cols:10s} " + json.dumps(per_rows), flush=True)
-    (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
-     em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
-     lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
-     odd, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING) = saved
-    em.SEGMENT_ABSORBS = segment
-    em.ATTENTION_SKIP_DEAD_KEYS = skip
-    ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES = saved_ab
-    ab.plan_absorb.cache_clear()
-    lin.serial_plan.cache_clear()
-    lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
-    lin.set_async_ring(*async_ring)
-    va.MERGE_FREE_SHORT_CACHES = merge_free
-    em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
+        lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
+        lin.set_async_ring(*async_ring)
+        va.MERGE_FREE_SHORT_CACHES = merge_free
+        em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
     return results
 
 

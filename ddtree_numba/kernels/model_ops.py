@@ -846,13 +846,18 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope)`` in one launch
     (the engine's per-layer RoPE step: one kernel instead of two, the same bits).
 
-    Args: as those two functions; ``q`` and ``kv_a`` have the same rows M (one position each).
-    Every argument is checked before the launch. Returns ``q_out``.
+    Args: as those two functions; ``q`` and ``kv_a`` have the same rows M (one position each),
+    ``q_out`` the rope width of ``k_rope``. The two parts run at once: ``q_out`` may be
+    ``q[:, :, nope:]`` but must not overlap ``kv_a``, ``kv_latent`` or ``k_rope``. Every argument
+    is checked before the launch. Returns ``q_out``.
     """
     kv_args = _kv_write_args(kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
     q = _check_rows(q, "q", 3)
     if q.shape[0] != kv_args[0].shape[0]:
         raise ValueError(f"q must have the rows of kv_a ({kv_args[0].shape[0]}), got {q.shape[0]}")
+    q_out = _check_matrix(q_out, "q_out", 3)
+    if q_out.shape[2] != kv_args[8].shape[1]:
+        raise ValueError(f"q_out must have the rope width of k_rope ({kv_args[8].shape[1]}), got {q_out.shape[2]}")
     q, cos, sin, positions, q_out, layout_code = _q_rope_args(q, cos, sin, positions, q_out, layout, "q_out")
     pairs = q.shape[0] * q.shape[1] * (q_out.shape[2] // 2)
     q_blocks, threads = _shape(pairs, ELEM_THREADS, ELEM_THREADS)

@@ -117,7 +117,7 @@ DEFAULT_SPLIT_SIZE = 2048
 STATIC_SHARED_LIMIT = 48 * 1024  # static shared memory of a kernel (limits §4)
 # A plan whose keys all lie in segment 0 (kv_capacity < split_size) launches no merge
 # (VerifyPlan.merge_free): its attention blocks write every output the merge would (one_segment,
-# or write_fill for a node with no keys), so the merge's blocks would all return at once. Its
+# or write_fill for a node with no keys), so the merge would only rewrite the same values. Its
 # launch took 2.9 us a layer of an AR step and 5.4 of a 33-node tree (Nsight Compute, run skip and
 # tiles). False launches it anyway: the same bits (bench.forward_ab's auto-merge, an A/B).
 MERGE_FREE_SHORT_CACHES = True
@@ -518,8 +518,9 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     @cuda.jit(device=True, inline="always")
     def write_fill(out, lse, b, node, h0, size, tree_capacity, num_heads, tid):
         """The merge's outputs for a node with no keys to attend (a padding node: zeros; a node
-        the guards reject: NaN), written by its attention block where no merge runs
-        (:func:`merge_free`: ``kv_rows < split``): the same values at the same places."""
+        the guards reject: NaN), written by its attention block wherever every key lies in
+        segment 0 (``kv_rows < split``, where ``VerifyPlan.merge_free`` skips the merge; a merge
+        launched anyway rewrites the same values at the same places)."""
         fill = float32(0.0) if node >= size else float32(math.nan)
         row = (b * tree_capacity + node) * num_heads + h0      # flat row of (b, node, h0)
         for e in range(tid, HEADS * DL, THREADS):              # the tile's heads are adjacent rows
@@ -819,7 +820,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(
             past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words, split)
         if seg_start >= seg_end:   # block-uniform, before any barrier
-            if kv_rows < split:    # no merge runs (merge_free): the block writes the node's fill
+            if kv_rows < split:    # one segment at most (merge_free): the block writes the node's fill
                 write_fill(out, lse, b, node, h0, size, tree_capacity, num_heads, tid)
             return
 
@@ -1008,8 +1009,9 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             n_seg = (past + path_len + split - 1) // split
             if path_len > MAX_PATH or n_seg > num_splits:
                 n_seg = 0
-            elif past + path_len < split:
+            elif n_seg > 0 and past + path_len < split:
                 return   # one segment: the attention block wrote out and lse (one_segment)
+            # n_seg 0 (no keys: a device visibility row without its own bit, no past): NaN
         out_row = (b * tree_capacity + node) * num_heads
         seg_stride = batch * tree_capacity * num_heads    # workspace rows per segment
         for e in range(tid, MERGE_HEADS * DL, MERGE_THREADS):
@@ -1058,7 +1060,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(
             past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words, split)
         if seg_start >= seg_end:   # block-uniform, before any barrier
-            if kv_rows < split:    # no merge runs (merge_free): the block writes the node's fill
+            if kv_rows < split:    # one segment at most (merge_free): the block writes the node's fill
                 write_fill(out, lse, b, node, h0, size, tree_capacity, num_heads, tid)
             return
         fill_path(visibility, vis_base, size, path, tid)
