@@ -300,18 +300,22 @@ def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
     assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
 
 
-def test_split_k_o_proj_and_8_row_tiles_give_the_same_bits(monkeypatch, scenario) -> None:
+def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monkeypatch, scenario) -> None:
     """A model whose o_proj and dense down_proj run as per-segment products (linear.linear_split_k,
     what the H200's many-row verify launches take; the down_proj after swiglu_rows), and whose
     many-row linear and head launches take 8-row tiles only (linear.ODD_TILES off: the prefill's
     2 x 9 rows in three tiles of 8 instead of two of 11, the default; tiny's K <= 128 fit the
-    staging budget; the MoE's expert products keep 8-row slots either way), computes its prefill
-    bit for bit as the scenario's prefill model does (same weights, inputs and shapes; one forward
-    for both layouts: each is a simulator minute). tiny's K are one segment, so the split is forced
-    with G = 1 here; the segment combine of G > 1 and the 11-row tile are tested against linear()
-    in test_kernel_linear.py."""
+    staging budget; the MoE's expert products keep 8-row slots either way), with each launch merge
+    switched the other way from its default (the query RoPE and the kv write in two launches,
+    engine.model.FUSED_ROPE_KV_WRITE; the MoE RMSNorm inside the routing launch, FUSED_MOE_NORM;
+    the attention's segment merge launched, verify_attention.MERGE_FREE_SHORT_CACHES off),
+    computes its prefill bit for bit as the scenario's prefill model does (same weights, inputs and
+    shapes; one forward for every layout: each is a simulator minute). tiny's K are one segment,
+    so the split is forced with G = 1 here; the segment combine of G > 1 and the 11-row tile are
+    tested against linear() in test_kernel_linear.py."""
     import ddtree_numba.engine.model as em
     from ddtree_numba.kernels import linear as lin
+    from ddtree_numba.kernels import verify_attention as va
 
     config, weights = _tiny()
     pre = _golden_built()["prefill"]
@@ -325,41 +329,22 @@ def test_split_k_o_proj_and_8_row_tiles_give_the_same_bits(monkeypatch, scenario
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
+    assert config.n_layers > config.n_dense_layers   # a MoE layer: the routing launch normalises
+    assert plain.plan.merge_free                     # the scenario launched no merge
+    monkeypatch.setattr(em, "FUSED_ROPE_KV_WRITE", not em.FUSED_ROPE_KV_WRITE)
+    monkeypatch.setattr(em, "FUSED_MOE_NORM", not em.FUSED_MOE_NORM)
+    monkeypatch.setattr(va, "MERGE_FREE_SHORT_CACHES", False)
     previous = lin.set_odd_tiles(False)
     try:
         assert lin.row_tile(18, 64, "linear") == 8
         split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
                             capture_layers=(0, 1))
-        assert split._wo_split is not None and split._w2_split is not None
+        assert split._wo_split is not None and split._w2_split is not None and not split.plan.merge_free
         got = split.forward(*inputs)
     finally:
         lin.set_odd_tiles(previous)
     np.testing.assert_array_equal(_host(got.logits), want[0])
     np.testing.assert_array_equal(_host(got.features), want[1])
-
-
-def test_merged_launches_give_the_same_bits(monkeypatch, scenario) -> None:
-    """Each launch merge switched the other way from its default: the query RoPE and the kv write
-    in two launches (engine.model.FUSED_ROPE_KV_WRITE), the MoE RMSNorm inside the routing launch
-    (FUSED_MOE_NORM) and the attention's segment merge launched (verify_attention
-    .MERGE_FREE_SHORT_CACHES off): the scenario's prefill, bit for bit (one simulator forward)."""
-    import ddtree_numba.engine.model as em
-    from ddtree_numba.kernels import verify_attention as va
-
-    config, weights = _tiny()
-    assert config.n_layers > config.n_dense_layers   # a MoE layer: the routing launch normalises
-    assert KV_CAPACITY < va.DEFAULT_SPLIT_SIZE   # the scenario launched no merge (merge_free)
-    monkeypatch.setattr(em, "FUSED_ROPE_KV_WRITE", not em.FUSED_ROPE_KV_WRITE)
-    monkeypatch.setattr(em, "FUSED_MOE_NORM", not em.FUSED_MOE_NORM)
-    monkeypatch.setattr(va, "MERGE_FREE_SHORT_CACHES", False)
-    pre = _golden_built()["prefill"]
-    inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
-                          pre.in_visibility.values, 9)
-    model = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
-    assert not model.plan.merge_free
-    got = model.forward(*inputs)
-    np.testing.assert_array_equal(_host(got.logits), scenario["prefill"]["logits"])
-    np.testing.assert_array_equal(_host(got.features), scenario["prefill"]["features"])
 
 
 def test_serial_absorbs_take_k_major_copies(monkeypatch, request) -> None:
