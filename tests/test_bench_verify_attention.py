@@ -76,3 +76,20 @@ def test_any_score_first_tile_by_name():
             bva.tile_config(bad)
     with pytest.raises(SystemExit):
         bva.main(["--tile", "nope"])
+
+
+def test_split_option_is_repeatable_and_checked(capsys):
+    """--split takes several segment sizes (each tile and shape timed at each, one process); a
+    size <= 0 is an argparse error naming --split before anything else runs."""
+    with pytest.raises(SystemExit):
+        bva.main(["--split", "64", "--split", "0"])
+    assert "--split must be positive, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_small_splits_match_the_reference():
+    """The AR step's tile over 160 cached rows in three segments of 64 keys (a merge launch) and in
+    one (merge-free): both within the bench's reference bound, finite."""
+    for split in (64, 2048):
+        m = bva.measure(1, 1, 160, tile="sf2x256-skip", split=split, reps=20, check=True)
+        assert m["finite"] and m["out_err"] < 1e-4 and m["lse_err"] < 1e-5, (split, m["out_err"], m["lse_err"])

@@ -328,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"tile config: one of {', '.join(sorted(TILES))}, or any score-first "
                              "sfHxK[rR][-skip] (H heads, K keys a pass, R heads a score thread; repeatable; "
                              "default: default)")
-    parser.add_argument("--split", type=int, default=va.DEFAULT_SPLIT_SIZE)
+    parser.add_argument("--split", type=int, action="append",
+                        help=f"keys per segment (repeatable: each tile and shape at each split; part of the "
+                             f"numerics, the engine's is {va.DEFAULT_SPLIT_SIZE}; default: that)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sets", type=int, default=2, help="input sets rotated between calls")
@@ -342,24 +344,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 20:
         parser.error("--reps must be >= 20")
+    splits = args.split or [va.DEFAULT_SPLIT_SIZE]
+    for split in splits:
+        if split <= 0:
+            parser.error(f"--split must be positive, got {split}")
     if cuda.config.ENABLE_CUDASIM:
         parser.error("needs a CUDA GPU (NUMBA_ENABLE_CUDASIM is set)")
     shapes = ([tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape
               else DEFAULT_SHAPES)
     rows = []
-    print(f"{'bs':>3} {'T':>4} {'N':>7} {'tile':>14} {'median us':>11} {'min':>9} {'max':>9} "
+    print(f"{'bs':>3} {'T':>4} {'N':>7} {'tile':>14} {'split':>6} {'median us':>11} {'min':>9} {'max':>9} "
           f"{'TFLOP/s':>8} {'% FP32':>7} {'torch f32':>10} {'torch bf16':>10} {'out err':>8}")
-    for tile in args.tile or ["default"]:
-        for bs, t, n in shapes:
-            t0 = time.perf_counter()
-            r = bench_case(bs, t, n, tile, args.split, args.reps, args.warmup, args.sets,
-                           args.seed, peers=args.torch, check=args.check, graph=args.graph)
-            rows.append(r)
-            print(f"{bs:>3} {t:>4} {n:>7} {tile:>14} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
-                  f"{r['max_us']:>9.1f} {r['tflops']:>8.2f} {r['pct_fp32_peak']:>6.1f}% "
-                  f"{r['torch_fp32_us']:>10.1f} {r['torch_bf16_us']:>10.1f} {r['out_err']:>8.1e}"
-                  f"{'' if r['finite'] else '  NON-FINITE OUTPUT'}  ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)
+    cases = [(tile, split, shape) for tile in args.tile or ["default"] for split in splits for shape in shapes]
+    for tile, split, (bs, t, n) in cases:
+        t0 = time.perf_counter()
+        r = bench_case(bs, t, n, tile, split, args.reps, args.warmup, args.sets,
+                       args.seed, peers=args.torch, check=args.check, graph=args.graph)
+        rows.append(r)
+        print(f"{bs:>3} {t:>4} {n:>7} {tile:>14} {split:>6} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
+              f"{r['max_us']:>9.1f} {r['tflops']:>8.2f} {r['pct_fp32_peak']:>6.1f}% "
+              f"{r['torch_fp32_us']:>10.1f} {r['torch_bf16_us']:>10.1f} {r['out_err']:>8.1e}"
+              f"{'' if r['finite'] else '  NON-FINITE OUTPUT'}  ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
     if args.out:
         _write(rows, args.out, args)
     return 0
