@@ -137,9 +137,17 @@ def launch(
 
     ``stream`` may be 0 or None (the default stream), a numba stream, or a ``cuda.core``
     Stream / GraphBuilder, which numba accepts directly (stack §4). Nothing is launched when
-    the check fails.
+    the check fails, or when an argument is None: numba-cuda marshals no None argument on a GPU
+    (``NotImplementedError: (none, None)`` at the launch), while the simulator passes it, so the
+    simulator's tests would miss a launch that only the GPU rejects; kernels take compile-time
+    flags and placeholders instead (``model_ops.PLACEHOLDER``).
     """
     grid, block = check_launch(griddim, blockdim, dynamic_shared_bytes, profile=profile)
+    missing = [i for i, a in enumerate(args) if a is None]   # identity: `in` would compare arrays
+    if missing:
+        raise TypeError(f"launch of {getattr(kernel, '__name__', kernel)!r}: argument "
+                        f"{missing[0]} is None, which a GPU launch cannot pass; specialise the "
+                        "kernel on the array's absence and pass a placeholder")
     kernel[grid, block, 0 if stream is None else stream, dynamic_shared_bytes](*args)
 
 

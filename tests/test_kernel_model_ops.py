@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from numba.core import types as nbtypes
 import pytest
 from numba import cuda
 
@@ -759,11 +760,16 @@ def test_bad_inputs_raise_naming_the_argument(func, arg, value, exc):
 
 def test_kernels_are_registered():
     names = {"embed_rows", "rms_norm_rows", "mla_kv_write", "mla_q_rope", "mla_rope_kv_write", "moe_route",
-             "moe_route_csr", "moe_combine"}
+             "moe_route_norm", "moe_route_nobias", "moe_route_norm_nobias", "moe_route_csr", "moe_combine",
+             "moe_combine_noshared"}
     for name in names:
         spec = registry.get(name)
         assert spec.signatures and spec.block_threads is not None
-    assert registry.get("moe_route").kernel is mo.moe_route_kernel
+        for signature in spec.signatures:   # a GPU launch cannot pass None (sim.launch rejects it)
+            assert all(t != nbtypes.none for t in signature), (name, signature)
+    assert registry.get("moe_route").kernel is mo.moe_route_kernel(False, True)
+    assert registry.get("moe_route_norm_nobias").kernel is mo.moe_route_kernel(True, False)
+    assert registry.get("moe_combine_noshared").kernel is mo.moe_combine_kernel(False)
 
 
 # --- GPU (real shapes) ---------------------------------------------------------------------------

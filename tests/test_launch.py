@@ -243,6 +243,16 @@ def test_launch_helper_checks_before_launching(grid, block, smem, exc):
     assert np.all(out == SENTINEL)
 
 
+def test_launch_helper_rejects_none_arguments():
+    """A None argument raises TypeError naming its position before anything runs, in the simulator
+    as on a GPU: numba-cuda on a GPU cannot marshal None (NotImplementedError at the launch), and the
+    simulator would pass it, hiding the bug from CI (the engine's MoE routing did, at c5f6b2e)."""
+    out = np.full(N_THREADS, SENTINEL, dtype=np.float32)
+    with pytest.raises(TypeError, match="argument 1 is None"):
+        launch(copy_via_dynamic_smem, 1, N_THREADS, 0, N_THREADS * 4, out, None)
+    assert np.all(out == SENTINEL)
+
+
 def test_launch_bounds_options():
     """launch_bounds: the option the GPU needs (threads, or threads and the resident minimum), none
     under the simulator, which rejects it; the result is accepted by cuda.jit either way."""

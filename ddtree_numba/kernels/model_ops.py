@@ -41,13 +41,13 @@ Scalars passed to kernels (eps, layout, routing constants) are per-model constan
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
-from numba.core import types as nbtypes
 
 from ddtree_numba.config import ROPE_LAYOUTS, ModelConfig
 from reference.model import rope_cos_sin
@@ -90,6 +90,9 @@ LAYOUT_CODES = {"interleaved": 0, "neox": 1}
 NEOX = 1
 NAN_F32 = np.float32(np.nan)
 NEG_INF_F32 = np.float32(-np.inf)
+# What a kernel specialised without an optional array gets in its place (never read): numba-cuda
+# launches no None argument on a GPU, so the flag is compile-time and the slot a scalar.
+PLACEHOLDER = np.float32(0.0)
 GATE_NORM_EPS_F32 = np.float32(1e-20)  # reference.model.GATE_NORM_EPS (HF noaux_tc)
 
 
@@ -353,114 +356,123 @@ def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, si
                        layout, s_part, cuda.blockIdx.x - q_blocks, cuda.gridDim.x - q_blocks)
 
 
-# The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
-# gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
-# the H200).
-@cuda.jit(**launch_bounds(MAX_ROUTE_THREADS, 1))
-def moe_route_kernel(x, norm_w, eps, xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
-                     route_scale, topk_ids, topk_w):
-    """reference.model.moe_gate, rows blockIdx.x, + gridDim.x, ...; picks in ascending expert id.
+@functools.lru_cache(maxsize=None)
+def moe_route_kernel(norm: bool, biased: bool) -> Any:
+    """The routing kernel specialised on whether it normalises its rows first (``norm``) and adds
+    a selection bias (``biased``). Compile-time flags, not None arguments: numba-cuda launches no
+    None argument on a GPU (the simulator does), so an absent array is a float32 placeholder."""
+    # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
+    # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
+    # the H200).
+    @cuda.jit(**launch_bounds(MAX_ROUTE_THREADS, 1))
+    def moe_route_kernel(x, norm_w, eps, xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
+                         route_scale, topk_ids, topk_w):
+        """reference.model.moe_gate, rows blockIdx.x, + gridDim.x, ...; picks in ascending expert id.
 
-    xn [M, D], gate_w [E, D], bias float32 [E] or None, topk_ids int32 [M, k], topk_w [M, k].
-    0. With ``norm_w`` (float32 [D]; None: xn is given), the block's first warp writes
-       ``xn[row] = rms_norm(x[row], norm_w, eps)`` first, as :func:`rms_norm_kernel`'s warp does
-       (the same bits), and the block reads it back after a barrier: the FFN's RMSNorm and the
-       routing in one launch.
-    1. Logit e = the sum, in order, of ROUTE_SPLIT partials, partial c over d = c, c + SPLIT, ...
-       (one (expert, partial) pair per thread, consecutive threads on consecutive columns):
-       a fixed order whatever the block size. 2. Scores and selection values per expert.
-    3. Selection by ranks, in parallel: thread g scores group g (top-2 sum with a bias, else
-       max; one ascending pass) and keeps it if fewer than n_limited groups outrank it; each
-       expert of a kept group is picked if fewer than k kept experts outrank it, into slot
-       rank of the pick list (:func:`_outranks`: value descending, ties to the lower index; the
-       same picks as an insertion list fed in ascending index). Pick thread p sums the k
-       unbiased scores in pick (rank) order, renormalises its own, times route_scale, and
-       writes it at its place in ascending expert id.
-    """
-    s_part = cuda.shared.array(ROUTE_PART_FLOATS, float32)  # [E, ROUTE_SPLIT] partial logits
-    s_logit = cuda.shared.array(MAX_EXPERTS, float32)
-    s_score = cuda.shared.array(MAX_EXPERTS, float32)  # unbiased scores (the weights)
-    s_choice = cuda.shared.array(MAX_EXPERTS, float32)  # selection values: score (+ bias)
-    s_group = cuda.shared.array(MAX_GROUPS, float32)  # [G] group scores
-    s_kept = cuda.shared.array(MAX_GROUPS, int32)  # [G] 1: the group's experts may be picked
-    s_pick = cuda.shared.array(MAX_TOPK, int32)  # [k] picked expert ids in rank order
-    tid = cuda.threadIdx.x
-    n_experts = gate_w.shape[0]
-    per_group = n_experts // n_groups
-    k = topk_ids.shape[1]
-    top2_sum = bias is not None and per_group > 1  # else a group scores its max
-    for row in range(cuda.blockIdx.x, xn.shape[0], cuda.gridDim.x):  # uniform over the block
-        if norm_w is not None:  # compile-time
-            if tid < WARP_SIZE:   # s_part[0:32] holds the warp's partial sums of squares here
-                rms = _warp_row_rms(x, row, x.shape[1], eps, s_part)
-                _write_normed(x, row, 0, x.shape[1], rms, norm_w, xn, row)
-            cuda.syncthreads()  # the row's normed values (global, this block's) before the gate reads them
-        for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
-            e = q // ROUTE_SPLIT
-            s_part[q] = _strided_dot(xn, row, gate_w, e, q - e * ROUTE_SPLIT, ROUTE_SPLIT, xn.shape[1])
-        cuda.syncthreads()  # every partial logit is in shared memory before they are summed
-        for e in range(tid, n_experts, cuda.blockDim.x):
-            logit = float32(0.0)
-            for c in range(ROUTE_SPLIT):
-                logit += s_part[e * ROUTE_SPLIT + c]
-            s_logit[e] = logit
-        row_max = NEG_INF_F32
-        denom = float32(1.0)
-        if softmax_scores != 0:  # uniform over the block
-            cuda.syncthreads()  # every logit is in shared memory before the row's max and sum
-            for e in range(n_experts):  # every thread, the same order: the same bits
-                if s_logit[e] > row_max:
-                    row_max = s_logit[e]
-            denom = float32(0.0)
-            for e in range(n_experts):
-                denom += math.exp(s_logit[e] - row_max)
-        for e in range(tid, n_experts, cuda.blockDim.x):
-            score = _score(s_logit[e], softmax_scores, row_max, denom)
-            s_score[e] = score
-            choice = score
-            if bias is not None:
-                choice = score + bias[e]
-            s_choice[e] = choice if choice == choice else NEG_INF_F32  # NaN ranks last: picks stay valid
-        cuda.syncthreads()  # every selection value is in shared memory before the groups score
-        if n_groups > 1:  # uniform over the block
-            for g in range(tid, n_groups, cuda.blockDim.x):
-                group_score = _group_score(s_choice, g, per_group, top2_sum)
-                # NaN only from +inf + -inf (a non-finite device bias): ranks last, as NaN choices
-                s_group[g] = group_score if group_score == group_score else NEG_INF_F32
-            cuda.syncthreads()  # every group score is in shared memory before the groups rank
-            for g in range(tid, n_groups, cuda.blockDim.x):
-                rank = 0  # groups picked before g
-                for other in range(n_groups):
-                    if _outranks(s_group[other], other, s_group[g], g):
-                        rank += 1
-                s_kept[g] = 1 if rank < n_limited else 0
-            cuda.syncthreads()  # every kept flag is set before the experts rank
-        for e in range(tid, n_experts, cuda.blockDim.x):
-            if n_groups == 1 or s_kept[e // per_group] != 0:
-                value = s_choice[e]
-                rank = 0  # kept experts picked before e (k <= the kept experts: config check)
-                for g in range(n_groups):
-                    if n_groups == 1 or s_kept[g] != 0:
-                        for other in range(g * per_group, (g + 1) * per_group):
-                            if _outranks(s_choice[other], other, value, e):
-                                rank += 1
-                if rank < k:
-                    s_pick[rank] = e
-        cuda.syncthreads()  # all k picks are in shared memory before the weights are summed
-        for p in range(tid, k, cuda.blockDim.x):
-            e = s_pick[p]
-            total = float32(0.0)  # in pick order, as the reference's weights.sum(axis=1)
-            place = 0  # place of pick p in ascending expert id
-            for other in range(k):
-                total += s_score[s_pick[other]]
-                if s_pick[other] < e:
-                    place += 1
-            weight = s_score[e]
-            if normalize != 0 and k > 1:
-                weight = weight / (total + GATE_NORM_EPS_F32)
-            topk_ids[row, place] = e
-            topk_w[row, place] = weight * route_scale
-        cuda.syncthreads()  # the picks and scores are read before the next row rewrites them
+        xn [M, D], gate_w [E, D], bias float32 [E] (biased; else a placeholder), topk_ids int32
+        [M, k], topk_w [M, k].
+        0. With ``norm`` (x [M, D], norm_w float32 [D]; else placeholders: xn is given), the block's
+           first warp writes
+           ``xn[row] = rms_norm(x[row], norm_w, eps)`` first, as :func:`rms_norm_kernel`'s warp does
+           (the same bits), and the block reads it back after a barrier: the FFN's RMSNorm and the
+           routing in one launch.
+        1. Logit e = the sum, in order, of ROUTE_SPLIT partials, partial c over d = c, c + SPLIT, ...
+           (one (expert, partial) pair per thread, consecutive threads on consecutive columns):
+           a fixed order whatever the block size. 2. Scores and selection values per expert.
+        3. Selection by ranks, in parallel: thread g scores group g (top-2 sum with a bias, else
+           max; one ascending pass) and keeps it if fewer than n_limited groups outrank it; each
+           expert of a kept group is picked if fewer than k kept experts outrank it, into slot
+           rank of the pick list (:func:`_outranks`: value descending, ties to the lower index; the
+           same picks as an insertion list fed in ascending index). Pick thread p sums the k
+           unbiased scores in pick (rank) order, renormalises its own, times route_scale, and
+           writes it at its place in ascending expert id.
+        """
+        s_part = cuda.shared.array(ROUTE_PART_FLOATS, float32)  # [E, ROUTE_SPLIT] partial logits
+        s_logit = cuda.shared.array(MAX_EXPERTS, float32)
+        s_score = cuda.shared.array(MAX_EXPERTS, float32)  # unbiased scores (the weights)
+        s_choice = cuda.shared.array(MAX_EXPERTS, float32)  # selection values: score (+ bias)
+        s_group = cuda.shared.array(MAX_GROUPS, float32)  # [G] group scores
+        s_kept = cuda.shared.array(MAX_GROUPS, int32)  # [G] 1: the group's experts may be picked
+        s_pick = cuda.shared.array(MAX_TOPK, int32)  # [k] picked expert ids in rank order
+        tid = cuda.threadIdx.x
+        n_experts = gate_w.shape[0]
+        per_group = n_experts // n_groups
+        k = topk_ids.shape[1]
+        top2_sum = biased and per_group > 1  # else a group scores its max
+        for row in range(cuda.blockIdx.x, xn.shape[0], cuda.gridDim.x):  # uniform over the block
+            if norm:  # compile-time
+                if tid < WARP_SIZE:   # s_part[0:32] holds the warp's partial sums of squares here
+                    rms = _warp_row_rms(x, row, x.shape[1], eps, s_part)
+                    _write_normed(x, row, 0, x.shape[1], rms, norm_w, xn, row)
+                cuda.syncthreads()  # the row's normed values (global, this block's) before the gate reads them
+            for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
+                e = q // ROUTE_SPLIT
+                s_part[q] = _strided_dot(xn, row, gate_w, e, q - e * ROUTE_SPLIT, ROUTE_SPLIT, xn.shape[1])
+            cuda.syncthreads()  # every partial logit is in shared memory before they are summed
+            for e in range(tid, n_experts, cuda.blockDim.x):
+                logit = float32(0.0)
+                for c in range(ROUTE_SPLIT):
+                    logit += s_part[e * ROUTE_SPLIT + c]
+                s_logit[e] = logit
+            row_max = NEG_INF_F32
+            denom = float32(1.0)
+            if softmax_scores != 0:  # uniform over the block
+                cuda.syncthreads()  # every logit is in shared memory before the row's max and sum
+                for e in range(n_experts):  # every thread, the same order: the same bits
+                    if s_logit[e] > row_max:
+                        row_max = s_logit[e]
+                denom = float32(0.0)
+                for e in range(n_experts):
+                    denom += math.exp(s_logit[e] - row_max)
+            for e in range(tid, n_experts, cuda.blockDim.x):
+                score = _score(s_logit[e], softmax_scores, row_max, denom)
+                s_score[e] = score
+                choice = score
+                if biased:  # compile-time
+                    choice = score + bias[e]
+                s_choice[e] = choice if choice == choice else NEG_INF_F32  # NaN ranks last: picks stay valid
+            cuda.syncthreads()  # every selection value is in shared memory before the groups score
+            if n_groups > 1:  # uniform over the block
+                for g in range(tid, n_groups, cuda.blockDim.x):
+                    group_score = _group_score(s_choice, g, per_group, top2_sum)
+                    # NaN only from +inf + -inf (a non-finite device bias): ranks last, as NaN choices
+                    s_group[g] = group_score if group_score == group_score else NEG_INF_F32
+                cuda.syncthreads()  # every group score is in shared memory before the groups rank
+                for g in range(tid, n_groups, cuda.blockDim.x):
+                    rank = 0  # groups picked before g
+                    for other in range(n_groups):
+                        if _outranks(s_group[other], other, s_group[g], g):
+                            rank += 1
+                    s_kept[g] = 1 if rank < n_limited else 0
+                cuda.syncthreads()  # every kept flag is set before the experts rank
+            for e in range(tid, n_experts, cuda.blockDim.x):
+                if n_groups == 1 or s_kept[e // per_group] != 0:
+                    value = s_choice[e]
+                    rank = 0  # kept experts picked before e (k <= the kept experts: config check)
+                    for g in range(n_groups):
+                        if n_groups == 1 or s_kept[g] != 0:
+                            for other in range(g * per_group, (g + 1) * per_group):
+                                if _outranks(s_choice[other], other, value, e):
+                                    rank += 1
+                    if rank < k:
+                        s_pick[rank] = e
+            cuda.syncthreads()  # all k picks are in shared memory before the weights are summed
+            for p in range(tid, k, cuda.blockDim.x):
+                e = s_pick[p]
+                total = float32(0.0)  # in pick order, as the reference's weights.sum(axis=1)
+                place = 0  # place of pick p in ascending expert id
+                for other in range(k):
+                    total += s_score[s_pick[other]]
+                    if s_pick[other] < e:
+                        place += 1
+                weight = s_score[e]
+                if normalize != 0 and k > 1:
+                    weight = weight / (total + GATE_NORM_EPS_F32)
+                topk_ids[row, place] = e
+                topk_w[row, place] = weight * route_scale
+            cuda.syncthreads()  # the picks and scores are read before the next row rewrites them
+
+    return moe_route_kernel
 
 
 @cuda.jit
@@ -532,28 +544,34 @@ def moe_csr_kernel(topk_ids, row_offsets, row_index, slot_of):
         cuda.syncthreads()  # cursors advanced before the next chunk clears the masks
 
 
-@cuda.jit
-def moe_combine_kernel(x, expert_out, slot_of, topk_w, shared_out, out):
-    """out[m, d] = x[m, d] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s], d] + shared_out[m, d]).
+@functools.lru_cache(maxsize=None)
+def moe_combine_kernel(shared: bool) -> Any:
+    """The combine kernel with (``shared``) or without a shared expert's rows: a compile-time flag,
+    the absent array a float32 placeholder (no None argument reaches a GPU launch)."""
+    @cuda.jit
+    def moe_combine_kernel(x, expert_out, slot_of, topk_w, shared_out, out):
+        """out[m, d] = x[m, d] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s], d] + shared_out[m, d]).
 
-    s ascending (= ascending expert id), shared_out [M, D] or None; a slot outside [0, M·k)
-    gives NaN. One thread per element, grid-stride; out may be x.
-    """
-    dim = out.shape[1]
-    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
-                     cuda.gridDim.x * cuda.blockDim.x):
-        m = idx // dim
-        d = idx - m * dim
-        acc = float32(0.0)
-        for s in range(slot_of.shape[1]):
-            j = slot_of[m, s]
-            if j >= 0 and j < expert_out.shape[0]:
-                acc += topk_w[m, s] * expert_out[j, d]
-            else:
-                acc = NAN_F32
-        if shared_out is not None:
-            acc = acc + shared_out[m, d]
-        out[m, d] = x[m, d] + acc
+        s ascending (= ascending expert id), shared_out [M, D] (shared; else a placeholder); a slot
+        outside [0, M·k) gives NaN. One thread per element, grid-stride; out may be x.
+        """
+        dim = out.shape[1]
+        for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
+                         cuda.gridDim.x * cuda.blockDim.x):
+            m = idx // dim
+            d = idx - m * dim
+            acc = float32(0.0)
+            for s in range(slot_of.shape[1]):
+                j = slot_of[m, s]
+                if j >= 0 and j < expert_out.shape[0]:
+                    acc += topk_w[m, s] * expert_out[j, d]
+                else:
+                    acc = NAN_F32
+            if shared:  # compile-time
+                acc = acc + shared_out[m, d]
+            out[m, d] = x[m, d] + acc
+
+    return moe_combine_kernel
 
 
 # --- registry --------------------------------------------------------------------------------
@@ -577,19 +595,23 @@ register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),
 register("mla_rope_kv_write", mla_rope_kv_write_kernel,
          ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32),),
          "the query RoPE and the kv cache write in one launch (the engine's)", block_threads=ELEM_THREADS)
-register("moe_route", moe_route_kernel,
-         tuple((*norm, _F2A, _F2C, bias, int32, int32, int32, int32, float32, _I2, _F2C)
-               for norm in ((nbtypes.none, nbtypes.none, float32), (_F2A, _F1, float32))
-               for bias in (_F1, nbtypes.none)),
-         "MoE gate (after the RMSNorm of its rows, or on normed rows): scores, grouped top-k, weights; "
-         "one block per row", block_threads=MAX_ROUTE_THREADS)
+for _norm in (False, True):
+    for _biased in (True, False):
+        register("moe_route" + ("_norm" if _norm else "") + ("" if _biased else "_nobias"),
+                 moe_route_kernel(_norm, _biased),
+                 (((_F2A, _F1) if _norm else (float32, float32)) + (float32, _F2A, _F2C, _F1 if _biased else float32,
+                                                                  int32, int32, int32, int32, float32, _I2, _F2C),),
+                 "MoE gate (" + ("after the RMSNorm of its rows" if _norm else "on normed rows")
+                 + (", selection bias" if _biased else ", no bias") + "): scores, grouped top-k, weights; "
+                 "one block per row", block_threads=MAX_ROUTE_THREADS)
 register("moe_route_csr", moe_csr_kernel, ((_I2, _I1, _I1, _I2),),
          "MoE routing CSR (entries per expert in ascending row order), one block",
          block_threads=CSR_THREADS)
-register("moe_combine", moe_combine_kernel,
-         tuple((_F2A, _F2C, _I2, _F2C, shared, _F2A) for shared in (_F2A, nbtypes.none)),
-         "MoE combine: residual + routed experts (ascending id) + shared expert, per element",
-         block_threads=ELEM_THREADS)
+for _shared in (True, False):
+    register("moe_combine" + ("" if _shared else "_noshared"), moe_combine_kernel(_shared),
+             ((_F2A, _F2C, _I2, _F2C, _F2A if _shared else float32, _F2A),),
+             "MoE combine: residual + routed experts (ascending id)" + (" + shared expert" if _shared else "")
+             + ", per element", block_threads=ELEM_THREADS)
 
 
 # --- host-side checks ------------------------------------------------------------------------
@@ -946,7 +968,10 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
     check_shape(row_index, "row_index", (m * k,))
     slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
     check_shape(slot_of, "slot_of", (m, k))
-    launch(moe_route_kernel, *_shape(m, 1, route_threads(n_experts)), stream, 0, x, norm_weight, eps32, xn, gate_w, bias,
+    norm, biased = x is not None, bias is not None
+    launch(moe_route_kernel(norm, biased), *_shape(m, 1, route_threads(n_experts)), stream, 0,
+           x if norm else PLACEHOLDER, norm_weight if norm else PLACEHOLDER, eps32, xn, gate_w,
+           bias if biased else PLACEHOLDER,
            np.int32(config.n_expert_groups), np.int32(config.n_limited_groups),
            np.int32(config.score_func == "softmax"), np.int32(config.norm_topk_prob),
            np.float32(config.route_scale), topk_ids, topk_w)
@@ -991,6 +1016,7 @@ def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: 
     values = host_values(slot_of)
     if values is not None and (values.min() < 0 or values.max() >= m * k):
         raise ValueError(f"slot_of must be in [0, {m * k})")
-    launch(moe_combine_kernel, *_shape(m * dim, ELEM_THREADS, ELEM_THREADS), stream, 0, x, expert_out, slot_of, topk_w,
-           shared_out, out)
+    shared = shared_out is not None
+    launch(moe_combine_kernel(shared), *_shape(m * dim, ELEM_THREADS, ELEM_THREADS), stream, 0, x, expert_out, slot_of,
+           topk_w, shared_out if shared else PLACEHOLDER, out)
     return out
