@@ -113,11 +113,11 @@ PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.ma
 SEGMENT_ABSORBS = True
 # Launches merged, not numerics (the same bits either way; each kernel's own tests compare them):
 # the query RoPE and the kv cache write of a layer in one launch (model_ops.mla_rope_kv_write), and
-# the MoE layer's RMSNorm inside the routing launch (model_ops.moe_route's x / norm_weight). Neither
-# was timed on the H200 when it was built; the fused RoPE launch is on (one launch less a layer,
-# both parts the two kernels' code, the kv write's registers), the fused norm off until timed: its
-# routing specialisation meets the kernel's 128-register launch bound, where ptxas once scheduled
-# the gate loads 1.4-2x slower (bench.forward_ab's ``auto-unfused`` / ``auto-normroute`` switch them).
+# the MoE layer's RMSNorm inside the routing launch (model_ops.moe_route's x / norm_weight). H200,
+# run "merges timed" (bench.forward_ab, one process, two passes; ``auto-unfused`` /
+# ``auto-normroute`` switch them): the fused RoPE launch with the merge-free attention took 23.6 us
+# off an AR forward (1083.2 -> 1059.6) and 23.5 off a 33-row one; the norm inside the routing added
+# 17.5 / 12.9 us (that specialisation sits at the kernel's 128-register launch bound), so it stays off.
 FUSED_ROPE_KV_WRITE = True
 FUSED_MOE_NORM = False
 
