@@ -26,7 +26,7 @@ def test_help_explains_the_options(capsys):
     text = capsys.readouterr().out
     for option in ("--preset", "--weights", "--prompt-lens", "--max-new-tokens", "--budget", "--block-size",
                    "--drafter", "--accuracy", "--entropy", "--temperature", "--seed", "--json", "{oracle,dflash}",
-                   "--no-graphs", "--no-warmup"):
+                   "--no-graphs", "--no-warmup", "--attention-split"):
         assert option in text
     assert "simulator" in text and "must reproduce AR" in text
 
@@ -41,6 +41,7 @@ def test_help_explains_the_options(capsys):
     (["--preset", "tiny", "--weights", "x.h5"], "--weights"),
     (["--weights", "does-not-exist.h5"], "does not exist"),
     (["--preset", "no-such-preset"], "no-such-preset"),
+    (["--attention-split", "24"], "attention_split must be a multiple of the attention chunk (16 keys)"),
 ])
 def test_bad_options_fail_before_any_run(argv, message, capsys):
     assert _run(["--preset", "tiny", *argv] if "--preset" not in argv and "--weights" not in argv else argv) == 2
@@ -48,7 +49,8 @@ def test_bad_options_fail_before_any_run(argv, message, capsys):
 
 
 def test_bad_option_values_are_rejected_by_the_parser(capsys):
-    for argv in (["--batch", "0"], ["--prompt-lens", "2,x"], ["--budget", "-1"], ["--drafter", "eagle"]):
+    for argv in (["--batch", "0"], ["--prompt-lens", "2,x"], ["--budget", "-1"], ["--drafter", "eagle"],
+                 ["--attention-split", "0"]):
         with pytest.raises(SystemExit):
             _parser().parse_args(argv)
     capsys.readouterr()
@@ -117,3 +119,19 @@ def test_warmup_pass_runs_untimed_before_the_reported_runs(tmp_path, monkeypatch
     data = json.loads((tmp_path / "warm.json").read_text())
     assert data["identical"] is True and data["ar"]["forward_passes"] == 3 and data["ddtree"]["forward_passes"] == 2
     assert data["ddtree"]["acceptance_histogram"] == [0, 0, 0, 1]
+
+
+def test_tiny_run_over_attention_segments_is_lossless(tmp_path, capsys):
+    """--attention-split 16 (tiny's attention chunk): a 17-token prompt and the rows after it span two
+    segments, so the prefill, the AR steps and the tree verify all run the segment merge (the
+    default's 2048-key segment never merges at these sizes) and DDTree still gives AR's tokens;
+    the run's header and JSON name the split."""
+    out = tmp_path / "split.json"
+    status = _run(["--preset", "tiny", "--batch", "1", "--prompt-len", "17", "--max-new-tokens", "2",
+                   "--budget", "2", "--block-size", "3", "--accuracy", "1", "--quiet", "--no-graphs",
+                   "--attention-split", "16", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert status == 0 and "attention segments of 16 keys" in text
+    data = json.loads(out.read_text())
+    assert data["identical"] is True and data["attention_split"] == 16
+    assert data["ar"]["forward_passes"] == 2 and data["ddtree"]["forward_passes"] == 2  # prefill + one step / round

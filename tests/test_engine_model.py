@@ -669,6 +669,34 @@ def test_bad_constructor_arguments() -> None:
         TargetModel(config, weights, **kw, cache=KVCache(config, 2, 8))
     with pytest.raises(ValueError, match="weights"):
         TargetModel(dataclasses.replace(config, rms_norm_eps=1e-5), DeviceWeights.from_host(config, weights), **kw)
+    with pytest.raises(ValueError, match="attention_split must be a multiple of the attention chunk"):
+        TargetModel(config, weights, **kw, attention_split=24)   # tiny's chunk is 16
+    with pytest.raises(ValueError, match="attention_split"):
+        TargetModel(config, weights, **kw, attention_split=0)
+    with pytest.raises(TypeError, match="attention_split"):
+        TargetModel(config, weights, **kw, attention_split=16.0)
+
+
+def test_attention_split_is_planned_and_shared_by_derived_models(monkeypatch) -> None:
+    """attention_split sizes the plan's segments (2 + 1 merge launch here; the default's one segment
+    plans merge-free), is checked before any weight upload, and the models decode derives from a
+    caller's model (AR, tree, prefill rows) keep it: numerics they must share."""
+    from ddtree_numba.engine.decode import model_with_rows
+
+    config, weights = _tiny()
+    kw = dict(batch_size=1, kv_capacity=40, max_rows=3)
+    split = TargetModel(config, weights, **kw, attention_split=16)
+    default = TargetModel(config, split.weights, **kw)
+    assert (split.attention_split, split.plan.split_size, split.plan.num_splits) == (16, 16, 3)
+    assert not split.plan.merge_free and default.plan.merge_free and default.attention_split == 2048
+    for rows in (1, 9):
+        derived = model_with_rows(split, rows, ())
+        assert derived.max_rows == rows and derived.attention_split == 16 and derived.plan.num_splits == 3
+    uploads = []
+    monkeypatch.setattr(DeviceWeights, "from_host", lambda *a, **k: uploads.append(1))
+    with pytest.raises(ValueError, match="attention_split"):
+        TargetModel(config, weights, **kw, attention_split=8)
+    assert uploads == []
 
 
 # --------------------------------------------------------------------------- GPU: small, random weights

@@ -302,6 +302,9 @@ def _parser() -> argparse.ArgumentParser:
                              "by cp.async (kernels/linear.py ASYNC_RING_STAGES; 0: off, the register loads; the "
                              "same bits; default: ASYNC_RING_STAGES). Set explicitly, so in-process A/B runs "
                              "can alternate")
+    parser.add_argument("--attention-split", type=int, default=None, metavar="KEYS",
+                        help="keys per attention segment (TargetModel's attention_split, numerics; "
+                             "default: the engine's, 2048)")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -355,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = _prompts(rng, bs, args.prompt_len, config.vocab_size)
         drafting = bs == 1 and args.accuracy
         capacity = required_kv_capacity([args.prompt_len], n, args.budget if drafting else 0)
-        model = TargetModel(config, weights, batch_size=bs, kv_capacity=capacity, max_rows=args.prompt_len)
+        split = {} if args.attention_split is None else {"attention_split": args.attention_split}
+        model = TargetModel(config, weights, batch_size=bs, kv_capacity=capacity, max_rows=args.prompt_len, **split)
+        args.attention_split = model.attention_split  # recorded in the run's config
         weights = model.weights  # uploaded once, shared by the next models
         # The model's absorb path (numerics: a process keeps one) and its layout knobs as set.
         args.absorbs = (f"segment (split up to {ab.FEW_ROWS} rows, tile {ab.TILE_ROWS} rows a thread)"

@@ -463,7 +463,8 @@ def model_with_rows(model: Any, rows: int, capture_layers: Sequence[int]) -> Any
     ``model`` itself when it already has that shape; otherwise one built with the same constructor
     (``cache=model.cache``, ``weights=model.weights``: nothing is uploaded twice) and kept for the
     next call. A prefill model (rows = longest prompt), an AR model (1 row) and a tree model
-    (1 + budget rows) thus share one cache; each allocates only its activation buffers.
+    (1 + budget rows) thus share one cache; each allocates only its activation buffers. They
+    share ``model``'s attention segment size too (``attention_split``: numerics).
     """
     capture = tuple(capture_layers)
     if model.max_rows == rows and tuple(model.capture_layers) == capture:
@@ -471,9 +472,10 @@ def model_with_rows(model: Any, rows: int, capture_layers: Sequence[int]) -> Any
     derived = _DERIVED.setdefault(model, {})
     key = (rows, capture)
     if key not in derived:
+        numerics = {"attention_split": model.attention_split} if hasattr(model, "attention_split") else {}
         derived[key] = type(model)(model.config, model.weights, batch_size=model.batch_size,
                                    kv_capacity=model.kv_capacity, max_rows=rows, capture_layers=capture,
-                                   stream=model.stream, cache=model.cache)
+                                   stream=model.stream, cache=model.cache, **numerics)
     return derived[key]
 
 

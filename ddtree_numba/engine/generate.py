@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="model preset (data/presets): default tiny under the simulator, small on a GPU")
     model.add_argument("--weights", type=Path, default=None,
                        help="HDF5 checkpoint (reference.weights.save_weights); its config replaces --preset's")
+    model.add_argument("--attention-split", type=_positive, default=None, metavar="KEYS",
+                       help="keys per attention segment, a multiple of the attention chunk (32 for small's "
+                            "heads): part of the numerics, shared by AR and DDTree; smaller segments speed an "
+                            "AR step over a long prompt and slow a tree's verify over a short one "
+                            "(default: 2048, one segment for the presets' short runs)")
     model.add_argument("--seed", type=int, default=0,
                        help="seed of the random weights, prompts, drafter and sampling (default: %(default)s)")
     batch = parser.add_argument_group("requests")
@@ -286,15 +291,18 @@ def _run(args: argparse.Namespace) -> int:
 
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, config.vocab_size, size=p).tolist() for p in lens]
+    split = {} if args.attention_split is None else {"attention_split": args.attention_split}
     model = TargetModel(config, weights, batch_size=bs, kv_capacity=required_kv_capacity(lens, n, budget),
-                        max_rows=max(lens), capture_layers=capture)
+                        max_rows=max(lens), capture_layers=capture, **split)
     graphs = not args.no_graphs and not simulated
     common = dict(max_new_tokens=n, temperature=args.temperature, seed=args.seed, stop_tokens=args.stop,
                   graphs=graphs)
     print(f"ddtree-numba generate: preset {preset} on {'the CUDA simulator' if simulated else 'the GPU'}, "
           f"batch {bs}, prompt lengths {lens}, {n} new tokens, temperature {args.temperature}, "
           f"drafter {args.drafter}, budget {budget}, block size {block}, "
-          f"{'CUDA graphs' if graphs else 'eager steps'}", flush=True)
+          f"{'CUDA graphs' if graphs else 'eager steps'}"
+          f"{'' if args.attention_split is None else f', attention segments of {model.attention_split} keys'}",
+          flush=True)
 
     def run_both(label: str) -> tuple[Any, Any]:
         """AR, then DDTree with a drafter made for it, each with a progress bar."""
@@ -339,7 +347,7 @@ def _run(args: argparse.Namespace) -> int:
             "entropy": args.entropy if args.drafter == "oracle" else None,
             "temperature": args.temperature, "stop_tokens": args.stop or [], "prompts": prompts,
             "max_new_tokens": n, "budget": budget, "block_size": block, "graphs": graphs,
-            "identical": identical, "ar": ar.summary(), "ddtree": tree.summary(),
+            "attention_split": model.attention_split, "identical": identical, "ar": ar.summary(), "ddtree": tree.summary(),
         })
         print(f"wrote {args.json}")
     return 0 if identical else 1

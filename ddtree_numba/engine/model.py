@@ -409,11 +409,18 @@ class TargetModel:
         stream: default stream of the uploads and of :meth:`forward`.
         cache: a :class:`KVCache` to share (same config, batch size and capacity), e.g. between a
             prefill model and a round model; default: a new one.
+        attention_split: keys per attention segment (``va.plan``'s ``split_size``), a multiple of
+            the attention chunk. Part of the numerics: the models that decode one cache must
+            share it for DDTree to stay lossless (``decode.model_with_rows`` does). Smaller
+            segments give an AR step over a long cache more blocks at the price of a merge
+            launch and more blocks for a tree (PERFORMANCE.md, run "merges timed": at 1000
+            cached rows 128 keys cut the AR step's attention launch 3.7x; at 160 rows they
+            slow a 33-node launch by 31 %). Default: ``va.DEFAULT_SPLIT_SIZE`` (2048).
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | DeviceWeights, *, batch_size: int,
                  kv_capacity: int, max_rows: int, capture_layers: Sequence[int] = (), stream: Any = 0,
-                 cache: KVCache | None = None) -> None:
+                 cache: KVCache | None = None, attention_split: int = va.DEFAULT_SPLIT_SIZE) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.config = config
@@ -424,6 +431,21 @@ class TargetModel:
                              f"got {self.kv_capacity}")
         self.max_rows = int_arg(max_rows, "max_rows", 1)
         self.capture_layers = _check_capture(capture_layers, config.n_layers)
+        # Keys per attention segment: numerics, so AR and tree models of one cache must share it
+        # (model_with_rows passes it on); checked, with the attention plan, before any upload.
+        self.attention_split = int_arg(attention_split, "attention_split", 1)
+        self.tile_config = attention_tile_config(config, self.max_rows, self.batch_size)
+        self.max_path = self.tile_config.max_path  # longest visible path of a row (prefill chunk bound)
+        if self.attention_split % self.tile_config.chunk:
+            raise ValueError(f"attention_split must be a multiple of the attention chunk "
+                             f"({self.tile_config.chunk} keys), got {self.attention_split}")
+        try:
+            self.plan = va.plan(self.batch_size, self.max_rows, config.n_heads, self.kv_capacity,
+                                latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_dim,
+                                split_size=self.attention_split, config=self.tile_config)
+        except ValueError as exc:   # too many segments for the launch grid
+            raise ValueError(f"attention_split={self.attention_split} with kv_capacity={self.kv_capacity}: "
+                             f"{exc}") from None
         self.stream = stream
         if isinstance(weights, DeviceWeights):
             if weights.config != config:
@@ -442,10 +464,6 @@ class TargetModel:
             raise ValueError("cache: a KVCache of another config, batch_size or capacity")
         self.cache = cache
 
-        self.tile_config = attention_tile_config(config, self.max_rows, self.batch_size)
-        self.max_path = self.tile_config.max_path  # longest visible path of a row (prefill chunk bound)
-        self.plan = va.plan(self.batch_size, self.max_rows, config.n_heads, self.kv_capacity,
-                            latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_dim, config=self.tile_config)
         cos, sin = rope_tables(config, self.kv_capacity)  # [S, R / 2] each
         self.rope_cos = cuda.to_device(np.ascontiguousarray(cos, dtype=np.float32), stream=stream)
         self.rope_sin = cuda.to_device(np.ascontiguousarray(sin, dtype=np.float32), stream=stream)
