@@ -678,9 +678,10 @@ def test_bad_constructor_arguments() -> None:
 
 
 def test_attention_split_is_planned_and_shared_by_derived_models(monkeypatch) -> None:
-    """attention_split sizes the plan's segments (2 + 1 merge launch here; the default's one segment
-    plans merge-free), is checked before any weight upload, and the models decode derives from a
-    caller's model (AR, tree, prefill rows) keep it: numerics they must share."""
+    """attention_split sizes the plan's segments (3 here, so a merge launch; the default's one
+    segment plans merge-free), is checked before any weight upload, cannot change after
+    construction, and every model of one cache has it: those decode derives from a caller's model
+    (AR, tree, prefill rows) inherit it, and one built on the cache with another split is refused."""
     from ddtree_numba.engine.decode import model_with_rows
 
     config, weights = _tiny()
@@ -692,10 +693,17 @@ def test_attention_split_is_planned_and_shared_by_derived_models(monkeypatch) ->
     for rows in (1, 9):
         derived = model_with_rows(split, rows, ())
         assert derived.max_rows == rows and derived.attention_split == 16 and derived.plan.num_splits == 3
+    with pytest.raises(AttributeError):
+        split.attention_split = 32
+    assert split.cache.attention_split == 16 and default.cache.attention_split == 2048
     uploads = []
     monkeypatch.setattr(DeviceWeights, "from_host", lambda *a, **k: uploads.append(1))
     with pytest.raises(ValueError, match="attention_split"):
         TargetModel(config, weights, **kw, attention_split=8)
+    with pytest.raises(ValueError, match="attention_split must be the cache's models' 16"):
+        TargetModel(config, weights, **kw, cache=split.cache, attention_split=32)
+    with pytest.raises(ValueError, match="attention_split must be the cache's models' 16"):
+        TargetModel(config, weights, **kw, cache=split.cache)   # the default, 2048
     assert uploads == []
 
 

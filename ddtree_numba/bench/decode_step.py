@@ -271,6 +271,15 @@ def build_dataset(ar_points: list[ArPoint], trees: list[TreePoint], attrs: dict[
 
 # --- command line ----------------------------------------------------------------------------
 
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddtree_numba.bench.decode_step",
                                      description=__doc__.split("\n")[0])
@@ -302,7 +311,7 @@ def _parser() -> argparse.ArgumentParser:
                              "by cp.async (kernels/linear.py ASYNC_RING_STAGES; 0: off, the register loads; the "
                              "same bits; default: ASYNC_RING_STAGES). Set explicitly, so in-process A/B runs "
                              "can alternate")
-    parser.add_argument("--attention-split", type=int, default=None, metavar="KEYS",
+    parser.add_argument("--attention-split", type=_positive_int, default=None, metavar="KEYS",
                         help="keys per attention segment (TargetModel's attention_split, numerics; "
                              "default: the engine's, 2048)")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
@@ -377,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         del model
     del host_weights
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
-          f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}"
+          f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}, "
+          f"attention segments of {args.attention_split} keys"
           + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
     print(format_table(ar_points, trees, bandwidth, profile.name))
     if args.out:
@@ -385,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
-                                                      "temperature", "odd_tiles", "quads", "ring", "absorbs")}
+                                                      "temperature", "odd_tiles", "quads", "ring", "absorbs",
+                                                      "attention_split")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),

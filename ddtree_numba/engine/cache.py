@@ -84,6 +84,9 @@ class KVCache:
         self.layers: tuple[LayerKV, ...] = tuple(
             LayerKV(latent=self._latents[i], k_rope=self._ropes[i]) for i in range(n_layers))
         self.past_lens = cuda.to_device(np.zeros(bs, np.int32), stream=stream)  # [bs]
+        # Keys per attention segment of the models that decode this cache (numerics: they must
+        # agree); set by the first TargetModel built on it, checked by the next ones.
+        self.attention_split: int | None = None
 
     def stacked(self) -> tuple[Any, Any]:
         """The arrays every layer's buffers view: latents [n_layers, bs, S, C] and rope keys

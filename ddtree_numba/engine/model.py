@@ -414,9 +414,16 @@ class TargetModel:
             share it for DDTree to stay lossless (``decode.model_with_rows`` does). Smaller
             segments give an AR step over a long cache more blocks at the price of a merge
             launch and more blocks for a tree (PERFORMANCE.md, run "merges timed": at 1000
-            cached rows 128 keys cut the AR step's attention launch 3.7x; at 160 rows they
-            slow a 33-node launch by 31 %). Default: ``va.DEFAULT_SPLIT_SIZE`` (2048).
+            cached rows 128 keys cut the AR tile's attention launch 2.2x; at 160 rows they
+            slow a 33-node launch by 31 %), and a workspace of ``ceil(kv_capacity / split) x
+            bs x max_rows x H x (C + 2)`` floats per model. Default: ``va.DEFAULT_SPLIT_SIZE``
+            (2048). Read-only after construction (the plan is made here).
     """
+
+    @property
+    def attention_split(self) -> int:
+        """Keys per attention segment (numerics; fixed at construction, see the class docstring)."""
+        return self._attention_split
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | DeviceWeights, *, batch_size: int,
                  kv_capacity: int, max_rows: int, capture_layers: Sequence[int] = (), stream: Any = 0,
@@ -432,20 +439,25 @@ class TargetModel:
         self.max_rows = int_arg(max_rows, "max_rows", 1)
         self.capture_layers = _check_capture(capture_layers, config.n_layers)
         # Keys per attention segment: numerics, so AR and tree models of one cache must share it
-        # (model_with_rows passes it on); checked, with the attention plan, before any upload.
-        self.attention_split = int_arg(attention_split, "attention_split", 1)
+        # (model_with_rows passes it on; a shared cache remembers it); checked, with the attention
+        # plan, before any upload.
+        split = int_arg(attention_split, "attention_split", 1)
+        if cache is not None and getattr(cache, "attention_split", None) not in (None, split):
+            raise ValueError(f"attention_split must be the cache's models' {cache.attention_split} "
+                             f"(numerics: AR and tree models of one cache must agree), got {split}")
+        self._attention_split = split
         self.tile_config = attention_tile_config(config, self.max_rows, self.batch_size)
         self.max_path = self.tile_config.max_path  # longest visible path of a row (prefill chunk bound)
-        if self.attention_split % self.tile_config.chunk:
+        if split % self.tile_config.chunk:
             raise ValueError(f"attention_split must be a multiple of the attention chunk "
-                             f"({self.tile_config.chunk} keys), got {self.attention_split}")
-        try:
-            self.plan = va.plan(self.batch_size, self.max_rows, config.n_heads, self.kv_capacity,
-                                latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_dim,
-                                split_size=self.attention_split, config=self.tile_config)
-        except ValueError as exc:   # too many segments for the launch grid
-            raise ValueError(f"attention_split={self.attention_split} with kv_capacity={self.kv_capacity}: "
-                             f"{exc}") from None
+                             f"({self.tile_config.chunk} keys), got {split}")
+        segments = -(-self.kv_capacity // split)
+        if segments > va.GRID_Y_LIMIT:
+            raise ValueError(f"attention_split={split} with kv_capacity={self.kv_capacity}: {segments} "
+                             f"segments, more than the launch grid's {va.GRID_Y_LIMIT}")
+        self.plan = va.plan(self.batch_size, self.max_rows, config.n_heads, self.kv_capacity,
+                            latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_dim, split_size=split,
+                            config=self.tile_config)
         self.stream = stream
         if isinstance(weights, DeviceWeights):
             if weights.config != config:
@@ -463,6 +475,7 @@ class TargetModel:
         elif (cache.config, cache.batch_size, cache.capacity) != (config, self.batch_size, self.kv_capacity):
             raise ValueError("cache: a KVCache of another config, batch_size or capacity")
         self.cache = cache
+        cache.attention_split = split   # what every model of this cache must use
 
         cos, sin = rope_tables(config, self.kv_capacity)  # [S, R / 2] each
         self.rope_cos = cuda.to_device(np.ascontiguousarray(cos, dtype=np.float32), stream=stream)

@@ -115,6 +115,7 @@ NEG_INF = -math.inf
 # for a model (tree verify and plain decode must use the same value for bit-identical outputs).
 DEFAULT_SPLIT_SIZE = 2048
 STATIC_SHARED_LIMIT = 48 * 1024  # static shared memory of a kernel (limits §4)
+GRID_Y_LIMIT = 65535  # grid y and z dimensions (segments; requests) (limits §4)
 # A plan whose keys all lie in segment 0 (kv_capacity < split_size) launches no merge
 # (VerifyPlan.merge_free): its attention blocks write every output the merge would (one_segment,
 # or write_fill for a node with no keys), so the merge would only rewrite the same values. Its
@@ -1328,11 +1329,10 @@ def plan(batch_size: int, tree_capacity: int, num_heads: int, kv_capacity: int, 
                          f"got {split_size}")
     if max_kv_len > kv_capacity:
         raise ValueError(f"max_kv_len must be <= kv_capacity={kv_capacity}, got {max_kv_len}")
-    grid_y_limit = 65535
     num_splits = -(-max_kv_len // split_size)
-    if num_splits > grid_y_limit or batch_size > grid_y_limit:
+    if num_splits > GRID_Y_LIMIT or batch_size > GRID_Y_LIMIT:
         raise ValueError(f"split_size too small: {num_splits} segments (batch_size "
-                         f"{batch_size}) exceed the grid limit {grid_y_limit}")
+                         f"{batch_size}) exceed the grid limit {GRID_Y_LIMIT}")
     return VerifyPlan(config, batch_size, tree_capacity, num_heads, kv_capacity, split_size,
                       num_splits)
 
