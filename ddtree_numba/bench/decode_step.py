@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from ddtree_numba.engine.generate import _positive as positive_arg  # argparse type: an int >= 1
+
 F32 = 4
 MIN_STEPS = 50  # replayed steps the AR median is taken over (issue 4: median of >= 50 steps)
 RATIO_TARGET = 0.5  # DDTree tokens/s >= 0.5 tau AR tokens/s
@@ -271,15 +273,6 @@ def build_dataset(ar_points: list[ArPoint], trees: list[TreePoint], attrs: dict[
 
 # --- command line ----------------------------------------------------------------------------
 
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddtree_numba.bench.decode_step",
                                      description=__doc__.split("\n")[0])
@@ -311,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
                              "by cp.async (kernels/linear.py ASYNC_RING_STAGES; 0: off, the register loads; the "
                              "same bits; default: ASYNC_RING_STAGES). Set explicitly, so in-process A/B runs "
                              "can alternate")
-    parser.add_argument("--attention-split", type=_positive_int, default=None, metavar="KEYS",
+    parser.add_argument("--attention-split", type=positive_arg, default=None, metavar="KEYS",
                         help="keys per attention segment (TargetModel's attention_split, numerics; "
                              "default: the engine's, 2048)")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
