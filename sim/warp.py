@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WARP_TIMEOUT_S", "WarpDivergenceError", "install"]
+__all__ = ["WARP_TIMEOUT_S", "WarpDivergenceError", "install", "mma_sync_m16n8k8_tf32"]
 
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
@@ -208,6 +208,58 @@ def activemask() -> np.uint32:
 def syncwarp(mask: Any = FULL_MASK) -> None:
     """Barrier for the lanes of the caller's warp."""
     _meet("syncwarp", mask, None)
+
+
+_TF32_KEEP = np.uint32(0xFFFFE000)   # the 19 bits a tensor core reads of a .tf32 operand
+
+
+def mma_sync_m16n8k8_tf32(a0: Any, a1: Any, a2: Any, a3: Any, b0: Any, b1: Any,
+                          c0: Any, c1: Any, c2: Any, c3: Any) -> tuple:
+    """PTX ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32`` for the simulator: the warp's
+    fragments meet (lane g = lane / 4, t = lane % 4: a0 A[g][t], a1 A[g+8][t], a2 A[g][t+4],
+    a3 A[g+8][t+4]; b0 B[t][g], b1 B[t+4][g]; c0 C[g][2t], c1 C[g][2t+1], c2 C[g+8][2t],
+    c3 C[g+8][2t+1]) and each lane gets its D = A B + C in C's layout. Model of the hardware's
+    sum (which PTX leaves unspecified): A and B read as TF32 (low 13 bits ignored), the 8
+    products (exact in float64) summed in float64 in k order, C added, one rounding to float32.
+    Deterministic and a function of each element's own row, column and C (what batch invariance
+    needs); not the GPU's bits. Not a ``cuda`` attribute: kernels reach it through
+    ``ddtree_numba.kernels.linear_tc.mma_tf32``."""
+    try:
+        return _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    except Exception as error:
+        _abort_block(error)
+        raise
+
+
+def _mma(*mine: Any) -> tuple:
+    for v in mine:
+        if not isinstance(v, (float, np.float32)):
+            raise TypeError(f"mma_sync_m16n8k8_tf32: operands must be float32, got {type(v).__name__}")
+    values, lane = _meet("mma_sync_m16n8k8_tf32", FULL_MASK, mine)
+    if len(values) != WARP_SIZE:
+        raise ValueError("mma_sync_m16n8k8_tf32 needs a full warp of 32 lanes")
+    a = np.zeros((16, 8))
+    b = np.zeros((8, 8))
+    c = np.zeros((16, 8))
+    for other, (x0, x1, x2, x3, y0, y1, z0, z1, z2, z3) in enumerate(values):
+        g, t = other >> 2, other & 3
+        a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4] = (_tf32(v) for v in (x0, x1, x2, x3))
+        b[t, g], b[t + 4, g] = _tf32(y0), _tf32(y1)
+        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1] = z0, z1, z2, z3
+    g, t = lane >> 2, lane & 3
+    d = []
+    for i, j in ((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)):
+        total = 0.0
+        for k in range(8):
+            total += a[i, k] * b[k, j]
+        d.append(np.float32(total + c[i, j]))
+    return tuple(d)
+
+
+def _tf32(v: Any) -> float:
+    """float64 of v's TF32 operand bits (float32 with the low 13 mantissa bits cleared)."""
+    bits = np.array(v, np.float32).view(np.uint32) & _TF32_KEEP
+    return float(np.array(bits, np.uint32).view(np.float32))
 
 
 def _abort_block(error: Exception) -> None:

@@ -37,3 +37,14 @@ def test_prologue_input_is_what_linear_multiplies(prologue):
 def test_prologue_input_refuses_an_unknown_prologue():
     with pytest.raises(ValueError, match="prologue"):
         bench.prologue_input(np.zeros((1, 4), np.float32), "gelu", np.ones(4, np.float32))
+
+
+def test_impl_option_names_both_products(capsys):
+    """--impl takes the CUDA-core and the tensor-core product and refuses anything else (argparse,
+    before any GPU work)."""
+    from ddtree_numba.bench import linear as bench_linear
+
+    assert bench_linear.IMPLS == ("cuda-core", "tensor-core")
+    with pytest.raises(SystemExit):
+        bench_linear.main(["--impl", "wgmma"])
+    assert "invalid choice" in capsys.readouterr().err

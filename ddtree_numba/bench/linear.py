@@ -65,6 +65,7 @@ x_floor) to an HDF5 file.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -78,6 +79,7 @@ from numba import cuda
 from ddtree_numba.bench.common import write_run
 from ddtree_numba.bench.topk import queue_ahead_times
 from ddtree_numba.kernels import linear as lin
+from ddtree_numba.kernels import linear_tc as tc
 from sim.profiles import active_profile, roofline
 
 DEFAULT_SHAPES = ((32768, 2048), (12288, 768), (2048, 8192), (11264, 2048))
@@ -86,6 +88,7 @@ ROTATION_L2_FACTOR = 3   # rotated weights together exceed L2 3x
 EPS = 1e-6               # the rmsnorm prologue's epsilon (the presets')
 MAX_WEIGHT_SETS = 16
 HOST_CALLS = 20          # eager calls timed for host_us
+IMPLS = ("cuda-core", "tensor-core")   # linear.linear, linear_tc.linear_tc
 KEYS = ("n", "k", "m", "mt", "median_us", "min_us", "max_us", "host_us", "gbps", "pct_hbm",
         "tflops", "pct_fp32", "x_floor")
 
@@ -130,9 +133,10 @@ def _check_rows(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
 
 
 def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.Namespace,
-                prologue: str = "none") -> list[dict]:
-    """GPU latency (queue-ahead), host time and checks of linear() per M for one weight shape and
-    input prologue."""
+                prologue: str = "none", impl: str = "cuda-core") -> list[dict]:
+    """GPU latency (queue-ahead), host time and checks of linear() (``impl`` "cuda-core") or
+    linear_tc() ("tensor-core", its segment workspace allocated once) per M for one weight shape
+    and input prologue."""
     profile = active_profile()
     rng = np.random.default_rng(args.seed)
     w_host = rng.standard_normal((n_cols, k_dim), np.float32)
@@ -150,7 +154,14 @@ def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.N
     for m_rows in rows:
         xs = [x[:m_rows] for x in x_sets]
         out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
-        lin.linear(xs[0], weights[0], out, stream=stream, **kwargs)
+        if impl == "tensor-core":
+            shape = tc.partials_shape(m_rows, n_cols, k_dim)
+            product = functools.partial(tc.linear_tc, partials=cuda.device_array(shape, np.float32)
+                                        if shape[0] > 1 else None)
+            mt = tc.mtiles(m_rows)
+        else:
+            product, mt = lin.linear, lin.plan_linear(m_rows, n_cols, k_dim).mt
+        product(xs[0], weights[0], out, stream=stream, **kwargs)
         got = out.copy_to_host(stream=stream)
         stream.synchronize()
         if not np.isfinite(got).all():
@@ -163,7 +174,7 @@ def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.N
             _check_rows(got, prologue_input(x_host[:m_rows], prologue, norm_host), w_host)
 
         def call(i: int) -> None:
-            lin.linear(xs[i % 2], weights[i % sets], out, stream=stream, **kwargs)
+            product(xs[i % 2], weights[i % sets], out, stream=stream, **kwargs)
 
         times = queue_ahead_times(call, stream, args.reps, args.warmup)
         med = statistics.median(times)
@@ -173,7 +184,7 @@ def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.N
         gbps = moved / (med * 1e-6) / 1e9
         tflops = flops / (med * 1e-6) / 1e12
         results.append(dict(
-            prologue=prologue, n=n_cols, k=k_dim, m=m_rows, mt=lin.plan_linear(m_rows, n_cols, k_dim).mt, median_us=med,
+            impl=impl, prologue=prologue, n=n_cols, k=k_dim, m=m_rows, mt=mt, median_us=med,
             min_us=min(times), max_us=max(times), host_us=_host_us(call, stream), gbps=gbps,
             pct_hbm=100.0 * gbps * 1e9 / profile.hbm_bandwidth_spec,
             tflops=tflops, pct_fp32=100.0 * tflops * 1e12 / profile.fp32_peak,
@@ -186,7 +197,7 @@ def _write(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
     import xarray as xr
 
     profile = active_profile()
-    ds = xr.Dataset({key: ("case", np.array([r[key] for r in rows])) for key in ("prologue", *KEYS)},
+    ds = xr.Dataset({key: ("case", np.array([r[key] for r in rows])) for key in ("impl", "prologue", *KEYS)},
                     attrs=dict(benchmark="linear", config=json.dumps(vars(args), default=str),
                                timing="queue-ahead CUDA events (GPU only); host_us: eager call",
                                profile=profile.name,
@@ -210,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="rows 0 and M-1 vs float64 too")
     parser.add_argument("--prologue", action="append", choices=lin.PROLOGUES,
                         help="input prologue (repeatable; default none): rmsnorm (x [M, K]) or swiglu (x [M, 2K])")
+    parser.add_argument("--impl", action="append", choices=IMPLS,
+                        help="product (repeatable; default cuda-core): cuda-core = linear.linear (FP32 fma "
+                             "chains), tensor-core = linear_tc.linear_tc (3xTF32 mma.sync)")
     parser.add_argument("--ring", type=int, metavar="SLOTS",
                         help="the async weight ring's slots a warp (linear.set_async_ring; 0: off; default: "
                              "ASYNC_RING_STAGES); recorded in the run's config")
@@ -227,19 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = _ints(args.rows)
     print(f"profile {active_profile().describe()}; GPU times queue-ahead (no host time inside)")
     prologues = tuple(dict.fromkeys(args.prologue or ["none"]))
-    header = (f"{'prologue':>8} {'N':>6} {'K':>5} {'M':>5} {'MT':>3} {'GPU us':>9} {'min':>8} {'max':>8} "
+    impls = tuple(dict.fromkeys(args.impl or ["cuda-core"]))
+    header = (f"{'impl':>11} {'prologue':>8} {'N':>6} {'K':>5} {'M':>5} {'MT':>3} {'GPU us':>9} {'min':>8} {'max':>8} "
               f"{'host us':>8} {'GB/s':>6} {'% HBM':>6} {'TFLOP/s':>8} {'% FP32':>6} {'x floor':>7}")
     print(header)
     results = []
-    for (n_cols, k_dim), prologue in itertools.product(shapes, prologues):
+    for (n_cols, k_dim), prologue, impl in itertools.product(shapes, prologues, impls):
         t0 = time.perf_counter()
-        for r in bench_shape(n_cols, k_dim, rows, args, prologue):
+        for r in bench_shape(n_cols, k_dim, rows, args, prologue, impl):
             results.append(r)
-            print(f"{r['prologue']:>8} {r['n']:>6} {r['k']:>5} {r['m']:>5} {r['mt']:>3} {r['median_us']:>9.1f} "
+            print(f"{r['impl']:>11} {r['prologue']:>8} {r['n']:>6} {r['k']:>5} {r['m']:>5} {r['mt']:>3} {r['median_us']:>9.1f} "
                   f"{r['min_us']:>8.1f} {r['max_us']:>8.1f} {r['host_us']:>8.1f} {r['gbps']:>6.0f} "
                   f"{r['pct_hbm']:>5.1f}% {r['tflops']:>8.2f} {r['pct_fp32']:>5.1f}% "
                   f"{r['x_floor']:>7.2f}", flush=True)
-        print(f"   ({n_cols} x {k_dim}, {prologue}: {time.perf_counter() - t0:.0f} s)", flush=True)
+        print(f"   ({n_cols} x {k_dim}, {prologue}, {impl}: {time.perf_counter() - t0:.0f} s)", flush=True)
     if args.out:
         _write(results, args.out, args)
     return 0

@@ -1629,6 +1629,22 @@ def _stream(stream: Any) -> Any:
     return 0 if stream is None else stream
 
 
+def check_linear_args(x: Any, w: Any, out: Any, norm_weight: Any, eps: Any, swiglu: Any,
+                      residual: Any) -> tuple:
+    """:func:`linear`'s argument checks (shared with :mod:`.linear_tc`): (x, w, out, residual,
+    prologue, norm_weight or None, eps as float32), TypeError / ValueError naming the argument."""
+    x = _f32(x, "x", 2)
+    w = _weight(w, 2)
+    n_cols, k_dim = w.shape
+    m_rows = x.shape[0]
+    prologue, norm = _check_prologue_args(x, k_dim, swiglu, norm_weight)
+    out = _check_out(out, "out", (m_rows, n_cols))
+    eps32 = _check_eps(eps)
+    if residual is not None:
+        residual = _check_out(residual, "residual", (m_rows, n_cols))
+    return x, w, out, residual, prologue, norm, eps32
+
+
 # --- host wrappers ---------------------------------------------------------------------------------
 
 def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6,
@@ -1654,15 +1670,10 @@ def linear(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e
     Raises:
         TypeError / ValueError naming the argument, before any launch.
     """
-    x = _f32(x, "x", 2)
-    w = _weight(w, 2)
+    x, w, out, residual, prologue, norm, eps32 = check_linear_args(x, w, out, norm_weight, eps, swiglu,
+                                                                   residual)
     n_cols, k_dim = w.shape
     m_rows = x.shape[0]
-    prologue, norm = _check_prologue_args(x, k_dim, swiglu, norm_weight)
-    out = _check_out(out, "out", (m_rows, n_cols))
-    eps32 = _check_eps(eps)
-    if residual is not None:
-        residual = _check_out(residual, "residual", (m_rows, n_cols))
     if m_rows == 0:
         return out
     mt = row_tile(m_rows, k_dim, "linear")

@@ -1,0 +1,688 @@
+"""Batch-invariant FP32 matrix products on the tensor cores: ``linear_tc`` (3 x TF32 ``mma.sync``).
+
+Why: a 33-row tree verify runs :func:`.linear.linear` on the CUDA cores at 11-20 TFLOP/s of the
+H200's 67 (PERFORMANCE "Where the issue's two targets stand"): the verify forward costs 2.15 AR
+steps and the issue's ratio needs <= 2. ``mma.sync`` on TF32 runs ~494 TFLOP/s dense; splitting
+each float32 operand into a TF32 high part and a TF32 low part and summing three products
+(lo*hi + hi*lo + hi*hi, the lo*lo term dropped) keeps FP32 accuracy ("3xTF32", as CUTLASS's
+``OpMultiplyAddFastF32``) at a third of that rate, still far above the CUDA cores. numba-cuda has
+no tensor-core API (limits §5); the ``mma`` and ``cvt.rna.tf32`` instructions are inline PTX in
+``numba.cuda.extending.intrinsic`` codegen, as :mod:`.linear` does its vector loads.
+
+Numerics: one order per weight shape (N, K), whatever shares the launch.
+    Output element ``(m, n)``: the input row m (after the prologue, with :mod:`.linear`'s prologue
+    arithmetic: ``(x * inv_rms) * norm_weight`` or ``silu(gate) * up``) and weight row n are each
+    split per element into ``hi = tf32_rna(v)`` and ``lo = tf32_rna(v - hi)``. K is cut into
+    :func:`segments` ``S(N, K)`` contiguous segments of ``seg_k`` values (a multiple of 32); a
+    segment runs in steps of 32 k; step ``kb`` is four ``m16n8k8`` products ``q = 0..3`` that
+    take, as their 8 k, ``kb + 8 t + 2 q`` and ``kb + 8 t + 2 q + 1`` for t = 0..3 (so that a lane
+    holds 8 adjacent k of its rows: two 16-byte loads); each product is three ``mma.sync`` into
+    one accumulator, in the order lo(w)*hi(x), hi(w)*lo(x), hi(w)*hi(x). The segment sums are
+    added in segment order, ``((s_0 + s_1) + s_2) + ...``, then the residual. The tensor core's
+    internal sum of an ``mma`` is the hardware's (not specified by PTX), but each output element
+    is a function of its own row, column and accumulator only, so which rows share the launch
+    (and the row tile: M pads to multiples of 8) changes nothing: bit-identical rows alone or in a
+    tree of 33 (tested on the GPU). The simulator's ``mma`` (:func:`sim.warp.mma_sync_m16n8k8_tf32`)
+    sums the 8 exact products in float64 and rounds once, so its bits differ from the GPU's; both
+    are batch-invariant and within the stated tolerance of float64.
+
+Work layout (swap-AB: the weight is the ``mma``'s 16-row A operand, the input rows its 8-column B).
+    Grid ``(row groups, S, column blocks)``. A block of ``WARPS`` warps owns one segment, ``WARPS x
+    32`` adjacent output columns and one row group of ``8 x MT`` rows (MT = 1..4 m-tiles,
+    :func:`mtiles`; the row groups of a weight tile run next to each other, so the tile comes from
+    HBM once); a warp owns 32 columns (two 16-row A tiles) for all its m-tiles, so each
+    weight float4 feeds MT x 3 mma and each input float4 two column tiles. Lane (g = lane / 4,
+    t = lane % 4) loads weight rows n0 + g and n0 + g + 8 at k = kb + 8 t (two 16-byte
+    ``ld.global.nc``), the next step's loads issued before this step's products; input rows are
+    read the same way from global memory (a few KB, L1/L2 hits), the prologue applied per read.
+    With S > 1 each block writes its segment's sums to ``partials [S, M, N]`` and
+    :func:`segment_sum_kernel` adds them in segment order (a second launch); S = 1 stores ``out``
+    directly. S(N, K) gives about two blocks per SM for the model's shapes (a function of the
+    weight's shape only, never of M).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda, float32, int32, types
+
+from sim.launch import check_launch, launch_bounds, opt_in_shared
+from sim.profiles import active_profile
+
+from ._args import data_address, is_device_array
+from .linear import (
+    _f32, _kernel_weight, _row_inv_rms, _silu_mul, _stream, check_linear_args, commit_async, copy_async16, load_f32x4, load_x4, shared_put4, shared_x4,
+    wait_async,
+)
+from .registry import register
+
+__all__ = ["linear_tc", "segments", "partials_shape", "mtiles", "tf32_round", "mma_tf32",
+           "get_kernel", "segment_sum_kernel"]
+
+SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
+WARP = 32
+WARPS = 2 if SIMULATED else 4        # warps a block (the simulator's threads are Python threads)
+TILE_N = 16                           # mma rows (output columns) of one A tile
+WARP_COLS = 2 * TILE_N                # a warp's columns: two A tiles
+TILE_M = 8                            # mma columns (input rows) of one B tile
+MAX_MTILES = 5                        # 40 rows a row group (a 33-row tree in one; sm_90 keeps the 40 accumulators on a 160-byte stack)
+STEP_K = 32                           # k per step: 4 lanes x 8 adjacent floats
+UNIT_COLS = 128                       # the column block that S(N, K) counts (numerics: fixed)
+TARGET_BLOCKS = 528                   # S(N, K) aims at ~4 items per H200 SM ...
+MIN_SEG_K = 64                        # ... with segments of at least 64 k
+PRESPLIT_MIN_MTILES = 2               # get_kernel's presplit from this many m-tiles on
+PHASE_KS = (512, 256, 128, 128, 128)  # input k staged a phase, by m-tiles (<= 42 KB of static shared memory)
+RESIDENT_BLOCKS = (4, 3, 3, 2, 2)       # blocks an SM by m-tiles (launch_bounds' minimum; the grid)
+ASYNC_RING = False                    # the weights through the cp.async ring (else registers: timed equal)
+RING_STAGES = (4, 3, 3, 3, 3)            # the weights' cp.async ring: steps a lane has in flight, by m-tiles
+SHARED_LIMIT = 227 * 1024             # an H200 SM's shared memory a block may opt in to
+SUM_THREADS = 256                     # threads a block of the segment sum
+RMS_THREADS = 128                     # threads a block of inv_rms_kernel (a warp a row)
+PRE_RMS_MIN_ROWS = 9                  # from this many rows the rms runs once (inv_rms_kernel), not in every block
+PROLOGUES = ("none", "rmsnorm", "swiglu")
+TF32_KEEP = np.uint32(0xFFFFE000)     # the bits a tensor core reads of a TF32 operand
+TF32_HALF = np.uint32(0x1000)
+EXP_MASK = np.uint32(0x7F800000)
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+
+
+# --- the two instructions ------------------------------------------------------------------------
+
+def _make_instructions() -> tuple[Any, Any]:
+    """``tf32_round(v) -> float32``: ``cvt.rna.tf32.f32`` (round to nearest, ties away, the low 13
+    bits zero); ``mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``:
+    ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32`` with PTX's fragment layout (lane g = lane
+    / 4, t = lane % 4: a0 A[g][t], a1 A[g+8][t], a2 A[g][t+4], a3 A[g+8][t+4]; b0 B[t][g], b1
+    B[t+4][g]; c0 C[g][2t], c1 C[g][2t+1], c2 C[g+8][2t], c3 C[g+8][2t+1]). Under the simulator:
+    NumPy bit arithmetic and :func:`sim.warp.mma_sync_m16n8k8_tf32`."""
+    if SIMULATED:
+        from sim.warp import mma_sync_m16n8k8_tf32
+
+        def tf32_round(v):
+            bits = np.array(v, np.float32).view(np.uint32)
+            if (bits & EXP_MASK) == EXP_MASK:      # inf / NaN as they are
+                return np.float32(v)
+            return np.array((bits + TF32_HALF) & TF32_KEEP, np.uint32).view(np.float32)[()]
+
+        def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            return mma_sync_m16n8k8_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return tf32_round, mma_tf32
+
+    from numba.cuda.extending import intrinsic
+
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+
+    @intrinsic
+    def tf32_round(typingctx, v):
+        if v != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(i32, [f32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f")
+            return builder.bitcast(builder.call(asm, args), f32)
+
+        return types.float32(v), codegen
+
+    @intrinsic
+    def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        if any(v != types.float32 for v in (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, signature, args):
+            ab = [builder.bitcast(v, i32) for v in args[:6]]
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4),
+                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            d = builder.call(asm, ab + list(args[6:]))
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(d, e) for e in range(4)])
+
+        return sig, codegen
+
+    return tf32_round, mma_tf32
+
+
+tf32_round, mma_tf32 = _make_instructions()
+
+
+@cuda.jit(device=True, inline="always")
+def _split(v):
+    """(hi, lo): v's TF32 part and the TF32 part of the rest (v - hi is exact in float32)."""
+    hi = tf32_round(v)
+    return hi, tf32_round(v - hi)
+
+
+def resident_blocks(mt: int, prologue: str = "none") -> int:
+    """Blocks an SM that the kernel of ``mt`` m-tiles is built for (launch_bounds' minimum, so
+    ptxas keeps its registers under 65536 / (blocks x 128)) and launched as (the grid)."""
+    if SIMULATED:
+        return 2
+    if prologue == "rmsnorm" and mt == 3:
+        return 2                         # at 3 (170 registers) the rms's loads spill 16 bytes (sm_90)
+    return RESIDENT_BLOCKS[mt - 1]
+
+
+def phase_k(mt: int) -> int:
+    """Input k a block stages at once for ``mt`` m-tiles (its rows' TF32 halves in shared memory):
+    few rows take long phases (fewer barriers and staging waits a segment)."""
+    return PHASE_KS[mt - 1]
+
+
+def ring_stages(mt: int) -> int:
+    """Slots of the weights' ring for ``mt`` m-tiles (each a step: 4 KB a warp)."""
+    return RING_STAGES[mt - 1]
+
+
+def ring_bytes(mt: int, ring: bool = True) -> int:
+    """Dynamic shared memory of a block: its warps' ring slots."""
+    return ring_stages(mt) * WARPS * WARP * 8 * 4 * 4 if ring else 0
+
+
+@cuda.jit(device=True, inline="always")
+def _put4(a, at, v0, v1, v2, v3):
+    """a[at : at + 4] = v0..v3 (a register array once the callers' loops unroll)."""
+    a[at] = v0
+    a[at + 1] = v1
+    a[at + 2] = v2
+    a[at + 3] = v3
+
+
+# --- the kernels -------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = None,
+               ring: bool | None = None) -> Any:
+    """The product kernel for one prologue ("none", "rmsnorm", "swiglu"), residual epilogue and
+    m-tile count (1..MAX_MTILES; 8 mt rows a row group). Compile-time flags, no None arguments:
+    ``norm_w`` and ``residual_arr`` take placeholders (the weight, ``out``) where unused.
+    ``presplit`` (default: mt >= PRESPLIT_MIN_MTILES): split a step's weights into TF32 parts once
+    (64 more registers a lane) rather than at each use (once per m-tile); layout, not numerics."""
+    if presplit is None:
+        presplit = mt >= PRESPLIT_MIN_MTILES
+    if ring is None:
+        ring = ASYNC_RING
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if not (isinstance(mt, int) and 1 <= mt <= MAX_MTILES):
+        raise ValueError(f"mt must be an int in 1..{MAX_MTILES}, got {mt!r}")
+    RMS = prologue == "rmsnorm"
+    SWIGLU = prologue == "swiglu"
+    RESIDUAL = bool(residual)
+    MT = mt
+    ROWS = TILE_M * MT
+    NT = WARP_COLS // TILE_N              # A tiles a warp (2)
+    THREADS = WARPS * WARP
+    BLOCK_COLS = WARPS * WARP_COLS
+    PRESPLIT = bool(presplit)
+    RAW = NT * 2 * 8                      # a step's weight floats a lane: tiles x rows x 8 k
+    SPLIT = RAW if PRESPLIT else 1        # the pre-split parts' registers
+    MT_A = min(MT, 3)
+    MT_B = MT - MT_A
+    ACC_A = MT_A * NT * 4
+    ACC_B = max(MT_B, 1) * NT * 4
+    PART = NT * 8
+    XQ = 4 * MT
+    RING = bool(ring)
+    STAGES = ring_stages(mt) if RING else 1
+    NXT = 1 if RING else RAW
+    SLOT = RAW * WARP                     # floats of one ring slot of a warp (32 lanes x 8 quads)
+    wait_ring = wait_async(max(STAGES - 1, 0))   # all but the newest STAGES - 1 groups landed
+    PHASE_K = phase_k(mt)
+    XS_ROW = PHASE_K + 4                  # a staged row's floats: the pad spreads a B read over the banks
+    XS = ROWS * XS_ROW
+    RESIDENT = resident_blocks(mt, prologue)
+
+    @cuda.jit(device=True, inline="always")
+    def copy_weights(w, ring, base, n_base, g, t, kb, k1, n_cols, k_dim):
+        """Start the 16-byte copies of this lane's 8 adjacent k of its 2 NT weight rows at step kb
+        into its ring slot at ``base`` (quad j at base + 4 (32 j + lane): a warp's reads of one j
+        cover 512 contiguous bytes, no bank conflict), then close them into a group (an empty one
+        past the segment, so that the wait counts stay fixed). A column past N copies row N - 1
+        (never stored); quads past the segment are not copied (read back as zeros)."""
+        if kb < k1:
+            k = kb + 4 * t
+            for nt in range(NT):
+                for half in range(2):
+                    col = min(n_base + nt * TILE_N + half * 8 + g, n_cols - 1)
+                    for e in range(2):
+                        kk = k + 16 * e
+                        if kk < k1:
+                            copy_async16(ring, base + 4 * WARP * ((nt * 2 + half) * 2 + e),
+                                         w, col * k_dim + kk)
+        commit_async()
+
+    @cuda.jit(device=True, inline="always")
+    def load_weights(w, cur, n_base, g, t, kb, k1, n_cols, k_dim):
+        """Without the ring: this lane's step kb straight into registers (``ld.global.nc``), in
+        read_weights' layout (zeros past the segment)."""
+        k = kb + 4 * t
+        for j in range(RAW // 4):
+            kk = k + 16 * (j & 1)
+            col = min(n_base + (j >> 2) * TILE_N + ((j >> 1) & 1) * 8 + g, n_cols - 1)
+            v0, v1, v2, v3 = ZERO, ZERO, ZERO, ZERO
+            if kk < k1:
+                v0, v1, v2, v3 = load_f32x4(w, col * k_dim + kk)
+            _put4(cur, (j >> 1) * 8 + 4 * (j & 1), v0, v1, v2, v3)
+
+    @cuda.jit(device=True, inline="always")
+    def read_weights(ring, base, cur, t, kb, k1):
+        """This lane's step kb from its ring slot into cur[(nt * 2 + half) * 8 + 4 e + i] (zeros
+        past the segment)."""
+        k = kb + 4 * t
+        for j in range(RAW // 4):
+            kk = k + 16 * (j & 1)
+            v0, v1, v2, v3 = ZERO, ZERO, ZERO, ZERO
+            if kk < k1:
+                v0, v1, v2, v3 = shared_x4(ring, base + 4 * WARP * j)
+            _put4(cur, (j >> 1) * 8 + 4 * (j & 1), v0, v1, v2, v3)
+
+    @cuda.jit(device=True, inline="always")
+    def stage(x, xs_hi, xs_lo, norm_w, inv_sh, row0, m_rows, ph0, k1, k_dim):
+        """Input rows row0.. of the row group at k = ph0 .. ph0 + PHASE_K, prologue applied, split
+        into TF32 halves: xs_hi / xs_lo [ROWS, XS_ROW] (zeros past the segment and past M). One
+        quad a thread and round, all the round's loads before its stores."""
+        for quad in range(cuda.threadIdx.x, ROWS * (PHASE_K // 4), THREADS):
+            r = quad // (PHASE_K // 4)
+            kk = (quad - r * (PHASE_K // 4)) * 4
+            k = ph0 + kk
+            row = row0 + r
+            v0 = ZERO
+            v1 = ZERO
+            v2 = ZERO
+            v3 = ZERO
+            if row < m_rows and k < k1:
+                v0, v1, v2, v3 = load_x4(x, row, 0, k)
+                if SWIGLU:
+                    u0, u1, u2, u3 = load_x4(x, row, 0, k_dim + k)
+                    v0 = _silu_mul(v0, u0)
+                    v1 = _silu_mul(v1, u1)
+                    v2 = _silu_mul(v2, u2)
+                    v3 = _silu_mul(v3, u3)
+                if RMS:                  # (x * inv) * weight, as linear's staging
+                    n0, n1, n2, n3 = load_f32x4(norm_w, k)
+                    inv = inv_sh[r]
+                    v0 = v0 * inv * n0
+                    v1 = v1 * inv * n1
+                    v2 = v2 * inv * n2
+                    v3 = v3 * inv * n3
+            h0, l0 = _split(v0)
+            h1, l1 = _split(v1)
+            h2, l2 = _split(v2)
+            h3, l3 = _split(v3)
+            at = r * XS_ROW + kk
+            shared_put4(xs_hi, at, h0, h1, h2, h3)
+            shared_put4(xs_lo, at, l0, l1, l2, l3)
+
+    def tile_ops(tiles, first):
+        """(mma_pass, store) over m-tiles first .. first + tiles - 1, their accumulators in one
+        array (indices fixed once the loops unroll)."""
+        @cuda.jit(device=True, inline="always")
+        def mma_pass(acc, p, qq, xh, xl, part):
+            for m in range(tiles):
+                at_x = 4 * (first + m) + 2 * qq
+                b0 = xh[at_x] if p != 1 else xl[at_x]
+                b1 = xh[at_x + 1] if p != 1 else xl[at_x + 1]
+                for nt in range(NT):
+                    a = nt * 8 + (4 if p == 0 else 0)
+                    at = (m * NT + nt) * 4
+                    d0, d1, d2, d3 = mma_tf32(part[a], part[a + 1], part[a + 2], part[a + 3], b0, b1,
+                                              acc[at], acc[at + 1], acc[at + 2], acc[at + 3])
+                    acc[at] = d0
+                    acc[at + 1] = d1
+                    acc[at + 2] = d2
+                    acc[at + 3] = d3
+
+        @cuda.jit(device=True, inline="always")
+        def store(acc, out, residual_arr, partials, seg, row0, n_base, g, t, m_rows, n_cols, n_segs):
+            # c0 (col g, row 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1)
+            for m in range(tiles):
+                for nt in range(NT):
+                    at = (m * NT + nt) * 4
+                    for i in range(4):
+                        row = row0 + (first + m) * TILE_M + 2 * t + (i & 1)
+                        col = n_base + nt * TILE_N + g + 8 * (i >> 1)
+                        if row < m_rows and col < n_cols:
+                            if n_segs == 1:
+                                value = acc[at + i]
+                                if RESIDUAL:
+                                    value = value + residual_arr[row, col]
+                                out[row, col] = value
+                            else:
+                                partials[seg, row, col] = acc[at + i]
+
+        return mma_pass, store
+
+    mma_pass_a, store_a = tile_ops(MT_A, 0)
+    mma_pass_b, store_b = tile_ops(max(MT_B, 1), MT_A)
+
+    @cuda.jit(**launch_bounds(THREADS, RESIDENT))
+    def kernel(x, w, out, residual_arr, norm_w, eps, partials, inv_rms, m_rows, n_cols, k_dim, seg_k,
+               n_segs, row_groups, col_blocks, rms_ready):
+        ring = cuda.shared.array(0, float32)        # [WARPS, STAGES, 8 quads, 32 lanes, 4]: the weights' ring
+        xs_hi = cuda.shared.array(XS, float32)      # staged input rows, TF32 high parts
+        xs_lo = cuda.shared.array(XS, float32)      # ... and low parts
+        inv_sh = cuda.shared.array(ROWS, float32)   # the row group's 1 / rms (RMS only)
+        lane = cuda.threadIdx.x & (WARP - 1)
+        warp = cuda.threadIdx.x >> 5
+        g = lane >> 2
+        t = lane & 3
+        acc_a = cuda.local.array(ACC_A, float32)   # m-tiles 0 .. MT_A - 1 (two arrays: LLVM unrolls
+        acc_b = cuda.local.array(ACC_B, float32)   # loops of <= 3 m-tiles, so both stay in registers)
+        cur = cuda.local.array(RAW, float32)     # this step's weights
+        nxt = cuda.local.array(NXT, float32)     # without the ring: the next step's, in flight
+        hi = cuda.local.array(SPLIT, float32)
+        lo = cuda.local.array(SPLIT, float32)
+        part = cuda.local.array(PART, float32)   # (hi, lo) of the A operands of one q, split at use
+        xh = cuda.local.array(XQ, float32)   # a quad of each m-tile's B operand: high parts
+        xl = cuda.local.array(XQ, float32)   # ... low parts
+        items = row_groups * n_segs * col_blocks
+        last_group = -1
+        item = cuda.blockIdx.x
+        while item < items:                  # persistent: block-uniform loop over work items
+            group = item % row_groups        # row groups fastest: a weight tile's groups share L2
+            rest = item // row_groups
+            seg = rest % n_segs
+            row0 = group * ROWS
+            n_base = (rest // n_segs) * BLOCK_COLS + warp * WARP_COLS
+            k0 = seg * seg_k
+            k1 = min(k0 + seg_k, k_dim)
+            if RMS and group != last_group:
+                cuda.syncthreads()           # the previous item's staging no longer reads inv_sh
+                if rms_ready:                # inv_rms_kernel ran first (many rows: one pass, not one a block)
+                    for r in range(cuda.threadIdx.x, ROWS, THREADS):
+                        inv_sh[r] = inv_rms[row0 + r] if row0 + r < m_rows else ONE
+                else:
+                    r = warp
+                    while r < ROWS:          # warp-uniform: the rms's butterfly needs all lanes
+                        inv = ONE
+                        if row0 + r < m_rows:
+                            inv = _row_inv_rms(x, row0 + r, k_dim, eps, lane)
+                        if lane == 0:
+                            inv_sh[r] = inv
+                        r += WARPS
+            last_group = group
+            for i in range(ACC_A):
+                acc_a[i] = ZERO
+            for i in range(ACC_B):
+                acc_b[i] = ZERO
+            lane_base = warp * STAGES * SLOT + 4 * lane
+            if RING:
+                for u in range(STAGES - 1):  # the ring's first STAGES - 1 steps
+                    copy_weights(w, ring, lane_base + u * SLOT, n_base, g, t, k0 + u * STEP_K, k1,
+                                 n_cols, k_dim)
+            else:
+                load_weights(w, nxt, n_base, g, t, k0, k1, n_cols, k_dim)
+            slot = 0
+            for ph0 in range(k0, k1, PHASE_K):
+                cuda.syncthreads()           # every warp done with the last phase (and inv_sh written)
+                stage(x, xs_hi, xs_lo, norm_w, inv_sh, row0, m_rows, ph0, k1, k_dim)
+                cuda.syncthreads()           # the phase's staged rows visible to every warp
+                for kb in range(ph0, min(ph0 + PHASE_K, k1), STEP_K):
+                    # step kb + STAGES - 1 into the slot read last step (this lane's own copies:
+                    # no barrier), then wait for step kb's group (the oldest of STAGES pending)
+                    if RING:
+                        ahead = slot - 1 if slot > 0 else STAGES - 1
+                        copy_weights(w, ring, lane_base + ahead * SLOT, n_base, g, t,
+                                     kb + (STAGES - 1) * STEP_K, k1, n_cols, k_dim)
+                        wait_ring()
+                        read_weights(ring, lane_base + slot * SLOT, cur, t, kb, k1)
+                        slot = slot + 1 if slot + 1 < STAGES else 0
+                    else:                    # this step from registers, the next one's loads issued
+                        for i in range(RAW):
+                            cur[i] = nxt[i]
+                        load_weights(w, nxt, n_base, g, t, kb + STEP_K, k1, n_cols, k_dim)
+                    if PRESPLIT:
+                        for i in range(RAW):
+                            h, low = _split(cur[i])
+                            hi[i] = h
+                            lo[i] = low
+                    for e in range(2):       # quad e of the lane's 8 k: products q = 2e, 2e + 1
+                        for m in range(MT):
+                            at = (m * TILE_M + g) * XS_ROW + (kb - ph0) + 4 * t + 16 * e
+                            xh[4 * m], xh[4 * m + 1], xh[4 * m + 2], xh[4 * m + 3] = shared_x4(xs_hi, at)
+                            xl[4 * m], xl[4 * m + 1], xl[4 * m + 2], xl[4 * m + 3] = shared_x4(xs_lo, at)
+                        for qq in range(2):
+                            q = 2 * e + qq
+                            for nt in range(NT):
+                                top = nt * 16 + 2 * q        # row g's k pair in raw/hi/lo
+                                for c in range(4):           # a0 (g, k), a1 (g+8, k), a2 (g, k+1), a3 (g+8, k+1)
+                                    src = top + (c >> 1) + 8 * (c & 1)
+                                    if PRESPLIT:
+                                        part[nt * 8 + c] = hi[src]
+                                        part[nt * 8 + 4 + c] = lo[src]
+                                    else:
+                                        h, low = _split(cur[src])
+                                        part[nt * 8 + c] = h
+                                        part[nt * 8 + 4 + c] = low
+                            # lo(w) hi(x), hi(w) lo(x), hi(w) hi(x): each pass over every
+                            # accumulator, so consecutive mma are independent (MT x NT chains)
+                            for p in range(3):
+                                mma_pass_a(acc_a, p, qq, xh, xl, part)
+                                if MT_B > 0:
+                                    mma_pass_b(acc_b, p, qq, xh, xl, part)
+            store_a(acc_a, out, residual_arr, partials, seg, row0, n_base, g, t, m_rows, n_cols, n_segs)
+            if MT_B > 0:
+                store_b(acc_b, out, residual_arr, partials, seg, row0, n_base, g, t, m_rows, n_cols,
+                        n_segs)
+            item += cuda.gridDim.x
+
+    return kernel
+
+
+@cuda.jit(**launch_bounds(RMS_THREADS))
+def inv_rms_kernel(x, inv_rms, m_rows, k_dim, eps):
+    """inv_rms[m] = 1 / sqrt(mean(x[m]^2) + eps), one warp a row, :func:`.linear._row_inv_rms`'s
+    order (the product kernel's own rms, computed once for all its blocks)."""
+    row = cuda.blockIdx.x * (RMS_THREADS // WARP) + (cuda.threadIdx.x >> 5)
+    if row < m_rows:                     # warp-uniform
+        inv = _row_inv_rms(x, row, k_dim, eps, cuda.threadIdx.x & (WARP - 1))
+        if (cuda.threadIdx.x & (WARP - 1)) == 0:
+            inv_rms[row] = inv
+
+
+@functools.lru_cache(maxsize=None)
+def segment_sum_kernel(residual: bool) -> Any:
+    """``out[m, n] = ((p[0, m, n] + p[1, m, n]) + ...) (+ residual[m, n])``: the segment sums of
+    :func:`get_kernel` added in segment order, one thread an element."""
+    RESIDUAL = bool(residual)
+
+    @cuda.jit(**launch_bounds(SUM_THREADS))
+    def kernel(partials, out, residual_arr, m_rows, n_cols, n_segs):
+        i = cuda.blockIdx.x * SUM_THREADS + cuda.threadIdx.x
+        if i < m_rows * n_cols:
+            row = i // n_cols
+            col = i - row * n_cols
+            value = partials[0, row, col]
+            for s in range(1, n_segs):
+                value = value + partials[s, row, col]
+            if RESIDUAL:
+                value = value + residual_arr[row, col]
+            out[row, col] = value
+
+    return kernel
+
+
+# --- registration -------------------------------------------------------------------------------
+
+def _sigs(prologue: str) -> tuple:
+    a2, c2, c3 = float32[:, :], float32[:, ::1], float32[:, :, ::1]
+    nw = float32[::1] if prologue == "rmsnorm" else c2
+    return ((a2, c2, a2, a2, nw, float32, c3, float32[::1], int32, int32, int32, int32, int32, int32,
+             int32, int32),)
+
+
+def _register_all() -> None:
+    for prologue in PROLOGUES:
+        for mt in range(1, MAX_MTILES + 1):
+            register(f"linear_tc_{prologue}_mt{mt}", get_kernel(prologue, True, mt), _sigs(prologue),
+                     f"3xTF32 tensor-core x @ w.T ({prologue} prologue, residual epilogue), "
+                     f"{mt} m-tiles of 8 rows", block_threads=WARPS * WARP)
+    register("linear_tc_inv_rms", inv_rms_kernel, ((float32[:, :], float32[::1], int32, int32, float32),),
+             "the tensor-core product's RMSNorm prologue: 1 / rms of each row, one warp a row",
+             block_threads=RMS_THREADS)
+    for residual in (False, True):
+        register(f"linear_tc_segment_sum{'_residual' if residual else ''}", segment_sum_kernel(residual),
+                 ((float32[:, :, ::1], float32[:, :], float32[:, :], int32, int32, int32),),
+                 "the tensor-core product's segment sums in segment order", block_threads=SUM_THREADS)
+
+
+_register_all()
+
+
+# --- host side -----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4096)
+def segments(n_cols: int, k_dim: int) -> tuple[int, int]:
+    """(S, seg_k): K's segments for an [N, K] weight, a function of the shape only (the order).
+    About TARGET_BLOCKS blocks of UNIT_COLS columns, segments a multiple of STEP_K and at least
+    MIN_SEG_K long (one segment where K is shorter)."""
+    col_blocks = -(-n_cols // UNIT_COLS)
+    want = max(1, -(-TARGET_BLOCKS // col_blocks))
+    seg_k = max(MIN_SEG_K, -(-(-(-k_dim // want)) // STEP_K) * STEP_K)
+    return -(-k_dim // seg_k), seg_k
+
+
+def mtiles(rows: int) -> int:
+    """m-tiles of a row group (8 rows each, at most MAX_MTILES): the fewest row groups (each reads
+    the weights once more, from L2), then the fewest padded m-tiles (33 rows: two groups of 3).
+    Layout only."""
+    need = -(-rows // TILE_M)
+    groups = -(-need // MAX_MTILES)
+    return -(-need // groups)
+
+
+def partials_shape(rows: int, n_cols: int, k_dim: int) -> tuple[int, int, int]:
+    """The ``partials`` workspace of a launch: (S, rows, N); S = 1 needs none (pass None)."""
+    return (segments(n_cols, k_dim)[0], rows, n_cols)
+
+
+@functools.lru_cache(maxsize=4096)
+def _setup(prologue: str, residual: bool, rows: int, n_cols: int, k_dim: int) -> tuple:
+    mt = mtiles(rows)
+    n_segs, seg_k = segments(n_cols, k_dim)
+    row_groups = -(-rows // (TILE_M * mt))
+    col_blocks = -(-n_cols // (WARPS * WARP_COLS))
+    items = row_groups * n_segs * col_blocks
+    slots = active_profile().sm_count * resident_blocks(mt, prologue)
+    # a multiple of the row groups: a block keeps one row group (its rms computed once)
+    blocks = items if items <= slots else max(row_groups, slots // row_groups * row_groups)
+    grid = (blocks, 1, 1)
+    smem = ring_bytes(mt, ASYNC_RING)
+    static = 4 * (2 * TILE_M * mt * (phase_k(mt) + 4) + TILE_M * mt)
+    opt_in = smem + static > 48 * 1024
+    check_launch(grid, WARPS * WARP, smem, opt_in=opt_in, static_shared_bytes=static)
+    sum_grid = (-(-(rows * n_cols) // SUM_THREADS), 1, 1)
+    check_launch(sum_grid, SUM_THREADS, 0)
+    return (get_kernel(prologue, residual, mt, ring=ASYNC_RING), grid, smem, opt_in, n_segs, seg_k, sum_grid, row_groups,
+            col_blocks)
+
+
+def _aligned16(a: Any) -> bool:
+    return data_address(a) % 16 == 0
+
+
+def linear_tc(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6,
+              swiglu: bool = False, residual: Any = None, partials: Any = None,
+              inv_rms: Any = None, stream: Any = 0) -> Any:
+    """``out[m] = input[m] @ w.T (+ residual[m])`` on the tensor cores, batch-invariant.
+
+    Args:
+        x: float32 [M, Kx], unit inner stride, rows on 16 bytes (data pointer and row stride
+            multiples of 16). Input row: x[m] (Kx == K); rmsnorm(x[m]) * norm_weight with
+            ``norm_weight``; silu(x[m, :K]) * x[m, K:] with ``swiglu`` (Kx == 2K).
+        w: float32 [N, K], C-contiguous, K a multiple of 4, on 16 bytes.
+        out: float32 [M, N], unit inner stride.
+        norm_weight: float32 [K] on 16 bytes, or None (not with ``swiglu``).
+        eps: RMSNorm epsilon.
+        swiglu: the SwiGLU prologue.
+        residual: float32 [M, N] or None; may be ``out`` itself.
+        partials: float32 :func:`partials_shape` C-contiguous workspace (device) where S > 1,
+            else ignored; None allocates one (not inside a captured graph).
+        inv_rms: float32 [M] C-contiguous workspace (device) for the rows' 1 / rms where
+            ``norm_weight`` is given and M >= PRE_RMS_MIN_ROWS, else ignored; None allocates one.
+        stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
+    """
+    x, w, out, residual, prologue, norm, eps32 = check_linear_args(x, w, out, norm_weight, eps, swiglu,
+                                                                   residual)
+    n_cols, k_dim = w.shape
+    m_rows = x.shape[0]
+    if k_dim % 4:
+        raise ValueError(f"w must have K a multiple of 4 (16-byte loads), got K = {k_dim}")
+    if not _aligned16(w):
+        raise ValueError("w must start on 16 bytes")
+    if not rows_aligned16_host(x):
+        raise ValueError("x must have its rows on 16 bytes (data pointer and row stride multiples of 16)")
+    if norm is not None and not _aligned16(norm):
+        raise ValueError("norm_weight must start on 16 bytes")
+    n_segs = segments(n_cols, k_dim)[0]
+    if n_segs > 1:
+        want = (n_segs, m_rows, n_cols)
+        if partials is None:
+            partials = (np.empty(want, np.float32) if SIMULATED or not is_device_array(out)
+                        else cuda.device_array(want, np.float32))
+        else:
+            partials = _f32(partials, "partials", 3)
+            if tuple(partials.shape) != want:
+                raise ValueError(f"partials must have shape {want}, got {tuple(partials.shape)}")
+            if tuple(partials.strides) != (4 * m_rows * n_cols, 4 * n_cols, 4):
+                raise ValueError("partials must be C-contiguous")
+    pre_rms = norm is not None and m_rows >= PRE_RMS_MIN_ROWS
+    if pre_rms:
+        if inv_rms is None:
+            inv_rms = (np.empty(m_rows, np.float32) if SIMULATED or not is_device_array(out)
+                       else cuda.device_array(m_rows, np.float32))
+        else:
+            inv_rms = _f32(inv_rms, "inv_rms", 1)
+            if tuple(inv_rms.shape) != (m_rows,):
+                raise ValueError(f"inv_rms must have shape ({m_rows},), got {tuple(inv_rms.shape)}")
+    if m_rows == 0:
+        return out
+    kernel, grid, smem, opt_in, n_segs, seg_k, sum_grid, row_groups, col_blocks = _setup(
+        prologue, residual is not None, m_rows, n_cols, k_dim)
+    w_k = _kernel_weight(w)
+    placeholder = partials if n_segs > 1 else _placeholder_partials(out)
+    if pre_rms:
+        inv_rms_kernel[-(-m_rows // (RMS_THREADS // WARP)), RMS_THREADS, _stream(stream), 0](
+            x, inv_rms, m_rows, k_dim, eps32)
+    configured = kernel[grid, WARPS * WARP, _stream(stream), smem]
+    (opt_in_shared(configured, smem) if opt_in else configured)(
+        x, w_k, out, out if residual is None else residual, w_k if norm is None else norm, eps32,
+        placeholder, inv_rms if pre_rms else _placeholder_partials(out)[0, 0], m_rows, n_cols, k_dim,
+        seg_k, n_segs, row_groups, col_blocks, np.int32(pre_rms))
+    if n_segs > 1:
+        segment_sum_kernel(residual is not None)[sum_grid, SUM_THREADS, _stream(stream), 0](
+            partials, out, out if residual is None else residual, m_rows, n_cols, n_segs)
+    return out
+
+
+def rows_aligned16_host(x: Any) -> bool:
+    """Every row of a 2-D float32 array starts on 16 bytes with a unit inner stride."""
+    strides = tuple(x.strides)
+    return (data_address(x) % 16 == 0 and strides[0] % 16 == 0
+            and (x.shape[1] <= 1 or strides[1] == 4))
+
+
+def _placeholder_partials(out: Any) -> Any:
+    """A [1, 1, 1] float32 array of out's kind for the kernel's unused ``partials`` slot."""
+    return _PLACEHOLDERS_SIM if (SIMULATED or not is_device_array(out)) else _device_placeholder()
+
+
+_PLACEHOLDERS_SIM = np.zeros((1, 1, 1), np.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def _device_placeholder() -> Any:
+    return cuda.to_device(np.zeros((1, 1, 1), np.float32))

@@ -1,0 +1,227 @@
+"""Tensor-core 3xTF32 products (ddtree_numba.kernels.linear_tc) against NumPy float64.
+
+Tolerance: linear's, |out - ref| <= 1e-5 * (|input| @ |w|.T) (+ 1e-6 |residual|): the three TF32
+products leave ~2**-21 of each product (the lo * lo term and the low parts' rounding). Batch
+invariance is bit-exact: a row keeps its bits alone, among 7 or 33 rows, whatever the row groups,
+the weights' path (registers or the cp.async ring), the pre-split and whether its 1 / rms was
+computed in the block or by the pre-pass. Under the simulator the ``mma`` is the model of
+sim.warp (float64 sum of the exact products, one rounding), on the GPU the hardware's.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.kernels import linear_tc as tc
+
+RNG = np.random.default_rng(20261204)
+SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
+
+
+def _dev(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def _rand(*shape, rng=RNG):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _prologue(x, prologue, nw=None, eps=1e-6):
+    x64 = x.astype(np.float64)
+    if prologue == "rmsnorm":
+        return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * nw
+    if prologue == "swiglu":
+        k = x.shape[1] // 2
+        return x64[:, :k] / (1.0 + np.exp(-x64[:, :k])) * x64[:, k:]
+    return x64
+
+
+def _assert_close(out, inp, w, residual=None):
+    ref = inp @ w.astype(np.float64).T
+    bound = 1e-5 * (np.abs(inp) @ np.abs(w.astype(np.float64)).T) + 1e-30
+    if residual is not None:
+        ref = ref + residual
+        bound = bound + 1e-6 * np.abs(residual)
+    assert np.all(np.isfinite(out))
+    err = np.abs(out - ref)
+    assert np.all(err <= bound), f"max err {err.max()} vs bound {bound[np.argmax(err - bound)]}"
+
+
+def _run(x, w, prologue="none", nw=None, residual=None, **kwargs):
+    out = _dev(np.full((x.shape[0], w.shape[0]), np.nan, np.float32))
+    extra = {"swiglu": True} if prologue == "swiglu" else {"norm_weight": _dev(nw)} if prologue == "rmsnorm" else {}
+    tc.linear_tc(_dev(x), _dev(w), out, residual=None if residual is None else _dev(residual),
+                 **extra, **kwargs)
+    return out.copy_to_host()
+
+
+@pytest.fixture
+def layout(monkeypatch):
+    """Set layout knobs (module constants read per launch shape) with the launch cache cleared."""
+    def set_(**values):
+        for name, value in values.items():
+            monkeypatch.setattr(tc, name, value)
+        tc._setup.cache_clear()
+    yield set_
+    tc._setup.cache_clear()
+
+
+# --- the two instructions ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not SIMULATED, reason="the NumPy model of cvt.rna.tf32 (the GPU's is the instruction)")
+def test_tf32_round_is_nearest_ties_away_on_19_bits():
+    one = np.float32(1.0)
+    ulp = np.float32(2.0 ** -10)                     # TF32 keeps 10 mantissa bits
+    assert tc.tf32_round(one + ulp / 2) == one + ulp  # a tie rounds away from zero
+    assert tc.tf32_round(-(one + ulp / 2)) == -(one + ulp)
+    assert tc.tf32_round(one + ulp / 4) == one
+    bits = np.array([tc.tf32_round(v) for v in _rand(200)], np.float32).view(np.uint32)
+    assert np.all(bits & 0x1FFF == 0)
+    assert np.isinf(tc.tf32_round(np.float32(np.inf))) and np.isnan(tc.tf32_round(np.float32(np.nan)))
+    v = np.float32(1.2345678)
+    hi = tc.tf32_round(v)
+    assert hi + tc.tf32_round(np.float32(v - hi)) != hi   # the low part carries what hi lost
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the simulator's mma model")
+def test_simulated_mma_is_the_fragment_layout_product():
+    """D = A B + C through PTX's m16n8k8 fragment layout, A and B read as TF32."""
+    a = _rand(16, 8)
+    b = _rand(8, 8)
+    c = _rand(16, 8)
+    d = np.zeros((16, 8), np.float32)
+
+    @cuda.jit
+    def kernel(a, b, c, d):
+        lane = cuda.threadIdx.x
+        g, t = lane >> 2, lane & 3
+        d0, d1, d2, d3 = tc.mma_tf32(a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[t, g], b[t + 4, g],
+                                     c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+        d[g, 2 * t] = d0
+        d[g, 2 * t + 1] = d1
+        d[g + 8, 2 * t] = d2
+        d[g + 8, 2 * t + 1] = d3
+
+    out = _dev(d)
+    kernel[1, 32](_dev(a), _dev(b), _dev(c), out)
+    keep = lambda m: (m.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)  # noqa: E731
+    np.testing.assert_array_equal(out.copy_to_host(), (keep(a) @ keep(b) + c).astype(np.float32))
+
+
+# --- the product ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m_rows,n_cols,k_dim,prologue", [
+    (1, 40, 64, "none"),          # one segment, one partial column block
+    (3, 70, 200, "rmsnorm"),      # 4 segments (the segment sum), K % 32 != 0
+    (9, 33, 96, "swiglu"),        # 2 m-tiles, 2 segments
+])
+def test_linear_tc_matches_float64(m_rows, n_cols, k_dim, prologue):
+    kx = 2 * k_dim if prologue == "swiglu" else k_dim
+    x, w, nw = _rand(m_rows, kx), _rand(n_cols, k_dim), _rand(k_dim)
+    _assert_close(_run(x, w, prologue, nw), _prologue(x, prologue, nw), w)
+
+
+def test_residual_aliasing_out_and_separate():
+    x, w, res = _rand(2, 64), _rand(36, 64), _rand(2, 36)
+    assert tc.segments(36, 64)[0] == 1
+    _assert_close(_run(x, w, residual=res), _prologue(x, "none"), w, res.astype(np.float64))
+    x2, w2 = _rand(2, 160), _rand(20, 160)           # S > 1: the residual in the segment sum
+    assert tc.segments(20, 160)[0] > 1
+    out = _dev(res[:, :20].copy())
+    tc.linear_tc(_dev(x2), _dev(w2), out, residual=out)
+    _assert_close(out.copy_to_host(), _prologue(x2, "none"), w2, res[:, :20].astype(np.float64))
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm"])
+def test_row_is_bit_identical_alone_and_among_many(layout, prologue):
+    """Row 8 alone, among 9 (pre-pass rms from 9 rows, 2 m-tiles) and among 17 in three row groups
+    of one m-tile (MAX_MTILES 1): the same bits."""
+    x, w, nw = _rand(17, 96), _rand(24, 96), _rand(96)
+    alone = _run(x[8:9], w, prologue, nw)[0]
+    np.testing.assert_array_equal(_run(x[:9], w, prologue, nw)[8], alone)
+    layout(MAX_MTILES=1)
+    np.testing.assert_array_equal(_run(x, w, prologue, nw)[8], alone)
+
+
+def test_layout_knobs_are_not_numerics(layout):
+    """The cp.async ring or registers, pre-split or not, more m-tiles a row group: the same bits."""
+    x, w, nw = _rand(9, 72), _rand(20, 72), _rand(72)
+    base = _run(x, w, "rmsnorm", nw)
+    layout(ASYNC_RING=not tc.ASYNC_RING)
+    np.testing.assert_array_equal(_run(x, w, "rmsnorm", nw), base)
+    layout(PRESPLIT_MIN_MTILES=99)
+    np.testing.assert_array_equal(_run(x, w, "rmsnorm", nw), base)
+    layout(MAX_MTILES=1)
+    np.testing.assert_array_equal(_run(x, w, "rmsnorm", nw), base)
+
+
+def test_segments_and_mtiles_are_functions_of_the_shape():
+    """S(N, K) and the segment length depend on the weight's shape only; m-tiles: fewest row
+    groups, then fewest padded tiles."""
+    for n_cols, k_dim in ((2048, 8192), (12288, 768), (32768, 2048), (1344, 2048), (2048, 256), (40, 64)):
+        n_segs, seg_k = tc.segments(n_cols, k_dim)
+        assert seg_k % tc.STEP_K == 0 and seg_k >= min(tc.MIN_SEG_K, k_dim)
+        assert (n_segs - 1) * seg_k < k_dim <= n_segs * seg_k
+    assert tc.partials_shape(33, 2048, 8192) == (tc.segments(2048, 8192)[0], 33, 2048)
+    assert tc.MAX_MTILES == 5
+    assert [tc.mtiles(m) for m in (1, 8, 9, 33, 40)] == [1, 1, 2, 5, 5]
+    assert tc.mtiles(41) == 3                                      # 6 tiles: two groups of 3, not 5 + 1
+
+
+def _good():
+    return _dev(_rand(2, 8)), _dev(_rand(4, 8)), _dev(np.zeros((2, 4), np.float32))
+
+
+@pytest.mark.parametrize("case,exc,name", [
+    (lambda x, w, o: tc.linear_tc(x, _dev(_rand(4, 8).astype(np.float64)), o), TypeError, "w"),
+    (lambda x, w, o: tc.linear_tc(x, _dev(_rand(4, 6)), o), ValueError, "x"),
+    (lambda x, w, o: tc.linear_tc(_dev(_rand(2, 6)), _dev(_rand(4, 6)), o), ValueError, "multiple of 4"),
+    (lambda x, w, o: tc.linear_tc(_dev(_rand(2, 9))[:, 1:], w, o), ValueError, "x"),
+    (lambda x, w, o: tc.linear_tc(x, w, _dev(np.zeros((2, 3), np.float32))), ValueError, "out"),
+    (lambda x, w, o: tc.linear_tc(x, w, o, swiglu=True), ValueError, "x"),
+    (lambda x, w, o: tc.linear_tc(x, w, o, norm_weight=_dev(_rand(8)), swiglu=True), ValueError, "norm_weight"),
+    (lambda x, w, o: tc.linear_tc(x, w, o, residual=_dev(_rand(3, 4))), ValueError, "residual"),
+    (lambda x, w, o: tc.linear_tc(x, w, o, norm_weight=_dev(_rand(8)), eps=float("nan")), ValueError, "eps"),
+    (lambda x, w, o: tc.linear_tc(_dev(_rand(2, 160)), _dev(_rand(4, 160)), o,
+                                  partials=_dev(np.zeros((1, 2, 4), np.float32))), ValueError, "partials"),
+    (lambda x, w, o: tc.linear_tc(_dev(_rand(9, 8)), w, _dev(np.zeros((9, 4), np.float32)),
+                                  norm_weight=_dev(_rand(8)), inv_rms=_dev(np.zeros(8, np.float32))),
+     ValueError, "inv_rms"),
+])
+def test_bad_input_names_the_argument_and_writes_nothing(case, exc, name):
+    x, w, out = _good()
+    with pytest.raises(exc, match=name):
+        case(x, w, out)
+    assert np.all(out.copy_to_host() == 0.0)
+
+
+def test_kernels_are_registered():
+    from ddtree_numba.kernels import registry
+
+    names = {k.name for k in registry.all_kernels()}
+    assert {f"linear_tc_{p}_mt{mt}" for p in tc.PROLOGUES for mt in (1, tc.MAX_MTILES)} <= names
+    assert {"linear_tc_inv_rms", "linear_tc_segment_sum", "linear_tc_segment_sum_residual"} <= names
+
+
+# --- GPU: small's shapes ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cols,k_dim,prologue", [(32768, 2048, "rmsnorm"), (11264, 2048, "rmsnorm"),
+                                                    (12288, 768, "rmsnorm"), (2048, 5632, "swiglu"),
+                                                    (2048, 8192, "none"), (1344, 2048, "rmsnorm"),
+                                                    (2048, 256, "swiglu"), (512, 2048, "rmsnorm")])
+def test_gpu_small_preset_shapes(layout, n_cols, k_dim, prologue):
+    """On the tensor cores: every element written, within the bound, and each row's bits the same
+    alone, in 7 and in 33 rows, through registers or the ring, in one or two row groups."""
+    rng = np.random.default_rng(n_cols + k_dim)
+    w = _rand(n_cols, k_dim, rng=rng)
+    kx = 2 * k_dim if prologue == "swiglu" else k_dim
+    x = _rand(33, kx, rng=rng)
+    nw = _rand(k_dim, rng=rng)
+    alone = _run(x[:1], w, prologue, nw)[0]
+    for variant in ({}, {"ASYNC_RING": not tc.ASYNC_RING}, {"MAX_MTILES": 3}):
+        layout(**variant)
+        for m_rows in (7, 33):
+            got = _run(x[:m_rows], w, prologue, nw)
+            np.testing.assert_array_equal(got[0], alone)
+            check = [0, m_rows - 1]
+            _assert_close(got[check], _prologue(x[check], prologue, nw), w)
