@@ -109,6 +109,41 @@ def write_run(path: str | Path, ds, *, command: list[str] | None = None) -> str:
     return group
 
 
+def run_groups(path: str | Path) -> list[str]:
+    """The ``<benchmark>/<run>`` groups of an HDF5 run store, in file order."""
+    import h5py
+
+    with h5py.File(path, "r") as h5:
+        return [f"{bench}/{run}" for bench in h5 for run in h5[bench]]
+
+
+def copy_runs(src: str | Path, dst: str | Path, groups: list[str] | None = None, *,
+              note: str | None = None) -> list[str]:
+    """Copy runs (default: all of ``src``'s) into the store ``dst`` through xarray, as a device
+    run's file is merged into ``data/bench``; an existing group is left as it is. ``note`` becomes
+    each copied run's ``note`` attribute. Returns the groups copied.
+
+    Through xarray, not ``h5py.Group.copy``: an h5py copy keeps the netCDF dimension scales'
+    object references, which point into the source file, so xarray cannot open the copy (19 runs
+    of ``data/bench/h200.h5`` were rebuilt from their dimension ids on 2026-12-04 for that).
+    """
+    import xarray as xr
+
+    groups = run_groups(src) if groups is None else list(groups)
+    have = set(run_groups(dst)) if Path(dst).exists() else set()
+    todo = [g for g in groups if g not in have]
+    if not todo:
+        return []
+    with atomic_path(dst, copy_existing=True) as tmp:
+        for group in todo:
+            with xr.open_dataset(src, group=group, engine="h5netcdf") as ds:
+                ds = ds.load()
+            if note is not None:
+                ds.attrs["note"] = note
+            ds.to_netcdf(tmp, group=group, mode="a" if tmp.exists() else "w", engine="h5netcdf")
+    return todo
+
+
 def summarize(times_us) -> dict[str, float]:
     """Median / min / max of a list of times in microseconds."""
     arr = np.asarray(times_us, dtype=np.float64)
