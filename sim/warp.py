@@ -220,7 +220,7 @@ def mma_sync_m16n8k8_tf32(a0: Any, a1: Any, a2: Any, a3: Any, b0: Any, b1: Any,
     a3 A[g+8][t+4]; b0 B[t][g], b1 B[t+4][g]; c0 C[g][2t], c1 C[g][2t+1], c2 C[g+8][2t],
     c3 C[g+8][2t+1]) and each lane gets its D = A B + C in C's layout. Model of the hardware's
     sum (which PTX leaves unspecified): A and B read as TF32 (low 13 bits ignored), the 8
-    products (exact in float64) summed in float64 in k order, C added, one rounding to float32.
+    products (exact in float64) summed in float64 in k order, C added, rounded to float32.
     Deterministic and a function of each element's own row, column and C (what batch invariance
     needs); not the GPU's bits. Not a ``cuda`` attribute: kernels reach it through
     ``ddtree_numba.kernels.linear_tc.mma_tf32``."""
@@ -233,7 +233,7 @@ def mma_sync_m16n8k8_tf32(a0: Any, a1: Any, a2: Any, a3: Any, b0: Any, b1: Any,
 
 def _mma(*mine: Any) -> tuple:
     for v in mine:
-        if not isinstance(v, (float, np.float32)):
+        if type(v) is not np.float32:     # the GPU intrinsic takes float32 only
             raise TypeError(f"mma_sync_m16n8k8_tf32: operands must be float32, got {type(v).__name__}")
     values, lane = _meet("mma_sync_m16n8k8_tf32", FULL_MASK, mine)
     if len(values) != WARP_SIZE:

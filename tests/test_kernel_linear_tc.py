@@ -154,6 +154,35 @@ def test_layout_knobs_are_not_numerics(layout):
     np.testing.assert_array_equal(_run(x, w, "rmsnorm", nw), base)
 
 
+def test_blocks_looping_over_many_items_keep_the_bits(layout, monkeypatch):
+    """A grid of one SM's blocks runs the (row group, segment, column block) items in turn: the
+    staged rows, each block's own rms and the ring slots reused across items give the same bits as
+    one item a block (9 rows: 2 row groups of 1 m-tile; 2 segments)."""
+    from types import SimpleNamespace
+
+    x, w, nw = _rand(9, 128), _rand(40, 128), _rand(128)
+    layout(MAX_MTILES=1, PRE_RMS_MIN_ROWS=99)
+    items = tc.segments(40, 128)[0] * 2
+    assert items == 4 and tc._setup("rmsnorm", False, 9, 40, 128)[1][0] == items   # one block an item
+    base = _run(x, w, "rmsnorm", nw)
+    monkeypatch.setattr(tc, "active_profile", lambda: SimpleNamespace(sm_count=1))
+    for ring in (False, True):
+        layout(ASYNC_RING=ring)
+        assert tc._setup("rmsnorm", False, 9, 40, 128)[1][0] == 2                  # two items a block
+        np.testing.assert_array_equal(_run(x, w, "rmsnorm", nw), base)
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the simulator's mma model")
+def test_simulated_mma_refuses_float64_operands():
+    @cuda.jit
+    def kernel(out):
+        d = tc.mma_tf32(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+        out[cuda.threadIdx.x] = d[0]
+
+    with pytest.raises(TypeError, match="float32"):
+        kernel[1, 32](np.zeros(32, np.float32))
+
+
 def test_segments_and_mtiles_are_functions_of_the_shape():
     """S(N, K) and the segment length depend on the weight's shape only; m-tiles: fewest row
     groups, then fewest padded tiles."""
@@ -174,7 +203,7 @@ def _good():
 @pytest.mark.parametrize("case,exc,name", [
     (lambda x, w, o: tc.linear_tc(x, _dev(_rand(4, 8).astype(np.float64)), o), TypeError, "w"),
     (lambda x, w, o: tc.linear_tc(x, _dev(_rand(4, 6)), o), ValueError, "x"),
-    (lambda x, w, o: tc.linear_tc(_dev(_rand(2, 6)), _dev(_rand(4, 6)), o), ValueError, "multiple of 4"),
+    (lambda x, w, o: tc.linear_tc(_dev(_rand(2, 6)), _dev(_rand(4, 6)), o), ValueError, "w must have K a multiple of 4"),
     (lambda x, w, o: tc.linear_tc(_dev(_rand(2, 9))[:, 1:], w, o), ValueError, "x"),
     (lambda x, w, o: tc.linear_tc(x, w, _dev(np.zeros((2, 3), np.float32))), ValueError, "out"),
     (lambda x, w, o: tc.linear_tc(x, w, o, swiglu=True), ValueError, "x"),
@@ -189,7 +218,7 @@ def _good():
 ])
 def test_bad_input_names_the_argument_and_writes_nothing(case, exc, name):
     x, w, out = _good()
-    with pytest.raises(exc, match=name):
+    with pytest.raises(exc, match=rf"^{name}\b"):
         case(x, w, out)
     assert np.all(out.copy_to_host() == 0.0)
 
@@ -210,18 +239,22 @@ def test_kernels_are_registered():
                                                     (2048, 8192, "none"), (1344, 2048, "rmsnorm"),
                                                     (2048, 256, "swiglu"), (512, 2048, "rmsnorm")])
 def test_gpu_small_preset_shapes(layout, n_cols, k_dim, prologue):
-    """On the tensor cores: every element written, within the bound, and each row's bits the same
-    alone, in 7 and in 33 rows, through registers or the ring, in one or two row groups."""
+    """On the tensor cores: every element written and finite, rows 0 and M - 1 within the bound, row
+    0's bits the same alone as in 7 and 33 rows and rows 0-6 the same in 7 as in 33, for each layout
+    (the default; the other weight path; two row groups of 3 m-tiles), each from the defaults."""
     rng = np.random.default_rng(n_cols + k_dim)
     w = _rand(n_cols, k_dim, rng=rng)
     kx = 2 * k_dim if prologue == "swiglu" else k_dim
     x = _rand(33, kx, rng=rng)
     nw = _rand(k_dim, rng=rng)
     alone = _run(x[:1], w, prologue, nw)[0]
+    defaults = {"ASYNC_RING": tc.ASYNC_RING, "MAX_MTILES": tc.MAX_MTILES}
     for variant in ({}, {"ASYNC_RING": not tc.ASYNC_RING}, {"MAX_MTILES": 3}):
-        layout(**variant)
-        for m_rows in (7, 33):
-            got = _run(x[:m_rows], w, prologue, nw)
-            np.testing.assert_array_equal(got[0], alone)
+        layout(**{**defaults, **variant})
+        got = {m_rows: _run(x[:m_rows], w, prologue, nw) for m_rows in (7, 33)}
+        for m_rows, rows in got.items():
+            assert np.isfinite(rows).all()
+            np.testing.assert_array_equal(rows[0], alone)
             check = [0, m_rows - 1]
-            _assert_close(got[check], _prologue(x[check], prologue, nw), w)
+            _assert_close(rows[check], _prologue(x[check], prologue, nw), w)
+        np.testing.assert_array_equal(got[33][:7], got[7])

@@ -156,8 +156,9 @@ def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.N
         out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
         if impl == "tensor-core":
             shape = tc.partials_shape(m_rows, n_cols, k_dim)
-            product = functools.partial(tc.linear_tc, partials=cuda.device_array(shape, np.float32)
-                                        if shape[0] > 1 else None)
+            product = functools.partial(   # the workspaces allocated once, as an engine would
+                tc.linear_tc, partials=cuda.device_array(shape, np.float32) if shape[0] > 1 else None,
+                inv_rms=cuda.device_array(m_rows, np.float32))
             mt = tc.mtiles(m_rows)
         else:
             product, mt = lin.linear, lin.plan_linear(m_rows, n_cols, k_dim).mt

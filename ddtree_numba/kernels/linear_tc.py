@@ -14,31 +14,35 @@ Numerics: one order per weight shape (N, K), whatever shares the launch.
     arithmetic: ``(x * inv_rms) * norm_weight`` or ``silu(gate) * up``) and weight row n are each
     split per element into ``hi = tf32_rna(v)`` and ``lo = tf32_rna(v - hi)``. K is cut into
     :func:`segments` ``S(N, K)`` contiguous segments of ``seg_k`` values (a multiple of 32); a
-    segment runs in steps of 32 k; step ``kb`` is four ``m16n8k8`` products ``q = 0..3`` that
-    take, as their 8 k, ``kb + 8 t + 2 q`` and ``kb + 8 t + 2 q + 1`` for t = 0..3 (so that a lane
-    holds 8 adjacent k of its rows: two 16-byte loads); each product is three ``mma.sync`` into
-    one accumulator, in the order lo(w)*hi(x), hi(w)*lo(x), hi(w)*hi(x). The segment sums are
-    added in segment order, ``((s_0 + s_1) + s_2) + ...``, then the residual. The tensor core's
-    internal sum of an ``mma`` is the hardware's (not specified by PTX), but each output element
-    is a function of its own row, column and accumulator only, so which rows share the launch
-    (and the row tile: M pads to multiples of 8) changes nothing: bit-identical rows alone or in a
-    tree of 33 (tested on the GPU). The simulator's ``mma`` (:func:`sim.warp.mma_sync_m16n8k8_tf32`)
-    sums the 8 exact products in float64 and rounds once, so its bits differ from the GPU's; both
-    are batch-invariant and within the stated tolerance of float64.
+    segment runs in steps of 32 k; step ``kb`` is four ``m16n8k8`` products ``q = 0..3``, product q
+    taking as its 8 k the pairs ``kb + 16 (q >> 1) + 4 t + 2 (q & 1)`` and that + 1, t = 0..3 (a
+    lane holds two 16-byte quads of its rows, ``kb + 4 t`` and ``kb + 16 + 4 t``: the 4 lanes of a
+    row cover 64 contiguous bytes a quad); each product is three ``mma.sync`` into one accumulator,
+    in the order lo(w)*hi(x), hi(w)*lo(x), hi(w)*hi(x). The segment sums are added in segment
+    order, ``((s_0 + s_1) + s_2) + ...``, then the residual. The tensor core's internal sum of an
+    ``mma`` is the hardware's (PTX does not specify it), but each output element is a function of
+    its own row, column and accumulator only, so which rows share the launch (and the row tile: M
+    pads to multiples of 8) changes nothing: bit-identical rows alone or in a tree of 33 (tested on
+    the GPU). The simulator's ``mma`` (:func:`sim.warp.mma_sync_m16n8k8_tf32`) sums the 8 exact
+    products and C in float64 and rounds to float32, so its bits differ from the GPU's; both are
+    batch-invariant and within the stated tolerance of float64.
 
 Work layout (swap-AB: the weight is the ``mma``'s 16-row A operand, the input rows its 8-column B).
-    Grid ``(row groups, S, column blocks)``. A block of ``WARPS`` warps owns one segment, ``WARPS x
-    32`` adjacent output columns and one row group of ``8 x MT`` rows (MT = 1..4 m-tiles,
-    :func:`mtiles`; the row groups of a weight tile run next to each other, so the tile comes from
-    HBM once); a warp owns 32 columns (two 16-row A tiles) for all its m-tiles, so each
-    weight float4 feeds MT x 3 mma and each input float4 two column tiles. Lane (g = lane / 4,
-    t = lane % 4) loads weight rows n0 + g and n0 + g + 8 at k = kb + 8 t (two 16-byte
-    ``ld.global.nc``), the next step's loads issued before this step's products; input rows are
-    read the same way from global memory (a few KB, L1/L2 hits), the prologue applied per read.
-    With S > 1 each block writes its segment's sums to ``partials [S, M, N]`` and
+    Work items ``(row group, segment, 128 columns)``, row groups fastest (a weight tile's row groups
+    run side by side, so it comes from HBM once), dealt over a 1-D persistent grid of
+    ``resident_blocks x SMs`` blocks of ``WARPS`` warps. A row group is 8 x MT rows (MT = 1..5
+    m-tiles, :func:`mtiles`); a warp owns 32 columns (two 16-row A tiles) for all its m-tiles, so
+    each weight quad feeds MT x 3 mma and each staged input quad two column tiles. The block stages
+    its row group's input rows for ``phase_k(MT)`` k at a time, prologue applied, as TF32 halves in
+    shared memory (two barriers a phase); lane (g = lane / 4, t = lane % 4) loads its weight rows
+    n0 + g and n0 + g + 8 at ``kb + 4 t`` and ``kb + 16 + 4 t`` (16-byte ``ld.global.nc`` into
+    registers, the next step's loads issued before this step's products; or, ``ASYNC_RING``, through
+    a ring of ``cp.async`` step slots a lane in shared memory). With RMSNorm and 9 rows or more the
+    rows' 1 / rms come from one pre-pass launch (:func:`inv_rms_kernel`), else each block computes
+    them. With S > 1 each item writes its segment's sums to ``partials [S, M, N]`` and
     :func:`segment_sum_kernel` adds them in segment order (a second launch); S = 1 stores ``out``
-    directly. S(N, K) gives about two blocks per SM for the model's shapes (a function of the
-    weight's shape only, never of M).
+    directly. S(N, K) aims at ~4 items an SM for the model's shapes (a function of the weight's
+    shape only, never of M).
 """
 from __future__ import annotations
 
@@ -68,17 +72,18 @@ WARPS = 2 if SIMULATED else 4        # warps a block (the simulator's threads ar
 TILE_N = 16                           # mma rows (output columns) of one A tile
 WARP_COLS = 2 * TILE_N                # a warp's columns: two A tiles
 TILE_M = 8                            # mma columns (input rows) of one B tile
-MAX_MTILES = 5                        # 40 rows a row group (a 33-row tree in one; sm_90 keeps the 40 accumulators on a 160-byte stack)
-STEP_K = 32                           # k per step: 4 lanes x 8 adjacent floats
+MAX_MTILES = 5                        # 40 rows a row group (a 33-row tree in one)
+STEP_K = 32                           # k per step: 4 lanes x two quads, 16 floats apart
 UNIT_COLS = 128                       # the column block that S(N, K) counts (numerics: fixed)
 TARGET_BLOCKS = 528                   # S(N, K) aims at ~4 items per H200 SM ...
 MIN_SEG_K = 64                        # ... with segments of at least 64 k
 PRESPLIT_MIN_MTILES = 2               # get_kernel's presplit from this many m-tiles on
 PHASE_KS = (512, 256, 128, 128, 128)  # input k staged a phase, by m-tiles (<= 42 KB of static shared memory)
 RESIDENT_BLOCKS = (4, 3, 3, 2, 2)       # blocks an SM by m-tiles (launch_bounds' minimum; the grid)
-ASYNC_RING = False                    # the weights through the cp.async ring (else registers: timed equal)
+ASYNC_RING = False                    # the weights through the cp.async ring (else registers: mixed, PERFORMANCE)
 RING_STAGES = (4, 3, 3, 3, 3)            # the weights' cp.async ring: steps a lane has in flight, by m-tiles
 SHARED_LIMIT = 227 * 1024             # an H200 SM's shared memory a block may opt in to
+ALIGN = None if SIMULATED else 16     # the shared arrays' alignment (the simulator takes none)
 SUM_THREADS = 256                     # threads a block of the segment sum
 RMS_THREADS = 128                     # threads a block of inv_rms_kernel (a warp a row)
 PRE_RMS_MIN_ROWS = 9                  # from this many rows the rms runs once (inv_rms_kernel), not in every block
@@ -241,7 +246,7 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
 
     @cuda.jit(device=True, inline="always")
     def copy_weights(w, ring, base, n_base, g, t, kb, k1, n_cols, k_dim):
-        """Start the 16-byte copies of this lane's 8 adjacent k of its 2 NT weight rows at step kb
+        """Start the 16-byte copies of this lane's two quads (kb + 4 t, kb + 16 + 4 t) of its 2 NT weight rows at step kb
         into its ring slot at ``base`` (quad j at base + 4 (32 j + lane): a warp's reads of one j
         cover 512 contiguous bytes, no bank conflict), then close them into a group (an empty one
         past the segment, so that the wait counts stay fixed). A column past N copies row N - 1
@@ -285,12 +290,16 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
 
     @cuda.jit(device=True, inline="always")
     def stage(x, xs_hi, xs_lo, norm_w, inv_sh, row0, m_rows, ph0, k1, k_dim):
-        """Input rows row0.. of the row group at k = ph0 .. ph0 + PHASE_K, prologue applied, split
+        """Input rows row0.. of the row group at k = ph0 .. ph0 + PHASE_K (up to the segment's last
+        step), prologue applied, split
         into TF32 halves: xs_hi / xs_lo [ROWS, XS_ROW] (zeros past the segment and past M). One
         quad a thread and round, all the round's loads before its stores."""
-        for quad in range(cuda.threadIdx.x, ROWS * (PHASE_K // 4), THREADS):
-            r = quad // (PHASE_K // 4)
-            kk = (quad - r * (PHASE_K // 4)) * 4
+        # the phase's steps only (a short segment stages no dead phase tail); a step's k past the
+        # segment are staged as zeros, its products read them
+        quads = min(PHASE_K, (k1 - ph0 + STEP_K - 1) // STEP_K * STEP_K) // 4
+        for quad in range(cuda.threadIdx.x, ROWS * quads, THREADS):
+            r = quad // quads
+            kk = (quad - r * quads) * 4
             k = ph0 + kk
             row = row0 + r
             v0 = ZERO
@@ -365,9 +374,10 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
     @cuda.jit(**launch_bounds(THREADS, RESIDENT))
     def kernel(x, w, out, residual_arr, norm_w, eps, partials, inv_rms, m_rows, n_cols, k_dim, seg_k,
                n_segs, row_groups, col_blocks, rms_ready):
-        ring = cuda.shared.array(0, float32)        # [WARPS, STAGES, 8 quads, 32 lanes, 4]: the weights' ring
-        xs_hi = cuda.shared.array(XS, float32)      # staged input rows, TF32 high parts
-        xs_lo = cuda.shared.array(XS, float32)      # ... and low parts
+        # 16-byte aligned: read and written as float4s (shared_x4 / shared_put4), cp.async targets
+        ring = cuda.shared.array(0, float32, alignment=ALIGN)    # [WARPS, STAGES, 8 quads, 32 lanes, 4]
+        xs_hi = cuda.shared.array(XS, float32, alignment=ALIGN)  # staged input rows, TF32 high parts
+        xs_lo = cuda.shared.array(XS, float32, alignment=ALIGN)  # ... and low parts
         inv_sh = cuda.shared.array(ROWS, float32)   # the row group's 1 / rms (RMS only)
         lane = cuda.threadIdx.x & (WARP - 1)
         warp = cuda.threadIdx.x >> 5
@@ -551,8 +561,8 @@ def segments(n_cols: int, k_dim: int) -> tuple[int, int]:
 
 def mtiles(rows: int) -> int:
     """m-tiles of a row group (8 rows each, at most MAX_MTILES): the fewest row groups (each reads
-    the weights once more, from L2), then the fewest padded m-tiles (33 rows: two groups of 3).
-    Layout only."""
+    the weights once more, from L2), then the fewest padded m-tiles (33 rows: one group of 5; 41
+    rows: two of 3). Layout only."""
     need = -(-rows // TILE_M)
     groups = -(-need // MAX_MTILES)
     return -(-need // groups)
@@ -580,7 +590,8 @@ def _setup(prologue: str, residual: bool, rows: int, n_cols: int, k_dim: int) ->
     check_launch(grid, WARPS * WARP, smem, opt_in=opt_in, static_shared_bytes=static)
     sum_grid = (-(-(rows * n_cols) // SUM_THREADS), 1, 1)
     check_launch(sum_grid, SUM_THREADS, 0)
-    return (get_kernel(prologue, residual, mt, ring=ASYNC_RING), grid, smem, opt_in, n_segs, seg_k, sum_grid, row_groups,
+    kernel = get_kernel(prologue, residual, mt, presplit=mt >= PRESPLIT_MIN_MTILES, ring=ASYNC_RING)
+    return (kernel, grid, smem, opt_in, n_segs, seg_k, sum_grid, row_groups,
             col_blocks)
 
 
@@ -635,6 +646,8 @@ def linear_tc(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float =
                         else cuda.device_array(want, np.float32))
         else:
             partials = _f32(partials, "partials", 3)
+            if is_device_array(out) and not is_device_array(partials):
+                raise TypeError("partials must be a device array where out is one")
             if tuple(partials.shape) != want:
                 raise ValueError(f"partials must have shape {want}, got {tuple(partials.shape)}")
             if tuple(partials.strides) != (4 * m_rows * n_cols, 4 * n_cols, 4):
@@ -646,6 +659,8 @@ def linear_tc(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float =
                        else cuda.device_array(m_rows, np.float32))
         else:
             inv_rms = _f32(inv_rms, "inv_rms", 1)
+            if is_device_array(out) and not is_device_array(inv_rms):
+                raise TypeError("inv_rms must be a device array where out is one")
             if tuple(inv_rms.shape) != (m_rows,):
                 raise ValueError(f"inv_rms must have shape ({m_rows},), got {tuple(inv_rms.shape)}")
     if m_rows == 0:
