@@ -56,10 +56,10 @@ from numba import cuda, float32, int32, types
 from sim.launch import check_launch, launch_bounds, opt_in_shared
 from sim.profiles import active_profile
 
-from ._args import data_address, is_device_array
+from ._args import is_device_array
 from .linear import (
-    _f32, _kernel_weight, _row_inv_rms, _silu_mul, _stream, check_linear_args, commit_async, copy_async16, load_f32x4, load_x4, shared_put4, shared_x4,
-    wait_async,
+    _aligned, _f32, _kernel_weight, _row_inv_rms, _rows_aligned, _silu_mul, _stream, check_linear_args,
+    commit_async, copy_async16, load_f32x4, load_x4, shared_put4, shared_x4, wait_async,
 )
 from .registry import register
 
@@ -595,10 +595,6 @@ def _setup(prologue: str, residual: bool, rows: int, n_cols: int, k_dim: int) ->
             col_blocks)
 
 
-def _aligned16(a: Any) -> bool:
-    return data_address(a) % 16 == 0
-
-
 def linear_tc(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6,
               swiglu: bool = False, residual: Any = None, partials: Any = None,
               inv_rms: Any = None, stream: Any = 0) -> Any:
@@ -632,50 +628,31 @@ def linear_tc(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float =
     m_rows = x.shape[0]
     if k_dim % 4:
         raise ValueError(f"w must have K a multiple of 4 (16-byte loads), got K = {k_dim}")
-    if not _aligned16(w):
+    if not _aligned(w, k_dim):
         raise ValueError("w must start on 16 bytes")
-    if not rows_aligned16_host(x):
+    if not _rows_aligned(x):
         raise ValueError("x must have its rows on 16 bytes (data pointer and row stride multiples of 16)")
-    if norm is not None and not _aligned16(norm):
+    if norm is not None and not _rows_aligned(norm):
         raise ValueError("norm_weight must start on 16 bytes")
     n_segs = segments(n_cols, k_dim)[0]
     if n_segs > 1:
-        want = (n_segs, m_rows, n_cols)
-        if partials is None:
-            partials = (np.empty(want, np.float32) if SIMULATED or not is_device_array(out)
-                        else cuda.device_array(want, np.float32))
-        else:
-            partials = _f32(partials, "partials", 3)
-            if is_device_array(out) and not is_device_array(partials):
-                raise TypeError("partials must be a device array where out is one")
-            if tuple(partials.shape) != want:
-                raise ValueError(f"partials must have shape {want}, got {tuple(partials.shape)}")
-            if tuple(partials.strides) != (4 * m_rows * n_cols, 4 * n_cols, 4):
-                raise ValueError("partials must be C-contiguous")
+        partials = _workspace(partials, "partials", (n_segs, m_rows, n_cols), out)
     pre_rms = norm is not None and m_rows >= PRE_RMS_MIN_ROWS
     if pre_rms:
-        if inv_rms is None:
-            inv_rms = (np.empty(m_rows, np.float32) if SIMULATED or not is_device_array(out)
-                       else cuda.device_array(m_rows, np.float32))
-        else:
-            inv_rms = _f32(inv_rms, "inv_rms", 1)
-            if is_device_array(out) and not is_device_array(inv_rms):
-                raise TypeError("inv_rms must be a device array where out is one")
-            if tuple(inv_rms.shape) != (m_rows,):
-                raise ValueError(f"inv_rms must have shape ({m_rows},), got {tuple(inv_rms.shape)}")
+        inv_rms = _workspace(inv_rms, "inv_rms", (m_rows,), out)
     if m_rows == 0:
         return out
     kernel, grid, smem, opt_in, n_segs, seg_k, sum_grid, row_groups, col_blocks = _setup(
         prologue, residual is not None, m_rows, n_cols, k_dim)
     w_k = _kernel_weight(w)
-    placeholder = partials if n_segs > 1 else _placeholder_partials(out)
+    spare_partials, spare_rows = _placeholders(SIMULATED or not is_device_array(out))
     if pre_rms:
         inv_rms_kernel[-(-m_rows // (RMS_THREADS // WARP)), RMS_THREADS, _stream(stream), 0](
             x, inv_rms, m_rows, k_dim, eps32)
     configured = kernel[grid, WARPS * WARP, _stream(stream), smem]
     (opt_in_shared(configured, smem) if opt_in else configured)(
         x, w_k, out, out if residual is None else residual, w_k if norm is None else norm, eps32,
-        placeholder, inv_rms if pre_rms else _placeholder_partials(out)[0, 0], m_rows, n_cols, k_dim,
+        partials if n_segs > 1 else spare_partials, inv_rms if pre_rms else spare_rows, m_rows, n_cols, k_dim,
         seg_k, n_segs, row_groups, col_blocks, np.int32(pre_rms))
     if n_segs > 1:
         segment_sum_kernel(residual is not None)[sum_grid, SUM_THREADS, _stream(stream), 0](
@@ -683,21 +660,25 @@ def linear_tc(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float =
     return out
 
 
-def rows_aligned16_host(x: Any) -> bool:
-    """Every row of a 2-D float32 array starts on 16 bytes with a unit inner stride."""
-    strides = tuple(x.strides)
-    return (data_address(x) % 16 == 0 and strides[0] % 16 == 0
-            and (x.shape[1] <= 1 or strides[1] == 4))
+def _workspace(given: Any, name: str, shape: tuple[int, ...], out: Any) -> Any:
+    """A float32 C-contiguous workspace of ``shape``: ``given`` after its checks (a device array
+    where ``out`` is one), or a new one of out's kind where None (not inside a captured graph)."""
+    if given is None:
+        return (np.empty(shape, np.float32) if SIMULATED or not is_device_array(out)
+                else cuda.device_array(shape, np.float32))
+    given = _f32(given, name, len(shape))
+    if is_device_array(out) and not is_device_array(given):
+        raise TypeError(f"{name} must be a device array where out is one")
+    if tuple(given.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(given.shape)}")
+    if tuple(given.strides) != tuple(4 * int(np.prod(shape[i + 1:])) for i in range(len(shape))):
+        raise ValueError(f"{name} must be C-contiguous")
+    return given
 
 
-def _placeholder_partials(out: Any) -> Any:
-    """A [1, 1, 1] float32 array of out's kind for the kernel's unused ``partials`` slot."""
-    return _PLACEHOLDERS_SIM if (SIMULATED or not is_device_array(out)) else _device_placeholder()
-
-
-_PLACEHOLDERS_SIM = np.zeros((1, 1, 1), np.float32)
-
-
-@functools.lru_cache(maxsize=1)
-def _device_placeholder() -> Any:
-    return cuda.to_device(np.zeros((1, 1, 1), np.float32))
+@functools.lru_cache(maxsize=2)
+def _placeholders(host: bool) -> tuple[Any, Any]:
+    """float32 [1, 1, 1] and [1] arrays (host ones, or device ones made once) for the kernel's
+    unused ``partials`` and ``inv_rms`` slots."""
+    spare = (np.zeros((1, 1, 1), np.float32), np.zeros(1, np.float32))
+    return spare if host else tuple(cuda.to_device(a) for a in spare)
