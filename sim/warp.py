@@ -63,6 +63,7 @@ class _Warp:
         self.calls = [0] * n_lanes  # warp-synchronous calls made so far, per lane
         self.values = ([None] * n_lanes, [None] * n_lanes)  # two mailboxes, by call parity
         self.tags = ([None] * n_lanes, [None] * n_lanes)
+        self.mma_result: tuple | None = None  # (mailbox, tag, fragments) of the last mma (sim's mma model)
 
 
 class _Block:
@@ -238,22 +239,36 @@ def _mma(*mine: Any) -> tuple:
     values, lane = _meet("mma_sync_m16n8k8_tf32", FULL_MASK, mine)
     if len(values) != WARP_SIZE:
         raise ValueError("mma_sync_m16n8k8_tf32 needs a full warp of 32 lanes")
-    a = np.zeros((16, 8))
-    b = np.zeros((8, 8))
-    c = np.zeros((16, 8))
-    for other, (x0, x1, x2, x3, y0, y1, z0, z1, z2, z3) in enumerate(values):
-        g, t = other >> 2, other & 3
-        a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4] = (_tf32(v) for v in (x0, x1, x2, x3))
-        b[t, g], b[t + 4, g] = _tf32(y0), _tf32(y1)
-        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1] = z0, z1, z2, z3
-    g, t = lane >> 2, lane & 3
-    d = []
-    for i, j in ((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)):
-        total = 0.0
-        for k in range(8):
-            total += a[i, k] * b[k, j]
-        d.append(np.float32(total + c[i, j]))
-    return tuple(d)
+    # one lane computes the warp's fragments, the others read them (each lane finishes reading
+    # before any lane can meet again with this mailbox: the next call's barrier is in between)
+    block, thread_id = _current_block("mma_sync_m16n8k8_tf32")
+    warp = block.warps[thread_id // WARP_SIZE]
+    tag = warp.tags[(warp.calls[lane] - 1) & 1][lane]
+    done = warp.mma_result
+    if done is None or done[0] is not values or done[1] != tag:
+        done = (values, tag, _mma_fragments(values))
+        warp.mma_result = done
+    return done[2][lane]
+
+
+def _mma_fragments(values: list) -> list[tuple]:
+    """Every lane's D fragment of the warp's ``values`` (32 tuples of a0..a3, b0, b1, c0..c3), as
+    NumPy arrays: A and B as TF32, the 8 products summed in float64 in k order, C added, rounded
+    to float32 (one vectorised pass: the scalar loops took ~20 ms a call, 32 lanes each)."""
+    v = np.array(values, np.float32).reshape(8, 4, 10)            # [g, t, operand]
+    ab = (v[:, :, :6].view(np.uint32) & _TF32_KEEP).view(np.float32).astype(np.float64)
+    a = np.empty((16, 8))
+    a[:8, :4], a[8:, :4], a[:8, 4:], a[8:, 4:] = ab[:, :, 0], ab[:, :, 1], ab[:, :, 2], ab[:, :, 3]
+    b = np.empty((8, 8))
+    b[:4, :], b[4:, :] = ab[:, :, 4].T, ab[:, :, 5].T
+    c = np.empty((16, 8))
+    c[:8, 0::2], c[:8, 1::2], c[8:, 0::2], c[8:, 1::2] = v[:, :, 6], v[:, :, 7], v[:, :, 8], v[:, :, 9]
+    total = np.zeros((16, 8))
+    for k in range(8):                   # k order, as the scalar model (the same float64 sums)
+        total += a[:, k:k + 1] * b[k:k + 1, :]
+    d = (total + c).astype(np.float32)   # [16, 8]
+    return [(d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1])
+            for g in range(8) for t in range(4)]
 
 
 def _tf32(v: Any) -> float:

@@ -4,15 +4,17 @@ Why: a 33-row tree verify runs :func:`.linear.linear` on the CUDA cores at 11-20
 H200's 67 (PERFORMANCE "Where the issue's two targets stand"): the verify forward costs 2.15 AR
 steps and the issue's ratio needs <= 2. ``mma.sync`` on TF32 runs ~494 TFLOP/s dense; splitting
 each float32 operand into a TF32 high part and a TF32 low part and summing three products
-(lo*hi + hi*lo + hi*hi, the lo*lo term dropped) keeps FP32 accuracy ("3xTF32", as CUTLASS's
+(lo*hi + hi*lo + hi*hi, the lo*lo term dropped) keeps near-FP32 accuracy ("3xTF32", as CUTLASS's
 ``OpMultiplyAddFastF32``) at a third of that rate, still far above the CUDA cores. numba-cuda has
-no tensor-core API (limits §5); the ``mma`` and ``cvt.rna.tf32`` instructions are inline PTX in
-``numba.cuda.extending.intrinsic`` codegen, as :mod:`.linear` does its vector loads.
+no tensor-core API (limits §5); the ``mma`` is inline PTX in ``numba.cuda.extending.intrinsic``
+codegen, as :mod:`.linear` does its vector loads, and the split is a bit mask (TF32 toward zero:
+one ``and`` where ``cvt.rna.tf32.f32`` took four instructions).
 
 Numerics: one order per weight shape (N, K), whatever shares the launch.
     Output element ``(m, n)``: the input row m (after the prologue, with :mod:`.linear`'s prologue
     arithmetic: ``(x * inv_rms) * norm_weight`` or ``silu(gate) * up``) and weight row n are each
-    split per element into ``hi = tf32_rna(v)`` and ``lo = tf32_rna(v - hi)``. K is cut into
+    split per element into ``hi = tf32_trunc(v)`` and ``lo = tf32_trunc(v - hi)`` (the low 13
+    mantissa bits cleared; v - hi is exact; |v - hi - lo| < 2^-20 |v|). K is cut into
     :func:`segments` ``S(N, K)`` contiguous segments of ``seg_k`` values (a multiple of 32); a
     segment runs in steps of 32 k; step ``kb`` is four ``m16n8k8`` products ``q = 0..3``, product q
     taking as its 8 k the pairs ``kb + 16 (q >> 1) + 4 t + 2 (q & 1)`` and that + 1, t = 0..3 (a
@@ -63,7 +65,7 @@ from .linear import (
 )
 from .registry import register
 
-__all__ = ["linear_tc", "segments", "partials_shape", "mtiles", "tf32_round", "mma_tf32",
+__all__ = ["linear_tc", "segments", "partials_shape", "mtiles", "tf32_trunc", "mma_tf32",
            "get_kernel", "segment_sum_kernel"]
 
 SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
@@ -79,6 +81,11 @@ TARGET_BLOCKS = 528                   # S(N, K) aims at ~4 items per H200 SM ...
 MIN_SEG_K = 64                        # ... with segments of at least 64 k
 PRESPLIT_MIN_MTILES = 2               # get_kernel's presplit from this many m-tiles on
 PHASE_KS = (512, 256, 128, 128, 128)  # input k staged a phase, by m-tiles (<= 42 KB of static shared memory)
+STAGE_UNROLLS = (2, 2, 4, 4, 4)       # input quads a thread loads at once when staging, by m-tiles
+# a staged row's pad (floats): 16 puts rows g and g + 1 of a quarter-warp's 16-byte B reads 16 banks
+# apart; 4 (a022ba5) put them 4 apart: two wavefronts a read, half of the 33-row lm_head's shared
+# loads conflicted (Nsight Compute, PERFORMANCE "run tensor-core profile"). Layout, not numerics.
+XS_PAD = 16
 RESIDENT_BLOCKS = (4, 3, 3, 2, 2)       # blocks an SM by m-tiles (launch_bounds' minimum; the grid)
 ASYNC_RING = False                    # the weights through the cp.async ring (else registers: mixed, PERFORMANCE)
 RING_STAGES = (4, 3, 3, 3, 3)            # the weights' cp.async ring: steps a lane has in flight, by m-tiles
@@ -89,8 +96,6 @@ RMS_THREADS = 128                     # threads a block of inv_rms_kernel (a war
 PRE_RMS_MIN_ROWS = 9                  # from this many rows the rms runs once (inv_rms_kernel), not in every block
 PROLOGUES = ("none", "rmsnorm", "swiglu")
 TF32_KEEP = np.uint32(0xFFFFE000)     # the bits a tensor core reads of a TF32 operand
-TF32_HALF = np.uint32(0x1000)
-EXP_MASK = np.uint32(0x7F800000)
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
 
@@ -98,8 +103,9 @@ ONE = np.float32(1.0)
 # --- the two instructions ------------------------------------------------------------------------
 
 def _make_instructions() -> tuple[Any, Any]:
-    """``tf32_round(v) -> float32``: ``cvt.rna.tf32.f32`` (round to nearest, ties away, the low 13
-    bits zero); ``mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``:
+    """``tf32_trunc(v) -> float32``: v with its low 13 mantissa bits cleared (TF32 toward zero: one
+    ``and``, where ``cvt.rna.tf32.f32`` is four instructions on sm_90: an add, an inf test, a
+    select and the mask); ``mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``:
     ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32`` with PTX's fragment layout (lane g = lane
     / 4, t = lane % 4: a0 A[g][t], a1 A[g+8][t], a2 A[g][t+4], a3 A[g+8][t+4]; b0 B[t][g], b1
     B[t+4][g]; c0 C[g][2t], c1 C[g][2t+1], c2 C[g+8][2t], c3 C[g+8][2t+1]). Under the simulator:
@@ -107,28 +113,26 @@ def _make_instructions() -> tuple[Any, Any]:
     if SIMULATED:
         from sim.warp import mma_sync_m16n8k8_tf32
 
-        def tf32_round(v):
-            bits = np.array(v, np.float32).view(np.uint32)
-            if (bits & EXP_MASK) == EXP_MASK:      # inf / NaN as they are
-                return np.float32(v)
-            return np.array((bits + TF32_HALF) & TF32_KEEP, np.uint32).view(np.float32)[()]
+        def tf32_trunc(v):
+            bits = np.array(v, np.float32).view(np.uint32) & TF32_KEEP
+            return np.array(bits, np.uint32).view(np.float32)[()]
 
         def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
             return mma_sync_m16n8k8_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-        return tf32_round, mma_tf32
+        return tf32_trunc, mma_tf32
 
     from numba.cuda.extending import intrinsic
 
     f32, i32 = ir.FloatType(), ir.IntType(32)
 
     @intrinsic
-    def tf32_round(typingctx, v):
+    def tf32_trunc(typingctx, v):
         if v != types.float32:
             return None
 
         def codegen(context, builder, signature, args):
-            asm = ir.InlineAsm(ir.FunctionType(i32, [f32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f")
-            return builder.bitcast(builder.call(asm, args), f32)
+            bits = builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, int(TF32_KEEP)))
+            return builder.bitcast(bits, f32)
 
         return types.float32(v), codegen
 
@@ -151,17 +155,18 @@ def _make_instructions() -> tuple[Any, Any]:
 
         return sig, codegen
 
-    return tf32_round, mma_tf32
+    return tf32_trunc, mma_tf32
 
 
-tf32_round, mma_tf32 = _make_instructions()
+tf32_trunc, mma_tf32 = _make_instructions()
 
 
 @cuda.jit(device=True, inline="always")
 def _split(v):
-    """(hi, lo): v's TF32 part and the TF32 part of the rest (v - hi is exact in float32)."""
-    hi = tf32_round(v)
-    return hi, tf32_round(v - hi)
+    """(hi, lo): v's TF32 part toward zero and the TF32 part of the rest (v - hi is exact in
+    float32): |v - hi - lo| < 2^-20 |v|, three instructions (and, sub, and)."""
+    hi = tf32_trunc(v)
+    return hi, tf32_trunc(v - hi)
 
 
 def resident_blocks(mt: int, prologue: str = "none") -> int:
@@ -178,6 +183,16 @@ def phase_k(mt: int) -> int:
     """Input k a block stages at once for ``mt`` m-tiles (its rows' TF32 halves in shared memory):
     few rows take long phases (fewer barriers and staging waits a segment)."""
     return PHASE_KS[mt - 1]
+
+
+def xs_row(mt: int) -> int:
+    """Floats of a staged input row: ``phase_k`` and XS_PAD."""
+    return phase_k(mt) + XS_PAD
+
+
+def stage_unroll(mt: int) -> int:
+    """Input quads a thread has in flight at once while staging ``mt`` m-tiles' rows."""
+    return STAGE_UNROLLS[mt - 1]
 
 
 def ring_stages(mt: int) -> int:
@@ -240,7 +255,9 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
     SLOT = RAW * WARP                     # floats of one ring slot of a warp (32 lanes x 8 quads)
     wait_ring = wait_async(max(STAGES - 1, 0))   # all but the newest STAGES - 1 groups landed
     PHASE_K = phase_k(mt)
-    XS_ROW = PHASE_K + 4                  # a staged row's floats: the pad spreads a B read over the banks
+    XS_ROW = xs_row(mt)
+    STAGE_U = stage_unroll(mt)
+    SQ = 4 * STAGE_U                      # a staging round's floats a thread
     XS = ROWS * XS_ROW
     RESIDENT = resident_blocks(mt, prologue)
 
@@ -289,45 +306,50 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
             _put4(cur, (j >> 1) * 8 + 4 * (j & 1), v0, v1, v2, v3)
 
     @cuda.jit(device=True, inline="always")
-    def stage(x, xs_hi, xs_lo, norm_w, inv_sh, row0, m_rows, ph0, k1, k_dim):
+    def stage(x, xs_hi, xs_lo, norm_w, inv_sh, row0, m_rows, ph0, k1, k_dim, sv, su, sn):
         """Input rows row0.. of the row group at k = ph0 .. ph0 + PHASE_K (up to the segment's last
-        step), prologue applied, split
-        into TF32 halves: xs_hi / xs_lo [ROWS, XS_ROW] (zeros past the segment and past M). One
-        quad a thread and round, all the round's loads before its stores."""
+        step), prologue applied, split into TF32 halves: xs_hi / xs_lo [ROWS, XS_ROW] (zeros past
+        the segment and past M). STAGE_U quads a thread and round, all the round's loads (into
+        sv / su / sn) before any of its arithmetic: one memory latency a round, not one a quad."""
         # the phase's steps only (a short segment stages no dead phase tail); a step's k past the
         # segment are staged as zeros, its products read them
         quads = min(PHASE_K, (k1 - ph0 + STEP_K - 1) // STEP_K * STEP_K) // 4
-        for quad in range(cuda.threadIdx.x, ROWS * quads, THREADS):
-            r = quad // quads
-            kk = (quad - r * quads) * 4
-            k = ph0 + kk
-            row = row0 + r
-            v0 = ZERO
-            v1 = ZERO
-            v2 = ZERO
-            v3 = ZERO
-            if row < m_rows and k < k1:
-                v0, v1, v2, v3 = load_x4(x, row, 0, k)
-                if SWIGLU:
-                    u0, u1, u2, u3 = load_x4(x, row, 0, k_dim + k)
-                    v0 = _silu_mul(v0, u0)
-                    v1 = _silu_mul(v1, u1)
-                    v2 = _silu_mul(v2, u2)
-                    v3 = _silu_mul(v3, u3)
-                if RMS:                  # (x * inv) * weight, as linear's staging
-                    n0, n1, n2, n3 = load_f32x4(norm_w, k)
-                    inv = inv_sh[r]
-                    v0 = v0 * inv * n0
-                    v1 = v1 * inv * n1
-                    v2 = v2 * inv * n2
-                    v3 = v3 * inv * n3
-            h0, l0 = _split(v0)
-            h1, l1 = _split(v1)
-            h2, l2 = _split(v2)
-            h3, l3 = _split(v3)
-            at = r * XS_ROW + kk
-            shared_put4(xs_hi, at, h0, h1, h2, h3)
-            shared_put4(xs_lo, at, l0, l1, l2, l3)
+        total = ROWS * quads
+        for first in range(cuda.threadIdx.x, total, THREADS * STAGE_U):
+            for u in range(STAGE_U):         # the round's loads
+                quad = first + u * THREADS
+                r = quad // quads
+                k = ph0 + (quad - r * quads) * 4
+                row = row0 + r
+                v0, v1, v2, v3 = ZERO, ZERO, ZERO, ZERO
+                if quad < total and row < m_rows and k < k1:
+                    v0, v1, v2, v3 = load_x4(x, row, 0, k)
+                    if SWIGLU:
+                        su[4 * u], su[4 * u + 1], su[4 * u + 2], su[4 * u + 3] = load_x4(x, row, 0, k_dim + k)
+                    if RMS:
+                        sn[4 * u], sn[4 * u + 1], sn[4 * u + 2], sn[4 * u + 3] = load_f32x4(norm_w, k)
+                _put4(sv, 4 * u, v0, v1, v2, v3)
+            for u in range(STAGE_U):         # prologue, split, stores
+                quad = first + u * THREADS
+                if quad < total:
+                    r = quad // quads
+                    kk = (quad - r * quads) * 4
+                    valid = row0 + r < m_rows and ph0 + kk < k1
+                    if RMS:
+                        inv = inv_sh[r]
+                    at = r * XS_ROW + kk
+                    for i in range(4):
+                        v = sv[4 * u + i]
+                        if valid:
+                            if SWIGLU:
+                                v = _silu_mul(v, su[4 * u + i])
+                            if RMS:              # (x * inv) * weight, as linear's staging
+                                v = v * inv * sn[4 * u + i]
+                        h, low = _split(v)
+                        sv[4 * u + i] = h
+                        su[4 * u + i] = low
+                    shared_put4(xs_hi, at, sv[4 * u], sv[4 * u + 1], sv[4 * u + 2], sv[4 * u + 3])
+                    shared_put4(xs_lo, at, su[4 * u], su[4 * u + 1], su[4 * u + 2], su[4 * u + 3])
 
     def tile_ops(tiles, first):
         """(mma_pass, store) over m-tiles first .. first + tiles - 1, their accumulators in one
@@ -392,6 +414,9 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
         part = cuda.local.array(PART, float32)   # (hi, lo) of the A operands of one q, split at use
         xh = cuda.local.array(XQ, float32)   # a quad of each m-tile's B operand: high parts
         xl = cuda.local.array(XQ, float32)   # ... low parts
+        sv = cuda.local.array(SQ, float32)   # staging: a round's input quads, then high parts
+        su = cuda.local.array(SQ, float32)   # ... SwiGLU's up quads, then low parts
+        sn = cuda.local.array(SQ, float32)   # ... RMSNorm's weight quads
         items = row_groups * n_segs * col_blocks
         last_group = -1
         item = cuda.blockIdx.x
@@ -403,6 +428,14 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
             n_base = (rest // n_segs) * BLOCK_COLS + warp * WARP_COLS
             k0 = seg * seg_k
             k1 = min(k0 + seg_k, k_dim)
+            # the weights first: their loads are in flight while the rms and the staging run
+            lane_base = warp * STAGES * SLOT + 4 * lane
+            if RING:
+                for u in range(STAGES - 1):  # the ring's first STAGES - 1 steps
+                    copy_weights(w, ring, lane_base + u * SLOT, n_base, g, t, k0 + u * STEP_K, k1,
+                                 n_cols, k_dim)
+            else:
+                load_weights(w, nxt, n_base, g, t, k0, k1, n_cols, k_dim)
             if RMS and group != last_group:
                 cuda.syncthreads()           # the previous item's staging no longer reads inv_sh
                 if rms_ready:                # inv_rms_kernel ran first (many rows: one pass, not one a block)
@@ -422,17 +455,10 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
                 acc_a[i] = ZERO
             for i in range(ACC_B):
                 acc_b[i] = ZERO
-            lane_base = warp * STAGES * SLOT + 4 * lane
-            if RING:
-                for u in range(STAGES - 1):  # the ring's first STAGES - 1 steps
-                    copy_weights(w, ring, lane_base + u * SLOT, n_base, g, t, k0 + u * STEP_K, k1,
-                                 n_cols, k_dim)
-            else:
-                load_weights(w, nxt, n_base, g, t, k0, k1, n_cols, k_dim)
             slot = 0
             for ph0 in range(k0, k1, PHASE_K):
                 cuda.syncthreads()           # every warp done with the last phase (and inv_sh written)
-                stage(x, xs_hi, xs_lo, norm_w, inv_sh, row0, m_rows, ph0, k1, k_dim)
+                stage(x, xs_hi, xs_lo, norm_w, inv_sh, row0, m_rows, ph0, k1, k_dim, sv, su, sn)
                 cuda.syncthreads()           # the phase's staged rows visible to every warp
                 for kb in range(ph0, min(ph0 + PHASE_K, k1), STEP_K):
                     # step kb + STAGES - 1 into the slot read last step (this lane's own copies:
@@ -585,7 +611,7 @@ def _setup(prologue: str, residual: bool, rows: int, n_cols: int, k_dim: int) ->
     blocks = items if items <= slots else max(row_groups, slots // row_groups * row_groups)
     grid = (blocks, 1, 1)
     smem = ring_bytes(mt, ASYNC_RING)
-    static = 4 * (2 * TILE_M * mt * (phase_k(mt) + 4) + TILE_M * mt)
+    static = 4 * (2 * TILE_M * mt * xs_row(mt) + TILE_M * mt)
     opt_in = smem + static > 48 * 1024
     check_launch(grid, WARPS * WARP, smem, opt_in=opt_in, static_shared_bytes=static)
     sum_grid = (-(-(rows * n_cols) // SUM_THREADS), 1, 1)
@@ -645,7 +671,7 @@ def linear_tc(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float =
     kernel, grid, smem, opt_in, n_segs, seg_k, sum_grid, row_groups, col_blocks = _setup(
         prologue, residual is not None, m_rows, n_cols, k_dim)
     w_k = _kernel_weight(w)
-    spare_partials, spare_rows = _placeholders(SIMULATED or not is_device_array(out))
+    spare_partials, spare_rows = _placeholders(not is_device_array(out))
     if pre_rms:
         inv_rms_kernel[-(-m_rows // (RMS_THREADS // WARP)), RMS_THREADS, _stream(stream), 0](
             x, inv_rms, m_rows, k_dim, eps32)
@@ -664,8 +690,8 @@ def _workspace(given: Any, name: str, shape: tuple[int, ...], out: Any) -> Any:
     """A float32 C-contiguous workspace of ``shape``: ``given`` after its checks (a device array
     where ``out`` is one), or a new one of out's kind where None (not inside a captured graph)."""
     if given is None:
-        return (np.empty(shape, np.float32) if SIMULATED or not is_device_array(out)
-                else cuda.device_array(shape, np.float32))
+        return (cuda.device_array(shape, np.float32) if is_device_array(out)
+                else np.empty(shape, np.float32))
     given = _f32(given, name, len(shape))
     if is_device_array(out) and not is_device_array(given):
         raise TypeError(f"{name} must be a device array where out is one")
@@ -678,7 +704,8 @@ def _workspace(given: Any, name: str, shape: tuple[int, ...], out: Any) -> Any:
 
 @functools.lru_cache(maxsize=2)
 def _placeholders(host: bool) -> tuple[Any, Any]:
-    """float32 [1, 1, 1] and [1] arrays (host ones, or device ones made once) for the kernel's
+    """float32 [1, 1, 1] and [1] arrays (host ones, or device ones made once, also under the
+    simulator: a NumPy argument beside device ones would be a copy a launch) for the kernel's
     unused ``partials`` and ``inv_rms`` slots."""
     spare = (np.zeros((1, 1, 1), np.float32), np.zeros(1, np.float32))
     return spare if host else tuple(cuda.to_device(a) for a in spare)
