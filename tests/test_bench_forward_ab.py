@@ -57,13 +57,13 @@ def test_help_explains_the_variants(capsys):
 def test_gpu_variants_time_one_forward(tmp_path):
     import xarray as xr
 
-    assert forward_ab.main(["--preset", "tiny", "--rows", "1", "3", "--variants", "auto/auto,64/4",
+    assert forward_ab.main(["--preset", "tiny", "--rows", "1", "3", "--variants", "auto/auto,64/4,auto/auto-tc",
                             "--out", str(tmp_path / "ab.h5")]) == 0
     import h5py
     with h5py.File(tmp_path / "ab.h5") as f:
         group = "forward_ab/" + list(f["forward_ab"])[0]
     ds = xr.open_dataset(tmp_path / "ab.h5", group=group, engine="h5netcdf")
-    assert ds.forward_us.shape == (2, 2) and float(ds.forward_us.min()) > 0
+    assert ds.forward_us.shape == (3, 2) and float(ds.forward_us.min()) > 0
 
 
 def test_async_ring_variants_parse():
@@ -82,3 +82,12 @@ def test_launch_merge_variants_parse():
     the routing launch."""
     assert forward_ab._variants("auto-merge/auto-seg,auto/auto-seg,auto-unfused/auto-seg,auto-normroute/auto-seg") == [
         ("auto-merge", "auto-seg"), ("auto", "auto-seg"), ("auto-unfused", "auto-seg"), ("auto-normroute", "auto-seg")]
+
+
+def test_tensor_core_variant_parses():
+    """auto-tc: the dense products on the tensor cores (TargetModel's products, numerics: its own
+    cache), the absorbs as auto-seg."""
+    assert forward_ab._variants("auto/auto-seg,auto/auto-tc") == [("auto", "auto-seg"), ("auto", "auto-tc")]
+    for bad in ("auto/tc", "auto/auto-tc4", "auto/auto-seg-tc"):
+        with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+            forward_ab._variants(bad)

@@ -563,6 +563,27 @@ def test_gpu_small_lossless(small_model, seed, bs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gpu_small_tensor_core_products_lossless(small_model, temperature):
+    """products="tensor-core" (kernels.linear_tc for the dense products, batch-invariant on the
+    GPU's own mma): DDTree's tokens are AR's over budgets and block sizes, greedy and sampled."""
+    from ddtree_numba.engine.model import TargetModel
+
+    config, base = small_model
+    model = TargetModel(config, base.weights, batch_size=1, kv_capacity=1024, max_rows=64, products="tensor-core")
+    prompts = _small_prompts(1, 5, config.vocab_size)
+    n = 40
+    ar = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=5)
+    ref = reference_matrix(ar.tokens, n)
+    for budget, block in ((8, 8), (32, 16), (256, 16)):
+        drafter = OracleDrafter(ref, config.vocab_size, block - 1, accuracy=0.8, entropy=0.5, seed=5)
+        tree = generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, max_new_tokens=n,
+                               temperature=temperature, seed=5)
+        assert tree.tokens == ar.tokens, (temperature, budget, block)
+        check_statistics(tree, block)
+
+
+@pytest.mark.gpu
 def test_gpu_small_dflash_lossless(small_model):
     from ddtree_numba.engine.dflash import DFlashDrafter
     from ddtree_numba.engine.model import TargetModel

@@ -50,7 +50,7 @@ def test_bad_options_fail_before_any_run(argv, message, capsys):
 
 def test_bad_option_values_are_rejected_by_the_parser(capsys):
     for argv in (["--batch", "0"], ["--prompt-lens", "2,x"], ["--budget", "-1"], ["--drafter", "eagle"],
-                 ["--attention-split", "0"]):
+                 ["--attention-split", "0"], ["--products", "gpu"]):
         with pytest.raises(SystemExit):
             _parser().parse_args(argv)
     capsys.readouterr()
@@ -121,17 +121,22 @@ def test_warmup_pass_runs_untimed_before_the_reported_runs(tmp_path, monkeypatch
     assert data["ddtree"]["acceptance_histogram"] == [0, 0, 0, 1]
 
 
-def test_tiny_run_over_attention_segments_is_lossless(tmp_path, capsys):
-    """--attention-split 16 (tiny's attention chunk): a 17-token prompt and the rows after it span two
+@pytest.mark.parametrize("prompt_len, option, header, field", [
+    (17, ["--attention-split", "16"], "attention segments of 16 keys", ("attention_split", 16)),
+    (3, ["--products", "tensor-core"], "products on the tensor cores", ("products", "tensor-core")),
+])
+def test_tiny_run_with_other_numerics_is_lossless(tmp_path, capsys, prompt_len, option, header, field):
+    """The numerics options, each lossless on tiny, named by the run's header and JSON.
+    --attention-split 16 (tiny's attention chunk): a 17-token prompt and the rows after it span two
     segments, so the prefill, the AR steps and the tree verify all run the segment merge (the
-    default's 2048-key segment never merges at these sizes) and DDTree still gives AR's tokens;
-    the run's header and JSON name the split."""
-    out = tmp_path / "split.json"
-    status = _run(["--preset", "tiny", "--batch", "1", "--prompt-len", "17", "--max-new-tokens", "2",
+    default's 2048-key segment never merges at these sizes). --products tensor-core: the dense
+    products through kernels.linear_tc (the simulator's mma model)."""
+    out = tmp_path / "run.json"
+    status = _run(["--preset", "tiny", "--batch", "1", "--prompt-len", str(prompt_len), "--max-new-tokens", "2",
                    "--budget", "2", "--block-size", "3", "--accuracy", "1", "--quiet", "--no-graphs",
-                   "--attention-split", "16", "--json", str(out)])
+                   *option, "--json", str(out)])
     text = capsys.readouterr().out
-    assert status == 0 and "attention segments of 16 keys" in text
+    assert status == 0 and header in text
     data = json.loads(out.read_text())
-    assert data["identical"] is True and data["attention_split"] == 16
+    assert data["identical"] is True and data[field[0]] == field[1]
     assert data["ar"]["forward_passes"] == 2 and data["ddtree"]["forward_passes"] == 2  # prefill + one step / round

@@ -162,12 +162,24 @@ def scenario() -> dict[str, Any]:
     Three models share one weight upload and one KV cache (prefill Tc = 9, tree Tc = 4, AR Tc = 1),
     so the bitwise comparisons also cover a change of Tc. Returns host copies.
     """
+    return _run_scenario("cuda-core")
+
+
+@pytest.fixture(scope="module")
+def scenario_tc() -> dict[str, Any]:
+    """The same scenario with the dense products on the tensor cores (``products="tensor-core"``:
+    kernels.linear_tc; its simulator mma is sim.warp's model)."""
+    return _run_scenario("tensor-core")
+
+
+def _run_scenario(products: str) -> dict[str, Any]:
     config, weights = _tiny()
     cases = _golden_built()
     pre, tree = cases["prefill"], cases["tree"]
-    prefill = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
+    prefill = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1),
+                          products=products)
     shared = dict(weights=prefill.weights, batch_size=2, kv_capacity=KV_CAPACITY, capture_layers=(0, 1),
-                  cache=prefill.cache)
+                  cache=prefill.cache, products=products)
     verify = TargetModel(config, max_rows=TREE_ROWS, **shared)
     decode = TargetModel(config, max_rows=1, **shared)
     out: dict[str, Any] = {}
@@ -274,6 +286,48 @@ def test_tree_nodes_equal_ar_steps_bitwise(scenario) -> None:
                                           scenario["replay"]["features"][b, node])
     np.testing.assert_array_equal(scenario["past_after_replay"],
                                   scenario["past_after_prefill"] + [len(p) for p in scenario["paths"]])
+
+
+def test_tensor_core_products_match_reference_and_keep_tree_nodes_equal_to_ar_steps(scenario_tc) -> None:
+    """products="tensor-core": every step within LOGIT_TOL / HIDDEN_TOL of the float64 reference,
+    every node of the trees' deepest paths bit for bit the AR replay's (lossless: linear_tc is
+    batch-invariant), the guarded AR step allocated and copied nothing, and the bits differ from
+    the CUDA-core products' somewhere (another kernel ran)."""
+    got = scenario_tc
+    for step in STEPS:
+        ds = _golden_built()[step]
+        for b, size in enumerate(ds.in_sizes.values):
+            _assert_close(got[step]["logits"][b, :size], ds.out_logits.values[b, :size], LOGIT_TOL,
+                          f"{step} logits[{b}]")
+            features = got[step]["features"][b, :size].reshape(size, 2, -1)  # [T, 2, D]
+            _assert_close(features, ds.out_hidden.values[b, :size][:, 1:], HIDDEN_TOL, f"{step} features[{b}]")
+    for b, path in enumerate(got["paths"]):
+        assert len(path) >= 3
+        for node in path:
+            np.testing.assert_array_equal(got["tree"]["logits"][b, node], got["replay"]["logits"][b, node])
+            np.testing.assert_array_equal(got["tree"]["features"][b, node], got["replay"]["features"][b, node])
+    guard = got["guard"]
+    assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
+
+
+def test_products_are_numerics_shared_by_a_cache() -> None:
+    """``products`` is checked, remembered by the cache (a model of the other kind is refused on
+    it) and handed on by decode.model_with_rows; tensor-core models run no split-K products."""
+    from ddtree_numba.engine.decode import model_with_rows
+
+    config, weights = _tiny()
+    kw = dict(batch_size=1, kv_capacity=KV_CAPACITY)
+    tc_model = TargetModel(config, weights, **kw, max_rows=1, products="tensor-core")
+    assert tc_model.products == "tensor-core" and tc_model.cache.products == "tensor-core"
+    assert tc_model._wo_split is None and tc_model._w2_split is None and tc_model._tc is not None
+    derived = model_with_rows(tc_model, 4, ())
+    assert derived.products == "tensor-core" and derived.cache is tc_model.cache
+    with pytest.raises(ValueError, match="products must be the cache's models' 'tensor-core'"):
+        TargetModel(config, tc_model.weights, **kw, max_rows=4, cache=tc_model.cache)
+    with pytest.raises(ValueError, match="products must be one of"):
+        TargetModel(config, weights, **kw, max_rows=1, products="tensor")
+    with pytest.raises(TypeError, match="products"):
+        TargetModel(config, weights, **kw, max_rows=1, products=1)
 
 
 def test_request_alone_equals_request_in_batch_bitwise(scenario) -> None:

@@ -307,6 +307,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-split", type=positive_arg, default=None, metavar="KEYS",
                         help="keys per attention segment (TargetModel's attention_split, numerics; "
                              "default: the engine's, 2048)")
+    parser.add_argument("--products", choices=("cuda-core", "tensor-core"), default="cuda-core",
+                        help="kernels of the dense matrix products (TargetModel's products, numerics: "
+                             "kernels/linear.py or kernels/linear_tc.py; default: cuda-core)")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -361,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         drafting = bs == 1 and args.accuracy
         capacity = required_kv_capacity([args.prompt_len], n, args.budget if drafting else 0)
         split = {} if args.attention_split is None else {"attention_split": args.attention_split}
-        model = TargetModel(config, weights, batch_size=bs, kv_capacity=capacity, max_rows=args.prompt_len, **split)
+        model = TargetModel(config, weights, batch_size=bs, kv_capacity=capacity, max_rows=args.prompt_len,
+                            products=args.products, **split)
         args.attention_split = model.attention_split  # recorded in the run's config
         weights = model.weights  # uploaded once, shared by the next models
         # The model's absorb path (numerics: a process keeps one) and its layout knobs as set.
@@ -380,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     del host_weights
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
           f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}, "
-          f"attention segments of {args.attention_split} keys"
+          f"attention segments of {args.attention_split} keys, products {args.products}"
           + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
     print(format_table(ar_points, trees, bandwidth, profile.name))
     if args.out:
@@ -389,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
                                                       "temperature", "odd_tiles", "quads", "ring", "absorbs",
-                                                      "attention_split")}
+                                                      "attention_split", "products")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),

@@ -42,10 +42,14 @@ read with four scalar shared loads a lane and staged one float a load, as before
 ``linear.VECTOR_X_LOADS`` and ``linear.VECTOR_STAGING`` off), ``auto-sstage`` (the scalar staging
 only) or ``auto-seg-asyncN`` (``auto-seg`` with the weights' async ``cp.async`` ring at N slots a
 warp, N in 2..8, where ``linear._launch_plan`` gives it; every other COLS keeps
-``linear.ASYNC_RING_STAGES``, 0 by default). A variant named twice is timed twice and printed twice; the HDF5 group keeps its last run.
+``linear.ASYNC_RING_STAGES``, 0 by default), or ``auto-tc`` (the dense products on the tensor
+cores, ``TargetModel(products="tensor-core")``: numerics, not layout, so its models get a cache of
+their own; the routed experts and the absorbs as ``auto-seg``, the engine's default, its A/B
+partner). A variant named twice is timed twice and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
+    python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto-seg,auto/auto-tc,auto/auto-seg,auto/auto-tc
 
 Run 2e050e0 (H200, past 192, us per forward; measured with this module's predecessor script, the
 same method): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
@@ -70,7 +74,7 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
-                 "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage",
+                 "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage", "auto-tc",
                  *(f"auto-seg-async{n}" for n in range(2, 9)))
 
 
@@ -107,7 +111,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     from reference.weights import init_weights
 
     config = ModelConfig.from_name(preset)
-    weights, cache = init_weights(config, seed), None
+    weights, caches = init_weights(config, seed), {}   # a cache per products kind (numerics)
     dev = Device()
     dev.set_current()
     stream = dev.create_stream()
@@ -123,7 +127,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     few, wide = saved[0], saved[1]
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
     results: dict[str, dict[int, float]] = {}
-    advanced = False
     try:
         for variant in variants:
             tile, cols = variant
@@ -148,7 +151,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
             lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
             lin.SERIAL_HEADS = "-serial" in cols
-            em.SEGMENT_ABSORBS = cols.startswith("auto-seg")
+            em.SEGMENT_ABSORBS = cols.startswith("auto-seg") or cols == "auto-tc"
             ab.TILE_COL_QUADS = (int(cols.rsplit("-c", 1)[1]),) if "-seg-c" in cols else saved_ab[0]
             ab.TILE_ROWS = 4 if cols.endswith("-mt4") else 8 if cols.endswith("-mt8") else saved_ab[1]
             ab.FEW_ROWS = 1 << 30 if cols.endswith("-split") else saved_ab[2]
@@ -161,14 +164,15 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.VECTOR_STAGING = saved[14] and cols not in ("auto-sx", "auto-sstage")
             lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
             lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
+            products = "tensor-core" if cols == "auto-tc" else "cuda-core"
             per_rows = {}
             for rows in row_counts:
                 model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
-                                    max_rows=rows, cache=cache)
-                weights, cache = model.weights, model.cache
-                if not advanced:
+                                    max_rows=rows, cache=caches.get(products), products=products)
+                weights = model.weights
+                if products not in caches:
+                    caches[products] = model.cache
                     model.advance(cuda.to_device(np.array([past], np.int32)))
-                    advanced = True
                 args = forward_inputs(rows, past)
                 graph = StepGraph(lambda s, m=model, a=args: m.forward(*a, stream=s), stream)
                 graph.warm_up()

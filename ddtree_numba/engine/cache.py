@@ -87,6 +87,7 @@ class KVCache:
         # Keys per attention segment of the models that decode this cache (numerics: they must
         # agree); set by the first TargetModel built on it, checked by the next ones.
         self.attention_split: int | None = None
+        self.products: str | None = None      # the dense products' kernels (TargetModel's products), likewise
 
     def stacked(self) -> tuple[Any, Any]:
         """The arrays every layer's buffers view: latents [n_layers, bs, S, C] and rope keys

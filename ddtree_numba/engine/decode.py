@@ -464,7 +464,8 @@ def model_with_rows(model: Any, rows: int, capture_layers: Sequence[int]) -> Any
     (``cache=model.cache``, ``weights=model.weights``: nothing is uploaded twice) and kept for the
     next call. A prefill model (rows = longest prompt), an AR model (1 row) and a tree model
     (1 + budget rows) thus share one cache; each allocates only its activation buffers. They
-    share ``model``'s attention segment size too (``attention_split``: numerics).
+    share ``model``'s attention segment size and product kernels too (``attention_split``,
+    ``products``: numerics).
     """
     capture = tuple(capture_layers)
     if model.max_rows == rows and tuple(model.capture_layers) == capture:
@@ -472,7 +473,7 @@ def model_with_rows(model: Any, rows: int, capture_layers: Sequence[int]) -> Any
     derived = _DERIVED.setdefault(model, {})
     key = (rows, capture)
     if key not in derived:
-        numerics = {"attention_split": model.attention_split} if hasattr(model, "attention_split") else {}
+        numerics = {name: getattr(model, name) for name in ("attention_split", "products") if hasattr(model, name)}
         derived[key] = type(model)(model.config, model.weights, batch_size=model.batch_size,
                                    kv_capacity=model.kv_capacity, max_rows=rows, capture_layers=capture,
                                    stream=model.stream, cache=model.cache, **numerics)

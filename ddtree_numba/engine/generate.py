@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "heads): part of the numerics, shared by AR and DDTree; smaller segments speed an "
                             "AR step over a long prompt and slow a tree's verify over a short one "
                             "(default: 2048, one segment for the presets' short runs)")
+    model.add_argument("--products", choices=("cuda-core", "tensor-core"), default="cuda-core",
+                       help="kernels of the dense matrix products (w_a, w_q, o_proj, lm_head, dense and "
+                            "shared experts): cuda-core (kernels/linear.py, FP32 FMAs) or tensor-core "
+                            "(kernels/linear_tc.py, 3xTF32 mma.sync, within 2^-19 of FP32 per product); "
+                            "part of the numerics, shared by AR and DDTree (default: cuda-core)")
     model.add_argument("--seed", type=int, default=0,
                        help="seed of the random weights, prompts, drafter and sampling (default: %(default)s)")
     batch = parser.add_argument_group("requests")
@@ -293,7 +298,7 @@ def _run(args: argparse.Namespace) -> int:
     prompts = [rng.integers(0, config.vocab_size, size=p).tolist() for p in lens]
     split = {} if args.attention_split is None else {"attention_split": args.attention_split}
     model = TargetModel(config, weights, batch_size=bs, kv_capacity=required_kv_capacity(lens, n, budget),
-                        max_rows=max(lens), capture_layers=capture, **split)
+                        max_rows=max(lens), capture_layers=capture, products=args.products, **split)
     graphs = not args.no_graphs and not simulated
     common = dict(max_new_tokens=n, temperature=args.temperature, seed=args.seed, stop_tokens=args.stop,
                   graphs=graphs)
@@ -301,7 +306,8 @@ def _run(args: argparse.Namespace) -> int:
           f"batch {bs}, prompt lengths {lens}, {n} new tokens, temperature {args.temperature}, "
           f"drafter {args.drafter}, budget {budget}, block size {block}, "
           f"{'CUDA graphs' if graphs else 'eager steps'}"
-          f"{'' if args.attention_split is None else f', attention segments of {model.attention_split} keys'}",
+          f"{'' if args.attention_split is None else f', attention segments of {model.attention_split} keys'}"
+          f"{'' if args.products == 'cuda-core' else ', products on the tensor cores'}",
           flush=True)
 
     def run_both(label: str) -> tuple[Any, Any]:
@@ -347,7 +353,8 @@ def _run(args: argparse.Namespace) -> int:
             "entropy": args.entropy if args.drafter == "oracle" else None,
             "temperature": args.temperature, "stop_tokens": args.stop or [], "prompts": prompts,
             "max_new_tokens": n, "budget": budget, "block_size": block, "graphs": graphs,
-            "attention_split": model.attention_split, "identical": identical, "ar": ar.summary(), "ddtree": tree.summary(),
+            "attention_split": model.attention_split, "products": model.products, "identical": identical,
+            "ar": ar.summary(), "ddtree": tree.summary(),
         })
         print(f"wrote {args.json}")
     return 0 if identical else 1

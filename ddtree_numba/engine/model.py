@@ -52,6 +52,7 @@ from ddtree_numba.kernels.absorb import absorb, supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
+from ddtree_numba.kernels.linear_tc import linear_tc, partials_shape
 from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, mla_rope_kv_write, moe_combine,
                                             moe_route, rms_norm, rope_tables)
 from ddtree_numba.kernels.registry import register
@@ -63,12 +64,19 @@ __all__ = [
     "Activations",
     "ForwardOut",
     "PREP_THREADS",
+    "PRODUCTS",
     "TargetModel",
     "attention_tile_config",
     "prefill_visibility",
 ]
 
 PREP_THREADS = 128  # rows per block of the row-preparation kernel
+# The dense matrix products (w_a, w_q, o_proj, lm_head, the dense and shared experts' SwiGLU
+# products): "cuda-core", kernels.linear (the default; o_proj and the dense down_proj split over K
+# where that pays, the same bits), or "tensor-core", kernels.linear_tc (3xTF32 mma.sync, its own
+# K segments). Numerics, not layout: the models that decode one cache must agree (TargetModel's
+# ``products``). The routed experts and the MLA absorbs keep their kernels either way.
+PRODUCTS = ("cuda-core", "tensor-core")
 COPY_THREADS = 128  # elements per block of the feature copy
 SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are Python threads)
 # Attention tiles by launch size (nodes x default head tiles, against the device's SMs): fewer
@@ -418,6 +426,10 @@ class TargetModel:
             slow a 33-node launch by 31 %), and a workspace of ``ceil(kv_capacity / split) x
             bs x max_rows x H x (C + 2)`` floats per model. Default: ``va.DEFAULT_SPLIT_SIZE``
             (2048). Read-only after construction (the plan is made here).
+        products: the dense products' kernels, one of :data:`PRODUCTS` (numerics: the models of
+            one cache must agree, like ``attention_split``). "tensor-core" allocates their segment
+            workspace (the largest ``linear_tc.partials_shape`` of the model's product shapes) and
+            an [M] rms workspace once, here. Default "cuda-core".
     """
 
     @property
@@ -425,9 +437,15 @@ class TargetModel:
         """Keys per attention segment (numerics; fixed at construction, see the class docstring)."""
         return self._attention_split
 
+    @property
+    def products(self) -> str:
+        """The dense products' kernels, one of :data:`PRODUCTS` (numerics; fixed at construction)."""
+        return self._products
+
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | DeviceWeights, *, batch_size: int,
                  kv_capacity: int, max_rows: int, capture_layers: Sequence[int] = (), stream: Any = 0,
-                 cache: KVCache | None = None, attention_split: int = va.DEFAULT_SPLIT_SIZE) -> None:
+                 cache: KVCache | None = None, attention_split: int = va.DEFAULT_SPLIT_SIZE,
+                 products: str = "cuda-core") -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.config = config
@@ -446,6 +464,14 @@ class TargetModel:
             raise ValueError(f"attention_split must be the cache's models' {cache.attention_split} "
                              f"(numerics: AR and tree models of one cache must agree), got {split}")
         self._attention_split = split
+        if not isinstance(products, str):
+            raise TypeError(f"products must be a str, got {type(products).__name__}")
+        if products not in PRODUCTS:
+            raise ValueError(f"products must be one of {PRODUCTS}, got {products!r}")
+        if cache is not None and getattr(cache, "products", None) not in (None, products):
+            raise ValueError(f"products must be the cache's models' {cache.products!r} "
+                             f"(numerics: AR and tree models of one cache must agree), got {products!r}")
+        self._products = products
         self.tile_config = attention_tile_config(config, self.max_rows, self.batch_size)
         self.max_path = self.tile_config.max_path  # longest visible path of a row (prefill chunk bound)
         if split % self.tile_config.chunk:
@@ -476,6 +502,7 @@ class TargetModel:
             raise ValueError("cache: a KVCache of another config, batch_size or capacity")
         self.cache = cache
         cache.attention_split = split   # what every model of this cache must use
+        cache.products = products
 
         cos, sin = rope_tables(config, self.kv_capacity)  # [S, R / 2] each
         self.rope_cos = cuda.to_device(np.ascontiguousarray(cos, dtype=np.float32), stream=stream)
@@ -490,6 +517,7 @@ class TargetModel:
         m, d, hv, inter = self.batch_size * self.max_rows, config.hidden_size, config.n_heads * config.v_head_dim, \
             config.dense_intermediate
         self._wo_split = self._w2_split = None
+        self._tc = self._tensor_core_workspaces(m, stream) if products == "tensor-core" else None
         # The absorbs read their weights k-major: kernels.absorb always (SEGMENT_ABSORBS), else
         # head_linear's thread-serial kernel where it runs (linear.SERIAL_HEADS on, the GPU
         # default, many rows: linear.serial_plan; the same bits as its warp layout).
@@ -500,17 +528,42 @@ class TargetModel:
                 serial_plan(m, config.n_heads, config.kv_lora_rank, config.qk_nope_dim) is not None:
             self._absorb_kn = (self.weights.k_major("w_uk_t", stream=stream),  # per layer [H, nope, C]
                                self.weights.k_major("w_uv", stream=stream))    # per layer [H, C, v]
-        if split_k_pays(m, hv):
+        if self._tc is None and split_k_pays(m, hv):
             g = split_k_segments(hv)
             self._wo_split = (self.weights.split("w_o", stream=stream),  # per layer [G, D, Hv / G]
                               self.buffers.heads.reshape(m, g, hv // g),  # [M, G, Hv / G]
                               cuda.device_array((m, g, d), np.float32, stream=stream))  # [M, G, D]
-        if self.buffers.h13 is not None and split_k_pays(m, inter):
+        if self._tc is None and self.buffers.h13 is not None and split_k_pays(m, inter):
             g = split_k_segments(inter)
             act = cuda.device_array((m, inter), np.float32, stream=stream)  # [M, I] silu(gate) * up
             self._w2_split = (self.weights.split("w2", stream=stream), act,  # per layer [G, D, I / G]
                               act.reshape(m, g, inter // g),  # [M, G, I / G]
                               cuda.device_array((m, g, d), np.float32, stream=stream))  # [M, G, D]
+
+    def _tensor_core_workspaces(self, m: int, stream: Any) -> tuple[dict, Any]:
+        """linear_tc's workspaces for ``m`` rows: ({(N, K): partials view [S, M, N] or None}, inv_rms
+        [M]); one flat buffer serves every shape (the products run one after another)."""
+        shapes = {tuple(self.weights.lm_head.shape)}
+        for lw in self.weights.layers:
+            a, f = lw.attn, lw.ffn
+            shapes |= {tuple(a.w_a.shape), tuple(a.w_q.shape), tuple(a.w_o.shape)}
+            if isinstance(f, DenseFfnWeights):
+                shapes |= {tuple(f.w13.shape), tuple(f.w2.shape)}
+            elif f.shared_w13 is not None:
+                shapes |= {tuple(f.shared_w13.shape), tuple(f.shared_w2.shape)}
+        need = {shape: partials_shape(m, *shape) for shape in sorted(shapes)}
+        flat = cuda.device_array(max([1] + [int(np.prod(p)) for p in need.values() if p[0] > 1]), np.float32,
+                                 stream=stream)
+        views = {shape: flat[:int(np.prod(p))].reshape(p) if p[0] > 1 else None for shape, p in need.items()}
+        return views, cuda.device_array(m, np.float32, stream=stream)
+
+    def _product(self, x: Any, w: Any, out: Any, stream: Any, **prologue: Any) -> None:
+        """out = prologue(x) @ w.T (+ residual) through the model's ``products`` kernels."""
+        if self._tc is None:
+            linear(x, w, out, stream=stream, **prologue)
+        else:
+            partials, inv_rms = self._tc
+            linear_tc(x, w, out, partials=partials[tuple(w.shape)], inv_rms=inv_rms, stream=stream, **prologue)
 
     # ------------------------------------------------------------------ inputs
 
@@ -595,8 +648,8 @@ class TargetModel:
             self._ffn(lw, stream)
             if lw.index in self._capture_slot:
                 self._capture(lw.index, stream)
-        linear(b.x, self.weights.lm_head, self._views.logits, norm_weight=self.weights.final_norm,
-               eps=self.config.rms_norm_eps, stream=stream)  # [M, V]
+        self._product(b.x, self.weights.lm_head, self._views.logits, stream, norm_weight=self.weights.final_norm,
+                      eps=self.config.rms_norm_eps)  # [M, V]
         return ForwardOut(logits=b.logits, features=b.features)
 
     def _absorb(self, x: Any, w: Any, w_kn: Any, out: Any, stream: Any) -> None:
@@ -611,11 +664,11 @@ class TargetModel:
         """x += wo(W_UV · verify_attention(absorbed q, cache)) for one layer, its new rows cached first."""
         c, b, v, w = self.config, self.buffers, self._views, lw.attn
         eps = c.rms_norm_eps
-        linear(b.x, w.w_a, b.a, norm_weight=w.norm, eps=eps, stream=stream)  # [M, Qa + C + R]
+        self._product(b.x, w.w_a, b.a, stream, norm_weight=w.norm, eps=eps)  # [M, Qa + C + R]
         if v.a_q is not None:
-            linear(v.a_q, w.w_q, v.q2, norm_weight=w.q_norm, eps=eps, stream=stream)  # [M, H * (nope + R)]
+            self._product(v.a_q, w.w_q, v.q2, stream, norm_weight=w.q_norm, eps=eps)  # [M, H * (nope + R)]
         else:
-            linear(b.x, w.w_q, v.q2, norm_weight=w.norm, eps=eps, stream=stream)
+            self._product(b.x, w.w_q, v.q2, stream, norm_weight=w.norm, eps=eps)
         latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
         if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
             mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
@@ -632,7 +685,7 @@ class TargetModel:
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream)  # [bs, Tc, H, C]
         self._absorb(v.attn, w.w_uv, uv_kn, b.heads, stream)  # [M, H, v]
         if self._wo_split is None:
-            linear(v.heads, w.w_o, b.x, residual=b.x, stream=stream)  # [M, D]
+            self._product(v.heads, w.w_o, b.x, stream, residual=b.x)  # [M, D]
         else:
             w_split, heads, parts = self._wo_split
             linear_split_k(heads, w_split[lw.index], parts, b.x, residual=b.x, stream=stream)  # [M, D]
@@ -642,9 +695,9 @@ class TargetModel:
         c, b, f = self.config, self.buffers, lw.ffn
         eps = c.rms_norm_eps
         if isinstance(f, DenseFfnWeights):
-            linear(b.x, f.w13, b.h13, norm_weight=f.norm, eps=eps, stream=stream)  # [M, 2I]
+            self._product(b.x, f.w13, b.h13, stream, norm_weight=f.norm, eps=eps)  # [M, 2I]
             if self._w2_split is None:
-                linear(b.h13, f.w2, b.x, swiglu=True, residual=b.x, stream=stream)  # [M, D]
+                self._product(b.h13, f.w2, b.x, stream, swiglu=True, residual=b.x)  # [M, D]
             else:
                 w_split, act, act_split, parts = self._w2_split
                 swiglu_rows(b.h13, act, stream=stream)  # [M, I]
@@ -661,8 +714,8 @@ class TargetModel:
         expert_linear(b.xn, f.w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J, 2I]
         expert_linear(b.e13, f.w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, stream=stream)  # [J, D]
         if f.shared_w13 is not None:
-            linear(b.xn, f.shared_w13, b.s13, stream=stream)  # [M, 2Is]
-            linear(b.s13, f.shared_w2, b.s_out, swiglu=True, stream=stream)  # [M, D]
+            self._product(b.xn, f.shared_w13, b.s13, stream)  # [M, 2Is]
+            self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
         moe_combine(b.x, b.e_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream)  # [M, D]
 
     def _capture(self, layer: int, stream: Any) -> None:
