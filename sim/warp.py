@@ -271,12 +271,6 @@ def _mma_fragments(values: list) -> list[tuple]:
             for g in range(8) for t in range(4)]
 
 
-def _tf32(v: Any) -> float:
-    """float64 of v's TF32 operand bits (float32 with the low 13 mantissa bits cleared)."""
-    bits = np.array(v, np.float32).view(np.uint32) & _TF32_KEEP
-    return float(np.array(bits, np.uint32).view(np.float32))
-
-
 def _abort_block(error: Exception) -> None:
     """Record ``error`` and break the block's warp barriers: no lane waits for a failed one."""
     if getattr(threading.current_thread(), "_manager", None) is None:

@@ -140,3 +140,13 @@ def test_tiny_run_with_other_numerics_is_lossless(tmp_path, capsys, prompt_len, 
     data = json.loads(out.read_text())
     assert data["identical"] is True and data[field[0]] == field[1]
     assert data["ar"]["forward_passes"] == 2 and data["ddtree"]["forward_passes"] == 2  # prefill + one step / round
+
+
+def test_products_choices_are_the_engines():
+    """--products offers engine.model.PRODUCTS (spelled out in the CLIs: --help imports no CUDA)."""
+    from ddtree_numba.bench import decode_step
+    from ddtree_numba.engine.model import PRODUCTS
+
+    for parser in (_parser(), decode_step._parser()):
+        action = next(a for a in parser._actions if a.dest == "products")
+        assert tuple(action.choices) == PRODUCTS and action.default == "cuda-core"

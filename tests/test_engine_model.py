@@ -288,7 +288,7 @@ def test_tree_nodes_equal_ar_steps_bitwise(scenario) -> None:
                                   scenario["past_after_prefill"] + [len(p) for p in scenario["paths"]])
 
 
-def test_tensor_core_products_match_reference_and_keep_tree_nodes_equal_to_ar_steps(scenario_tc) -> None:
+def test_tensor_core_products_match_reference_and_keep_tree_nodes_equal_to_ar_steps(scenario_tc, scenario) -> None:
     """products="tensor-core": every step within LOGIT_TOL / HIDDEN_TOL of the float64 reference,
     every node of the trees' deepest paths bit for bit the AR replay's (lossless: linear_tc is
     batch-invariant), the guarded AR step allocated and copied nothing, and the bits differ from
@@ -308,16 +308,25 @@ def test_tensor_core_products_match_reference_and_keep_tree_nodes_equal_to_ar_st
             np.testing.assert_array_equal(got["tree"]["features"][b, node], got["replay"]["features"][b, node])
     guard = got["guard"]
     assert guard["calls"] == [] and guard["host_args"] == [] and guard["result_is_owned"]
+    assert not np.array_equal(got["tree"]["logits"], scenario["tree"]["logits"])
 
 
-def test_products_are_numerics_shared_by_a_cache() -> None:
+def test_products_are_numerics_shared_by_a_cache(monkeypatch) -> None:
     """``products`` is checked, remembered by the cache (a model of the other kind is refused on
     it) and handed on by decode.model_with_rows; tensor-core models run no split-K products."""
     from ddtree_numba.engine.decode import model_with_rows
 
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.kernels import linear as lin
+
     config, weights = _tiny()
     kw = dict(batch_size=1, kv_capacity=KV_CAPACITY)
-    tc_model = TargetModel(config, weights, **kw, max_rows=1, products="tensor-core")
+    monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)     # tiny's K would never split
+    monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
+    monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
+    cc_model = TargetModel(config, weights, **kw, max_rows=1)
+    assert cc_model._wo_split is not None and cc_model._w2_split is not None and cc_model._tc is None
+    tc_model = TargetModel(config, cc_model.weights, **kw, max_rows=1, products="tensor-core")
     assert tc_model.products == "tensor-core" and tc_model.cache.products == "tensor-core"
     assert tc_model._wo_split is None and tc_model._w2_split is None and tc_model._tc is not None
     derived = model_with_rows(tc_model, 4, ())
@@ -328,6 +337,9 @@ def test_products_are_numerics_shared_by_a_cache() -> None:
         TargetModel(config, weights, **kw, max_rows=1, products="tensor")
     with pytest.raises(TypeError, match="products"):
         TargetModel(config, weights, **kw, max_rows=1, products=1)
+    odd = dataclasses.replace(config, q_lora_rank=34)   # linear_tc loads 16 bytes: K % 4 == 0
+    with pytest.raises(ValueError, match=r"products='tensor-core' needs .* q_lora_rank = 34"):
+        TargetModel(odd, weights, **kw, max_rows=1, products="tensor-core")
 
 
 def test_request_alone_equals_request_in_batch_bitwise(scenario) -> None:

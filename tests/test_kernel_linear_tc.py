@@ -111,6 +111,46 @@ def test_simulated_mma_is_the_fragment_layout_product():
     np.testing.assert_array_equal(out.copy_to_host(), (keep(a) @ keep(b) + c).astype(np.float32))
 
 
+@pytest.mark.skipif(not SIMULATED, reason="the simulator's mma model (one lane computes, the others read)")
+def test_simulated_mma_gives_each_warp_and_call_its_own_product():
+    """The model computes a warp call's fragments once and the lanes read them: four warps (two
+    blocks of two) each make three calls, back to back and across a syncwarp (both mailboxes),
+    and every call returns its own product."""
+    calls, warps = 3, 4
+    a = _rand(calls, warps, 16, 8)
+    b = _rand(calls, warps, 8, 8)
+    c = _rand(calls, warps, 16, 8)
+    d = np.zeros((calls, warps, 16, 8), np.float32)
+
+    @cuda.jit
+    def kernel(a, b, c, d):
+        lane = cuda.threadIdx.x & 31
+        w = cuda.blockIdx.x * 2 + (cuda.threadIdx.x >> 5)
+        g, t = lane >> 2, lane & 3
+        for i in range(3):
+            if i == 2:
+                cuda.syncwarp()              # the third call in the other mailbox
+            d0, d1, d2, d3 = tc.mma_tf32(a[i, w, g, t], a[i, w, g + 8, t], a[i, w, g, t + 4], a[i, w, g + 8, t + 4],
+                                         b[i, w, t, g], b[i, w, t + 4, g], c[i, w, g, 2 * t], c[i, w, g, 2 * t + 1],
+                                         c[i, w, g + 8, 2 * t], c[i, w, g + 8, 2 * t + 1])
+            d[i, w, g, 2 * t] = d0
+            d[i, w, g, 2 * t + 1] = d1
+            d[i, w, g + 8, 2 * t] = d2
+            d[i, w, g + 8, 2 * t + 1] = d3
+
+    out = _dev(d)
+    kernel[2, 64](_dev(a), _dev(b), _dev(c), out)
+    keep = lambda m: (m.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)  # noqa: E731
+    want = np.zeros_like(d)
+    for i in range(calls):
+        for w in range(warps):
+            total = np.zeros((16, 8))
+            for k in range(8):               # the model's k order
+                total += keep(a[i, w])[:, k:k + 1] * keep(b[i, w])[k:k + 1, :]
+            want[i, w] = (total + c[i, w]).astype(np.float32)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
 # --- the product ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("m_rows,n_cols,k_dim,prologue", [

@@ -52,7 +52,7 @@ from ddtree_numba.kernels.absorb import absorb, supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
-from ddtree_numba.kernels.linear_tc import linear_tc, partials_shape
+from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
 from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, mla_rope_kv_write, moe_combine,
                                             moe_route, rms_norm, rope_tables)
 from ddtree_numba.kernels.registry import register
@@ -401,6 +401,25 @@ def _check_capture(capture_layers: Any, n_layers: int) -> tuple[int, ...]:
     return ids
 
 
+def _check_tensor_core_shapes(config: ModelConfig) -> None:
+    """ValueError naming ``products`` unless every dense product's K and its input's row stride
+    (floats) are multiples of 4 (linear_tc's 16-byte loads); raised before any upload."""
+    c = config
+    widths = {"hidden_size": c.hidden_size, "n_heads * v_head_dim": c.n_heads * c.v_head_dim,
+              "q_lora_rank + kv_lora_rank + qk_rope_dim (the rows of w_a's output)":
+                  c.q_lora_rank + c.kv_lora_rank + c.qk_rope_dim}
+    if c.q_lora_rank:
+        widths["q_lora_rank"] = c.q_lora_rank
+    if c.n_dense_layers:
+        widths["dense_intermediate"] = c.dense_intermediate
+    if c.n_shared_experts and c.n_layers > c.n_dense_layers:
+        widths["n_shared_experts * moe_intermediate"] = c.n_shared_experts * c.moe_intermediate
+    odd = [f"{name} = {value}" for name, value in widths.items() if value % 4]
+    if odd:
+        raise ValueError(f"products='tensor-core' needs the products' K and row strides to be multiples of 4 "
+                         f"(kernels/linear_tc.py's 16-byte loads); this config has {', '.join(odd)}")
+
+
 class TargetModel:
     """The target on one GPU: weights, KV cache, activation buffers and the attention plan, all
     made once in ``__init__``; :meth:`forward` only launches.
@@ -427,9 +446,12 @@ class TargetModel:
             bs x max_rows x H x (C + 2)`` floats per model. Default: ``va.DEFAULT_SPLIT_SIZE``
             (2048). Read-only after construction (the plan is made here).
         products: the dense products' kernels, one of :data:`PRODUCTS` (numerics: the models of
-            one cache must agree, like ``attention_split``). "tensor-core" allocates their segment
-            workspace (the largest ``linear_tc.partials_shape`` of the model's product shapes) and
-            an [M] rms workspace once, here. Default "cuda-core".
+            one cache must agree, like ``attention_split``). "tensor-core" needs every product's
+            K and input row stride a multiple of 4 floats (checked here) and allocates, once,
+            its segment workspace: the largest ``linear_tc.partials_shape`` of the model's
+            product shapes, S x M x N floats (small's lm_head: 3 x M x V, three times the logits
+            buffer, per model: a long prefill model's is the largest), and an [M] rms workspace.
+            Default "cuda-core".
     """
 
     @property
@@ -471,6 +493,8 @@ class TargetModel:
         if cache is not None and getattr(cache, "products", None) not in (None, products):
             raise ValueError(f"products must be the cache's models' {cache.products!r} "
                              f"(numerics: AR and tree models of one cache must agree), got {products!r}")
+        if products == "tensor-core":
+            _check_tensor_core_shapes(config)
         self._products = products
         self.tile_config = attention_tile_config(config, self.max_rows, self.batch_size)
         self.max_path = self.tile_config.max_path  # longest visible path of a row (prefill chunk bound)
@@ -542,7 +566,9 @@ class TargetModel:
 
     def _tensor_core_workspaces(self, m: int, stream: Any) -> tuple[dict, Any]:
         """linear_tc's workspaces for ``m`` rows: ({(N, K): partials view [S, M, N] or None}, inv_rms
-        [M]); one flat buffer serves every shape (the products run one after another)."""
+        [M]); one flat buffer serves every shape (the products run one after another). Also makes
+        linear_tc's device placeholders now, so that no first call allocates (a captured one)."""
+        allocate_placeholders()
         shapes = {tuple(self.weights.lm_head.shape)}
         for lw in self.weights.layers:
             a, f = lw.attn, lw.ffn

@@ -14,7 +14,9 @@ Numerics: one order per weight shape (N, K), whatever shares the launch.
     Output element ``(m, n)``: the input row m (after the prologue, with :mod:`.linear`'s prologue
     arithmetic: ``(x * inv_rms) * norm_weight`` or ``silu(gate) * up``) and weight row n are each
     split per element into ``hi = tf32_trunc(v)`` and ``lo = tf32_trunc(v - hi)`` (the low 13
-    mantissa bits cleared; v - hi is exact; |v - hi - lo| < 2^-20 |v|). K is cut into
+    mantissa bits cleared; v - hi is exact; |v - hi - lo| < 2^-20 |v| for normal v; hi, lo and
+    the dropped lo * lo carry v's sign, so a product is biased toward zero by up to ~2^-19 of it,
+    inside the tests' bound, where round-to-nearest would not be biased). K is cut into
     :func:`segments` ``S(N, K)`` contiguous segments of ``seg_k`` values (a multiple of 32); a
     segment runs in steps of 32 k; step ``kb`` is four ``m16n8k8`` products ``q = 0..3``, product q
     taking as its 8 k the pairs ``kb + 16 (q >> 1) + 4 t + 2 (q & 1)`` and that + 1, t = 0..3 (a
@@ -25,7 +27,7 @@ Numerics: one order per weight shape (N, K), whatever shares the launch.
     ``mma`` is the hardware's (PTX does not specify it), but each output element is a function of
     its own row, column and accumulator only, so which rows share the launch (and the row tile: M
     pads to multiples of 8) changes nothing: bit-identical rows alone or in a tree of 33 (tested on
-    the GPU). The simulator's ``mma`` (:func:`sim.warp.mma_sync_m16n8k8_tf32`) sums the 8 exact
+    the GPU at a022ba5; the mask split and layout of 2623eff have not run there yet). The simulator's ``mma`` (:func:`sim.warp.mma_sync_m16n8k8_tf32`) sums the 8 exact
     products and C in float64 and rounds to float32, so its bits differ from the GPU's; both are
     batch-invariant and within the stated tolerance of float64.
 
@@ -66,7 +68,7 @@ from .linear import (
 from .registry import register
 
 __all__ = ["linear_tc", "segments", "partials_shape", "mtiles", "tf32_trunc", "mma_tf32",
-           "get_kernel", "segment_sum_kernel"]
+           "get_kernel", "segment_sum_kernel", "allocate_placeholders"]
 
 SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
 WARP = 32
@@ -80,7 +82,7 @@ UNIT_COLS = 128                       # the column block that S(N, K) counts (nu
 TARGET_BLOCKS = 528                   # S(N, K) aims at ~4 items per H200 SM ...
 MIN_SEG_K = 64                        # ... with segments of at least 64 k
 PRESPLIT_MIN_MTILES = 2               # get_kernel's presplit from this many m-tiles on
-PHASE_KS = (512, 256, 128, 128, 128)  # input k staged a phase, by m-tiles (<= 42 KB of static shared memory)
+PHASE_KS = (512, 256, 128, 128, 128)  # input k staged a phase, by m-tiles (<= 46 KB of static shared memory)
 STAGE_UNROLLS = (2, 2, 4, 4, 4)       # input quads a thread loads at once when staging, by m-tiles
 # a staged row's pad (floats): 16 puts rows g and g + 1 of a quarter-warp's 16-byte B reads 16 banks
 # apart; 4 (a022ba5) put them 4 apart: two wavefronts a read, half of the 33-row lm_head's shared
@@ -700,6 +702,12 @@ def _workspace(given: Any, name: str, shape: tuple[int, ...], out: Any) -> Any:
     if tuple(given.strides) != tuple(4 * int(np.prod(shape[i + 1:])) for i in range(len(shape))):
         raise ValueError(f"{name} must be C-contiguous")
     return given
+
+
+def allocate_placeholders() -> None:
+    """Make the device placeholders of the kernel's unused slots now (an engine does this at
+    construction: a first call inside a captured graph or a no-allocation region must not)."""
+    _placeholders(False)
 
 
 @functools.lru_cache(maxsize=2)
