@@ -45,8 +45,8 @@ Work layout (swap-AB: the weight is the ``mma``'s 16-row A operand, the input ro
     rows' 1 / rms come from one pre-pass launch (:func:`inv_rms_kernel`), else each block computes
     them. With S > 1 each item writes its segment's sums to ``partials [S, M, N]`` and
     :func:`segment_sum_kernel` adds them in segment order (a second launch); S = 1 stores ``out``
-    directly. S(N, K) aims at ~4 items an SM for the model's shapes (a function of the weight's
-    shape only, never of M).
+    directly. S(N, K) takes the fewest steps a block over the H200's one-row and 33-row grids
+    (:data:`DESIGN_SLOTS`; a function of the weight's shape only, never of M or the device).
 """
 from __future__ import annotations
 
@@ -79,8 +79,12 @@ TILE_M = 8                            # mma columns (input rows) of one B tile
 MAX_MTILES = 5                        # 40 rows a row group (a 33-row tree in one)
 STEP_K = 32                           # k per step: 4 lanes x two quads, 16 floats apart
 UNIT_COLS = 128                       # the column block that S(N, K) counts (numerics: fixed)
-TARGET_BLOCKS = 528                   # S(N, K) aims at ~4 items per H200 SM ...
-MIN_SEG_K = 64                        # ... with segments of at least 64 k
+# S(N, K) is the segment count that takes the fewest steps a block over two launch sizes of the
+# H200: 4 blocks an SM at 1 m-tile (528 item slots) and 2 at 5 (264); constants, not read off the
+# device (the order must not depend on it). lm_head 32768 x 2048: 2 segments (1 wave of 32 steps
+# at one row) where "~4 items an SM" gave 3 (768 items: 44 steps for a block holding two).
+DESIGN_SLOTS = (528, 264)
+MIN_SEG_K = 64                        # segments of at least 64 k
 PRESPLIT_MIN_MTILES = 2               # get_kernel's presplit from this many m-tiles on
 PHASE_KS = (512, 256, 128, 128, 128)  # input k staged a phase, by m-tiles (<= 46 KB of static shared memory)
 STAGE_UNROLLS = (2, 2, 4, 4, 4)       # input quads a thread loads at once when staging, by m-tiles
@@ -579,12 +583,18 @@ _register_all()
 @functools.lru_cache(maxsize=4096)
 def segments(n_cols: int, k_dim: int) -> tuple[int, int]:
     """(S, seg_k): K's segments for an [N, K] weight, a function of the shape only (the order).
-    About TARGET_BLOCKS blocks of UNIT_COLS columns, segments a multiple of STEP_K and at least
-    MIN_SEG_K long (one segment where K is shorter)."""
+    Segments a multiple of STEP_K and at least MIN_SEG_K long (one segment where K is shorter);
+    of those, the S whose items (UNIT_COLS columns x one segment) take the fewest steps a block
+    summed over DESIGN_SLOTS persistent grids (waves x steps an item), then the fewest segments."""
     col_blocks = -(-n_cols // UNIT_COLS)
-    want = max(1, -(-TARGET_BLOCKS // col_blocks))
-    seg_k = max(MIN_SEG_K, -(-(-(-k_dim // want)) // STEP_K) * STEP_K)
-    return -(-k_dim // seg_k), seg_k
+    best = None
+    for want in range(1, max(1, -(-k_dim // MIN_SEG_K)) + 1):
+        seg_k = max(MIN_SEG_K, -(-(-(-k_dim // want)) // STEP_K) * STEP_K)
+        n_segs = -(-k_dim // seg_k)
+        steps = sum(-(-(col_blocks * n_segs) // slots) * (seg_k // STEP_K) for slots in DESIGN_SLOTS)
+        if best is None or (steps, n_segs) < best[0]:
+            best = ((steps, n_segs), (n_segs, seg_k))
+    return best[1]
 
 
 def mtiles(rows: int) -> int:
