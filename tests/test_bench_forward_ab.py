@@ -87,7 +87,8 @@ def test_launch_merge_variants_parse():
 def test_tensor_core_variant_parses():
     """auto-tc: the dense products on the tensor cores (TargetModel's products, numerics: its own
     cache), the absorbs as auto-seg."""
-    assert forward_ab._variants("auto/auto-seg,auto/auto-tc") == [("auto", "auto-seg"), ("auto", "auto-tc")]
+    assert forward_ab._variants("auto/auto-seg,auto/auto-tc,auto/auto-tc-ring1,auto/auto-tc-ring") == [
+        ("auto", "auto-seg"), ("auto", "auto-tc"), ("auto", "auto-tc-ring1"), ("auto", "auto-tc-ring")]
     for bad in ("auto/tc", "auto/auto-tc4", "auto/auto-seg-tc"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)

@@ -40,11 +40,11 @@ def test_prologue_input_refuses_an_unknown_prologue():
 
 
 def test_impl_option_names_both_products(capsys):
-    """--impl takes the CUDA-core and the tensor-core product and refuses anything else (argparse,
-    before any GPU work)."""
+    """--impl takes the CUDA-core and the tensor-core product (weights through registers or its
+    ring) and refuses anything else (argparse, before any GPU work)."""
     from ddtree_numba.bench import linear as bench_linear
 
-    assert bench_linear.IMPLS == ("cuda-core", "tensor-core")
+    assert bench_linear.IMPLS == ("cuda-core", "tensor-core", "tensor-core-ring")
     with pytest.raises(SystemExit):
         bench_linear.main(["--impl", "wgmma"])
     assert "invalid choice" in capsys.readouterr().err

@@ -7,6 +7,8 @@ the weights' path (registers or the cp.async ring), the pre-split and whether it
 computed in the block or by the pre-pass. Under the simulator the ``mma`` is the model of
 sim.warp (float64 sum of the exact products, one rounding), on the GPU the hardware's.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -56,13 +58,13 @@ def _run(x, w, prologue="none", nw=None, residual=None, **kwargs):
 
 @pytest.fixture
 def layout(monkeypatch):
-    """Set layout knobs (module constants read per launch shape) with the launch cache cleared."""
+    """Set layout knobs (module constants) with the built kernels and launch plans cleared."""
     def set_(**values):
         for name, value in values.items():
             monkeypatch.setattr(tc, name, value)
-        tc._setup.cache_clear()
+        tc.clear_plans()
     yield set_
-    tc._setup.cache_clear()
+    tc.clear_plans()
 
 
 # --- the two instructions ---------------------------------------------------------------------------
@@ -202,14 +204,13 @@ def test_blocks_looping_over_many_items_keep_the_bits(layout, monkeypatch):
     """A grid of one SM's blocks runs the (row group, segment, column block) items in turn: the
     staged rows, each block's own rms and the ring slots reused across items give the same bits as
     one item a block (9 rows: 2 row groups of 1 m-tile; 2 segments)."""
-    from types import SimpleNamespace
-
     x, w, nw = _rand(9, 128), _rand(40, 128), _rand(128)
     layout(MAX_MTILES=1, PRE_RMS_MIN_ROWS=99)
     items = tc.segments(40, 128)[0] * 2
     assert items == 4 and tc._setup("rmsnorm", False, 9, 40, 128)[1][0] == items   # one block an item
     base = _run(x, w, "rmsnorm", nw)
-    monkeypatch.setattr(tc, "active_profile", lambda: SimpleNamespace(sm_count=1))
+    one_sm = dataclasses.replace(tc.active_profile(), sm_count=1)
+    monkeypatch.setattr(tc, "active_profile", lambda: one_sm)
     for ring in (False, True):
         layout(ASYNC_RING=ring)
         assert tc._setup("rmsnorm", False, 9, 40, 128)[1][0] == 2                  # two items a block
@@ -302,3 +303,18 @@ def test_gpu_small_preset_shapes(layout, n_cols, k_dim, prologue):
             check = [0, m_rows - 1]
             _assert_close(rows[check], _prologue(x[check], prologue, nw), w)
         np.testing.assert_array_equal(got[33][:7], got[7])
+
+
+def test_ring_by_m_tiles_and_a_grid_that_fits_shared_memory(layout):
+    """ASYNC_RING as a tuple takes the ring for those m-tile counts only; a launch whose ring
+    slots leave room for fewer blocks an SM than its register bound gets a grid of that many
+    (a persistent grid never holds blocks that cannot be resident)."""
+    layout(ASYNC_RING=(1,))
+    assert tc.uses_ring(1) and not tc.uses_ring(5)
+    kernel, grid, smem = tc._setup("none", False, 1, 32768, 2048)[:3]
+    assert smem == tc.ring_bytes(1) > 0 and tc._setup("none", False, 33, 32768, 2048)[2] == 0
+    sms = tc.active_profile().sm_count
+    assert grid[0] == sms * tc.resident_blocks(1)            # the ring's slots fit the register bound
+    layout(RING_STAGES=(16, 3, 3, 3, 3))                     # a ring of 16 slots: one block an SM
+    kernel, grid, smem = tc._setup("none", False, 1, 32768, 2048)[:3]
+    assert smem == 16 * tc.WARPS * tc.WARP * 32 * 4 and grid[0] == sms

@@ -45,11 +45,13 @@ warp, N in 2..8, where ``linear._launch_plan`` gives it; every other COLS keeps
 ``linear.ASYNC_RING_STAGES``, 0 by default), or ``auto-tc`` (the dense products on the tensor
 cores, ``TargetModel(products="tensor-core")``: numerics, not layout, so its models get a cache of
 their own; the routed experts and the absorbs as ``auto-seg``, the engine's default, its A/B
-partner). A variant named twice is timed twice and printed twice; the HDF5 group keeps its last run.
+partner), ``auto-tc-ring1`` (that, with the one-row products' weights through the cp.async ring,
+``linear_tc.ASYNC_RING = (1,)``) or ``auto-tc-ring`` (every product's, ``ASYNC_RING = True``). A
+variant named twice is timed twice and printed twice; the HDF5 group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
-    python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto-seg,auto/auto-tc,auto/auto-seg,auto/auto-tc
+    python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto-seg,auto/auto-tc,auto/auto-tc-ring1,auto/auto-tc-ring,auto/auto-seg,auto/auto-tc
 
 Run 2e050e0 (H200, past 192, us per forward; measured with this module's predecessor script, the
 same method): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
@@ -74,7 +76,7 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
-                 "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage", "auto-tc",
+                 "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage", "auto-tc", "auto-tc-ring1", "auto-tc-ring",
                  *(f"auto-seg-async{n}" for n in range(2, 9)))
 
 
@@ -103,6 +105,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     import ddtree_numba.engine.model as em
     import ddtree_numba.kernels.absorb as ab
     import ddtree_numba.kernels.linear as lin
+    import ddtree_numba.kernels.linear_tc as ltc
     from ddtree_numba.kernels import verify_attention as va
     from ddtree_numba.bench.profile_forward import forward_inputs
     from ddtree_numba.config import ModelConfig
@@ -124,6 +127,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     merge_free = va.MERGE_FREE_SHORT_CACHES
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     skip = em.ATTENTION_SKIP_DEAD_KEYS
+    tc_ring = ltc.ASYNC_RING
     few, wide = saved[0], saved[1]
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
     results: dict[str, dict[int, float]] = {}
@@ -151,7 +155,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
             lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
             lin.SERIAL_HEADS = "-serial" in cols
-            em.SEGMENT_ABSORBS = cols.startswith("auto-seg") or cols == "auto-tc"
+            em.SEGMENT_ABSORBS = cols.startswith("auto-seg") or cols.startswith("auto-tc")
             ab.TILE_COL_QUADS = (int(cols.rsplit("-c", 1)[1]),) if "-seg-c" in cols else saved_ab[0]
             ab.TILE_ROWS = 4 if cols.endswith("-mt4") else 8 if cols.endswith("-mt8") else saved_ab[1]
             ab.FEW_ROWS = 1 << 30 if cols.endswith("-split") else saved_ab[2]
@@ -164,7 +168,11 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.VECTOR_STAGING = saved[14] and cols not in ("auto-sx", "auto-sstage")
             lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
             lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
-            products = "tensor-core" if cols == "auto-tc" else "cuda-core"
+            products = "tensor-core" if cols.startswith("auto-tc") else "cuda-core"
+            ring = {"auto-tc-ring1": (1,), "auto-tc-ring": True}.get(cols, tc_ring)
+            if ring != ltc.ASYNC_RING:
+                ltc.ASYNC_RING = ring
+                ltc.clear_plans()
             per_rows = {}
             for rows in row_counts:
                 model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
@@ -198,6 +206,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
          odd, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING) = saved
         em.SEGMENT_ABSORBS = segment
         em.ATTENTION_SKIP_DEAD_KEYS = skip
+        if ltc.ASYNC_RING != tc_ring:
+            ltc.ASYNC_RING = tc_ring
+            ltc.clear_plans()
         ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES = saved_ab
         ab.plan_absorb.cache_clear()
         lin.serial_plan.cache_clear()

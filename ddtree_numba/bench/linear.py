@@ -88,7 +88,7 @@ ROTATION_L2_FACTOR = 3   # rotated weights together exceed L2 3x
 EPS = 1e-6               # the rmsnorm prologue's epsilon (the presets')
 MAX_WEIGHT_SETS = 16
 HOST_CALLS = 20          # eager calls timed for host_us
-IMPLS = ("cuda-core", "tensor-core")   # linear.linear, linear_tc.linear_tc
+IMPLS = ("cuda-core", "tensor-core", "tensor-core-ring")   # linear.linear, linear_tc.linear_tc (its ring)
 KEYS = ("n", "k", "m", "mt", "median_us", "min_us", "max_us", "host_us", "gbps", "pct_hbm",
         "tflops", "pct_fp32", "x_floor")
 
@@ -134,6 +134,24 @@ def _check_rows(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
 
 def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.Namespace,
                 prologue: str = "none", impl: str = "cuda-core") -> list[dict]:
+    """:func:`_bench_shape` with ``linear_tc.ASYNC_RING`` set for the tensor-core impls (True for
+    "tensor-core-ring", False for "tensor-core") while it runs, restored after."""
+    if not impl.startswith("tensor-core"):
+        return _bench_shape(n_cols, k_dim, rows, args, prologue, impl)
+    saved, ring = tc.ASYNC_RING, impl == "tensor-core-ring"
+    if saved != ring:
+        tc.ASYNC_RING = ring
+        tc.clear_plans()
+    try:
+        return _bench_shape(n_cols, k_dim, rows, args, prologue, impl)
+    finally:
+        if tc.ASYNC_RING != saved:
+            tc.ASYNC_RING = saved
+            tc.clear_plans()
+
+
+def _bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.Namespace,
+                 prologue: str, impl: str) -> list[dict]:
     """GPU latency (queue-ahead), host time and checks of linear() (``impl`` "cuda-core") or
     linear_tc() ("tensor-core", its segment workspace allocated once) per M for one weight shape
     and input prologue."""
@@ -154,7 +172,7 @@ def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.N
     for m_rows in rows:
         xs = [x[:m_rows] for x in x_sets]
         out = cuda.to_device(np.full((m_rows, n_cols), np.nan, np.float32))
-        if impl == "tensor-core":
+        if impl.startswith("tensor-core"):
             shape = tc.partials_shape(m_rows, n_cols, k_dim)
             product = functools.partial(   # the workspaces allocated once, as an engine would
                 tc.linear_tc, partials=cuda.device_array(shape, np.float32) if shape[0] > 1 else None,
@@ -224,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="input prologue (repeatable; default none): rmsnorm (x [M, K]) or swiglu (x [M, 2K])")
     parser.add_argument("--impl", action="append", choices=IMPLS,
                         help="product (repeatable; default cuda-core): cuda-core = linear.linear (FP32 fma "
-                             "chains), tensor-core = linear_tc.linear_tc (3xTF32 mma.sync)")
+                             "chains), tensor-core = linear_tc.linear_tc (3xTF32 mma.sync; weights through "
+                             "registers), tensor-core-ring = the same with the weights through its cp.async ring")
     parser.add_argument("--ring", type=int, metavar="SLOTS",
                         help="the async weight ring's slots a warp (linear.set_async_ring; 0: off; default: "
                              "ASYNC_RING_STAGES); recorded in the run's config")
@@ -243,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profile {active_profile().describe()}; GPU times queue-ahead (no host time inside)")
     prologues = tuple(dict.fromkeys(args.prologue or ["none"]))
     impls = tuple(dict.fromkeys(args.impl or ["cuda-core"]))
-    header = (f"{'impl':>11} {'prologue':>8} {'N':>6} {'K':>5} {'M':>5} {'MT':>3} {'GPU us':>9} {'min':>8} {'max':>8} "
+    header = (f"{'impl':>16} {'prologue':>8} {'N':>6} {'K':>5} {'M':>5} {'MT':>3} {'GPU us':>9} {'min':>8} {'max':>8} "
               f"{'host us':>8} {'GB/s':>6} {'% HBM':>6} {'TFLOP/s':>8} {'% FP32':>6} {'x floor':>7}")
     print(header)
     results = []
@@ -251,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         for r in bench_shape(n_cols, k_dim, rows, args, prologue, impl):
             results.append(r)
-            print(f"{r['impl']:>11} {r['prologue']:>8} {r['n']:>6} {r['k']:>5} {r['m']:>5} {r['mt']:>3} {r['median_us']:>9.1f} "
+            print(f"{r['impl']:>16} {r['prologue']:>8} {r['n']:>6} {r['k']:>5} {r['m']:>5} {r['mt']:>3} {r['median_us']:>9.1f} "
                   f"{r['min_us']:>8.1f} {r['max_us']:>8.1f} {r['host_us']:>8.1f} {r['gbps']:>6.0f} "
                   f"{r['pct_hbm']:>5.1f}% {r['tflops']:>8.2f} {r['pct_fp32']:>5.1f}% "
                   f"{r['x_floor']:>7.2f}", flush=True)

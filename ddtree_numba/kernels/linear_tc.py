@@ -68,7 +68,7 @@ from .linear import (
 from .registry import register
 
 __all__ = ["linear_tc", "segments", "partials_shape", "mtiles", "tf32_trunc", "mma_tf32",
-           "get_kernel", "segment_sum_kernel", "allocate_placeholders"]
+           "get_kernel", "segment_sum_kernel", "allocate_placeholders", "clear_plans", "uses_ring"]
 
 SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
 WARP = 32
@@ -93,7 +93,9 @@ STAGE_UNROLLS = (2, 2, 4, 4, 4)       # input quads a thread loads at once when 
 # loads conflicted (Nsight Compute, PERFORMANCE "run tensor-core profile"). Layout, not numerics.
 XS_PAD = 16
 RESIDENT_BLOCKS = (4, 3, 3, 2, 2)       # blocks an SM by m-tiles (launch_bounds' minimum; the grid)
-ASYNC_RING = False                    # the weights through the cp.async ring (else registers: mixed, PERFORMANCE)
+# the weights through the cp.async ring (else registers: mixed, PERFORMANCE): a bool for every
+# m-tile count, or a tuple of the m-tile counts that take it (e.g. (1,): one-row launches only)
+ASYNC_RING: bool | tuple[int, ...] = False
 RING_STAGES = (4, 3, 3, 3, 3)            # the weights' cp.async ring: steps a lane has in flight, by m-tiles
 SHARED_LIMIT = 227 * 1024             # an H200 SM's shared memory a block may opt in to
 ALIGN = None if SIMULATED else 16     # the shared arrays' alignment (the simulator takes none)
@@ -201,6 +203,11 @@ def stage_unroll(mt: int) -> int:
     return STAGE_UNROLLS[mt - 1]
 
 
+def uses_ring(mt: int) -> bool:
+    """Whether launches of ``mt`` m-tiles bring their weights through the cp.async ring (ASYNC_RING)."""
+    return mt in ASYNC_RING if isinstance(ASYNC_RING, tuple) else bool(ASYNC_RING)
+
+
 def ring_stages(mt: int) -> int:
     """Slots of the weights' ring for ``mt`` m-tiles (each a step: 4 KB a warp)."""
     return RING_STAGES[mt - 1]
@@ -233,7 +240,7 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
     if presplit is None:
         presplit = mt >= PRESPLIT_MIN_MTILES
     if ring is None:
-        ring = ASYNC_RING
+        ring = uses_ring(mt)
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     if not (isinstance(mt, int) and 1 <= mt <= MAX_MTILES):
@@ -618,17 +625,23 @@ def _setup(prologue: str, residual: bool, rows: int, n_cols: int, k_dim: int) ->
     row_groups = -(-rows // (TILE_M * mt))
     col_blocks = -(-n_cols // (WARPS * WARP_COLS))
     items = row_groups * n_segs * col_blocks
-    slots = active_profile().sm_count * resident_blocks(mt, prologue)
+    ring = uses_ring(mt)
+    smem = ring_bytes(mt, ring)
+    static = 4 * (2 * TILE_M * mt * xs_row(mt) + TILE_M * mt)
+    profile = active_profile()
+    # blocks an SM: the kernel's register bound, or fewer where its shared memory (the ring's
+    # slots) fits fewer: a persistent grid of more blocks than fit would leave some waiting
+    per_sm = max(1, min(resident_blocks(mt, prologue),
+                        profile.smem_per_sm // (smem + static + profile.reserved_smem_per_block)))
+    slots = profile.sm_count * per_sm
     # a multiple of the row groups: a block keeps one row group (its rms computed once)
     blocks = items if items <= slots else max(row_groups, slots // row_groups * row_groups)
     grid = (blocks, 1, 1)
-    smem = ring_bytes(mt, ASYNC_RING)
-    static = 4 * (2 * TILE_M * mt * xs_row(mt) + TILE_M * mt)
     opt_in = smem + static > 48 * 1024
     check_launch(grid, WARPS * WARP, smem, opt_in=opt_in, static_shared_bytes=static)
     sum_grid = (-(-(rows * n_cols) // SUM_THREADS), 1, 1)
     check_launch(sum_grid, SUM_THREADS, 0)
-    kernel = get_kernel(prologue, residual, mt, presplit=mt >= PRESPLIT_MIN_MTILES, ring=ASYNC_RING)
+    kernel = get_kernel(prologue, residual, mt, presplit=mt >= PRESPLIT_MIN_MTILES, ring=ring)
     return (kernel, grid, smem, opt_in, n_segs, seg_k, sum_grid, row_groups,
             col_blocks)
 
@@ -712,6 +725,14 @@ def _workspace(given: Any, name: str, shape: tuple[int, ...], out: Any) -> Any:
     if tuple(given.strides) != tuple(4 * int(np.prod(shape[i + 1:])) for i in range(len(shape))):
         raise ValueError(f"{name} must be C-contiguous")
     return given
+
+
+def clear_plans() -> None:
+    """Forget the built kernels and launch plans: call after changing a layout constant
+    (PHASE_KS, XS_PAD, STAGE_UNROLLS, RESIDENT_BLOCKS, ASYNC_RING, RING_STAGES, MAX_MTILES, ...),
+    as an in-process A/B does; the next launches rebuild (a few seconds of JIT each on a GPU)."""
+    get_kernel.cache_clear()
+    _setup.cache_clear()
 
 
 def allocate_placeholders() -> None:
