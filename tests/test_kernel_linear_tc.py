@@ -273,6 +273,8 @@ def test_kernels_are_registered():
 
     names = {k.name for k in registry.all_kernels()}
     assert {f"linear_tc_{p}_mt{mt}" for p in tc.PROLOGUES for mt in (1, tc.MAX_MTILES)} <= names
+    assert {f"linear_tc_{p}_mt{mt}_plain" for p in tc.PROLOGUES for mt in (1, tc.MAX_MTILES)} <= names  # no residual
+    assert {f"linear_tc_rmsnorm_mt{mt}_ring" for mt in (1, tc.MAX_MTILES)} <= names
     assert {"linear_tc_inv_rms", "linear_tc_segment_sum", "linear_tc_segment_sum_residual"} <= names
 
 

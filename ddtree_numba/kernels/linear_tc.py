@@ -573,6 +573,15 @@ def _register_all() -> None:
             register(f"linear_tc_{prologue}_mt{mt}", get_kernel(prologue, True, mt), _sigs(prologue),
                      f"3xTF32 tensor-core x @ w.T ({prologue} prologue, residual epilogue), "
                      f"{mt} m-tiles of 8 rows", block_threads=WARPS * WARP)
+    for prologue in PROLOGUES:          # the engine's products without a residual, at its two sizes
+        for mt in (1, MAX_MTILES):
+            register(f"linear_tc_{prologue}_mt{mt}_plain", get_kernel(prologue, False, mt), _sigs(prologue),
+                     f"3xTF32 tensor-core x @ w.T ({prologue} prologue, no residual), {mt} m-tiles of 8 rows",
+                     block_threads=WARPS * WARP)
+    for mt in (1, MAX_MTILES):          # the weights through the cp.async ring (ASYNC_RING)
+        register(f"linear_tc_rmsnorm_mt{mt}_ring", get_kernel("rmsnorm", False, mt, ring=True), _sigs("rmsnorm"),
+                 f"3xTF32 tensor-core x @ w.T (rmsnorm prologue), {mt} m-tiles, weights through the "
+                 f"cp.async ring ({ring_stages(mt)} slots a warp)", block_threads=WARPS * WARP)
     register("linear_tc_inv_rms", inv_rms_kernel, ((float32[:, :], float32[::1], int32, int32, float32),),
              "the tensor-core product's RMSNorm prologue: 1 / rms of each row, one warp a row",
              block_threads=RMS_THREADS)
