@@ -13,14 +13,11 @@ import pytest
 from numba import cuda
 
 from ddtree_numba.kernels import linear as lin
+from tests.linear_checks import assert_within_linear_bound as _assert_close, dev as _dev
 
 
 RNG = np.random.default_rng(20261130)
 SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
-
-
-def _dev(a):
-    return cuda.to_device(np.ascontiguousarray(a))
 
 
 def _rand(*shape, rng=RNG):
@@ -35,18 +32,6 @@ def _rms(x, weight, eps):
 def _silu_mul(x, k):
     g = x[:, :k].astype(np.float64)
     return g / (1.0 + np.exp(-g)) * x[:, k:].astype(np.float64)
-
-
-def _assert_close(out, inp, w, residual=None):
-    """out vs float64 inp @ w.T (+ residual) within 1e-5 of sum |inp| |w|."""
-    ref = inp.astype(np.float64) @ w.astype(np.float64).T
-    bound = 1e-5 * (np.abs(inp.astype(np.float64)) @ np.abs(w.astype(np.float64)).T) + 1e-30
-    if residual is not None:
-        ref = ref + residual
-        bound = bound + 1e-6 * np.abs(residual)
-    assert np.all(np.isfinite(out))
-    err = np.abs(out - ref)
-    assert np.all(err <= bound), f"max err {err.max()} vs bound {bound[np.argmax(err - bound)]}"
 
 
 def _run_linear(x, w, **kwargs):

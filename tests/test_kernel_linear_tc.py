@@ -13,39 +13,16 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from ddtree_numba.bench.linear import prologue_input
 from ddtree_numba.kernels import linear_tc as tc
+from tests.linear_checks import assert_within_linear_bound as _assert_close, dev as _dev
 
 RNG = np.random.default_rng(20261204)
 SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
 
 
-def _dev(a):
-    return cuda.to_device(np.ascontiguousarray(a))
-
-
 def _rand(*shape, rng=RNG):
     return rng.standard_normal(shape).astype(np.float32)
-
-
-def _prologue(x, prologue, nw=None, eps=1e-6):
-    x64 = x.astype(np.float64)
-    if prologue == "rmsnorm":
-        return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * nw
-    if prologue == "swiglu":
-        k = x.shape[1] // 2
-        return x64[:, :k] / (1.0 + np.exp(-x64[:, :k])) * x64[:, k:]
-    return x64
-
-
-def _assert_close(out, inp, w, residual=None):
-    ref = inp @ w.astype(np.float64).T
-    bound = 1e-5 * (np.abs(inp) @ np.abs(w.astype(np.float64)).T) + 1e-30
-    if residual is not None:
-        ref = ref + residual
-        bound = bound + 1e-6 * np.abs(residual)
-    assert np.all(np.isfinite(out))
-    err = np.abs(out - ref)
-    assert np.all(err <= bound), f"max err {err.max()} vs bound {bound[np.argmax(err - bound)]}"
 
 
 def _run(x, w, prologue="none", nw=None, residual=None, **kwargs):
@@ -163,18 +140,18 @@ def test_simulated_mma_gives_each_warp_and_call_its_own_product():
 def test_linear_tc_matches_float64(m_rows, n_cols, k_dim, prologue):
     kx = 2 * k_dim if prologue == "swiglu" else k_dim
     x, w, nw = _rand(m_rows, kx), _rand(n_cols, k_dim), _rand(k_dim)
-    _assert_close(_run(x, w, prologue, nw), _prologue(x, prologue, nw), w)
+    _assert_close(_run(x, w, prologue, nw), prologue_input(x, prologue, nw), w)
 
 
 def test_residual_aliasing_out_and_separate():
     x, w, res = _rand(2, 64), _rand(36, 64), _rand(2, 36)
     assert tc.segments(36, 64)[0] == 1
-    _assert_close(_run(x, w, residual=res), _prologue(x, "none"), w, res.astype(np.float64))
+    _assert_close(_run(x, w, residual=res), prologue_input(x, "none", None), w, res.astype(np.float64))
     x2, w2 = _rand(2, 160), _rand(20, 160)           # S > 1: the residual in the segment sum
     assert tc.segments(20, 160)[0] > 1
     out = _dev(res[:, :20].copy())
     tc.linear_tc(_dev(x2), _dev(w2), out, residual=out)
-    _assert_close(out.copy_to_host(), _prologue(x2, "none"), w2, res[:, :20].astype(np.float64))
+    _assert_close(out.copy_to_host(), prologue_input(x2, "none", None), w2, res[:, :20].astype(np.float64))
 
 
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm"])
@@ -303,8 +280,20 @@ def test_gpu_small_preset_shapes(layout, n_cols, k_dim, prologue):
             assert np.isfinite(rows).all()
             np.testing.assert_array_equal(rows[0], alone)
             check = [0, m_rows - 1]
-            _assert_close(rows[check], _prologue(x[check], prologue, nw), w)
+            _assert_close(rows[check], prologue_input(x[check], prologue, nw), w)
         np.testing.assert_array_equal(got[33][:7], got[7])
+
+
+def test_set_async_ring_returns_the_previous_and_clears_the_plans(layout):
+    """set_async_ring (what the benches' ring variants call): the previous setting back, the
+    launch plans rebuilt with the new one, bad values refused by name."""
+    layout(ASYNC_RING=False)                                 # (restored after the test)
+    assert tc.set_async_ring((1,)) is False and tc.uses_ring(1) and not tc.uses_ring(2)
+    assert tc._setup("none", False, 1, 32768, 2048)[2] == tc.ring_bytes(1)   # a plan with the ring
+    assert tc.set_async_ring(False) == (1,) and tc._setup("none", False, 1, 32768, 2048)[2] == 0
+    for bad in ((0,), (6,), (True,), [1], 1, "yes"):
+        with pytest.raises(ValueError, match="ring must be"):
+            tc.set_async_ring(bad)
 
 
 def test_ring_by_m_tiles_and_a_grid_that_fits_shared_memory(layout):

@@ -169,10 +169,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
             lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
             products = "tensor-core" if cols.startswith("auto-tc") else "cuda-core"
-            ring = {"auto-tc-ring1": (1,), "auto-tc-ring": True}.get(cols, tc_ring)
-            if ring != ltc.ASYNC_RING:
-                ltc.ASYNC_RING = ring
-                ltc.clear_plans()
+            ltc.set_async_ring({"auto-tc-ring1": (1,), "auto-tc-ring": True}.get(cols, tc_ring))
             per_rows = {}
             for rows in row_counts:
                 model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
@@ -206,9 +203,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
          odd, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING) = saved
         em.SEGMENT_ABSORBS = segment
         em.ATTENTION_SKIP_DEAD_KEYS = skip
-        if ltc.ASYNC_RING != tc_ring:
-            ltc.ASYNC_RING = tc_ring
-            ltc.clear_plans()
+        ltc.set_async_ring(tc_ring)
         ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES = saved_ab
         ab.plan_absorb.cache_clear()
         lin.serial_plan.cache_clear()

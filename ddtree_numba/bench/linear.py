@@ -138,16 +138,11 @@ def bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.N
     "tensor-core-ring", False for "tensor-core") while it runs, restored after."""
     if not impl.startswith("tensor-core"):
         return _bench_shape(n_cols, k_dim, rows, args, prologue, impl)
-    saved, ring = tc.ASYNC_RING, impl == "tensor-core-ring"
-    if saved != ring:
-        tc.ASYNC_RING = ring
-        tc.clear_plans()
+    saved = tc.set_async_ring(impl == "tensor-core-ring")
     try:
         return _bench_shape(n_cols, k_dim, rows, args, prologue, impl)
     finally:
-        if tc.ASYNC_RING != saved:
-            tc.ASYNC_RING = saved
-            tc.clear_plans()
+        tc.set_async_ring(saved)
 
 
 def _bench_shape(n_cols: int, k_dim: int, rows: tuple[int, ...], args: argparse.Namespace,

@@ -68,7 +68,7 @@ from .linear import (
 from .registry import register
 
 __all__ = ["linear_tc", "segments", "partials_shape", "mtiles", "tf32_trunc", "mma_tf32",
-           "get_kernel", "segment_sum_kernel", "allocate_placeholders", "clear_plans", "uses_ring"]
+           "get_kernel", "segment_sum_kernel", "allocate_placeholders", "clear_plans", "set_async_ring", "uses_ring"]
 
 SIMULATED = bool(cuda.config.ENABLE_CUDASIM)
 WARP = 32
@@ -742,6 +742,20 @@ def clear_plans() -> None:
     as an in-process A/B does; the next launches rebuild (a few seconds of JIT each on a GPU)."""
     get_kernel.cache_clear()
     _setup.cache_clear()
+
+
+def set_async_ring(ring: bool | tuple[int, ...]) -> bool | tuple[int, ...]:
+    """Set ASYNC_RING (a bool, or a tuple of m-tile counts) and, where it changes, clear the built
+    kernels and plans (as :func:`.linear.set_async_ring` does for linear). Returns the previous."""
+    global ASYNC_RING
+    if not isinstance(ring, (bool, tuple)) or (isinstance(ring, tuple) and not all(
+            isinstance(mt, int) and not isinstance(mt, bool) and 1 <= mt <= MAX_MTILES for mt in ring)):
+        raise ValueError(f"ring must be a bool or a tuple of m-tile counts in 1..{MAX_MTILES}, got {ring!r}")
+    previous = ASYNC_RING
+    if ring != previous:
+        ASYNC_RING = ring
+        clear_plans()
+    return previous
 
 
 def allocate_placeholders() -> None:
