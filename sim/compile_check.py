@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .launch import takes_programmatic_launch
 from .profiles import PROFILES, DeviceProfile
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ _REQUIRED_FIELDS = {
 # dynamic shared array prints none); the figure excludes the 1 KiB the system reserves.
 _SMEM = r"(\d+) bytes smem"
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # numba highlights its error messages
+_PDL_WAIT = "griddepcontrol.wait"  # ddtree_numba.kernels.pdl's wait, as its inline asm spells it
 
 
 class CompileCheckError(RuntimeError):
@@ -120,6 +122,11 @@ class CompileResult:
     smem_opt_in: bool = False
     block_threads: int | None = None
     error: str | None = None
+    # Programmatic dependent launch (ddtree_numba.kernels.pdl): whether the kernel's Python body
+    # calls pdl_begin / pdl_wait (sim.launch launches it early), and whether its compiled IR
+    # holds the griddepcontrol.wait that makes that safe (None: not compiled).
+    programmatic: bool = False
+    pdl_wait: bool | None = None
 
 
 def _field(pattern: str, text: str, field: str, log: str) -> int:
@@ -242,9 +249,11 @@ def compile_kernel_archs(spec: KernelSpec, sig: tuple, ccs: Sequence[tuple[int, 
         raise ValueError("ccs must name at least one architecture")
     options = getattr(spec.kernel, "targetoptions", {})
 
+    programmatic = takes_programmatic_launch(spec.kernel)
+
     def failed(arch: str, message: str) -> CompileResult:
         return CompileResult(spec.name, _signature_str(sig), arch, smem_opt_in=spec.smem_opt_in,
-                             block_threads=spec.block_threads, error=message)
+                             block_threads=spec.block_threads, error=message, programmatic=programmatic)
 
     try:
         with _device_functions_target(targets[0][0]):
@@ -262,7 +271,10 @@ def compile_kernel_archs(spec: KernelSpec, sig: tuple, ccs: Sequence[tuple[int, 
     except Exception as exc:  # any typing/lowering error is a finding, reported per kernel
         message = f"compile failed: {type(exc).__name__}: {_ANSI_ESCAPE.sub('', str(exc))}"
         return [failed(arch, message) for _, arch in targets]
-    return [_link(spec, sig, library, cc, arch, options, failed) for cc, arch in targets]
+    # The inline asm survives into the module's LLVM IR as text (NVVM then keeps a side-effect asm).
+    waits = _PDL_WAIT in library.get_llvm_str()
+    return [dataclasses.replace(_link(spec, sig, library, cc, arch, options, failed), programmatic=programmatic,
+                                pdl_wait=waits) for cc, arch in targets]
 
 
 def _link(spec: KernelSpec, sig: tuple, library, cc: tuple[int, int], arch: str, options: dict,
@@ -325,13 +337,16 @@ def check_result(result: CompileResult) -> list[str]:
     Checked: compiled at all; registers per thread <= the profile's limit; registers allow
     the kernel's registered ``block_threads`` (if given) in one block; no spills; static
     shared memory <= the default 48 KiB per block (the opt-in limit when the kernel is marked
-    ``smem_opt_in``). Dynamic shared memory is checked at launch (:mod:`sim.launch`).
+    ``smem_opt_in``); a kernel that takes programmatic launches has the wait in its code.
+    Dynamic shared memory is checked at launch (:mod:`sim.launch`).
     """
     if result.error is not None:
         first_line = (result.error.splitlines() or [""])[0]
         return [f"failed to compile: {first_line}"]
     profile = ARCHS[result.arch]
     problems = []
+    if result.programmatic and result.pdl_wait is False:
+        problems.append("calls pdl_begin / pdl_wait (programmatic launches) but its code has no griddepcontrol.wait")
     if result.registers > profile.max_regs_per_thread:
         problems.append(f"{result.registers} registers > {profile.max_regs_per_thread} per thread")
     allowed = max_threads_per_block(result.registers, profile)
@@ -472,7 +487,8 @@ allow: "max tpb"), static shared memory, stack and spills, and checks them again
 arch's device profile: registers per thread <= 255, registers that allow the block size
 the kernel was registered with (block_threads), no spill stores or loads, static shared
 memory <= 48 KiB per block (the opt-in limit, 227 KiB / 99 KiB, for kernels registered
-with smem_opt_in=True). Exits 1 if any kernel fails to compile or fails a check, 2 on a
+with smem_opt_in=True), and griddepcontrol.wait in the code of every kernel that calls
+pdl_begin / pdl_wait (programmatic dependent launch). Exits 1 if any kernel fails to compile or fails a check, 2 on a
 usage error or when the CUDA simulator is on (run it without NUMBA_ENABLE_CUDASIM)."""
 
 

@@ -6,20 +6,27 @@ profile's limits (limits §4: 1024 threads per block, 48 KiB shared memory witho
 :func:`launch` checks and then launches (every host wrapper goes through it), and
 :func:`install_simulator_hook` makes the simulator check every ``kernel[grid, block, ...]``.
 :func:`opt_in_shared` lets a GPU launch use more than 48 KiB of dynamic shared memory (numba-cuda
-has no public way, limits §4 and NVIDIA/numba-cuda#94).
+has no public way, limits §4 and NVIDIA/numba-cuda#94). :func:`programmatic_launches` launches the
+kernels that call ``ddtree_numba.kernels.pdl``'s wait with programmatic dependent launch (PDL),
+every launch of them in its scope, also the ones that do not pass through :func:`launch`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import importlib
 import math
 import numbers
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .profiles import DeviceProfile, active_profile
 
 __all__ = ["LaunchConfigError", "Dim3", "check_launch", "launch", "launch_bounds", "opt_in_shared",
-           "install_simulator_hook"]
+           "install_simulator_hook", "programmatic_launches", "programmatic_launches_active",
+           "takes_programmatic_launch"]
 
 Dim3 = tuple[int, int, int]
 _HOOK_MARKER = "__ddtree_launch_check__"
@@ -218,4 +225,114 @@ def install_simulator_hook() -> bool:
 
     setattr(checked_getitem, _HOOK_MARKER, True)
     FakeCUDAKernel.__getitem__ = checked_getitem
+    return True
+
+
+# --- programmatic dependent launch (ddtree_numba.kernels.pdl) ------------------------------------
+
+# The device functions of ddtree_numba.kernels.pdl whose call marks a kernel as waiting for its
+# predecessor (kept equal to pdl.ENTRY_POINTS by a test; sim does not import the package).
+PDL_ENTRY_POINTS = ("pdl_begin", "pdl_wait")
+_PROGRAMMATIC = contextvars.ContextVar("ddtree_programmatic_launches", default=False)
+_THIS_LAUNCH = contextvars.ContextVar("ddtree_programmatic_this_launch", default=False)
+_PDL_MARKER = "__ddtree_programmatic__"
+
+
+@functools.lru_cache(maxsize=None)
+def _code_calls_pdl(code: types.CodeType) -> bool:
+    names = set(code.co_names) | set(code.co_freevars)
+    return any(name in names for name in PDL_ENTRY_POINTS)
+
+
+def takes_programmatic_launch(kernel: Any) -> bool:
+    """Whether ``kernel`` (a numba dispatcher, compiled kernel, simulator kernel or plain Python
+    function) calls ``pdl_begin`` / ``pdl_wait`` in its body, by name: only such a kernel may be
+    launched before its predecessor has completed (:mod:`ddtree_numba.kernels.pdl`)."""
+    func = getattr(kernel, "py_func", kernel)
+    code = getattr(func, "__code__", None)
+    return isinstance(code, types.CodeType) and _code_calls_pdl(code)
+
+
+def programmatic_launches_active() -> bool:
+    """Whether launches in this context use PDL (inside :func:`programmatic_launches`)."""
+    return _PROGRAMMATIC.get()
+
+
+@contextlib.contextmanager
+def programmatic_launches(enabled: bool = True) -> Iterator[None]:
+    """In its scope (this thread / context), every GPU launch of a kernel that
+    :func:`takes_programmatic_launch` sets ``programmatic_stream_serialization`` (cuda.core >=
+    1.2): such a kernel may start while the previous kernel of its stream drains. A stream capture
+    in the scope records programmatic edges, so a CUDA graph replays them. ``enabled=False``
+    makes a scope of ordinary launches (e.g. inside an enabled one). Under the simulator, which
+    runs launches one after another, it changes nothing.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+        RuntimeError: enabled on a GPU of compute capability below 9.0 (PDL needs sm_90).
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    if enabled:
+        _install_programmatic_hooks()
+    token = _PROGRAMMATIC.set(enabled)
+    try:
+        yield
+    finally:
+        _PROGRAMMATIC.reset(token)
+
+
+def _programmatic_kernel_launch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """numba's ``_Kernel.launch`` wrapped: for the length of the call, whether this launch is
+    programmatic (the mode is on and the compiled kernel's ``py_func`` waits)."""
+    @functools.wraps(original)
+    def launch_kernel(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _THIS_LAUNCH.set(_PROGRAMMATIC.get() and takes_programmatic_launch(self.py_func))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _THIS_LAUNCH.reset(token)
+
+    setattr(launch_kernel, _PDL_MARKER, True)
+    return launch_kernel
+
+
+def _programmatic_launch_config(core_config: Callable[..., Any]) -> Callable[..., Any]:
+    """cuda.core's ``LaunchConfig`` as numba's ``_Kernel.launch`` calls it, with
+    ``programmatic_stream_serialization=True`` added for a programmatic launch."""
+    def launch_config(*args: Any, **kwargs: Any) -> Any:
+        if _THIS_LAUNCH.get():
+            kwargs["programmatic_stream_serialization"] = True
+        return core_config(*args, **kwargs)
+
+    setattr(launch_config, _PDL_MARKER, True)
+    launch_config.wrapped = core_config
+    return launch_config
+
+
+def _install_programmatic_hooks() -> bool:
+    """Wrap numba-cuda's kernel launch so that a programmatic launch passes the attribute
+    (idempotent; False, and nothing done, under the simulator). numba-cuda 0.30.4 (pinned) builds
+    ``LaunchConfig(grid=..., block=..., shmem_size=..., is_cooperative=...)`` in
+    ``_Kernel.launch`` from its module's name ``LaunchConfig`` and has no launch-attribute
+    option; the two wrappers add one keyword where that mode is on and change nothing else."""
+    from numba import cuda
+
+    if cuda.config.ENABLE_CUDASIM:
+        return False
+    major, minor = cuda.get_current_device().compute_capability
+    if major < 9:
+        raise RuntimeError("programmatic dependent launch needs compute capability 9.0 or newer, the "
+                           f"current device has {major}.{minor}")
+    dispatcher = importlib.import_module("numba.cuda.dispatcher")
+
+    if getattr(dispatcher._Kernel.launch, _PDL_MARKER, False):
+        return True
+    from cuda.core import LaunchConfig
+
+    if dispatcher.LaunchConfig is not LaunchConfig:
+        raise RuntimeError("numba.cuda.dispatcher.LaunchConfig is not cuda.core's LaunchConfig: this numba-cuda "
+                           "launches kernels another way; programmatic launches are not supported with it")
+    dispatcher.LaunchConfig = _programmatic_launch_config(LaunchConfig)
+    dispatcher._Kernel.launch = _programmatic_kernel_launch(dispatcher._Kernel.launch)
     return True

@@ -57,13 +57,14 @@ def test_help_explains_the_variants(capsys):
 def test_gpu_variants_time_one_forward(tmp_path):
     import xarray as xr
 
-    assert forward_ab.main(["--preset", "tiny", "--rows", "1", "3", "--variants", "auto/auto,64/4,auto/auto-tc",
+    assert forward_ab.main(["--preset", "tiny", "--rows", "1", "3", "--variants", "auto/auto,64/4,auto/auto-tc,auto/auto/pdl",
                             "--out", str(tmp_path / "ab.h5")]) == 0
     import h5py
     with h5py.File(tmp_path / "ab.h5") as f:
         group = "forward_ab/" + list(f["forward_ab"])[0]
     ds = xr.open_dataset(tmp_path / "ab.h5", group=group, engine="h5netcdf")
-    assert ds.forward_us.shape == (3, 2) and float(ds.forward_us.min()) > 0
+    assert ds.forward_us.shape == (4, 2) and float(ds.forward_us.min()) > 0
+    assert list(ds.variant.values) == ["auto/auto", "64/4", "auto/auto-tc", "auto/auto/pdl"]
 
 
 def test_async_ring_variants_parse():
@@ -90,5 +91,19 @@ def test_tensor_core_variant_parses():
     assert forward_ab._variants("auto/auto-seg,auto/auto-tc,auto/auto-tc-ring1,auto/auto-tc-ring") == [
         ("auto", "auto-seg"), ("auto", "auto-tc"), ("auto", "auto-tc-ring1"), ("auto", "auto-tc-ring")]
     for bad in ("auto/tc", "auto/auto-tc4", "auto/auto-seg-tc"):
+        with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+            forward_ab._variants(bad)
+
+
+def test_pdl_variants_parse():
+    """A third part /pdl: the same layout captured with programmatic launches, its own result key."""
+    variants = forward_ab._variants("auto/auto-seg,auto/auto-seg/pdl,sf2x128/auto-tc/pdl")
+    assert variants == [("auto", "auto-seg"), ("auto", "auto-seg"), ("sf2x128", "auto-tc")]
+    assert [v.pdl for v in variants] == [False, True, True]
+    assert [v.name for v in variants] == ["auto/auto-seg", "auto/auto-seg/pdl", "sf2x128/auto-tc/pdl"]
+    assert variants[2].score_first == (2, 128, 1)
+    copied = __import__("copy").copy(variants[1])
+    assert copied.pdl and copied.name == "auto/auto-seg/pdl"
+    for bad in ("auto/auto-seg/pd", "auto/auto-seg/pdl/pdl", "auto/pdl", "auto/auto-seg/"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)

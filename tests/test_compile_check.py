@@ -179,6 +179,9 @@ def result(**overrides) -> CompileResult:
         (dict(registers=216, block_threads=288), "216 registers allow 256 threads per block, launched with 288"),
         (dict(registers=255, block_threads=512), "255 registers allow 256 threads per block, launched with 512"),
         (dict(registers=255, block_threads=None), None),
+        (dict(programmatic=True, pdl_wait=True), None),
+        (dict(programmatic=False, pdl_wait=False), None),   # an ordinary kernel needs no wait
+        (dict(programmatic=True, pdl_wait=False), "no griddepcontrol.wait"),
     ],
 )
 def test_check_result(overrides, problem):
@@ -442,12 +445,31 @@ E2E_SCRIPT = textwrap.dedent(
     def untypable(a):
         a[0] = "not a float"
 
+    from ddtree_numba.kernels import pdl
+
+    def waits_first(a):
+        pdl.pdl_begin()
+        a[cuda.threadIdx.x] = float32(1.0)
+
+    @cuda.jit(device=True)
+    def pdl_begin():  # the name without the instruction: taken for programmatic launches, unsafe
+        pass
+
+    def waits_in_name_only(a):
+        pdl_begin()
+        a[cuda.threadIdx.x] = float32(1.0)
+
     registry.register("test_e2e_smem", cuda.jit(smem_sum), ((float32[::1], float32[::1]),), "smem", block_threads=N)
     registry.register("test_e2e_local", cuda.jit(local_scratch), ((float32[::1], int32),), "local")
     registry.register("test_e2e_bad", cuda.jit(untypable), ((float32[::1],),), "bad")
     registry.register("test_e2e_sm90", cuda.jit(smem_sum), ((float32[::1], float32[::1]),), "Hopper only",
                       block_threads=N, archs=("sm_90",))
+    registry.register("test_e2e_pdl", cuda.jit(waits_first), ((float32[::1],),), "pdl")
+    registry.register("test_e2e_fake_pdl", cuda.jit(waits_in_name_only), ((float32[::1],),), "fake pdl")
     out = {"direct": []}
+    out["pdl"] = [(r.programmatic, r.pdl_wait, cc.check_result(r))
+                  for name in ("test_e2e_pdl", "test_e2e_fake_pdl", "test_e2e_smem")
+                  for r in [cc.compile_kernel(registry.get(name), registry.get(name).signatures[0], "sm_90")]]
     out["arch_specific"] = [r.arch for r in cc.run(("sm_90", "sm_120"), ["test_e2e_sm90"], progress=False)]
     out["arch_by_cc"] = [r.arch for r in cc.run(((9, 0), (12, 0)), ["test_e2e_sm90"], progress=False)]
     for name in ("test_e2e_smem", "test_e2e_local"):
@@ -480,6 +502,9 @@ def test_compile_end_to_end_without_simulator(tmp_path):
     out = json.loads(open(path).read())
     assert out["arch_specific"] == ["sm_90"]  # a kernel registered for sm_90 only is not built for sm_120
     assert out["arch_by_cc"] == ["sm_90"]     # the same when the archs are given as compute capabilities
+    real, fake, plain = out["pdl"]   # (programmatic, pdl_wait, problems)
+    assert real == [True, True, []] and plain == [False, False, []]
+    assert fake[:2] == [True, False] and "no griddepcontrol.wait" in fake[2][0]
     smem90, smem120, local90, local120 = out["direct"]
     assert [r["arch"] for r in out["direct"]] == ["sm_90", "sm_120"] * 2
     for r in out["direct"]:

@@ -521,6 +521,26 @@ def test_argument_errors():
         generate_ar(model, PROMPTS, max_new_tokens=2, graphs="yes")
     with pytest.raises(TypeError, match="graphs"):
         generate_ddtree(model, drafter, PROMPTS, **ok, graphs=None)
+    with pytest.raises(TypeError, match="pdl"):
+        generate_ar(model, PROMPTS, max_new_tokens=2, pdl="yes")
+    with pytest.raises(TypeError, match="pdl"):
+        generate_ddtree(model, drafter, PROMPTS, **ok, pdl=1)
+
+
+def test_pdl_flag_gives_the_same_tokens():
+    """pdl=True: the same tokens and statistics (the simulator runs every launch to completion,
+    so it reports pdl False); the flag is in the summary."""
+    salt, n = 7, 5
+    want = [toy_generate(p, salt, n) for p in PROMPTS]
+    model = toy_model(salt)
+    for pdl in (True, False):
+        ar = generate_ar(model, PROMPTS, max_new_tokens=n, pdl=pdl)
+        drafter = OracleDrafter(reference_matrix(want, n), TOY_VOCAB, 2, accuracy=0.6, entropy=0.5, seed=4)
+        tree = generate_ddtree(model, drafter, PROMPTS, budget=3, block_size=3, max_new_tokens=n, pdl=pdl)
+        for result in (ar, tree):
+            assert result.tokens == want
+            check_statistics(result, result.max_acceptance)
+            assert result.pdl is (pdl and not SIMULATED) and result.summary()["pdl"] is result.pdl
 
 
 # --- GPU: the small preset --------------------------------------------------------------------
@@ -580,6 +600,30 @@ def test_gpu_small_tensor_core_products_lossless(small_model, temperature):
         tree = generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, max_new_tokens=n,
                                temperature=temperature, seed=5)
         assert tree.tokens == ar.tokens, (temperature, budget, block)
+        check_statistics(tree, block)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gpu_small_pdl_lossless(small_model, temperature):
+    """pdl=True (every kernel launched while its predecessor drains, graphs keep the programmatic
+    edges): AR's tokens are those of ordinary launches, and DDTree's are AR's over budgets and
+    block sizes, greedy and sampled."""
+    from ddtree_numba.engine.model import TargetModel
+
+    config, base = small_model
+    model = TargetModel(config, base.weights, batch_size=1, kv_capacity=1024, max_rows=64)
+    prompts = _small_prompts(1, 7, config.vocab_size)
+    n = 40
+    plain = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=7)
+    ar = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=7, pdl=True)
+    assert ar.pdl and ar.graphs and ar.tokens == plain.tokens
+    ref = reference_matrix(ar.tokens, n)
+    for budget, block in ((8, 8), (32, 16), (256, 16)):
+        drafter = OracleDrafter(ref, config.vocab_size, block - 1, accuracy=0.8, entropy=0.5, seed=7)
+        tree = generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, max_new_tokens=n,
+                               temperature=temperature, seed=7, pdl=True)
+        assert tree.pdl and tree.tokens == ar.tokens, (temperature, budget, block)
         check_statistics(tree, block)
 
 

@@ -124,13 +124,15 @@ def test_warmup_pass_runs_untimed_before_the_reported_runs(tmp_path, monkeypatch
 @pytest.mark.parametrize("prompt_len, option, header, field", [
     (17, ["--attention-split", "16"], "attention segments of 16 keys", ("attention_split", 16)),
     (3, ["--products", "tensor-core"], "products on the tensor cores", ("products", "tensor-core")),
+    (3, ["--pdl"], "eager steps", ("pdl", False)),   # the simulator has no programmatic launches
 ])
 def test_tiny_run_with_other_numerics_is_lossless(tmp_path, capsys, prompt_len, option, header, field):
     """The numerics options, each lossless on tiny, named by the run's header and JSON.
     --attention-split 16 (tiny's attention chunk): a 17-token prompt and the rows after it span two
     segments, so the prefill, the AR steps and the tree verify all run the segment merge (the
     default's 2048-key segment never merges at these sizes). --products tensor-core: the dense
-    products through kernels.linear_tc (the simulator's mma model)."""
+    products through kernels.linear_tc (the simulator's mma model). --pdl: accepted, and recorded
+    as off where it cannot apply (the simulator)."""
     out = tmp_path / "run.json"
     status = _run(["--preset", "tiny", "--batch", "1", "--prompt-len", str(prompt_len), "--max-new-tokens", "2",
                    "--budget", "2", "--block-size", "3", "--accuracy", "1", "--quiet", "--no-graphs",

@@ -20,6 +20,7 @@ graphs: the first step eager, then one captured graph replayed per step):
 
     python -m ddtree_numba.bench.decode_step --preset small [--batch 1 8] [--out data/bench/h200.h5]
     python -m ddtree_numba.bench.decode_step --preset small --batch 1 --accuracy 1.0 --temperature 0.8
+    python -m ddtree_numba.bench.decode_step --preset small --batch 1 --pdl   # programmatic launches
 
 ``--temperature`` > 0 samples (AR and DDTree with the same seed: the posterior is the Gumbel sample
 kernel, the tokens must still agree); the targets are stated for greedy decoding.
@@ -162,12 +163,13 @@ def _prompts(rng: np.random.Generator, batch: int, prompt_len: int, vocab: int) 
 
 
 def measure_ar(config: Any, model: Any, prompts: list[list[int]], n_new: int, eager_new: int,
-               bandwidth: float, *, temperature: float = 0.0, seed: int = 0) -> ArPoint:
+               bandwidth: float, *, temperature: float = 0.0, seed: int = 0, pdl: bool = False) -> ArPoint:
     """AR with graphs (n_new tokens) and eager (eager_new tokens) on ``model``; greedy, or sampled
-    at ``temperature`` with ``seed`` (the posterior kernel is then the Gumbel sample)."""
+    at ``temperature`` with ``seed`` (the posterior kernel is then the Gumbel sample); ``pdl``:
+    programmatic dependent launches (engine.decode)."""
     from ddtree_numba.engine.decode import generate_ar
 
-    sampling = dict(temperature=temperature, seed=seed)
+    sampling = dict(temperature=temperature, seed=seed, pdl=pdl)
     replayed = generate_ar(model, prompts, max_new_tokens=n_new, graphs=True, **sampling)
     eager = generate_ar(model, prompts, max_new_tokens=eager_new, graphs=False, **sampling)
     times = replayed.replay_s if replayed.graphs else replayed.step_s  # the simulator has no graphs
@@ -180,7 +182,7 @@ def measure_ar(config: Any, model: Any, prompts: list[list[int]], n_new: int, ea
 
 def measure_tree(config: Any, model: Any, prompts: list[list[int]], ar: ArPoint, n_new: int, eager_new: int,
                  accuracy: float, *, budget: int, block: int, entropy: float, seed: int,
-                 temperature: float = 0.0) -> TreePoint:
+                 temperature: float = 0.0, pdl: bool = False) -> TreePoint:
     """DDTree with the oracle fed ``ar``'s tokens: graph-replayed run + a short eager run (sampled
     at ``temperature`` with ``seed`` as the AR run was: the same tokens, lossless)."""
     from ddtree_numba.engine.decode import generate_ddtree
@@ -193,7 +195,7 @@ def measure_tree(config: Any, model: Any, prompts: list[list[int]], ar: ArPoint,
     def run(n: int, graphs: bool) -> Any:
         drafter = OracleDrafter(ref, config.vocab_size, block - 1, accuracy=accuracy, entropy=entropy, seed=seed)
         return generate_ddtree(model, drafter, prompts, budget=budget, block_size=block, max_new_tokens=n,
-                               graphs=graphs, temperature=temperature, seed=seed)
+                               graphs=graphs, temperature=temperature, seed=seed, pdl=pdl)
 
     tree = run(n_new, True)
     eager = run(eager_new, False)
@@ -310,6 +312,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--products", choices=("cuda-core", "tensor-core"), default="cuda-core",
                         help="kernels of the dense matrix products (TargetModel's products, numerics: "
                              "kernels/linear.py or kernels/linear_tc.py; default: cuda-core)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="programmatic dependent launch of every kernel (engine.decode's pdl; sm_90 on; "
+                             "the same tokens; ignored under the simulator)")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -371,20 +376,22 @@ def main(argv: list[str] | None = None) -> int:
         # The model's absorb path (numerics: a process keeps one) and its layout knobs as set.
         args.absorbs = (f"segment (split up to {ab.FEW_ROWS} rows, tile {ab.TILE_ROWS} rows a thread)"
                         if model._segment_absorbs else "head_linear")
-        point = measure_ar(config, model, prompts, n, ne, bandwidth, temperature=args.temperature, seed=args.seed)
+        point = measure_ar(config, model, prompts, n, ne, bandwidth, temperature=args.temperature, seed=args.seed,
+                           pdl=args.pdl)
         ar_points.append(point)
         print(f"[{time.perf_counter() - t_start:.0f} s] AR batch {bs}: {point.graph_us:.1f} us/step", file=sys.stderr)
         if drafting:
             for accuracy in args.accuracy:
                 trees.append(measure_tree(config, model, prompts, point, n, ne, accuracy, budget=args.budget,
                                           block=args.block, entropy=args.entropy, seed=args.seed,
-                                          temperature=args.temperature))
+                                          temperature=args.temperature, pdl=args.pdl))
                 print(f"[{time.perf_counter() - t_start:.0f} s] DDTree accuracy {accuracy}", file=sys.stderr)
         del model
     del host_weights
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
           f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}, "
           f"attention segments of {args.attention_split} keys, products {args.products}"
+          + (", programmatic launches" if args.pdl else "")
           + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
     print(format_table(ar_points, trees, bandwidth, profile.name))
     if args.out:
@@ -393,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
                                                       "temperature", "odd_tiles", "quads", "ring", "absorbs",
-                                                      "attention_split", "products")}
+                                                      "attention_split", "products", "pdl")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),

@@ -47,11 +47,15 @@ cores, ``TargetModel(products="tensor-core")``: numerics, not layout, so its mod
 their own; the routed experts and the absorbs as ``auto-seg``, the engine's default, its A/B
 partner), ``auto-tc-ring1`` (that, with the one-row products' weights through the cp.async ring,
 ``linear_tc.ASYNC_RING = (1,)``) or ``auto-tc-ring`` (every product's, ``ASYNC_RING = True``). A
-variant named twice is timed twice and printed twice; the HDF5 group keeps its last run.
+third part ``/pdl`` (``TILE/COLS/pdl``) captures that variant's forward with programmatic dependent
+launches (``sim.launch.programmatic_launches``: each kernel may start while the previous one
+drains; the same arithmetic). A variant named twice is timed twice and printed twice; the HDF5
+group keeps its last run.
 
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto-seg,auto/auto-tc,auto/auto-tc-ring1,auto/auto-tc-ring,auto/auto-seg,auto/auto-tc
+    python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto-seg,auto/auto-seg/pdl,auto/auto-tc/pdl,auto/auto-seg,auto/auto-seg/pdl
 
 Run 2e050e0 (H200, past 192, us per forward; measured with this module's predecessor script, the
 same method): auto/auto 1969.2 / 5189.1, 64/auto 1966.7 / 5502.0,
@@ -81,19 +85,28 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
 
 
 class Variant(tuple):
-    """One ``TILE/COLS`` variant: the pair ``(tile, cols)`` (equal to that plain tuple) and
+    """One ``TILE/COLS[/pdl]`` variant: the pair ``(tile, cols)`` (equal to that plain tuple),
     ``score_first``, the parsed (H heads, K keys, R score rows) of an ``sfHxK[rR][+]`` or
-    ``tsfHxK[rR]`` tile (None for any other tile): :func:`_variants` parses a name once."""
+    ``tsfHxK[rR]`` tile (None for any other tile), and ``pdl``, whether its launches are
+    programmatic: :func:`_variants` parses a name once."""
 
     score_first: tuple[int, int, int] | None
+    pdl: bool
 
-    def __new__(cls, tile: str, cols: str, score_first: tuple[int, int, int] | None = None) -> Variant:
+    def __new__(cls, tile: str, cols: str, score_first: tuple[int, int, int] | None = None,
+                pdl: bool = False) -> Variant:
         self = super().__new__(cls, (tile, cols))
         self.score_first = score_first
+        self.pdl = pdl
         return self
 
     def __getnewargs__(self) -> tuple:   # copy and pickle call __new__ with these
-        return (*self, self.score_first)
+        return (*self, self.score_first, self.pdl)
+
+    @property
+    def name(self) -> str:
+        """``TILE/COLS``, with ``/pdl`` for a programmatic variant (its key in the results)."""
+        return f"{self[0]}/{self[1]}" + ("/pdl" if self.pdl else "")
 
 
 def time_variants(preset: str, past: int, row_counts: list[int], variants: list[Variant],
@@ -112,6 +125,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     from ddtree_numba.engine.graphs import StepGraph
     from ddtree_numba.engine.model import TargetModel
     from reference.weights import init_weights
+    from sim.launch import programmatic_launches
 
     config = ModelConfig.from_name(preset)
     weights, caches = init_weights(config, seed), {}   # a cache per products kind (numerics)
@@ -180,8 +194,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                     model.advance(cuda.to_device(np.array([past], np.int32)))
                 args = forward_inputs(rows, past)
                 graph = StepGraph(lambda s, m=model, a=args: m.forward(*a, stream=s), stream)
-                graph.warm_up()
-                graph.capture()
+                with programmatic_launches(variant.pdl):   # the warm-up and the capture: the replays keep it
+                    graph.warm_up()
+                    graph.capture()
                 for _ in range(5):
                     graph.replay()
                 stream.sync()
@@ -194,8 +209,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                     times.append((e1 - e0) * 1e3)
                 per_rows[rows] = round(float(np.median(times)), 1)
                 graph.close()
-            results[f"{tile}/{cols}"] = per_rows
-            print(f"tile {tile:11s} cols {cols:10s} " + json.dumps(per_rows), flush=True)
+            results[variant.name] = per_rows
+            print(f"tile {tile:11s} cols {cols:10s} {'pdl' if variant.pdl else '   '} " + json.dumps(per_rows), flush=True)
     finally:   # every switch back, also when a variant fails
         (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
          em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
@@ -238,15 +253,17 @@ def _merge_tile(tile: str) -> tuple[int, int] | None:
 
 
 def _variants(text: str) -> list[Variant]:
-    """``TILE/COLS,...`` -> its variants (argparse type: ArgumentTypeError naming a bad one)."""
+    """``TILE/COLS[/pdl],...`` -> its variants (argparse type: ArgumentTypeError naming a bad one)."""
     out = []
     for item in text.split(","):
         tile, _, cols = item.partition("/")
+        cols, slash, launch = cols.partition("/")
         score_first = _score_first_tile(tile[1:] if tile.startswith("tsf") else tile)
-        if (tile not in TILE_VARIANTS and not score_first and not _merge_tile(tile)) or cols not in COLS_VARIANTS:
+        if (tile not in TILE_VARIANTS and not score_first and not _merge_tile(tile)) or cols not in COLS_VARIANTS \
+                or (slash and launch != "pdl"):
             raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}|sfHxK[rR][+]|tsfHxK[rR]|automTxH, "
-                                             f"COLS in {'|'.join(COLS_VARIANTS)}")
-        out.append(Variant(tile, cols, score_first))
+                                             f"COLS in {'|'.join(COLS_VARIANTS)}, then optionally /pdl")
+        out.append(Variant(tile, cols, score_first, launch == "pdl"))
     return out
 
 
@@ -257,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=192, help="cached rows (default: %(default)s)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 33], help="rows per forward (default: 1 33)")
     parser.add_argument("--variants", type=_variants, default=_variants("auto/auto,64/auto,auto/4,64/4"),
-                        help="comma-separated TILE/COLS pairs (default: all four)")
+                        help="comma-separated TILE/COLS[/pdl] variants (default: all four pairs of auto/64 and auto/4)")
     parser.add_argument("--out", help="append the run to this HDF5 file (bench.common.write_run)")
     args = parser.parse_args(argv)
     results = time_variants(args.preset, args.past, args.rows, args.variants)

@@ -24,6 +24,7 @@ from numba import cuda, int32
 
 from ddtree_numba.config import ModelConfig
 from ddtree_numba.kernels._args import check_array, check_shape, host_values
+from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from sim.launch import launch
 
@@ -35,6 +36,7 @@ ADVANCE_THREADS = 32  # one thread per request; batches are small
 @cuda.jit
 def _advance_kernel(past_lens, lengths):
     """past_lens[b] += lengths[b] for every request b (int32 [bs] each)."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     b = cuda.grid(1)
     if b < past_lens.shape[0]:
         past_lens[b] += lengths[b]

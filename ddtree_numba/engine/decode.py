@@ -32,6 +32,12 @@ warm-up a capture needs); then the step is captured ONCE into a CUDA graph
 and every later step is one graph launch followed by the status copy, which stays outside the
 graph. Under the simulator, which has no graphs, every step runs eagerly through the same code.
 
+Programmatic dependent launch (``pdl=True``, off by default until timed; :mod:`ddtree_numba.kernels.pdl`):
+every kernel of a step begins with ``pdl_begin()``, so under :func:`sim.launch.programmatic_launches`
+each is launched while its predecessor drains (a captured graph keeps the programmatic edges) and
+waits in hardware for its writes before touching memory: the launch gaps of a ~90-kernel step
+overlap, the arithmetic does not change.
+
 Exactness (issue 4): the target's rows are batch-invariant and a tree node's attention sees
 exactly its root path, so the verify logits of the accepted path are bit-identical to the AR
 step's logits at the same position; the posterior noise is keyed by (seed + request, position),
@@ -67,12 +73,13 @@ from ddtree_numba.kernels import tree_build
 from ddtree_numba.kernels.accept import (GREEDY_TEMPERATURE, MAX_SAMPLE_THREADS, accept_walk, posterior_argmax,
                                          posterior_sample)
 from ddtree_numba.kernels.compact import plan_compaction, run_compaction
+from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from ddtree_numba.kernels.topk import plan_topk, run_topk
 from reference._checks import require_int, require_real
 from reference.tree import pack_visibility
 from sim.install import simulator_active
-from sim.launch import launch
+from sim.launch import launch, programmatic_launches
 
 __all__ = [
     "GenerateResult",
@@ -122,6 +129,7 @@ def last_row_kernel(logits, prompt_lens, out):
     logits float32 [bs, P, V], prompt_lens int32 [bs] -> out float32 [bs, 1, V]. Grid (1, bs),
     threads stride over the vocabulary.
     """
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     b = cuda.blockIdx.y
     row = prompt_lens[b] - 1
     for v in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
@@ -138,6 +146,7 @@ def prefill_commit_kernel(first, prompt_lens, stop_tokens, max_new, out_tokens, 
     done (stop token or max_new == 1; then budgets = 0), past_lens = prompt_lens (the prompt rows
     are committed), bonus = the token (the next root / AR input).
     """
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     b = cuda.grid(1)
     if b >= bonus.shape[0]:
         return
@@ -169,6 +178,7 @@ def commit_kernel(tree_tokens, accepted, lengths, new_bonus, stop_tokens, max_ne
     A finished request changes nothing else: it keeps a valid root token and, with budget 0,
     root-only trees, whatever its drafter outputs from then on.
     """
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     tid = cuda.threadIdx.x
     bs = bonus.shape[0]
     r = round_counter[0]
@@ -241,6 +251,8 @@ class GenerateResult:
         graphs: whether the steps after the first were CUDA-graph replays (False under the
             simulator, which degrades graphs=True to eager steps).
         capture_s: host seconds spent capturing the graph (0 without).
+        pdl: whether the kernels ran with programmatic dependent launch (``pdl=True``: each may
+            start while its predecessor drains; False under the simulator, which ignores it).
         budget, block_size: the DDTree settings (None for AR).
     """
 
@@ -258,6 +270,7 @@ class GenerateResult:
     stage_rounds: int
     graphs: bool
     capture_s: float
+    pdl: bool = False
     budget: int | None = None
     block_size: int | None = None
 
@@ -320,7 +333,7 @@ class GenerateResult:
             "acceptance": self.acceptance.tolist(),
             "prefill_s": self.prefill_s, "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
             "stage_s": dict(self.stage_s), "timing": self.timing, "stage_rounds": self.stage_rounds,
-            "graphs": self.graphs, "capture_s": self.capture_s, "step_s": self.step_s.tolist(),
+            "graphs": self.graphs, "capture_s": self.capture_s, "pdl": self.pdl, "step_s": self.step_s.tolist(),
             "step_median_s": self.step_median_s,
         }
 
@@ -614,17 +627,24 @@ class _Session:
 
     def run(self, step: Callable[[Any, Callable[[str], None]], None], stages: Sequence[str],
             progress: Callable[[int], None] | None, begin: Callable[[Any], None] | None = None, *,
-            graphs: bool) -> dict[str, Any]:
+            graphs: bool, pdl: bool = False) -> dict[str, Any]:
         """Prefill, then ``step(stream, mark)`` until every request is done.
 
         ``mark(stage)`` ends a stage (in ``stages`` order; it defaults to a no-op, which is what a
         captured step gets). Without graphs every step runs eagerly with the stage clock. With
         graphs the first step is the eager calibration (stage clock) and the capture's warm-up;
-        the step is then captured once and replayed.
+        the step is then captured once and replayed. With ``pdl`` every launch of the call (prefill,
+        eager steps, the capture) is programmatic where the kernel waits (:mod:`sim.launch`).
 
         Returns the timing fields of :class:`GenerateResult` (prefill_s, decode_s, stage_s, timing,
-        step_s, stage_rounds, graphs, capture_s).
+        step_s, stage_rounds, graphs, capture_s, pdl).
         """
+        with programmatic_launches(pdl):
+            return self._run(step, stages, progress, begin, graphs=graphs) | {"pdl": pdl and not simulator_active()}
+
+    def _run(self, step: Callable[[Any, Callable[[str], None]], None], stages: Sequence[str],
+             progress: Callable[[int], None] | None, begin: Callable[[Any], None] | None, *,
+             graphs: bool) -> dict[str, Any]:
         clock = _StageClock(stages, self.stream)
         timer = _StepTimer(self.stream)
         graph = StepGraph(step, self.stream, enabled=graphs) if graphs else None
@@ -690,9 +710,9 @@ class _Session:
             max_acceptance=max_acceptance, **times, **settings)
 
 
-def _check_graphs(graphs: Any) -> bool:
+def _check_graphs(graphs: Any, name: str = "graphs") -> bool:
     if not isinstance(graphs, (bool, np.bool_)):
-        raise TypeError(f"graphs must be a bool, got {type(graphs).__name__}")
+        raise TypeError(f"{name} must be a bool, got {type(graphs).__name__}")
     return bool(graphs)
 
 
@@ -707,7 +727,8 @@ def _synchronize(stream: Any) -> None:
 
 def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                 seed: int = 0, stop_tokens: Iterable[int] | None = None, stream: Any = 0,
-                progress: Callable[[int], None] | None = None, graphs: bool = True) -> GenerateResult:
+                progress: Callable[[int], None] | None = None, graphs: bool = True,
+                pdl: bool = False) -> GenerateResult:
     """Autoregressive generation: prefill, then one T = 1 target forward per token.
 
     Args:
@@ -726,6 +747,9 @@ def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens:
         graphs: capture the step (forward T = 1 -> posterior -> commit) once after the first,
             eager step and replay it (module docstring); False: every step eager. Ignored (eager)
             under the simulator.
+        pdl: launch the kernels with programmatic dependent launch (sm_90 on; ``kernels.pdl``):
+            each starts while the previous one drains and waits in hardware for its writes. The
+            same arithmetic, so the same tokens. Ignored under the simulator.
 
     Returns:
         :class:`GenerateResult` with method "ar" (acceptance 1 per step).
@@ -735,6 +759,7 @@ def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     """
     _check_model(model)
     graphs = _check_graphs(graphs)
+    pdl = _check_graphs(pdl, "pdl")
     session = _Session(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                        stop_tokens=stop_tokens, budget=0, step_rows=1, capture_layers=model.capture_layers,
                        stream=stream)
@@ -755,7 +780,7 @@ def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens:
         session.commit(step_tokens, roots, ones, new_tokens, s)
         mark("accept")
 
-    times = session.run(step, AR_STAGES, progress, graphs=graphs)
+    times = session.run(step, AR_STAGES, progress, graphs=graphs, pdl=pdl)
     return session.result("ar", 1, times)
 
 
@@ -781,7 +806,8 @@ def _check_drafter(drafter: Any, horizon: int, vocab: int, batch_size: int) -> N
 def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int]], *, budget: int, block_size: int,
                     max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                     stop_tokens: Iterable[int] | None = None, stream: Any = 0,
-                    progress: Callable[[int], None] | None = None, graphs: bool = True) -> GenerateResult:
+                    progress: Callable[[int], None] | None = None, graphs: bool = True,
+                pdl: bool = False) -> GenerateResult:
     """DDTree speculative generation: prefill, then one draft-tree round per target forward.
 
     A round (spec §1.1): the drafter's logits [bs, L, V] (L = block_size - 1) -> top-k with
@@ -802,6 +828,7 @@ def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int
         graphs: capture the whole round (draft -> top-k -> build -> verify -> posterior -> accept ->
             compaction -> drafter commit -> commit) once after the first, eager round and replay
             it; False: every round eager. Ignored (eager) under the simulator.
+        pdl: as :func:`generate_ar`.
 
     Returns:
         :class:`GenerateResult` with method "ddtree"; acceptance lengths in [1, block_size].
@@ -814,6 +841,7 @@ def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int
     horizon = block_size - 1
     _check_model(model)
     graphs = _check_graphs(graphs)
+    pdl = _check_graphs(pdl, "pdl")
     vocab = int(model.config.vocab_size)
     _check_drafter(drafter, horizon, vocab, int(model.batch_size))
     drafting = budget > 0 and horizon > 0
@@ -869,5 +897,5 @@ def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int
         session.commit(tree.tokens, accepted, lengths, walk_bonus, s)
         mark("compact")
 
-    times = session.run(step, DDTREE_STAGES, progress, begin, graphs=graphs)
+    times = session.run(step, DDTREE_STAGES, progress, begin, graphs=graphs, pdl=pdl)
     return session.result("ddtree", block_size, times, budget=budget, block_size=block_size)

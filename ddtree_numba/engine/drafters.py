@@ -36,6 +36,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint64
 
 from ddtree_numba.kernels.accept import _philox4x32_10
+from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from reference._checks import require_array, require_int, require_real
 from reference.sampling import philox4x32
@@ -145,6 +146,7 @@ def oracle_logits_kernel(ref, prompt_lens, start, seed, accuracy, inv_entropy, g
     [p * groups_per_part, (p + 1) * groups_per_part) of row (b, j), PHILOX_WORDS tokens per
     group (one Philox call each); each block recomputes the row's top token (one Philox call).
     """
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     j = cuda.blockIdx.x
     b = cuda.blockIdx.y
     part = cuda.blockIdx.z

@@ -55,6 +55,7 @@ from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, lin
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
 from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, mla_rope_kv_write, moe_combine,
                                             moe_route, rms_norm, rope_tables)
+from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from reference.tree import pack_visibility, unpack_visibility
 from sim.launch import launch
@@ -148,6 +149,7 @@ def _prepare_rows_kernel(tokens, positions, sizes, past_lens, tree_capacity, kv_
     tokens, positions int32 [M] (flat [bs, Tc]); sizes, past_lens int32 [bs]; int32 Tc, S;
     outputs int32 [M]. cache_rows[m] = b * S + past_lens[b] + i for a valid row, -1 otherwise.
     """
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     m = cuda.grid(1)
     if m >= tokens.shape[0]:
         return
@@ -176,6 +178,7 @@ def _prepare_rows_kernel(tokens, positions, sizes, past_lens, tree_capacity, kv_
 @cuda.jit
 def _copy_columns_kernel(src, dst, col0):
     """dst[m, col0 + d] = src[m, d] (grid-stride): src float32 [M, D], dst float32 [M, F], C-contiguous."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     n_cols = src.shape[1]
     for idx in range(cuda.grid(1), src.shape[0] * n_cols, cuda.gridsize(1)):
         m = idx // n_cols

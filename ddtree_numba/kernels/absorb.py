@@ -47,6 +47,7 @@ from sim.profiles import active_profile
 from ._args import data_address, is_c_contiguous
 from .linear import (NEG_ZERO, SIM_TREE, VEC, ZERO, _check_out, _f32, _kernel_weight, _rows_aligned, _stream,
                      load_f32x4, load_x4, shared_put4, shared_x4)
+from .pdl import pdl_begin
 from .registry import register
 
 __all__ = [
@@ -182,6 +183,7 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
         """x [M, G, K], w_kn [G, K, N] (flat under the simulator; N % 4 == 0), out [M, G, N]. Grid
         (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
         part = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [S, MT, NB] segment partials
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         p = cuda.local.array((MT, VEC), float32)
         wv = cuda.local.array((BATCH, VEC), float32)
         xv = cuda.local.array((BATCH, MT), float32)
@@ -327,6 +329,7 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1
         memory: two stages and two partial buffers, tile_shared_bytes(MT, CQ, RW, SL) (its base is
         16-byte aligned for the vector accesses)."""
         sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [2, KS, NB | KS, XR] stages, [2, PART] partials
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         wpre = cuda.local.array((W_LOADS, VEC), float32)
         xpre = cuda.local.array((X_LOADS, VEC), float32)
         acc = cuda.local.array((MT, VEC), float32)

@@ -49,6 +49,7 @@ from numba import cuda, float32, float64, int32, int64, uint64
 from sim.launch import launch
 
 from ._args import check_array, check_shape, host_values
+from .pdl import pdl_begin
 from .registry import register
 from .warp import warp_argmax_f32, warp_argmax_f64, warp_min_i32
 
@@ -294,6 +295,7 @@ def posterior_argmax_kernel(logits, sizes, out):
     """
     sh_value = cuda.shared.array(MAX_WARPS, float32)
     sh_index = cuda.shared.array(MAX_WARPS, int32)
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     staged = cuda.local.array(UNROLL, float32)  # registers once the loops are unrolled
     node = cuda.blockIdx.x
     b = cuda.blockIdx.y
@@ -332,6 +334,7 @@ def posterior_argmax_parts_kernel(part_val, part_idx, sizes, out):
     lm_head: its largest logit and that logit's lowest id, :func:`.linear.linear_argmax`), sizes
     int32 [bs], out int32 [bs, N]. One warp per row (grid-stride), lanes over the parts.
     """
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     lane = cuda.threadIdx.x % WARP_SIZE
     warps_per_block = cuda.blockDim.x // WARP_SIZE
     n_cap = out.shape[1]
@@ -361,6 +364,7 @@ def posterior_sample_kernel(logits, sizes, temperatures, seeds, positions, out):
     """
     sh_value = cuda.shared.array(MAX_WARPS, float64)
     sh_index = cuda.shared.array(MAX_WARPS, int32)
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     node = cuda.blockIdx.x
     b = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -417,6 +421,7 @@ def accept_walk_kernel(posterior, child_ptr, child_index, tokens, accepted, leng
     Dynamic shared memory: walk_shared_bytes(N).
     """
     smem = cuda.shared.array(0, int32)
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     s_ptr, s_child, s_token, s_post = _stage_tree(smem, child_ptr, child_index, tokens, posterior)
     if cuda.threadIdx.x >= WARP_SIZE:
         return
@@ -442,6 +447,7 @@ def accept_walk_parts_kernel(part_val, part_idx, child_ptr, child_index, tokens,
     Dynamic shared memory: walk_shared_bytes(N, posterior=False).
     """
     smem = cuda.shared.array(0, int32)
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     s_ptr, s_child, s_token, _ = _stage_tree(smem, child_ptr, child_index, tokens, None)
     if cuda.threadIdx.x >= WARP_SIZE:
         return

@@ -36,6 +36,7 @@ from sim.launch import launch
 
 from ._args import as_kernel_array, check_array, check_shape, data_address, host_values, is_c_contiguous
 from .accept import check_threads
+from .pdl import pdl_begin
 from .registry import register
 
 __all__ = [
@@ -80,6 +81,7 @@ def _make_compact_kernel(word: Any) -> Any:
         negative past_len moves nothing, negative node indices are skipped); lengths[b] is
         clamped to M (a negative length moves nothing).
         """
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         staged = cuda.local.array(ROWS_PER_PASS, word)  # registers once the pass is unrolled
         b = cuda.blockIdx.y
         g = cuda.blockIdx.z

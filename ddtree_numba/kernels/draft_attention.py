@@ -45,6 +45,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ddtree_numba.kernels._args import check_array, check_shape, host_values, int_arg, positive_real
+from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from sim.launch import launch
 
@@ -164,6 +165,7 @@ def get_attention_kernel(config: AttentionConfig) -> Any:
         sh_m = cuda.shared.array(QT, float32)  # running max per query
         sh_l = cuda.shared.array(QT, float32)  # running sum per query
         sh_alpha = cuda.shared.array(QT, float32)  # rescale of the accumulators for this chunk
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         acc = cuda.local.array(ACC, float32)
 
         tid = cuda.threadIdx.x
@@ -399,6 +401,7 @@ def _norm_rope_vec(x, weight, cos, sin, pos, eps):
 def _norm_rope_kernel(q, kv_block, q_weight, k_weight, cos, sin, start, eps):
     """q [bs, T, H, hd] and the keys of kv_block [bs, T, 2, Hkv, hd], in place: head norm + RoPE at
     position start[b] + r. One thread per (row, head) vector; grid (ceil(T * (H + Hkv) / threads), bs)."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     b = cuda.blockIdx.y
     e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     t_rows, n_heads, n_kv = q.shape[1], q.shape[2], kv_block.shape[3]
@@ -420,6 +423,7 @@ def _context_kv_kernel(kv_ctx, k_weight, cos, sin, base, counts, cache_k, cache_
     layer, in place), k_weight [n_layers, hd], base / counts int32 [bs]; row i < counts[b] goes to
     cache row base[b] + i (skipped at or past S) at position base[b] + i. cache_k / cache_v
     [n_layers, bs, S, Hkv, hd]. One thread per (row, layer, head); grid (ceil(R * n_layers * Hkv / threads), bs)."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     b = cuda.blockIdx.y
     e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     n_rows, n_layers, n_kv, hd = kv_ctx.shape[1], kv_ctx.shape[2], kv_ctx.shape[4], kv_ctx.shape[5]
@@ -442,6 +446,7 @@ def _context_kv_kernel(kv_ctx, k_weight, cos, sin, base, counts, cache_k, cache_
 def _block_embed_kernel(table, bonus, start, cache_lens, mask_token, out):
     """out [bs, T, D] = table rows of [bonus[b], mask × (T - 1)]; NaN rows when a token is out of
     range or start[b] != cache_lens[b] (the context and the round disagree). Grid (ceil(D / threads), T, bs)."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     r = cuda.blockIdx.y
     b = cuda.blockIdx.z
@@ -457,6 +462,7 @@ def _gather_rows_kernel(src, index, counts, dst, counts_out):
     """dst[b, j] = src[b, index[b, j]] for j < counts[b] (NaN row for an index outside [0, N));
     counts_out[b] = counts[b], or -1 (nothing copied) when counts[b] is outside [0, min(J, W)].
     Grid (ceil(F / threads), J, bs)."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     f = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     j = cuda.blockIdx.y
     b = cuda.blockIdx.z
@@ -474,6 +480,7 @@ def _gather_rows_kernel(src, index, counts, dst, counts_out):
 def _context_lengths_kernel(cache_lens, base, counts, capacity, clear):
     """cache_lens[b] = base[b] + counts[b], or -1 (poison) when negative or over ``capacity``;
     counts[b] = 0 when ``clear``. One thread per request (cache_lens may alias base)."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     b = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if b >= cache_lens.shape[0]:
         return

@@ -116,6 +116,7 @@ from sim.profiles import active_profile
 
 from ._args import as_kernel_array, data_address, is_c_contiguous, is_device_array
 from .accept import NEG_INF_F32, NO_INDEX, outranks
+from .pdl import pdl_begin
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_min_i32, warp_sum_f32
 
@@ -1090,6 +1091,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             src_sh = cuda.shared.array(MT, int32)
             dst_sh = cuda.shared.array(MT, int32)
             inv_sh = cuda.shared.array(MT, float32)
+            pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
             if not ASYNC:   # (with the ring, tile() finds the rows after its first copies)
                 tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps)
                 cuda.syncthreads()  # tile rows (and their rms) visible before staging
@@ -1112,6 +1114,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             inv_sh = cuda.shared.array(MT, float32)
             cand_v = cuda.shared.array(CAND, float32)
             cand_i = cuda.shared.array(CAND, int32)
+            pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
             best_v = cuda.local.array(1, float32)   # this lane's candidate for its tile element
             best_i = cuda.local.array(1, int32)
             best_v[0] = NEG_INF_F32
@@ -1149,6 +1152,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             red = cuda.shared.array(RED, float32)
             src_sh = cuda.shared.array(MT, int32)
             dst_sh = cuda.shared.array(MT, int32)
+            pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
             row0 = cuda.blockIdx.x * MT
             g = cuda.blockIdx.z
             tid = cuda.threadIdx.x
@@ -1175,6 +1179,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             dst_sh = cuda.shared.array(MT, int32)
             offs = cuda.shared.array(OFFS, int32)
             found = cuda.shared.array(2, int32)
+            pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
             tid = cuda.threadIdx.x
             n_experts = row_offsets.shape[0] - 1
             n_entries = out.shape[0]
@@ -2093,6 +2098,7 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
         out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G); dynamic shared memory: one phase's
         staging, W_FLOATS + RB * XS floats (and, after the last phase, the subsets' subtrees)."""
         sh = cuda.shared.array(0, float32)     # [CHUNKS * 4, NB] weights | [RB, XS] x chunks
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         buf = cuda.local.array((SL, VEC), float32)
         p = cuda.local.array(MTC, float32)     # the current leaf's chains
         level = cuda.local.array((SERIAL_LEVELS, MTC), float32)   # unfinished subtrees
@@ -2273,6 +2279,7 @@ def _make_segment_sum(residual: bool) -> Any:
         """out[m, n] = (residual[m, n] +) ((parts[m, 0, n] + parts[m, 1, n]) + ...): linear()'s
         segment combine and residual epilogue. One thread per element (read, then written: out
         may be residual)."""
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         i = cuda.grid(1)
         n_cols = out.shape[1]
         if i < out.shape[0] * n_cols:
@@ -2301,6 +2308,7 @@ register("segment_sum_residual", segment_sum_residual_kernel, _SUM_SIGS,
 def swiglu_rows_kernel(x, out):
     """out[m, k] = silu(x[m, k]) * x[m, K + k] (:func:`_silu_mul`, the bits linear()'s swiglu
     prologue stages). One thread per element."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     i = cuda.grid(1)
     k_dim = out.shape[1]
     if i < out.shape[0] * k_dim:

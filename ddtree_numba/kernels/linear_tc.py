@@ -65,6 +65,7 @@ from .linear import (
     _aligned, _f32, _kernel_weight, _row_inv_rms, _rows_aligned, _silu_mul, _stream, check_linear_args,
     commit_async, copy_async16, load_f32x4, load_x4, shared_put4, shared_x4, wait_async,
 )
+from .pdl import pdl_begin
 from .registry import register
 
 __all__ = ["linear_tc", "segments", "partials_shape", "mtiles", "tf32_trunc", "mma_tf32",
@@ -414,6 +415,7 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
         xs_hi = cuda.shared.array(XS, float32, alignment=ALIGN)  # staged input rows, TF32 high parts
         xs_lo = cuda.shared.array(XS, float32, alignment=ALIGN)  # ... and low parts
         inv_sh = cuda.shared.array(ROWS, float32)   # the row group's 1 / rms (RMS only)
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         lane = cuda.threadIdx.x & (WARP - 1)
         warp = cuda.threadIdx.x >> 5
         g = lane >> 2
@@ -529,6 +531,7 @@ def get_kernel(prologue: str, residual: bool, mt: int, presplit: bool | None = N
 def inv_rms_kernel(x, inv_rms, m_rows, k_dim, eps):
     """inv_rms[m] = 1 / sqrt(mean(x[m]^2) + eps), one warp a row, :func:`.linear._row_inv_rms`'s
     order (the product kernel's own rms, computed once for all its blocks)."""
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     row = cuda.blockIdx.x * (RMS_THREADS // WARP) + (cuda.threadIdx.x >> 5)
     if row < m_rows:                     # warp-uniform
         inv = _row_inv_rms(x, row, k_dim, eps, cuda.threadIdx.x & (WARP - 1))
@@ -544,6 +547,7 @@ def segment_sum_kernel(residual: bool) -> Any:
 
     @cuda.jit(**launch_bounds(SUM_THREADS))
     def kernel(partials, out, residual_arr, m_rows, n_cols, n_segs):
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         i = cuda.blockIdx.x * SUM_THREADS + cuda.threadIdx.x
         if i < m_rows * n_cols:
             row = i // n_cols

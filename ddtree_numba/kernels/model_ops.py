@@ -55,6 +55,7 @@ from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
 
 from ._args import as_kernel_array, check_array, check_shape, host_values
+from .pdl import pdl_begin
 from .registry import register
 from .warp import warp_inclusive_scan_i32
 
@@ -249,6 +250,7 @@ def embed_kernel(tokens, table, out):
 
     tokens int32 [M], table [V, D], out [M, D]. One thread per element, grid-stride.
     """
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     dim = out.shape[1]
     for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
                      cuda.gridDim.x * cuda.blockDim.x):
@@ -268,6 +270,7 @@ def rms_norm_kernel(x, weight, eps, out):
     One warp per row, grid-stride over rows (blockDim <= ROW_THREADS).
     """
     s_part = cuda.shared.array(ROW_THREADS, float32)  # one partial sum of squares per lane
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     warps = cuda.blockDim.x // WARP_SIZE
     for row in range(cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP_SIZE, x.shape[0],
                      cuda.gridDim.x * warps):  # per warp: the whole warp iterates together
@@ -328,6 +331,7 @@ def mla_kv_write_kernel(kv_a, norm_weight, eps, cos, sin, positions, cache_rows,
     grid-stride over rows.
     """
     s_part = cuda.shared.array(ROW_THREADS, float32)  # one partial sum of squares per lane
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     _kv_write_rows(kv_a, norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope,
                    layout, s_part, cuda.blockIdx.x, cuda.gridDim.x)
 
@@ -339,6 +343,7 @@ def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
     One thread per (row, head, pair), grid-stride; each reads its pair before writing it, so
     out may be q[:, :, nope:] itself.
     """
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     _q_rope_pairs(q, cos, sin, positions, out, layout, cuda.blockIdx.x, cuda.gridDim.x)
 
 
@@ -349,6 +354,7 @@ def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, si
     the others, in one launch: an MLA layer's two RoPE steps run side by side (the same loops
     per element and per row, so the same bits). Arguments as those two kernels'."""
     s_part = cuda.shared.array(ROW_THREADS, float32)  # the kv rows: one partial sum per lane
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     if cuda.blockIdx.x < q_blocks:  # block-uniform
         _q_rope_pairs(q, cos, sin, positions, q_out, layout, cuda.blockIdx.x, q_blocks)
     else:
@@ -394,6 +400,7 @@ def moe_route_kernel(norm: bool, biased: bool) -> Any:
         s_group = cuda.shared.array(MAX_GROUPS, float32)  # [G] group scores
         s_kept = cuda.shared.array(MAX_GROUPS, int32)  # [G] 1: the group's experts may be picked
         s_pick = cuda.shared.array(MAX_TOPK, int32)  # [k] picked expert ids in rank order
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         tid = cuda.threadIdx.x
         n_experts = gate_w.shape[0]
         per_group = n_experts // n_groups
@@ -487,6 +494,7 @@ def moe_csr_kernel(topk_ids, row_offsets, row_index, slot_of):
     """
     s_cursor = cuda.shared.array(MAX_EXPERTS, int32)  # counts, then each expert's next entry
     s_mask = cuda.shared.array(CSR_MASK_WORDS, uint32)  # [CSR_WORDS, E] row bits of a chunk
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
     tid = cuda.threadIdx.x
     threads = cuda.blockDim.x
     n_rows = topk_ids.shape[0]
@@ -555,6 +563,7 @@ def moe_combine_kernel(shared: bool) -> Any:
         s ascending (= ascending expert id), shared_out [M, D] (shared; else a placeholder); a slot
         outside [0, M·k) gives NaN. One thread per element, grid-stride; out may be x.
         """
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         dim = out.shape[1]
         for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
                          cuda.gridDim.x * cuda.blockDim.x):

@@ -130,6 +130,7 @@ from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
 
 from ._args import check_array, data_address, int_arg
+from .pdl import pdl_begin
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_max_f32
 
@@ -900,6 +901,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         count = cuda.shared.array(1, int32)  # candidates pushed (may overshoot cap)
         thresh = cuda.shared.array(1, uint64)  # composite threshold T
         thresh_val = cuda.shared.array(1, float32)  # logit of T: the cheap first test
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         ws = cuda.local.array(unroll, word_type)  # words being processed (registers: static indices)
         nxt = cuda.local.array(unroll, word_type)  # the next iteration's words, in flight meanwhile
 
@@ -963,6 +965,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         select = cuda.shared.array(2, uint32)  # radix select: key prefix found, rank left to find
         flag_list = cuda.shared.array(FLAG_LIST_ENTRIES, int16)  # flagged segments, in no particular order
         n_flag = cuda.shared.array(1, int32)  # flagged segments (may exceed FLAG_LIST_ENTRIES)
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         ws = cuda.local.array(unroll, word_type)  # words being processed (registers: static indices)
         nxt = cuda.local.array(unroll, word_type)  # the next iteration's words, in flight meanwhile
         rs = cuda.local.array(rescan_words, word_type)  # re-read segments' words, in flight together
@@ -1242,6 +1245,7 @@ def _make_chunk_kernel(per_word: int, elem_bits: int, word_type, unroll: int):
         scratch = cuda.shared.array(MAX_THREADS, float64)  # block reductions
         w_count = cuda.shared.array(MAX_WARPS, int32)  # entries in each warp's segment
         w_thresh = cuda.shared.array(MAX_WARPS, uint64)  # each warp's composite threshold
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         ring0 = cuda.local.array(unroll, word_type)  # even iterations (registers: static indices)
         ring1 = cuda.local.array(unroll, word_type)  # odd iterations
         tail = cuda.local.array(unroll, word_type)  # the partial last iteration
@@ -1330,6 +1334,7 @@ def merge_kernel(cand, cmax, csum, cflag, k, cap, out_values, out_ids, row_flags
     count = cuda.shared.array(1, int32)  # candidates pushed (may overshoot cap)
     thresh = cuda.shared.array(1, uint64)  # composite threshold T
     thresh_val = cuda.shared.array(1, float32)  # kept by _compact; the merge needs no value test
+    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
 
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x

@@ -88,6 +88,7 @@ from numba.core.extending import intrinsic
 from sim.launch import launch
 
 from ._args import check_array, int_arg
+from .pdl import pdl_begin
 from .registry import register
 from .warp import warp_inclusive_scan_i32
 
@@ -1224,6 +1225,7 @@ def _make_kernel(n_slots: int, lp_words: int | None = None, count_rounds: bool =
         counters = cuda.shared.array(BAND_COUNTERS, int32)  # append counters (see _attempt)
         flags = cuda.shared.array(1, int32)  # a run failed its checks (see _write_run)
         top_key = cuda.shared.array(2, int64)  # best pending score per attempt parity (_key64)
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
 
         b = cuda.blockIdx.x
         tid = cuda.threadIdx.x

@@ -90,6 +90,7 @@ from numba.core.extending import intrinsic
 
 from ddtree_numba.kernels._args import check_array, data_address, int_arg, positive_real
 from ddtree_numba.kernels.linear import load_f32x4
+from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
@@ -816,6 +817,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         l_sh = cuda.shared.array(TWO_HEADS, float32)  # [2, HEADS] running sum, by chunk parity
         path = cuda.shared.array(MAX_PATH, int32)     # tree node at position past + k
         rows = cuda.shared.array(TWO_CHUNKS, int32)   # [2, CHUNK] flat cache rows, by parity
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
 
         tid = cuda.threadIdx.x
         node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(
@@ -992,6 +994,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         Padding rows get zeros, unguarded requests NaN. The arithmetic of an element does not
         depend on the grouping (merge_heads is layout, not numerics).
         """
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         tid = cuda.threadIdx.x
         groups = num_heads // MERGE_HEADS
         node = cuda.blockIdx.x // groups
@@ -1056,6 +1059,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         path = cuda.shared.array(MAX_PATH, int32)      # tree node at position past + k
         rows = cuda.shared.array(SB, int32)            # [SB] flat cache rows of the pass (-1: none)
         fin = cuda.shared.array(TWO_HEADS, float32)    # [2, HEADS] final m, then l (one segment)
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
 
         tid = cuda.threadIdx.x
         node, h0, seg, b, past, size, vis_base, seg_start, seg_end = block_work(

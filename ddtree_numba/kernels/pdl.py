@@ -1,0 +1,97 @@
+"""Programmatic dependent launch (PDL, sm_90 on): a kernel's start overlaps its predecessor's end.
+
+A decode step at batch 1 is ~90 short kernels back to back (PERFORMANCE "decode step"). In a
+plain stream, kernel n + 1 is launched only after kernel n has completed and its writes are
+flushed: every boundary costs the launch latency plus the tail in which kernel n's last blocks
+run on a few SMs. With PDL the next kernel is launched early and its blocks take free SMs while
+the previous one drains; each of its threads then waits in hardware until the previous grid has
+completed and its memory is visible (PTX ISA, ``griddepcontrol``; CUDA programming guide,
+"Programmatic Dependent Launch and Synchronization").
+
+Device side (call from kernels; inlined, no registers):
+
+- :func:`pdl_wait`: ``griddepcontrol.wait``, the thread blocks until every prerequisite grid has
+  completed and its writes are visible. Returns at once in a kernel launched without PDL.
+- :func:`pdl_release`: ``griddepcontrol.launch_dependents``, this block allows the dependent grid
+  to launch (it launches once every block has released or exited).
+- :func:`pdl_begin`: both, in that order: the rule for every kernel of the engine, as its first
+  statement. Reads of memory that no kernel of the step writes (the weights) may go before a
+  :func:`pdl_wait`; nothing else may, and no write may.
+
+Host side (:mod:`sim.launch`): a kernel whose Python body calls :func:`pdl_begin` or
+:func:`pdl_wait` (found by name, :func:`sim.launch.takes_programmatic_launch`) is launched with
+``programmatic_stream_serialization`` inside :func:`sim.launch.programmatic_launches`; every
+other kernel and every launch outside that context is an ordinary launch, for which the wait is a
+no-op. Because each such kernel waits before it touches memory, ordering stays transitive: kernel
+n + 2's wait returns after kernel n + 1 completed, which was after kernel n completed.
+
+Both instructions need sm_90 (PTX ISA 7.8), as do the project's two targets (sm_90, sm_120) and
+the top-k's ``max.bf16x2``. Under the simulator, where every launch runs to completion before the
+next, they are no-ops.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from numba import cuda
+
+__all__ = ["pdl_wait", "pdl_release", "pdl_begin", "ENTRY_POINTS"]
+
+# The device functions whose call makes a kernel take programmatic launches (sim.launch reads
+# this tuple; a kernel must call one of them before any access to memory another kernel writes).
+ENTRY_POINTS = ("pdl_begin", "pdl_wait")
+
+
+def _make_instructions() -> tuple[Any, Any]:
+    """``(wait, release)`` device callables: the two ``griddepcontrol`` instructions on a GPU,
+    no-ops under the simulator."""
+    if cuda.config.ENABLE_CUDASIM:
+        def griddepcontrol_wait() -> None:
+            """The simulator runs each launch to completion: nothing to wait for."""
+
+        def griddepcontrol_launch_dependents() -> None:
+            """The simulator launches nothing early."""
+
+        return griddepcontrol_wait, griddepcontrol_launch_dependents
+
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda.extending import intrinsic
+
+    def _instruction(text: str) -> Any:
+        @intrinsic
+        def instruction(typingctx):
+            def codegen(context, builder, signature, args):
+                # side effects + a memory clobber: LLVM keeps every load and store on its side
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return instruction
+
+    return _instruction("griddepcontrol.wait;"), _instruction("griddepcontrol.launch_dependents;")
+
+
+_griddepcontrol_wait, _griddepcontrol_launch_dependents = _make_instructions()
+
+
+@cuda.jit(device=True, inline="always")
+def pdl_wait():
+    """Block this thread until the previous grids have completed and their writes are visible."""
+    _griddepcontrol_wait()
+
+
+@cuda.jit(device=True, inline="always")
+def pdl_release():
+    """Let the next grid launch once every block of this one has released (or exited)."""
+    _griddepcontrol_launch_dependents()
+
+
+@cuda.jit(device=True, inline="always")
+def pdl_begin():
+    """A kernel's first statement: wait for the previous grid, then let the next one launch (its
+    blocks take SMs this grid leaves free and wait there, instead of waiting for a launch)."""
+    _griddepcontrol_wait()
+    _griddepcontrol_launch_dependents()
