@@ -18,6 +18,7 @@ import functools
 import importlib
 import math
 import numbers
+import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from .profiles import DeviceProfile, active_profile
 
 __all__ = ["LaunchConfigError", "Dim3", "check_launch", "launch", "launch_bounds", "opt_in_shared",
            "install_simulator_hook", "programmatic_launches", "programmatic_launches_active",
-           "takes_programmatic_launch"]
+           "programmatic_launch_count", "takes_programmatic_launch"]
 
 Dim3 = tuple[int, int, int]
 _HOOK_MARKER = "__ddtree_launch_check__"
@@ -184,7 +185,9 @@ def opt_in_shared(configured: Any, dynamic_shared_bytes: int) -> Any:
     arguments' types, the callback raises its limit, then it launches. The simulator has no
     such limit and no callbacks: returned as is."""
     callbacks = getattr(configured, "pre_launch_callbacks", None)
-    if callbacks is not None and dynamic_shared_bytes > 0:
+    # numba caches configured launches (kernel[...] returns the same object for the same
+    # configuration): append once, or every eager launch would lengthen the list.
+    if callbacks is not None and dynamic_shared_bytes > 0 and _raise_dynamic_limit not in callbacks:
         callbacks.append(_raise_dynamic_limit)
     return configured
 
@@ -236,6 +239,15 @@ PDL_ENTRY_POINTS = ("pdl_begin", "pdl_wait")
 _PROGRAMMATIC = contextvars.ContextVar("ddtree_programmatic_launches", default=False)
 _THIS_LAUNCH = contextvars.ContextVar("ddtree_programmatic_this_launch", default=False)
 _PDL_MARKER = "__ddtree_programmatic__"
+_INSTALL_LOCK = threading.Lock()
+_PROGRAMMATIC_CONFIGS = [0]   # launch configurations made programmatic since import (all threads)
+
+
+def programmatic_launch_count() -> int:
+    """How many launches have carried the programmatic attribute since import: a test or a
+    benchmark reads it before and after a run to see that PDL really happened (a numba-cuda that
+    launched another way would leave it unchanged)."""
+    return _PROGRAMMATIC_CONFIGS[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,7 +281,9 @@ def programmatic_launches(enabled: bool = True) -> Iterator[None]:
 
     Raises:
         TypeError: ``enabled`` is not a bool.
-        RuntimeError: enabled on a GPU of compute capability below 9.0 (PDL needs sm_90).
+        RuntimeError: enabled on a GPU of compute capability below 9.0 (PDL needs sm_90), or with
+            a numba-cuda whose launch does not build cuda.core's ``LaunchConfig`` (the hooks could
+            not apply).
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
@@ -287,7 +301,8 @@ def _programmatic_kernel_launch(original: Callable[..., Any]) -> Callable[..., A
     programmatic (the mode is on and the compiled kernel's ``py_func`` waits)."""
     @functools.wraps(original)
     def launch_kernel(self: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _THIS_LAUNCH.set(_PROGRAMMATIC.get() and takes_programmatic_launch(self.py_func))
+        # (a kernel rebuilt from a cache has no py_func: launched ordinarily)
+        token = _THIS_LAUNCH.set(_PROGRAMMATIC.get() and takes_programmatic_launch(getattr(self, "py_func", None)))
         try:
             return original(self, *args, **kwargs)
         finally:
@@ -303,6 +318,7 @@ def _programmatic_launch_config(core_config: Callable[..., Any]) -> Callable[...
     def launch_config(*args: Any, **kwargs: Any) -> Any:
         if _THIS_LAUNCH.get():
             kwargs["programmatic_stream_serialization"] = True
+            _PROGRAMMATIC_CONFIGS[0] += 1   # (host-side, under the GIL; a count, not a lock)
         return core_config(*args, **kwargs)
 
     setattr(launch_config, _PDL_MARKER, True)
@@ -325,14 +341,15 @@ def _install_programmatic_hooks() -> bool:
         raise RuntimeError("programmatic dependent launch needs compute capability 9.0 or newer, the "
                            f"current device has {major}.{minor}")
     dispatcher = importlib.import_module("numba.cuda.dispatcher")
-
-    if getattr(dispatcher._Kernel.launch, _PDL_MARKER, False):
-        return True
     from cuda.core import LaunchConfig
 
-    if dispatcher.LaunchConfig is not LaunchConfig:
-        raise RuntimeError("numba.cuda.dispatcher.LaunchConfig is not cuda.core's LaunchConfig: this numba-cuda "
-                           "launches kernels another way; programmatic launches are not supported with it")
-    dispatcher.LaunchConfig = _programmatic_launch_config(LaunchConfig)
-    dispatcher._Kernel.launch = _programmatic_kernel_launch(dispatcher._Kernel.launch)
+    with _INSTALL_LOCK:   # two threads entering their first scope at once install once
+        if getattr(dispatcher._Kernel.launch, _PDL_MARKER, False):
+            return True
+        if dispatcher.LaunchConfig is not LaunchConfig:
+            raise RuntimeError("numba.cuda.dispatcher.LaunchConfig is not cuda.core's LaunchConfig: this "
+                               "numba-cuda launches kernels another way; programmatic launches are not "
+                               "supported with it")
+        dispatcher.LaunchConfig = _programmatic_launch_config(LaunchConfig)
+        dispatcher._Kernel.launch = _programmatic_kernel_launch(dispatcher._Kernel.launch)
     return True

@@ -25,6 +25,7 @@ from sim.compile_check import (
     parse_link_log,
 )
 from sim.profiles import H200, RTX_PRO_6000_BLACKWELL
+from tests.compile_helpers import needs_compiler, no_sim_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -393,24 +394,6 @@ def test_all_kernels_imports_every_kernel_module(fresh_registry, monkeypatch):
 # ------------------------------------------------------------------------------------------
 
 
-def _compiler_available() -> bool:
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-
-        for lib in ("nvvm", "nvrtc", "nvJitLink"):
-            load_nvidia_dynamic_lib(lib)
-    except Exception:
-        return False
-    return True
-
-
-needs_compiler = pytest.mark.skipif(not _compiler_available(), reason="NVVM / NVRTC / nvJitLink not found")
-
-
-def _no_sim_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["NUMBA_ENABLE_CUDASIM"] = "0"  # explicit, so nothing turns the simulator on
-    return env
 
 
 E2E_SCRIPT = textwrap.dedent(
@@ -495,7 +478,7 @@ E2E_SCRIPT = textwrap.dedent(
 def test_compile_end_to_end_without_simulator(tmp_path):
     path = str(tmp_path / "e2e.json")
     proc = subprocess.run(
-        [sys.executable, "-c", E2E_SCRIPT, path], cwd=ROOT, env=_no_sim_env(),
+        [sys.executable, "-c", E2E_SCRIPT, path], cwd=ROOT, env=no_sim_env(),
         capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -539,7 +522,7 @@ def test_compile_check_module_on_a_package_kernel(tmp_path):
     path = tmp_path / "cc.json"
     proc = subprocess.run(
         [sys.executable, "-m", "sim.compile_check", "--kernel", name, "--json", str(path)],
-        cwd=ROOT, env=_no_sim_env(), capture_output=True, text=True, timeout=180,
+        cwd=ROOT, env=no_sim_env(), capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(path.read_text())

@@ -615,8 +615,12 @@ def test_gpu_small_pdl_lossless(small_model, temperature):
     model = TargetModel(config, base.weights, batch_size=1, kv_capacity=1024, max_rows=64)
     prompts = _small_prompts(1, 7, config.vocab_size)
     n = 40
+    from sim.launch import programmatic_launch_count
+
     plain = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=7)
+    count = programmatic_launch_count()
     ar = generate_ar(model, prompts, max_new_tokens=n, temperature=temperature, seed=7, pdl=True)
+    assert programmatic_launch_count() > count + 100   # the prefill, the eager step, the capture
     assert ar.pdl and ar.graphs and ar.tokens == plain.tokens
     ref = reference_matrix(ar.tokens, n)
     for budget, block in ((8, 8), (32, 16), (256, 16)):

@@ -265,3 +265,20 @@ def test_launch_bounds_options():
     out = np.zeros(N_THREADS, np.float32)
     kernel[1, N_THREADS](out)
     assert np.array_equal(out, np.arange(N_THREADS, dtype=np.float32))
+
+
+def test_opt_in_shared_registers_its_callback_once():
+    """numba returns one cached configuration object per (grid, block, stream, smem): opting it
+    in on every launch must not grow its callback list (it did, one entry a launch)."""
+    class Configured:
+        pre_launch_callbacks: list = []
+
+    configured = Configured()
+    configured.pre_launch_callbacks = []
+    for _ in range(3):
+        assert launch_mod.opt_in_shared(configured, 64 * KIB) is configured
+    assert configured.pre_launch_callbacks == [launch_mod._raise_dynamic_limit]
+    other = Configured()
+    other.pre_launch_callbacks = []
+    launch_mod.opt_in_shared(other, 0)   # nothing to raise
+    assert other.pre_launch_callbacks == []

@@ -8,8 +8,11 @@ The GPU tests run chains of dependent kernels with programmatic launches, eagerl
 from a captured graph, and compare exact values.
 """
 import ast
-import inspect
+import json
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,10 +23,15 @@ from ddtree_numba.kernels.pdl import pdl_begin, pdl_release, pdl_wait
 from ddtree_numba.kernels.registry import all_kernels
 from sim import launch as launch_mod
 from sim.launch import programmatic_launches, programmatic_launches_active, takes_programmatic_launch
+from tests.compile_helpers import needs_compiler, no_sim_env
 
 # Registered kernels that no engine step launches (the warp building blocks' own test kernels).
 NOT_ENGINE = ("warp_",)
 THREADS = 256
+ROOT = Path(__file__).resolve().parents[1]
+# Modules whose kernels an engine step launches (kernels/warp.py's are its helpers' own).
+ENGINE_SOURCES = sorted(p for d in ("ddtree_numba/kernels", "ddtree_numba/engine") for p in (ROOT / d).glob("*.py")
+                        if p.name not in ("warp.py", "registry.py", "pdl.py"))
 
 
 @cuda.jit
@@ -54,14 +62,22 @@ def plain_kernel(out):
         out[i] = float32(i)
 
 
-def _first_statement(func):
-    """The first statement of ``func``'s body after its docstring and shared-array declarations."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-    body = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)).body
+def _first_statement(node: ast.FunctionDef) -> ast.stmt:
+    """The first statement of a function's body after its docstring and shared-array declarations."""
+    body = node.body
     i = 1 if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else 0
     while i < len(body) and "cuda.shared.array" in ast.unparse(body[i]):
         i += 1
     return body[i]
+
+
+def _is_kernel(node: ast.FunctionDef) -> bool:
+    """Decorated with ``cuda.jit`` / ``cuda.jit(...)`` without ``device=...``."""
+    for dec in node.decorator_list:
+        func = dec.func if isinstance(dec, ast.Call) else dec
+        if ast.unparse(func) == "cuda.jit":
+            return not (isinstance(dec, ast.Call) and any(k.arg == "device" for k in dec.keywords))
+    return False
 
 
 def test_entry_points_agree():
@@ -71,23 +87,44 @@ def test_entry_points_agree():
 
 
 def test_every_engine_kernel_begins_with_pdl_begin():
-    """The wait before any memory access: each engine kernel's first statement (shared arrays
-    aside) is pdl_begin(), and the host takes each for programmatic launches; the others are not."""
+    """The wait before any memory access: in the source of every module an engine step launches
+    from, each kernel (registered or not) has pdl_begin() as its first statement, shared-array
+    declarations aside."""
+    kernels = []
+    for path in ENGINE_SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and _is_kernel(node):
+                kernels.append(f"{path.name}:{node.name}")
+                assert ast.unparse(_first_statement(node)) == "pdl_begin()", kernels[-1]
+    assert len(kernels) >= 47
+
+
+def test_registered_kernels_take_programmatic_launches():
+    """The host takes every registered engine kernel (each specialisation) for programmatic
+    launches, and the warp helpers' own kernels, which do not wait, for ordinary ones."""
     specs = all_kernels()
     engine = [s for s in specs if not s.name.startswith(NOT_ENGINE)]
-    assert len(engine) > 100
-    seen = set()
-    for spec in engine:
-        func = spec.kernel.py_func
-        assert takes_programmatic_launch(spec.kernel), spec.name
-        if func.__code__ in seen:
-            continue
-        seen.add(func.__code__)
-        assert ast.unparse(_first_statement(func)) == "pdl_begin()", spec.name
-    assert len(seen) >= 40   # distinct kernel bodies
+    assert len(engine) > 100 and len({s.kernel.py_func.__code__ for s in engine}) >= 40
     for spec in specs:
-        if spec.name.startswith(NOT_ENGINE):
-            assert not takes_programmatic_launch(spec.kernel), spec.name
+        assert takes_programmatic_launch(spec.kernel) is (spec in engine), spec.name
+
+
+def test_numba_launch_builds_the_config_the_hooks_wrap():
+    """The hooks rely on numba-cuda's ``_Kernel.launch`` building cuda.core's ``LaunchConfig`` by
+    its module-level name and launching with it (read from the installed source, so this runs
+    under the simulator too): a numba-cuda that launched another way would leave PDL off."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("numba_cuda")
+    source = Path(next(iter(spec.submodule_search_locations)), "numba", "cuda", "dispatcher.py").read_text()
+    module = ast.parse(source)
+    imports = {alias.name for node in module.body if isinstance(node, ast.ImportFrom) and node.module == "cuda.core"
+               for alias in node.names}
+    assert {"launch", "LaunchConfig"} <= imports
+    kernel_class = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "_Kernel")
+    launch = next(n for n in kernel_class.body if isinstance(n, ast.FunctionDef) and n.name == "launch")
+    calls = [ast.unparse(n.func) for n in ast.walk(launch) if isinstance(n, ast.Call)]
+    assert "LaunchConfig" in calls and "launch" in calls
 
 
 def test_takes_programmatic_launch_by_name():
@@ -122,8 +159,9 @@ def test_programmatic_launches_scope():
 
 
 def test_launch_hooks_add_the_attribute_for_waiting_kernels_in_scope():
-    """The wrapped numba launch marks a launch programmatic only in scope and only for a kernel
-    that waits; the wrapped LaunchConfig then sets programmatic_stream_serialization."""
+    """The two wrappers, around stand-ins of numba's launch (the GPU tests run the real one): the
+    launch is marked programmatic only in scope and only for a kernel that waits; the wrapped
+    LaunchConfig then sets programmatic_stream_serialization and counts it."""
     from cuda.core import LaunchConfig
 
     make_config = launch_mod._programmatic_launch_config(LaunchConfig)
@@ -139,6 +177,7 @@ def test_launch_hooks_add_the_attribute_for_waiting_kernels_in_scope():
             self.py_func = kernel.py_func
 
     waiting, other = Compiled(add_one_kernel), Compiled(plain_kernel)
+    before = launch_mod.programmatic_launch_count()
     hooked(waiting, (), (1, 1, 1), (32, 1, 1))
     with programmatic_launches():
         hooked(waiting, (), (1, 1, 1), (32, 1, 1))
@@ -147,6 +186,9 @@ def test_launch_hooks_add_the_attribute_for_waiting_kernels_in_scope():
             hooked(waiting, (), (1, 1, 1), (32, 1, 1))
     hooked(waiting, (), (1, 1, 1), (32, 1, 1))
     assert [c.programmatic_stream_serialization for c in configs] == [False, True, False, False, False]
+    assert launch_mod.programmatic_launch_count() == before + 1
+    hooked(object(), (), (1, 1, 1), (32, 1, 1))   # a compiled kernel without py_func: ordinary
+    assert configs[-1].programmatic_stream_serialization is False
     assert make_config(grid=1, block=32).programmatic_stream_serialization is False   # outside a launch
 
 
@@ -198,13 +240,17 @@ def test_gpu_programmatic_chain_eager_and_replayed():
     weight = rng.integers(-4, 5, n).astype(np.float32)
     src, dst, w = cuda.to_device(x0), cuda.device_array(n, np.float32), cuda.to_device(weight)
     stream = Device().create_stream()
+    count = launch_mod.programmatic_launch_count()
     with programmatic_launches():
         _chain(src, dst, w, launches, stream)
+        assert launch_mod.programmatic_launch_count() == count + launches   # every launch, really
         stream.sync()
         expected = _expected(x0, weight, launches)
         np.testing.assert_array_equal(src.copy_to_host(), expected)
         graph = StepGraph(lambda s: _chain(src, dst, w, launches, s), stream)
         graph.warm_up()
+        graph.capture()
+        assert launch_mod.programmatic_launch_count() == count + 3 * launches   # warm-up and capture
         expected = _expected(expected, weight, launches)
         for _ in range(20):
             graph.replay()
@@ -213,3 +259,53 @@ def test_gpu_programmatic_chain_eager_and_replayed():
         graph.close()
     np.testing.assert_array_equal(src.copy_to_host(), expected)
     assert launch_mod._install_programmatic_hooks()   # installed, idempotent
+
+
+PTX_ORDER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from numba import cuda
+    from ddtree_numba.kernels import registry
+    from sim import compile_check as cc
+
+    registry.all_kernels()
+    GLOBAL_SPACE_SAFE = ("ld.param", "ld.shared", "st.shared", "ld.const", "ld.local", "st.local")
+    out = {}
+    for name in sys.argv[2].split(","):
+        spec = registry.get(name)
+        options = getattr(spec.kernel, "targetoptions", {})
+        with cc._device_functions_target((9, 0)):
+            ptx, _ = cuda.compile_ptx(spec.kernel.py_func, spec.signatures[0], cc=(9, 0),
+                                      fastmath=options.get("fastmath", False))
+        ops = [line.split()[0] for line in ptx.splitlines()
+               if line.strip() and not line.strip().startswith(("//", ".", "{", "}", "$", "@"))]
+        waits = [i for i, op in enumerate(ops) if op.startswith("griddepcontrol.wait")]
+        first = waits[0] if waits else len(ops)
+        before = [op for op in ops[:first]
+                  if op.startswith(("ld.", "st.", "atom.", "red.", "cp.async", "prefetch", "cp.reduce"))
+                  and not op.startswith(GLOBAL_SPACE_SAFE)]
+        out[name] = {"waits": len(waits), "before": before}
+    json.dump(out, open(sys.argv[1], "w"))
+    """
+)
+# One kernel of each engine module (the slow-to-type top-k and tree build left out: same rule).
+PTX_ORDER_KERNELS = ("rms_norm_rows", "mla_rope_kv_write", "moe_route", "moe_combine", "embed_rows",
+                     "verify_attention_mla_score_first", "verify_attention_merge", "linear_none_mt1",
+                     "linear_tc_rmsnorm_mt1", "segment_sum", "absorb_split_mt1_l4", "accept_walk",
+                     "posterior_argmax", "compact_u32", "decode_commit", "draft_norm_rope",
+                     "engine_prepare_rows", "oracle_logits")
+
+
+@needs_compiler
+def test_no_global_memory_access_before_the_wait_in_ptx(tmp_path):
+    """In the sm_90 PTX of a kernel of each engine module, griddepcontrol.wait comes before every
+    global or generic load, store, atomic, cp.async and prefetch (parameter, shared and local
+    accesses may precede it): NVVM kept the source order, the nc loads included."""
+    path = tmp_path / "order.json"
+    proc = subprocess.run([sys.executable, "-c", PTX_ORDER_SCRIPT, str(path), ",".join(PTX_ORDER_KERNELS)],
+                          cwd=ROOT, env=no_sim_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(path.read_text())
+    assert sorted(found) == sorted(PTX_ORDER_KERNELS)
+    for name, info in found.items():
+        assert info["waits"] >= 1 and info["before"] == [], (name, info)

@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree_numba.kernels import linear as lin
     from reference.weights import init_weights
     from sim.install import simulator_active
+    from sim.launch import programmatic_launch_count
     from sim.profiles import active_profile, roofline
 
     if args.ring is not None:
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             raise SystemExit(f"error: {err}") from None
     t_start = time.perf_counter()
+    programmatic_before = programmatic_launch_count()
     if args.odd_tiles:
         lin.set_odd_tiles(args.odd_tiles == "on")
     args.odd_tiles = "on" if lin.ODD_TILES else "off"   # (recorded in the config attrs)
@@ -388,10 +390,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.perf_counter() - t_start:.0f} s] DDTree accuracy {accuracy}", file=sys.stderr)
         del model
     del host_weights
+    args.programmatic_launches = programmatic_launch_count() - programmatic_before   # > 0: PDL really on
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
           f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}, "
           f"attention segments of {args.attention_split} keys, products {args.products}"
-          + (", programmatic launches" if args.pdl else "")
+          + (f", programmatic launches ({args.programmatic_launches} launched eagerly or captured)"
+             if args.pdl else "")
           + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
     print(format_table(ar_points, trees, bandwidth, profile.name))
     if args.out:
@@ -400,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
                                                       "temperature", "odd_tiles", "quads", "ring", "absorbs",
-                                                      "attention_split", "products", "pdl")}
+                                                      "attention_split", "products", "pdl",
+                                                      "programmatic_launches")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),

@@ -274,7 +274,8 @@ def _unroll(mt: int, c: int) -> int:
 
 def vector_load(context: Any, builder: Any, signature: Any, ptr: Any) -> Any:
     """Codegen of a 16-byte ``ld.global.nc.v4.f32`` at ``ptr`` (float*), returned as the
-    intrinsic's UniTuple(float32, 4) (GPU build only; x and weights are read-only in a kernel).
+    intrinsic's UniTuple(float32, 4) (GPU build only; x and weights are read-only in a kernel
+    once its ``pdl_begin`` has returned: the previous kernel wrote x).
 
     The asm has no side effects (so LLVM may schedule, merge and drop it like a load), which
     also lets LLVM execute it whatever branch guards it: a caller's address must be inside the
