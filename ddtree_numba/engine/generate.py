@@ -311,6 +311,7 @@ def _run(args: argparse.Namespace) -> int:
           f"batch {bs}, prompt lengths {lens}, {n} new tokens, temperature {args.temperature}, "
           f"drafter {args.drafter}, budget {budget}, block size {block}, "
           f"{'CUDA graphs' if graphs else 'eager steps'}{', programmatic launches' if pdl else ''}"
+          f"{', --pdl ignored (the simulator runs launches one by one)' if args.pdl and simulated else ''}"
           f"{'' if args.attention_split is None else f', attention segments of {model.attention_split} keys'}"
           f"{'' if args.products == 'cuda-core' else ', products on the tensor cores'}",
           flush=True)
