@@ -125,7 +125,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     from ddtree_numba.engine.graphs import StepGraph
     from ddtree_numba.engine.model import TargetModel
     from reference.weights import init_weights
-    from sim.launch import programmatic_launches
+    from sim.launch import programmatic_launch_count, programmatic_launches
 
     config = ModelConfig.from_name(preset)
     weights, caches = init_weights(config, seed), {}   # a cache per products kind (numerics)
@@ -185,6 +185,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             products = "tensor-core" if cols.startswith("auto-tc") else "cuda-core"
             ltc.set_async_ring({"auto-tc-ring1": (1,), "auto-tc-ring": True}.get(cols, tc_ring))
             per_rows = {}
+            programmatic_before = programmatic_launch_count()
             for rows in row_counts:
                 model = TargetModel(config, weights, batch_size=1, kv_capacity=past + max(row_counts),
                                     max_rows=rows, cache=caches.get(products), products=products)
@@ -210,7 +211,10 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                 per_rows[rows] = round(float(np.median(times)), 1)
                 graph.close()
             results[variant.name] = per_rows
-            print(f"tile {tile:11s} cols {cols:10s} {'pdl' if variant.pdl else '   '} " + json.dumps(per_rows), flush=True)
+            programmatic = programmatic_launch_count() - programmatic_before   # > 0 for a /pdl variant on a GPU
+            print(f"tile {tile:11s} cols {cols:10s} {'pdl' if variant.pdl else '   '} " + json.dumps(per_rows)
+                  + (f" ({programmatic} programmatic launches in warm-up and capture)" if variant.pdl else ""),
+                  flush=True)
     finally:   # every switch back, also when a variant fails
         (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
          em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
