@@ -233,9 +233,6 @@ def install_simulator_hook() -> bool:
 
 # --- programmatic dependent launch (ddtree_numba.kernels.pdl) ------------------------------------
 
-# The device functions of ddtree_numba.kernels.pdl whose call marks a kernel as waiting for its
-# predecessor (kept equal to pdl.ENTRY_POINTS by a test; sim does not import the package).
-PDL_ENTRY_POINTS = ("pdl_begin", "pdl_wait")
 _PROGRAMMATIC = contextvars.ContextVar("ddtree_programmatic_launches", default=False)
 _THIS_LAUNCH = contextvars.ContextVar("ddtree_programmatic_this_launch", default=False)
 _PDL_MARKER = "__ddtree_programmatic__"
@@ -252,8 +249,11 @@ def programmatic_launch_count() -> int:
 
 @functools.lru_cache(maxsize=None)
 def _code_calls_pdl(code: types.CodeType) -> bool:
+    # lazily: importing the package wires the simulator (as compile_check's atomic_path import)
+    from ddtree_numba.kernels.pdl import ENTRY_POINTS
+
     names = set(code.co_names) | set(code.co_freevars)
-    return any(name in names for name in PDL_ENTRY_POINTS)
+    return any(name in names for name in ENTRY_POINTS)
 
 
 def takes_programmatic_launch(kernel: Any) -> bool:

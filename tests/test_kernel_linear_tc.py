@@ -234,6 +234,9 @@ def _good():
     (lambda x, w, o: tc.linear_tc(x, w, o, norm_weight=_dev(_rand(8)), eps=float("nan")), ValueError, "eps"),
     (lambda x, w, o: tc.linear_tc(_dev(_rand(2, 160)), _dev(_rand(4, 160)), o,
                                   partials=_dev(np.zeros((1, 2, 4), np.float32))), ValueError, "partials"),
+    (lambda x, w, o: tc.linear_tc(_dev(_rand(2, 160)), _dev(_rand(4, 160)), o,   # the right shape, rows 8 apart
+                                  partials=_dev(np.zeros((tc.segments(4, 160)[0], 2, 8), np.float32))[:, :, :4]),
+     ValueError, "partials must be C-contiguous"),
     (lambda x, w, o: tc.linear_tc(_dev(_rand(9, 8)), w, _dev(np.zeros((9, 4), np.float32)),
                                   norm_weight=_dev(_rand(8)), inv_rms=_dev(np.zeros(8, np.float32))),
      ValueError, "inv_rms"),

@@ -710,10 +710,11 @@ class _Session:
             max_acceptance=max_acceptance, **times, **settings)
 
 
-def _check_graphs(graphs: Any, name: str = "graphs") -> bool:
-    if not isinstance(graphs, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(graphs).__name__}")
-    return bool(graphs)
+def _check_flag(value: Any, name: str) -> bool:
+    """``value`` as a bool (a bool or a NumPy bool), else TypeError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
 
 
 def _synchronize(stream: Any) -> None:
@@ -758,8 +759,8 @@ def generate_ar(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens:
         TypeError / ValueError naming the argument, before any launch.
     """
     _check_model(model)
-    graphs = _check_graphs(graphs)
-    pdl = _check_graphs(pdl, "pdl")
+    graphs = _check_flag(graphs, "graphs")
+    pdl = _check_flag(pdl, "pdl")
     session = _Session(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                        stop_tokens=stop_tokens, budget=0, step_rows=1, capture_layers=model.capture_layers,
                        stream=stream)
@@ -840,8 +841,8 @@ def generate_ddtree(model: Any, drafter: Drafter, prompts: Sequence[Sequence[int
     block_size = require_int(block_size, "block_size", minimum=1, maximum=tree_build.MAX_HORIZON + 1)
     horizon = block_size - 1
     _check_model(model)
-    graphs = _check_graphs(graphs)
-    pdl = _check_graphs(pdl, "pdl")
+    graphs = _check_flag(graphs, "graphs")
+    pdl = _check_flag(pdl, "pdl")
     vocab = int(model.config.vocab_size)
     _check_drafter(drafter, horizon, vocab, int(model.batch_size))
     drafting = budget > 0 and horizon > 0

@@ -60,7 +60,7 @@ from numba import cuda, float32, int32, types
 from sim.launch import check_launch, launch_bounds, opt_in_shared
 from sim.profiles import active_profile
 
-from ._args import is_device_array
+from ._args import check_shape, is_c_contiguous, is_device_array
 from .linear import (
     _aligned, _f32, _kernel_weight, _row_inv_rms, _rows_aligned, _silu_mul, _stream, check_linear_args,
     commit_async, copy_async16, load_f32x4, load_x4, shared_put4, shared_x4, wait_async,
@@ -733,9 +733,8 @@ def _workspace(given: Any, name: str, shape: tuple[int, ...], out: Any) -> Any:
     given = _f32(given, name, len(shape))
     if is_device_array(out) and not is_device_array(given):
         raise TypeError(f"{name} must be a device array where out is one")
-    if tuple(given.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(given.shape)}")
-    if tuple(given.strides) != tuple(4 * int(np.prod(shape[i + 1:])) for i in range(len(shape))):
+    check_shape(given, name, shape)
+    if not is_c_contiguous(given):
         raise ValueError(f"{name} must be C-contiguous")
     return given
 

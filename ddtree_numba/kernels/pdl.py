@@ -37,8 +37,9 @@ from numba import cuda
 
 __all__ = ["pdl_wait", "pdl_release", "pdl_begin", "ENTRY_POINTS"]
 
-# The device functions whose call makes a kernel take programmatic launches (sim.launch reads
-# this tuple; a kernel must call one of them before any access to memory another kernel writes).
+# The device functions whose call makes a kernel take programmatic launches (sim.launch's
+# takes_programmatic_launch reads this tuple; a kernel must call one of them before any access
+# to memory another kernel writes).
 ENTRY_POINTS = ("pdl_begin", "pdl_wait")
 
 
