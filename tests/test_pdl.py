@@ -310,3 +310,31 @@ def test_no_global_memory_access_before_the_wait_in_ptx(tmp_path):
     assert sorted(found) == sorted(PTX_ORDER_KERNELS)
     for name, info in found.items():
         assert info["waits"] >= 1 and info["before"] == [], (name, info)
+
+
+RELEASE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from numba import cuda, types
+    from ddtree_numba.kernels import pdl
+    pdl.RELEASE_AT_START = sys.argv[1] == "start"   # before the first compile, as forward_ab sets it
+
+    def kernel(a):
+        pdl.pdl_begin()
+        a[0] += 1.0
+
+    ptx, _ = cuda.compile_ptx(kernel, (types.float32[::1],), cc=(9, 0))
+    body = ptx[ptx.index(".entry"):]
+    print(json.dumps([body.count("griddepcontrol.wait"), body.count("griddepcontrol.launch_dependents")]))
+""")
+
+
+@needs_compiler
+@pytest.mark.parametrize("release, expected", [("start", [1, 1]), ("exit", [1, 0])])
+def test_release_at_start_is_compiled_in(release, expected):
+    """RELEASE_AT_START, read when a kernel compiles: pdl_begin's release is in the code only when
+    set (the default leaves it to the blocks' exits); the wait always is."""
+    proc = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT, release], cwd=ROOT, env=no_sim_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
+

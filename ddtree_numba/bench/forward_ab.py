@@ -279,8 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 33], help="rows per forward (default: 1 33)")
     parser.add_argument("--variants", type=_variants, default=_variants("auto/auto,64/auto,auto/4,64/4"),
                         help="comma-separated TILE/COLS[/pdl] variants (default: all four pairs of auto/64 and auto/4)")
+    parser.add_argument("--pdl-release", choices=("start", "exit"), default="exit",
+                        help="/pdl variants: each block releases the next grid at its start (kernels.pdl."
+                             "RELEASE_AT_START) or at its exit (default: %(default)s); one per process, "
+                             "since the kernels compile it in")
     parser.add_argument("--out", help="append the run to this HDF5 file (bench.common.write_run)")
     args = parser.parse_args(argv)
+    from ddtree_numba.kernels import pdl
+
+    pdl.RELEASE_AT_START = args.pdl_release == "start"   # before the first kernel compiles
     results = time_variants(args.preset, args.past, args.rows, args.variants)
     if args.out:
         import xarray as xr
@@ -290,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         names = list(results)
         ds = xr.Dataset({"forward_us": (("variant", "rows"), [[results[v][r] for r in args.rows] for v in names])},
                         coords={"variant": names, "rows": args.rows},
-                        attrs={"benchmark": "forward_ab", "units": "us", "preset": args.preset, "past": args.past})
+                        attrs={"benchmark": "forward_ab", "units": "us", "preset": args.preset, "past": args.past,
+                               "pdl_release": args.pdl_release})
         print("wrote", write_run(args.out, ds, command=["forward_ab.py", *(sys.argv[1:] if argv is None else argv)]))
     return 0
 

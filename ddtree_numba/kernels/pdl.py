@@ -14,8 +14,8 @@ Device side (call from kernels; inlined, no registers):
   completed and its writes are visible. Returns at once in a kernel launched without PDL.
 - :func:`pdl_release`: ``griddepcontrol.launch_dependents``, this block allows the dependent grid
   to launch (it launches once every block has released or exited).
-- :func:`pdl_begin`: both, in that order: the rule for every kernel of the engine, as its first
-  statement. Reads of memory that no kernel of the step writes (the weights) may go before a
+- :func:`pdl_begin`: the wait, then the release if :data:`RELEASE_AT_START`: the rule for every
+  kernel of the engine, as its first statement. Reads of memory that no kernel of the step writes (the weights) may go before a
   :func:`pdl_wait`; nothing else may, and no write may.
 
 Host side (:mod:`sim.launch`): a kernel whose Python body calls :func:`pdl_begin` or
@@ -35,7 +35,15 @@ from typing import Any
 
 from numba import cuda
 
-__all__ = ["pdl_wait", "pdl_release", "pdl_begin", "ENTRY_POINTS"]
+__all__ = ["pdl_wait", "pdl_release", "pdl_begin", "ENTRY_POINTS", "RELEASE_AT_START"]
+
+# Whether pdl_begin releases the next grid at once (True) or leaves the release to each block's
+# exit (False: the next grid launches as this one's blocks drain). Read when the first kernel
+# compiles (a compile-time constant, so set it before any launch; bench.forward_ab's
+# --pdl-release). Run "pdl timed" (56a032e, H200, graph replays): releasing at the start made
+# small's forward slower, 1057.2 -> 1124.6 us at one row and 2283.1 -> 2364.8 us at 33 rows, so
+# the release is left to the exits.
+RELEASE_AT_START = False
 
 # The device functions whose call makes a kernel take programmatic launches (sim.launch's
 # takes_programmatic_launch reads this tuple; a kernel must call one of them before any access
@@ -94,7 +102,9 @@ def pdl_release():
 
 @cuda.jit(device=True, inline="always")
 def pdl_begin():
-    """A kernel's first statement: wait for the previous grid, then let the next one launch (its
-    blocks take SMs this grid leaves free and wait there, instead of waiting for a launch)."""
+    """A kernel's first statement: wait for the previous grid; with :data:`RELEASE_AT_START`, then
+    let the next one launch (its blocks take SMs this grid leaves free and wait there). Without it
+    the next grid launches as this grid's blocks exit, still before its completion and flush."""
     _griddepcontrol_wait()
-    _griddepcontrol_launch_dependents()
+    if RELEASE_AT_START:   # a compile-time constant: the branch folds away
+        _griddepcontrol_launch_dependents()
