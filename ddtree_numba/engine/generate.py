@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="kernels of the dense matrix products (w_a, w_q, o_proj, lm_head, dense and "
                             "shared experts): cuda-core (kernels/linear.py, FP32 FMAs) or tensor-core "
                             "(kernels/linear_tc.py, 3xTF32 mma.sync, within 2^-19 of FP32 per product); "
-                            "part of the numerics, shared by AR and DDTree (default: cuda-core)")
+                            "part of the numerics, shared by AR and DDTree; tensor-core timed slower on the H200 at 1 "
+                            "and 33 rows (docs/PERFORMANCE.md, run pdl timed; default: cuda-core)")
     model.add_argument("--seed", type=int, default=0,
                        help="seed of the random weights, prompts, drafter and sampling (default: %(default)s)")
     batch = parser.add_argument_group("requests")
@@ -126,8 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "after the first (graphs are off anyway under the simulator)")
     tree.add_argument("--pdl", action="store_true",
                       help="launch the kernels with programmatic dependent launch (Hopper on): each starts "
-                           "while the previous one drains, then waits for its writes; the same tokens, "
-                           "fewer idle gaps between a step's ~90 kernels (ignored under the simulator)")
+                           "while the previous one drains, then waits for its writes; the same tokens; meant to "
+                           "close the idle gaps between a step's ~90 kernels, not faster on the H200 so far "
+                           "(docs/PERFORMANCE.md, run pdl timed; ignored under the simulator)")
     tree.add_argument("--no-warmup", action="store_true",
                       help="on a GPU, skip the untimed first pass of both runs that JIT-compiles every "
                            "kernel (minutes for small); without it the first run's times include compiling")
