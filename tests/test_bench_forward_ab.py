@@ -107,3 +107,10 @@ def test_pdl_variants_parse():
     for bad in ("auto/auto-seg/pd", "auto/auto-seg/pdl/pdl", "auto/pdl", "auto/auto-seg/"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)
+
+
+def test_pdl_release_choices(capsys):
+    """--pdl-release takes start or exit only (kernels.pdl.RELEASE_AT_START, set before any compile)."""
+    with pytest.raises(SystemExit) as exc:
+        forward_ab.main(["--pdl-release", "never"])
+    assert exc.value.code == 2 and "--pdl-release" in capsys.readouterr().err

@@ -68,6 +68,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -195,9 +196,14 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                     model.advance(cuda.to_device(np.array([past], np.int32)))
                 args = forward_inputs(rows, past)
                 graph = StepGraph(lambda s, m=model, a=args: m.forward(*a, stream=s), stream)
+                started = time.perf_counter()
                 with programmatic_launches(variant.pdl):   # the warm-up and the capture: the replays keep it
                     graph.warm_up()
                     graph.capture()
+                # the first variant's warm-up compiles the engine (minutes): printed at once, so a run
+                # stopped by a time limit shows how far it got
+                print(f"  {variant.name} {rows} rows: warm-up and capture {time.perf_counter() - started:.1f} s",
+                      flush=True)
                 for _ in range(5):
                     graph.replay()
                 stream.sync()
