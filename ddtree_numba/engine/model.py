@@ -75,8 +75,9 @@ PREP_THREADS = 128  # rows per block of the row-preparation kernel
 # The dense matrix products (w_a, w_q, o_proj, lm_head, the dense and shared experts' SwiGLU
 # products): "cuda-core", kernels.linear (the default; o_proj and the dense down_proj split over K
 # where that pays, the same bits), or "tensor-core", kernels.linear_tc (3xTF32 mma.sync, its own
-# K segments; slower in small's forward at 1 and 33 rows, PERFORMANCE run pdl timed). Numerics, not layout: the models that decode one cache must agree (TargetModel's
-# ``products``). The routed experts and the MLA absorbs keep their kernels either way.
+# K segments; slower in small's forward at 1 and 33 rows, PERFORMANCE run pdl timed). Numerics,
+# not layout: the models that decode one cache must agree (TargetModel's ``products``). The
+# routed experts and the MLA absorbs keep their kernels either way.
 PRODUCTS = ("cuda-core", "tensor-core")
 COPY_THREADS = 128  # elements per block of the feature copy
 SIM_THREADS = 32  # one warp per small kernel under the simulator (threads are Python threads)

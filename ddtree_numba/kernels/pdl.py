@@ -15,8 +15,8 @@ Device side (call from kernels; inlined, no registers):
 - :func:`pdl_release`: ``griddepcontrol.launch_dependents``, this block allows the dependent grid
   to launch (it launches once every block has released or exited).
 - :func:`pdl_begin`: the wait, then the release if :data:`RELEASE_AT_START`: the rule for every
-  kernel of the engine, as its first statement. Reads of memory that no kernel of the step writes (the weights) may go before a
-  :func:`pdl_wait`; nothing else may, and no write may.
+  kernel of the engine, as its first statement. Reads of memory that no kernel of the step
+  writes (the weights) may go before a :func:`pdl_wait`; nothing else may, and no write may.
 
 Host side (:mod:`sim.launch`): a kernel whose Python body calls :func:`pdl_begin` or
 :func:`pdl_wait` (found by name, :func:`sim.launch.takes_programmatic_launch`) is launched with
