@@ -65,6 +65,7 @@ def test_gpu_variants_time_one_forward(tmp_path):
     ds = xr.open_dataset(tmp_path / "ab.h5", group=group, engine="h5netcdf")
     assert ds.forward_us.shape == (4, 2) and float(ds.forward_us.min()) > 0
     assert list(ds.variant.values) == ["auto/auto", "64/4", "auto/auto-tc", "auto/auto/pdl"]
+    assert ds.same_bits.values.tolist() == [[1, 1]] * 4   # layouts and PDL keep the bits; tc is its own first
 
 
 def test_async_ring_variants_parse():
@@ -80,9 +81,10 @@ def test_async_ring_variants_parse():
 def test_launch_merge_variants_parse():
     """auto-merge: the segment merge launched where the plan needs none; auto-unfused: that and the
     RoPE / kv write and the MoE RMSNorm in their own launches; auto-normroute: the RMSNorm inside
-    the routing launch."""
+    the routing launch; auto-unfold: the shared expert in launches of its own."""
     assert forward_ab._variants("auto-merge/auto-seg,auto/auto-seg,auto-unfused/auto-seg,auto-normroute/auto-seg") == [
         ("auto-merge", "auto-seg"), ("auto", "auto-seg"), ("auto-unfused", "auto-seg"), ("auto-normroute", "auto-seg")]
+    assert forward_ab._variants("auto-unfold/auto-seg") == [("auto-unfold", "auto-seg")]   # the shared expert apart
 
 
 def test_tensor_core_variant_parses():

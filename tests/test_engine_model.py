@@ -374,7 +374,8 @@ def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monke
     staging budget; the MoE's expert products keep 8-row slots either way), with each launch merge
     switched the other way from its default (the query RoPE and the kv write in two launches,
     engine.model.FUSED_ROPE_KV_WRITE; the MoE RMSNorm inside the routing launch, FUSED_MOE_NORM;
-    the attention's segment merge launched, verify_attention.MERGE_FREE_SHORT_CACHES off),
+    the attention's segment merge launched, verify_attention.MERGE_FREE_SHORT_CACHES off; the shared
+    expert in launches of its own, engine.model.FOLD_SHARED_EXPERT off),
     computes its prefill bit for bit as the scenario's prefill model does (same weights, inputs and
     shapes; one forward for every layout: each is a simulator minute). tiny's K are one segment,
     so the split is forced with G = 1 here; the segment combine of G > 1 and the 11-row tile are
@@ -392,6 +393,7 @@ def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monke
     plain = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
     assert plain._wo_split is None and plain._w2_split is None  # (not run: the scenario ran its twin)
     assert plain._segment_absorbs and plain._absorb_kn is not None   # kernels.absorb reads k-major copies
+    assert plain._fold_shared and plain.buffers.s13 is None   # the shared expert inside the expert launches
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
@@ -399,6 +401,7 @@ def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monke
     assert plain.plan.merge_free                     # the scenario launched no merge
     monkeypatch.setattr(em, "FUSED_ROPE_KV_WRITE", not em.FUSED_ROPE_KV_WRITE)
     monkeypatch.setattr(em, "FUSED_MOE_NORM", not em.FUSED_MOE_NORM)
+    monkeypatch.setattr(em, "FOLD_SHARED_EXPERT", False)
     monkeypatch.setattr(va, "MERGE_FREE_SHORT_CACHES", False)
     previous = lin.set_odd_tiles(False)
     try:
@@ -406,6 +409,7 @@ def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monke
         split = TargetModel(config, plain.weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9,
                             capture_layers=(0, 1))
         assert split._wo_split is not None and split._w2_split is not None and not split.plan.merge_free
+        assert not split._fold_shared and split.buffers.s13 is not None
         got = split.forward(*inputs)
     finally:
         lin.set_odd_tiles(previous)
@@ -520,6 +524,32 @@ def test_kernel_layouts_reproduce_the_reference_projections() -> None:
     assert moe["w13"].shape == (config.n_routed_experts, 2 * config.moe_intermediate, config.hidden_size)
     assert moe["shared_w13"].shape == (2 * config.moe_intermediate, config.hidden_size)
     assert "bias" in moe and "w13" in host["layers"][0] and "gate" not in host["layers"][0]
+
+
+def test_device_moe_weights_stack_the_shared_expert_after_the_routed() -> None:
+    """With one shared expert, a MoE layer's upload is w13_all [E + 1, 2I, D] / w2_all [E + 1, D, I]
+    (the routed experts, then the shared one: what the folded expert launches read) and w13, w2,
+    shared_w13, shared_w2 hold the same values as the host layouts; a dense layer has no stack."""
+    config, weights = _tiny()
+    host = kernel_layouts(config, weights)
+    device = DeviceWeights.from_host(config, weights)
+    e = config.n_routed_experts
+    assert config.n_shared_experts == 1
+    for i, lw in enumerate(device.layers):
+        f, h = lw.ffn, host["layers"][i]
+        if not config.is_moe_layer(i):
+            assert not hasattr(f, "w13_all")
+            continue
+        assert f.w13_all.shape == (e + 1, 2 * config.moe_intermediate, config.hidden_size)
+        assert f.w2_all.shape == (e + 1, config.hidden_size, config.moe_intermediate)
+        w13_all, w2_all = f.w13_all.copy_to_host(), f.w2_all.copy_to_host()
+        np.testing.assert_array_equal(w13_all[:e], h["w13"])
+        np.testing.assert_array_equal(w13_all[e], h["shared_w13"])
+        np.testing.assert_array_equal(w2_all[:e], h["w2"])
+        np.testing.assert_array_equal(w2_all[e], h["shared_w2"])
+        for view, want in ((f.w13, h["w13"]), (f.w2, h["w2"]), (f.shared_w13, h["shared_w13"]),
+                           (f.shared_w2, h["shared_w2"])):
+            np.testing.assert_array_equal(view.copy_to_host(), want)
 
 
 def test_prefill_visibility_is_packed_causal() -> None:

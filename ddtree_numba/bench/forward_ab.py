@@ -15,7 +15,9 @@ segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``au
 segment merge launched where the plan needs none, ``verify_attention.MERGE_FREE_SHORT_CACHES`` off),
 ``auto-unfused`` (that, with the query RoPE and the kv write in two launches and the MoE RMSNorm
 in its own, ``engine.model.FUSED_ROPE_KV_WRITE`` and ``FUSED_MOE_NORM`` off: the launches before the
-three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on), ``h8`` (8-head chunk-layout
+three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on),
+``auto-unfold`` (the shared expert in two launches of its own, ``engine.model.FOLD_SHARED_EXPERT``
+off; by default it runs inside the routed experts' launches), ``h8`` (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
 ``engine.model.FEW_NODES_TILE``; H in 1, 2, 4, 8, 16; a suffix ``rR`` before the ``+``: R heads
@@ -52,6 +54,11 @@ launches (``sim.launch.programmatic_launches``: each kernel may start while the 
 drains; the same arithmetic). A variant named twice is timed twice and printed twice; the HDF5
 group keeps its last run.
 
+Each variant's logits after its replays are compared bit for bit with those of the first variant
+of the same numerics (products kind and absorb order) and row count: the line printed says
+``same bits`` or ``DIFFERENT BITS`` (a layout that changed the numerics), and the HDF5 run keeps
+it (``same_bits``, 1 / 0; the first of each numerics compares with itself).
+
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,64/auto,auto/4,64/4
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto,auto-pf/auto,auto-pfs/auto
     python3 -m ddtree_numba.bench.forward_ab --preset small --variants auto/auto-seg,auto/auto-tc,auto/auto-tc-ring1,auto/auto-tc-ring,auto/auto-seg,auto/auto-tc
@@ -74,7 +81,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "64", "h8")   # and sfHxK, sfHxK+
+                 "auto-normroute", "auto-unfold", "64", "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
@@ -111,8 +118,10 @@ class Variant(tuple):
 
 
 def time_variants(preset: str, past: int, row_counts: list[int], variants: list[Variant],
-                  seed: int = 0) -> dict[str, dict[int, float]]:
-    """Median microseconds per forward, per variant and row count (variants from :func:`_variants`)."""
+                  seed: int = 0, same_bits: dict[str, dict[int, bool]] | None = None) -> dict[str, dict[int, float]]:
+    """Median microseconds per forward, per variant and row count (variants from :func:`_variants`).
+    ``same_bits``, if given, is filled per variant and row count: whether the logits equal those
+    of the first variant of the same numerics (products kind, absorb order) at that row count."""
     from cuda.core import Device, EventOptions
     from numba import cuda
 
@@ -141,6 +150,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     async_ring = (lin.ASYNC_RING_STAGES, lin.ASYNC_RING_MIN_ROW_TILE)
     merge_free = va.MERGE_FREE_SHORT_CACHES
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
+    fold = em.FOLD_SHARED_EXPERT
+    first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
+    same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
     tc_ring = ltc.ASYNC_RING
     few, wide = saved[0], saved[1]
@@ -156,6 +168,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             va.MERGE_FREE_SHORT_CACHES = merge_free and tile not in ("auto-merge", "auto-unfused")
             em.FUSED_ROPE_KV_WRITE = fused[0] and tile != "auto-unfused"
             em.FUSED_MOE_NORM = tile == "auto-normroute" or (fused[1] and tile != "auto-unfused")
+            em.FOLD_SHARED_EXPERT = fold and tile != "auto-unfold"
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
                 em.FEW_NODES_TILE = variant.score_first
@@ -215,10 +228,16 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                     e1.sync()
                     times.append((e1 - e0) * 1e3)
                 per_rows[rows] = round(float(np.median(times)), 1)
+                logits = model.buffers.logits.copy_to_host()   # the replays' (every one the same inputs)
+                same = first_logits.setdefault((products, model._segment_absorbs, rows), logits)
+                same_bits.setdefault(variant.name, {})[rows] = bool(np.array_equal(same, logits, equal_nan=True))
                 graph.close()
             results[variant.name] = per_rows
             programmatic = programmatic_launch_count() - programmatic_before   # > 0 for a /pdl variant on a GPU
+            bits = "same bits" if all(same_bits[variant.name].values()) else "DIFFERENT BITS " + json.dumps(
+                same_bits[variant.name])
             print(f"tile {tile:11s} cols {cols:10s} {'pdl' if variant.pdl else '   '} " + json.dumps(per_rows)
+                  + f" {bits}"
                   + (f" ({programmatic} programmatic launches in warm-up and capture)" if variant.pdl else ""),
                   flush=True)
     finally:   # every switch back, also when a variant fails
@@ -236,6 +255,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.set_async_ring(*async_ring)
         va.MERGE_FREE_SHORT_CACHES = merge_free
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
+        em.FOLD_SHARED_EXPERT = fold
     return results
 
 
@@ -294,14 +314,17 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree_numba.kernels import pdl
 
     pdl.RELEASE_AT_START = args.pdl_release == "start"   # before the first kernel compiles
-    results = time_variants(args.preset, args.past, args.rows, args.variants)
+    same_bits: dict[str, dict[int, bool]] = {}
+    results = time_variants(args.preset, args.past, args.rows, args.variants, same_bits=same_bits)
     if args.out:
         import xarray as xr
 
         from ddtree_numba.bench.common import write_run
 
         names = list(results)
-        ds = xr.Dataset({"forward_us": (("variant", "rows"), [[results[v][r] for r in args.rows] for v in names])},
+        ds = xr.Dataset({"forward_us": (("variant", "rows"), [[results[v][r] for r in args.rows] for v in names]),
+                         "same_bits": (("variant", "rows"),
+                                       np.array([[same_bits[v][r] for r in args.rows] for v in names], np.int8))},
                         coords={"variant": names, "rows": args.rows},
                         attrs={"benchmark": "forward_ab", "units": "us", "preset": args.preset, "past": args.past,
                                "pdl_release": args.pdl_release})

@@ -130,6 +130,12 @@ SEGMENT_ABSORBS = True
 # 17.5 / 12.9 us (that specialisation sits at the kernel's 128-register launch bound), so it stays off.
 FUSED_ROPE_KV_WRITE = True
 FUSED_MOE_NORM = False
+# One shared expert (its width the routed experts' I) runs as expert E of the routed experts' two
+# expert_linear launches: entries J..J+M-1 (row m's at J + m, fixed at allocation), its weights
+# stacked after theirs (weights.MoeWeights.w13_all). Two launches fewer a MoE layer, the same bits
+# (the expert kernel sums every element in linear's order). Layout, not numerics; with the
+# cuda-core products only ("tensor-core" runs the shared expert through linear_tc).
+FOLD_SHARED_EXPERT = True
 
 
 class ForwardOut(NamedTuple):
@@ -312,21 +318,24 @@ class Activations:
     xn: Any | None  # [M, D] normed MoE input (None without MoE layers)
     topk_ids: Any | None  # int32 [M, k]
     topk_w: Any | None  # [M, k]
-    row_offsets: Any | None  # int32 [E + 1] routing CSR
-    row_index: Any | None  # int32 [J] token row of each CSR entry
-    entry_index: Any | None  # int32 [J] = arange(J): the down projection reads its own entry
+    # The expert launches' CSR over J = M * k routed entries, then, with the shared expert folded
+    # in (FOLD_SHARED_EXPERT), its M entries J..J+M-1 as expert E (Jx = J + M; else Jx = J):
+    row_offsets: Any | None  # int32 [E + 2] folded ([E + 1] = Jx, set here), else [E + 1]
+    row_index: Any | None  # int32 [Jx] token row of each CSR entry (the shared ones set here)
+    entry_index: Any | None  # int32 [Jx] = arange(Jx): the down projection reads its own entry
     slot_of: Any | None  # int32 [M, k] CSR entry of each (row, selected expert)
-    e13: Any | None  # [J, 2 * I_moe] routed gate | up
-    e_out: Any | None  # [J, D] routed expert outputs
-    s13: Any | None  # [M, 2 * Is] shared gate | up (None without shared experts)
-    s_out: Any | None  # [M, D] shared expert output
+    e13: Any | None  # [Jx, 2 * I_moe] experts' gate | up
+    e_out: Any | None  # [Jx, D] experts' outputs
+    s13: Any | None  # [M, 2 * Is] shared gate | up (None without shared experts, or folded)
+    s_out: Any | None  # [M, D] shared expert output (folded: the view e_out[J:])
     logits: Any  # [bs, Tc, V]
     features: Any | None  # [bs, Tc, n_capture * D]
 
     @classmethod
     def allocate(cls, config: ModelConfig, bs: int, tc: int, plan: va.VerifyPlan, n_capture: int,
-                 stream: Any = 0) -> Activations:
-        """Allocate every buffer (the only allocation of the forward path)."""
+                 stream: Any = 0, fold_shared: bool = False) -> Activations:
+        """Allocate every buffer (the only allocation of the forward path); ``fold_shared``: the
+        shared expert's entries after the routed ones (FOLD_SHARED_EXPERT)."""
         c = config
         m, k = bs * tc, c.n_activated_experts
         j = m * k
@@ -334,6 +343,13 @@ class Activations:
         has_moe = c.n_dense_layers < c.n_layers
         has_shared = has_moe and c.n_shared_experts > 0
         shared_width = c.n_shared_experts * c.moe_intermediate
+        fold_shared = fold_shared and has_shared
+        jx = j + m if fold_shared else j
+        offsets = np.zeros(c.n_routed_experts + 1 + fold_shared, np.int32)
+        offsets[-1] = jx  # the shared expert's end (folded); the routing writes the rest
+        rows = np.zeros(jx, np.int32)
+        rows[j:] = np.arange(jx - j)  # the shared expert's entry J + r reads row r
+        e_out = cuda.device_array((jx, c.hidden_size), dtype=np.float32, stream=stream) if has_moe else None
 
         def f32(*shape: int) -> Any:
             return cuda.device_array(shape, dtype=np.float32, stream=stream)
@@ -353,14 +369,14 @@ class Activations:
             h13=f32(m, 2 * c.dense_intermediate) if has_dense else None,
             xn=f32(m, c.hidden_size) if has_moe else None,
             topk_ids=i32(m, k) if has_moe else None, topk_w=f32(m, k) if has_moe else None,
-            row_offsets=i32(c.n_routed_experts + 1) if has_moe else None,
-            row_index=i32(j) if has_moe else None,
-            entry_index=cuda.to_device(np.arange(j, dtype=np.int32), stream=stream) if has_moe else None,
+            row_offsets=cuda.to_device(offsets, stream=stream) if has_moe else None,
+            row_index=cuda.to_device(rows, stream=stream) if has_moe else None,
+            entry_index=cuda.to_device(np.arange(jx, dtype=np.int32), stream=stream) if has_moe else None,
             slot_of=i32(m, k) if has_moe else None,
-            e13=f32(j, 2 * c.moe_intermediate) if has_moe else None,
-            e_out=f32(j, c.hidden_size) if has_moe else None,
-            s13=f32(m, 2 * shared_width) if has_shared else None,
-            s_out=f32(m, c.hidden_size) if has_shared else None,
+            e13=f32(jx, 2 * c.moe_intermediate) if has_moe else None,
+            e_out=e_out,
+            s13=f32(m, 2 * shared_width) if has_shared and not fold_shared else None,
+            s_out=e_out[j:] if fold_shared else f32(m, c.hidden_size) if has_shared else None,
             logits=f32(bs, tc, c.vocab_size),
             features=f32(bs, tc, n_capture * c.hidden_size) if n_capture else None,
         )
@@ -379,15 +395,21 @@ class _Views(NamedTuple):
     heads: Any  # [M, H * v]
     logits: Any  # [M, V]
     features: Any | None  # [M, n_capture * D]
+    route_offsets: Any | None  # int32 [E + 1] the routing's CSR offsets (row_offsets[:E + 1])
+    route_index: Any | None  # int32 [J] its entries' rows (row_index[:J])
+    routed_out: Any | None  # [J, D] the routed experts' outputs (e_out[:J])
 
     @classmethod
     def of(cls, c: ModelConfig, b: Activations, m: int) -> _Views:
         qa, h = c.q_lora_rank, c.n_heads
+        moe, j = b.row_offsets is not None, m * c.n_activated_experts
         return cls(a_q=b.a[:, :qa] if qa else None, a_kv=b.a[:, qa:], q2=b.q.reshape(m, h * c.qk_head_dim),
                    q_nope=b.q[:, :, :c.qk_nope_dim], q_rope=b.q_rope.reshape(m, h, c.qk_rope_dim),
                    q_latent=b.q_latent.reshape(m, h, c.kv_lora_rank), attn=b.attn.reshape(m, h, c.kv_lora_rank),
                    heads=b.heads.reshape(m, h * c.v_head_dim), logits=b.logits.reshape(m, c.vocab_size),
-                   features=None if b.features is None else b.features.reshape(m, b.features.shape[2]))
+                   features=None if b.features is None else b.features.reshape(m, b.features.shape[2]),
+                   route_offsets=b.row_offsets[:c.n_routed_experts + 1] if moe else None,
+                   route_index=b.row_index[:j] if moe else None, routed_out=b.e_out[:j] if moe else None)
 
 
 # --------------------------------------------------------------------------- the model
@@ -535,8 +557,13 @@ class TargetModel:
         cos, sin = rope_tables(config, self.kv_capacity)  # [S, R / 2] each
         self.rope_cos = cuda.to_device(np.ascontiguousarray(cos, dtype=np.float32), stream=stream)
         self.rope_sin = cuda.to_device(np.ascontiguousarray(sin, dtype=np.float32), stream=stream)
+        # The shared expert inside the routed experts' launches where every MoE layer stores it
+        # stacked after them (one shared expert) and the products are linear's (the same bits).
+        moe = [lw.ffn for lw in self.weights.layers if isinstance(lw.ffn, MoeWeights)]
+        self._fold_shared = FOLD_SHARED_EXPERT and products == "cuda-core" and bool(moe) \
+            and all(f.w13_all is not None for f in moe)
         self.buffers = Activations.allocate(config, self.batch_size, self.max_rows, self.plan,
-                                            len(self.capture_layers), stream)
+                                            len(self.capture_layers), stream, fold_shared=self._fold_shared)
         self._capture_slot = {layer: i for i, layer in enumerate(self.capture_layers)}
         self._views = _Views.of(config, self.buffers, self.batch_size * self.max_rows)
         self._kv_rows = tuple(kv.flat() for kv in self.cache.layers)  # per layer [bs * S, C], [bs * S, R]
@@ -734,19 +761,25 @@ class TargetModel:
                 linear_split_k(act_split, w_split[lw.index], parts, b.x, residual=b.x, stream=stream)  # [M, D]
             return
         assert isinstance(f, MoeWeights)
+        v = self._views
         if FUSED_MOE_NORM:  # xn = rms_norm(x) [M, D], written by the routing launch before its gate reads it
-            moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, b.row_offsets, b.row_index, b.slot_of,
+            moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,
                       x=b.x, norm_weight=f.norm, eps=eps, stream=stream)
         else:
             rms_norm(b.x, f.norm, eps, b.xn, stream=stream)  # [M, D]
-            moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, b.row_offsets, b.row_index, b.slot_of,
+            moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,
                       stream=stream)
-        expert_linear(b.xn, f.w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J, 2I]
-        expert_linear(b.e13, f.w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, stream=stream)  # [J, D]
-        if f.shared_w13 is not None:
-            self._product(b.xn, f.shared_w13, b.s13, stream)  # [M, 2Is]
-            self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
-        moe_combine(b.x, b.e_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream)  # [M, D]
+        if self._fold_shared:  # routed + shared: entries [0, J) and [J, J + M) (b.s_out = e_out[J:])
+            expert_linear(b.xn, f.w13_all, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J + M, 2I]
+            expert_linear(b.e13, f.w2_all, b.e_out, b.row_offsets, b.entry_index, swiglu=True,
+                          stream=stream)  # [J + M, D]
+        else:
+            expert_linear(b.xn, f.w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J, 2I]
+            expert_linear(b.e13, f.w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, stream=stream)  # [J, D]
+            if f.shared_w13 is not None:
+                self._product(b.xn, f.shared_w13, b.s13, stream)  # [M, 2Is]
+                self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
+        moe_combine(b.x, v.routed_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream)  # [M, D]
 
     def _capture(self, layer: int, stream: Any) -> None:
         """features[..., slot * D:(slot + 1) * D] = x (hidden-state entry layer + 1)."""

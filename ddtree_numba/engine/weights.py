@@ -152,6 +152,25 @@ class MoeWeights:
     w2: Any  # [E, D, I]
     shared_w13: Any | None  # [2Is, D], Is = n_shared_experts * moe_intermediate
     shared_w2: Any | None  # [D, Is]
+    # With one shared expert (Is = I) the storage is w13_all / w2_all, the routed experts then the
+    # shared one, and w13, w2, shared_w13, shared_w2 are views of it: the engine can run the shared
+    # expert as expert E of the routed experts' launches (engine.model.FOLD_SHARED_EXPERT).
+    w13_all: Any | None = None  # [E + 1, 2I, D]
+    w2_all: Any | None = None  # [E + 1, D, I]
+
+
+def _moe_weights(config: ModelConfig, lw: Mapping[str, np.ndarray], up: Any) -> MoeWeights:
+    """One MoE layer uploaded; with one shared expert, its products stacked after the routed
+    experts' (one upload each of w13_all, w2_all; the per-expert arrays are views)."""
+    common = {"norm": up(lw["ffn_norm"]), "gate": up(lw["gate"]), "bias": up(lw.get("bias"))}
+    n_routed = config.n_routed_experts
+    if config.n_shared_experts != 1:
+        return MoeWeights(**common, w13=up(lw["w13"]), w2=up(lw["w2"]), shared_w13=up(lw.get("shared_w13")),
+                          shared_w2=up(lw.get("shared_w2")))
+    w13_all = up(np.concatenate([lw["w13"], lw["shared_w13"][None]]))  # [E + 1, 2I, D]
+    w2_all = up(np.concatenate([lw["w2"], lw["shared_w2"][None]]))  # [E + 1, D, I]
+    return MoeWeights(**common, w13=w13_all[:n_routed], w2=w2_all[:n_routed], shared_w13=w13_all[n_routed],
+                      shared_w2=w2_all[n_routed], w13_all=w13_all, w2_all=w2_all)
 
 
 @dataclass(frozen=True)
@@ -217,9 +236,7 @@ class DeviceWeights:
                                     w_q=up(lw["w_q"]), kv_norm=up(lw["kv_norm"]), w_uk_t=up(lw["w_uk_t"]),
                                     w_uv=up(lw["w_uv"]), w_o=up(lw["w_o"]))
             if config.is_moe_layer(i):
-                ffn: DenseFfnWeights | MoeWeights = MoeWeights(
-                    norm=up(lw["ffn_norm"]), gate=up(lw["gate"]), bias=up(lw.get("bias")), w13=up(lw["w13"]),
-                    w2=up(lw["w2"]), shared_w13=up(lw.get("shared_w13")), shared_w2=up(lw.get("shared_w2")))
+                ffn: DenseFfnWeights | MoeWeights = _moe_weights(config, lw, up)
             else:
                 ffn = DenseFfnWeights(norm=up(lw["ffn_norm"]), w13=up(lw["w13"]), w2=up(lw["w2"]))
             layers.append(LayerWeights(index=i, attn=attn, ffn=ffn))
