@@ -81,10 +81,12 @@ def test_async_ring_variants_parse():
 def test_launch_merge_variants_parse():
     """auto-merge: the segment merge launched where the plan needs none; auto-unfused: that and the
     RoPE / kv write and the MoE RMSNorm in their own launches; auto-normroute: the RMSNorm inside
-    the routing launch; auto-unfold: the shared expert in launches of its own."""
+    the routing launch; auto-unfold: the shared expert in launches of its own; auto-bound: the
+    expert launches' grid y for the slot bound's waves."""
     assert forward_ab._variants("auto-merge/auto-seg,auto/auto-seg,auto-unfused/auto-seg,auto-normroute/auto-seg") == [
         ("auto-merge", "auto-seg"), ("auto", "auto-seg"), ("auto-unfused", "auto-seg"), ("auto-normroute", "auto-seg")]
-    assert forward_ab._variants("auto-unfold/auto-seg") == [("auto-unfold", "auto-seg")]   # the shared expert apart
+    assert forward_ab._variants("auto-unfold/auto-seg,auto-bound/auto-seg") == [   # the shared expert apart;
+        ("auto-unfold", "auto-seg"), ("auto-bound", "auto-seg")]                 # the expert grid by the bound
 
 
 def test_tensor_core_variant_parses():

@@ -464,6 +464,23 @@ def test_expert_slots_is_the_least_bound_of_the_tiles():
     assert lin.expert_slots(4, 16, 1) == 4 and lin.expert_slots(132, 16, 8) == 30   # small: AR, 33 rows
 
 
+def test_expert_busy_tiles_is_a_uniform_routings_mean():
+    """expert_busy_tiles (what expert_linear's grid y is chosen for): exact at one-row tiles, never
+    over expert_slots, and within 8 % of the mean tiles of uniform top-k routings of M rows
+    (each row k distinct experts at random); small's 33 rows folded with the shared expert: 29."""
+    rng = np.random.default_rng(3)
+    assert lin.expert_busy_tiles(5, 17, 1) == 5 and lin.expert_busy_tiles(4, 16, 1) == 4
+    for rows, experts, top_k, mt in ((33, 16, 4, 8), (16, 8, 2, 8), (10, 16, 4, 4), (64, 16, 4, 8), (9, 8, 2, 2)):
+        entries = rows * top_k
+        tiles = [sum(-(-c // mt) for c in np.bincount(
+            np.concatenate([rng.choice(experts, top_k, replace=False) for _ in range(rows)]), minlength=experts))
+            for _ in range(200)]
+        busy = lin.expert_busy_tiles(entries, experts, mt)
+        assert busy <= lin.expert_slots(entries, experts, mt)
+        assert abs(busy - np.mean(tiles)) <= 0.08 * np.mean(tiles), (rows, experts, top_k, mt, busy, np.mean(tiles))
+    assert lin.expert_busy_tiles(165, 17, 8) == 29 and lin.expert_slots(165, 17, 8) == 35
+
+
 def test_expert_linear_bad_device_row_index_gives_nan_row():
     x, w = _rand(2, 40), _rand(2, 3, 40)
     out = cuda.to_device(np.zeros((2, 3), np.float32))
