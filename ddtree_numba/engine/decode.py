@@ -32,8 +32,9 @@ warm-up a capture needs); then the step is captured ONCE into a CUDA graph
 and every later step is one graph launch followed by the status copy, which stays outside the
 graph. Under the simulator, which has no graphs, every step runs eagerly through the same code.
 
-Programmatic dependent launch (``pdl=True``, off by default: not faster on the H200
-so far, PERFORMANCE run pdl timed; :mod:`ddtree_numba.kernels.pdl`):
+Programmatic dependent launch (``pdl=True``, off by default: on the H200 slower with the
+release at each block's start, 0.5 % faster with it at the exits, PERFORMANCE runs pdl timed
+and fold; :mod:`ddtree_numba.kernels.pdl`):
 every kernel of a step begins with ``pdl_begin()``, so under :func:`sim.launch.programmatic_launches`
 each is launched while its predecessor drains (a captured graph keeps the programmatic edges) and
 waits in hardware for its writes before touching memory: the launch gaps of a ~90-kernel step

@@ -128,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree.add_argument("--pdl", action="store_true",
                       help="launch the kernels with programmatic dependent launch (Hopper on): each starts "
                            "while the previous one drains, then waits for its writes; the same tokens; meant to "
-                           "close the idle gaps between a step's ~90 kernels, not faster on the H200 so far "
-                           "(docs/PERFORMANCE.md, run pdl timed; ignored under the simulator)")
+                           "close the idle gaps between a step's ~90 kernels; on the H200 a forward 0.5 %% faster "
+                           "(docs/PERFORMANCE.md, runs pdl timed and fold; ignored under the simulator)")
     tree.add_argument("--no-warmup", action="store_true",
                       help="on a GPU, skip the untimed first pass of both runs that JIT-compiles every "
                            "kernel (minutes for small); without it the first run's times include compiling")
