@@ -82,11 +82,14 @@ def test_launch_merge_variants_parse():
     """auto-merge: the segment merge launched where the plan needs none; auto-unfused: that and the
     RoPE / kv write and the MoE RMSNorm in their own launches; auto-normroute: the RMSNorm inside
     the routing launch; auto-unfold: the shared expert in launches of its own; auto-bound: the
-    expert launches' grid y for the slot bound's waves."""
+    expert launches' grid y for the slot bound's waves; auto-entrytile: the experts' down projection
+    in the row tile of its entries; auto-unfold-bound: all three (4d403ab's MoE launches)."""
     assert forward_ab._variants("auto-merge/auto-seg,auto/auto-seg,auto-unfused/auto-seg,auto-normroute/auto-seg") == [
         ("auto-merge", "auto-seg"), ("auto", "auto-seg"), ("auto-unfused", "auto-seg"), ("auto-normroute", "auto-seg")]
-    assert forward_ab._variants("auto-unfold/auto-seg,auto-bound/auto-seg") == [   # the shared expert apart;
-        ("auto-unfold", "auto-seg"), ("auto-bound", "auto-seg")]                 # the expert grid by the bound
+    assert forward_ab._variants("auto-unfold/auto-seg,auto-bound/auto-seg,auto-entrytile/auto-seg,"
+                                "auto-unfold-bound/auto-seg") == [
+        ("auto-unfold", "auto-seg"), ("auto-bound", "auto-seg"), ("auto-entrytile", "auto-seg"),
+        ("auto-unfold-bound", "auto-seg")]
 
 
 def test_tensor_core_variant_parses():

@@ -388,7 +388,7 @@ def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monke
     pre = _golden_built()["prefill"]
     inputs = _step_inputs(pre.in_tokens.values, pre.in_positions.values, pre.in_sizes.values,
                           pre.in_visibility.values, 9)
-    want = (scenario["prefill"]["logits"], scenario["prefill"]["features"])  # linear() throughout
+    want = (scenario["prefill"]["logits"], scenario["prefill"]["features"])  # the defaults' layouts
     assert lin.ODD_TILES and lin.row_tile(18, 64, "linear") == 11   # the scenario's layout
     plain = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
     assert plain._wo_split is None and plain._w2_split is None  # (not run: the scenario ran its twin)
@@ -550,6 +550,23 @@ def test_device_moe_weights_stack_the_shared_expert_after_the_routed() -> None:
         for view, want in ((f.w13, h["w13"]), (f.w2, h["w2"]), (f.shared_w13, h["shared_w13"]),
                            (f.shared_w2, h["shared_w2"])):
             np.testing.assert_array_equal(view.copy_to_host(), want)
+
+
+@pytest.mark.parametrize("shared", [0, 2])
+def test_other_shared_expert_counts_keep_the_unfolded_launches(shared) -> None:
+    """Without exactly one shared expert nothing is stacked or folded (the fold needs the shared
+    expert's width to be the routed experts' I): no w13_all, the CSR [E + 1] over J = M k entries,
+    and the shared expert's own buffers (two shared experts) or none (zero). No forward here."""
+    config = dataclasses.replace(_tiny()[0], n_shared_experts=shared)
+    model = TargetModel(config, init_weights(config, 1), batch_size=2, kv_capacity=8, max_rows=3)
+    moe = [lw.ffn for i, lw in enumerate(model.weights.layers) if config.is_moe_layer(i)]
+    assert moe and all(f.w13_all is None and f.w2_all is None for f in moe)
+    assert not model._fold_shared
+    b, j = model.buffers, 2 * 3 * config.n_activated_experts
+    assert b.row_offsets.shape == (config.n_routed_experts + 1,) and b.e_out.shape == (j, config.hidden_size)
+    assert b.row_index.shape == b.entry_index.shape == (j,)
+    assert (b.s13 is None and b.s_out is None) if shared == 0 else \
+        b.s13.shape == (6, 2 * shared * config.moe_intermediate) and b.s_out.shape == (6, config.hidden_size)
 
 
 def test_prefill_visibility_is_packed_causal() -> None:

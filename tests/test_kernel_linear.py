@@ -427,6 +427,31 @@ def test_expert_linear_matches_linear_bit_for_bit(swiglu):
     assert np.all(got[len(pairs):] == -3.0)
 
 
+def test_expert_linear_max_rows_is_layout_and_checked():
+    """max_rows (the most entries an expert holds) picks the row tile only: the same bits for a
+    routing of one entry an expert at max_rows 1 and at the default (the entries' tile), and a
+    bad value is refused before any launch, naming it."""
+    rng = np.random.default_rng(5)
+    experts, n_cols, k_dim, entries = 6, 9, 72, 5
+    x = _rand(entries, 2 * k_dim, rng=rng)
+    w = _rand(experts, n_cols, k_dim, rng=rng)
+    offsets = np.array([0, 1, 2, 2, 3, 4, 5], np.int32)   # one entry an expert (expert 2 empty)
+    index = np.arange(entries, dtype=np.int32)
+    assert lin.row_tile(entries, k_dim, "expert") > 1 == lin.row_tile(1, k_dim, "expert")
+    got = []
+    for max_rows in (None, 1):
+        out = cuda.to_device(np.full((entries, n_cols), np.nan, np.float32))
+        lin.expert_linear(_dev(x), _dev(w), out, _dev(offsets), _dev(index), swiglu=True, max_rows=max_rows)
+        got.append(out.copy_to_host())
+    np.testing.assert_array_equal(got[0], got[1])
+    assert np.isfinite(got[0]).all()
+    out = cuda.to_device(np.full((entries, n_cols), 7.0, np.float32))
+    for bad, exc in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="max_rows"):
+            lin.expert_linear(_dev(x), _dev(w), out, _dev(offsets), _dev(index), swiglu=True, max_rows=bad)
+    assert np.all(out.copy_to_host() == 7.0)
+
+
 def test_expert_linear_is_invariant_to_the_routing():
     """Row 0 through expert 2: the same bits whatever the other rows and their experts."""
     rng = np.random.default_rng(11)
@@ -467,10 +492,12 @@ def test_expert_slots_is_the_least_bound_of_the_tiles():
 def test_expert_busy_tiles_is_a_uniform_routings_mean():
     """expert_busy_tiles (what expert_linear's grid y is chosen for): exact at one-row tiles, never
     over expert_slots, and within 8 % of the mean tiles of uniform top-k routings of M rows
-    (each row k distinct experts at random); small's 33 rows folded with the shared expert: 29."""
+    (each row k distinct experts at random), an AR step's (one entry an expert) included; small's
+    33 rows folded with the shared expert: 29 of 35 slots, its AR step's down projection 5 of 5."""
     rng = np.random.default_rng(3)
     assert lin.expert_busy_tiles(5, 17, 1) == 5 and lin.expert_busy_tiles(4, 16, 1) == 4
-    for rows, experts, top_k, mt in ((33, 16, 4, 8), (16, 8, 2, 8), (10, 16, 4, 4), (64, 16, 4, 8), (9, 8, 2, 2)):
+    for rows, experts, top_k, mt in ((33, 16, 4, 8), (16, 8, 2, 8), (10, 16, 4, 4), (64, 16, 4, 8), (9, 8, 2, 2),
+                                     (1, 16, 4, 4), (1, 16, 4, 8), (2, 16, 4, 8), (4, 16, 4, 4), (1, 384, 8, 8)):
         entries = rows * top_k
         tiles = [sum(-(-c // mt) for c in np.bincount(
             np.concatenate([rng.choice(experts, top_k, replace=False) for _ in range(rows)]), minlength=experts))
@@ -479,6 +506,7 @@ def test_expert_busy_tiles_is_a_uniform_routings_mean():
         assert busy <= lin.expert_slots(entries, experts, mt)
         assert abs(busy - np.mean(tiles)) <= 0.08 * np.mean(tiles), (rows, experts, top_k, mt, busy, np.mean(tiles))
     assert lin.expert_busy_tiles(165, 17, 8) == 29 and lin.expert_slots(165, 17, 8) == 35
+    assert lin.expert_busy_tiles(5, 17, 8) == 5 == lin.expert_slots(5, 17, 8)
 
 
 def test_expert_linear_bad_device_row_index_gives_nan_row():

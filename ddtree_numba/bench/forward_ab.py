@@ -19,7 +19,10 @@ three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMS
 ``auto-unfold`` (the shared expert in two launches of its own, ``engine.model.FOLD_SHARED_EXPERT``
 off; by default it runs inside the routed experts' launches), ``auto-bound`` (the expert launches'
 grid y chosen for every slot of ``linear.expert_slots``' bound, ``linear.EXPERT_TYPICAL_WAVES`` off;
-by default for the tiles a uniform routing fills), ``h8`` (8-head chunk-layout
+by default for the tiles a uniform routing fills), ``auto-entrytile`` (the experts' down projection
+in the row tile of its entries, ``engine.model.EXPERT_TILE_BY_ROWS`` off; by default of M rows),
+``auto-unfold-bound`` (all three off: the MoE launches of ``4d403ab``, before run "fold"), ``h8``
+(8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
 ``engine.model.FEW_NODES_TILE``; H in 1, 2, 4, 8, 16; a suffix ``rR`` before the ``+``: R heads
@@ -83,7 +86,8 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "64", "h8")   # and sfHxK, sfHxK+
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "64",
+                 "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
@@ -152,7 +156,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     async_ring = (lin.ASYNC_RING_STAGES, lin.ASYNC_RING_MIN_ROW_TILE)
     merge_free = va.MERGE_FREE_SHORT_CACHES
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
-    fold, typical_waves = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES
+    fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
@@ -170,8 +174,9 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             va.MERGE_FREE_SHORT_CACHES = merge_free and tile not in ("auto-merge", "auto-unfused")
             em.FUSED_ROPE_KV_WRITE = fused[0] and tile != "auto-unfused"
             em.FUSED_MOE_NORM = tile == "auto-normroute" or (fused[1] and tile != "auto-unfused")
-            em.FOLD_SHARED_EXPERT = fold and tile != "auto-unfold"
-            lin.EXPERT_TYPICAL_WAVES = typical_waves and tile != "auto-bound"   # (read per call: no plan cached)
+            em.FOLD_SHARED_EXPERT = fold and tile not in ("auto-unfold", "auto-unfold-bound")
+            lin.EXPERT_TYPICAL_WAVES = typical_waves and tile not in ("auto-bound", "auto-unfold-bound")   # read per call
+            em.EXPERT_TILE_BY_ROWS = tile_by_rows and tile not in ("auto-entrytile", "auto-unfold-bound")
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
                 em.FEW_NODES_TILE = variant.score_first
@@ -258,7 +263,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.set_async_ring(*async_ring)
         va.MERGE_FREE_SHORT_CACHES = merge_free
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
-        em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES = fold, typical_waves
+        em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
     return results
 
 

@@ -10,9 +10,10 @@ decode step sees it).
 down: N D, K I with the SwiGLU prologue) for ``--rows`` token rows, each row routed to
 ``n_activated_experts`` distinct experts drawn at random (``--seeds`` routings a row count), the
 weights rotated over enough copies to pass the L2 three times, each variant's output poisoned with
-NaN first. Variants: ``plan`` (what ``expert_linear``
-launches), ``loose`` (the plan's kernel on the grid of the slot bound before run "lane squares",
-ceil(J / MT) + min(E, J) slots, its column blocks chosen by the same rule) and grids of ``G``
+NaN first (the routed experts only: the engine's launches also hold the shared expert, engine.model
+.FOLD_SHARED_EXPERT). Variants: ``plan`` (what ``expert_linear`` launches: its column blocks chosen for
+``linear.expert_busy_tiles``), ``loose`` (the plan's kernel on the grid of the slot bound before run
+"lane squares", ceil(J / MT) + min(E, J) slots, its column blocks chosen for all of them) and grids of ``G``
 warps a block (8, 4, 2) by ``Y`` column blocks on the tight slot count
 (``linear.expert_slots``). What run "lane squares" (PERFORMANCE.md) took from it: the tight slot
 bound; no grid beat the plan at 33 rows.
@@ -106,7 +107,7 @@ def bench_expert(config: Any, rows: int, seed: int, which: str, reps: int) -> li
     weights = [cuda.to_device(rng.uniform(-0.05, 0.05, (experts, n_cols, k_dim)).astype(np.float32))
                for _ in range(copies)]
     offsets_d, index_d = cuda.to_device(offsets), cuda.to_device(index)
-    tile_rows = min(x_rows, entries)
+    tile_rows = min(rows, x_rows, entries)   # as the engine's max_rows: an expert holds at most `rows` entries
     mt = lin.row_tile(tile_rows, k_dim, "expert")
     tiles = int(np.sum(-(-counts // mt)))
     # the plan as _setup makes it for the slots the routing needs (the async ring's slots sized

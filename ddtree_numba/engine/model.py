@@ -134,8 +134,15 @@ FUSED_MOE_NORM = False
 # expert_linear launches: entries J..J+M-1 (row m's at J + m, fixed at allocation), its weights
 # stacked after theirs (weights.MoeWeights.w13_all). Two launches fewer a MoE layer, the same bits
 # (the expert kernel sums every element in linear's order). Layout, not numerics; with the
-# cuda-core products only ("tensor-core" runs the shared expert through linear_tc).
+# cuda-core products only ("tensor-core" runs the shared expert through linear_tc). H200, run
+# "fold" (the launches alone, not yet a forward): the shared expert's own two launches 16.7 us at
+# one row and 27.2 at 33, against +2.6 / +15.7 inside the routed experts'.
 FOLD_SHARED_EXPERT = True
+# The experts' down projection takes the row tile of M entries an expert (expert_linear's
+# max_rows: each row picks an expert once), not of its J entries: one-row tiles in an AR step, as
+# the gate | up launch and as run "fold" timed both (4d403ab took 4-row tiles for the AR step's
+# 4 entries, 8-row ones for 5 with the shared expert). Layout, not numerics.
+EXPERT_TILE_BY_ROWS = True
 
 
 class ForwardOut(NamedTuple):
@@ -762,6 +769,7 @@ class TargetModel:
             return
         assert isinstance(f, MoeWeights)
         v = self._views
+        m = self.batch_size * self.max_rows if EXPERT_TILE_BY_ROWS else None   # the most entries an expert holds
         if FUSED_MOE_NORM:  # xn = rms_norm(x) [M, D], written by the routing launch before its gate reads it
             moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,
                       x=b.x, norm_weight=f.norm, eps=eps, stream=stream)
@@ -772,10 +780,11 @@ class TargetModel:
         if self._fold_shared:  # routed + shared: entries [0, J) and [J, J + M) (b.s_out = e_out[J:])
             expert_linear(b.xn, f.w13_all, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J + M, 2I]
             expert_linear(b.e13, f.w2_all, b.e_out, b.row_offsets, b.entry_index, swiglu=True,
-                          stream=stream)  # [J + M, D]
+                          max_rows=m, stream=stream)  # [J + M, D]
         else:
             expert_linear(b.xn, f.w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J, 2I]
-            expert_linear(b.e13, f.w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, stream=stream)  # [J, D]
+            expert_linear(b.e13, f.w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, max_rows=m,
+                          stream=stream)  # [J, D]
             if f.shared_w13 is not None:
                 self._product(b.xn, f.shared_w13, b.s13, stream)  # [M, 2Is]
                 self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]

@@ -15,7 +15,9 @@ linear weights) into float32 host arrays in kernel layouts, pure NumPy (testable
   ``engine.model.SEGMENT_ABSORBS`` off ``head_linear``, whose many-row kernel reads them too);
 - SwiGLU weights stack ``[gate | up]`` rows (``linear(..., swiglu=True)`` reads
   ``silu(x[:, :I]) * x[:, I:]``): the dense FFN, the shared expert, and the routed experts
-  stacked ``[E, 2I, D]`` (down projections ``[E, D, I]``).
+  stacked ``[E, 2I, D]`` (down projections ``[E, D, I]``); with one shared expert the upload is
+  ``[E + 1, 2I, D]`` / ``[E + 1, D, I]``, the shared expert last (:class:`MoeWeights`'
+  ``w13_all`` / ``w2_all``, the per-expert arrays views of it).
 
 Each layer's weights are one :class:`LayerWeights` object, so a later version can place layers on
 different GPUs by uploading each under its own device context.

@@ -114,7 +114,7 @@ from numba import cuda, float32, int32, int64, types, uint64
 from sim.launch import check_launch, launch, launch_bounds, opt_in_shared
 from sim.profiles import active_profile
 
-from ._args import as_kernel_array, data_address, is_c_contiguous, is_device_array
+from ._args import as_kernel_array, data_address, int_arg, is_c_contiguous, is_device_array
 from .accept import NEG_INF_F32, NO_INDEX, outranks
 from .pdl import pdl_begin
 from .registry import register
@@ -2403,14 +2403,15 @@ def expert_slots(entries: int, experts: int, mt: int) -> int:
 
 def expert_busy_tiles(entries: int, experts: int, mt: int) -> int:
     """The tiles a uniform routing of ``entries`` over ``experts`` fills, about: entries / mt plus,
-    per non-empty expert, the mean padding of its last tile, (mt - 1) / (2 mt); at most
-    :func:`expert_slots`; exact (``entries``) at one-row tiles. What expert_linear's grid y is
+    per non-empty expert, the mean padding of its last tile, (mt - 1) / (2 mt), and at least one
+    tile per non-empty expert (E (1 - (1 - 1 / E)^J) of them expected: an AR step's entries, one
+    an expert, fill one tile each); at most :func:`expert_slots`; exact (``entries``) at one-row
+    tiles. What expert_linear's grid y is
     chosen for (EXPERT_TYPICAL_WAVES): 29 of 35 slots for 33 rows with the shared expert folded
     in (165 entries, 17 experts, mt 8)."""
-    if mt == 1:
-        return entries
-    n = min(experts, entries)
-    return min(expert_slots(entries, experts, mt), math.ceil(entries / mt + n * (mt - 1) / (2 * mt)))
+    hit = experts * (1.0 - (1.0 - 1.0 / experts) ** entries)   # non-empty experts expected
+    typical = max(math.ceil(hit), math.ceil(entries / mt + hit * (mt - 1) / (2 * mt)))
+    return min(expert_slots(entries, experts, mt), typical)
 
 
 def _check_routing(row_offsets: Any, row_index: Any, experts: int, entries: int,
@@ -2440,7 +2441,7 @@ def _check_routing(row_offsets: Any, row_index: Any, experts: int, entries: int,
 
 
 def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
-                  swiglu: bool = False, stream: Any = 0) -> Any:
+                  swiglu: bool = False, max_rows: int | None = None, stream: Any = 0) -> Any:
     """Grouped (MoE) products over a CSR routing, batch-invariant.
 
     Entries j in [row_offsets[e], row_offsets[e + 1]) use expert e on input row x[row_index[j]]
@@ -2449,16 +2450,21 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
     Args:
         x: float32 [R, Kx] (Kx = K, or 2K with swiglu), unit inner stride.
         w: float32 [E, N, K], C-contiguous (E <= MAX_EXPERTS).
-        out: float32 [J, N], unit inner stride; J = the entry capacity (M * k). Entries past
-            row_offsets[E] are not written.
+        out: float32 [J, N], unit inner stride; J = the entry capacity (the engine's: M * k,
+            M * (k + 1) with the shared expert folded in). Entries past row_offsets[E] are not
+            written.
         row_offsets: int32 [E + 1], non-decreasing, within [0, J] (device values are clamped, not
             checked); row_index: int32 [J], rows of x (a device value outside [0, R) gives a NaN
             output row).
         swiglu: apply the SwiGLU prologue.
+        max_rows: the most entries one expert can hold, for the row tile only (layout: any
+            routing is computed right whatever it is): the token rows M where each row picks an
+            expert at most once, e.g. a down projection whose x has one row per entry; default
+            min(R, J).
         stream: as :func:`linear`.
 
     Returns:
-        ``out``. The grid is fixed by (J, E, R): blocks past the last non-empty tile exit.
+        ``out``. The grid is fixed by (J, E, R, max_rows): blocks past the last non-empty tile exit.
     """
     x = _f32(x, "x", 2)
     w = _weight(w, 3)
@@ -2471,9 +2477,11 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
         raise ValueError(f"out must have shape (J, {n_cols}) (N from w), got {tuple(out.shape)}")
     entries = out.shape[0]
     row_offsets, row_index = _check_routing(row_offsets, row_index, experts, entries, x.shape[0])
+    rows = min(x.shape[0], entries)
+    if max_rows is not None:
+        rows = min(rows, int_arg(max_rows, "max_rows", 1))
     if entries == 0 or x.shape[0] == 0:
         return out
-    rows = min(x.shape[0], entries)
     mt = row_tile(rows, k_dim, "expert")
     kernel, grid, threads, smem, geometry = _setup(
         "expert", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim),
