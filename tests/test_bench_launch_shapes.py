@@ -25,7 +25,7 @@ def test_plan_variant_is_what_expert_linear_launches(rows, n_cols, k_dim, entrie
     variants = {name: (grid, threads) for name, grid, threads in ls.expert_variants(rows, n_cols, k_dim, entries, 16)}
     mt = lin.row_tile(rows, k_dim, "expert")
     _, grid, threads, _, _ = lin._setup("expert", "none", False, mt, n_cols, k_dim, True,   # expert_linear's call
-                                        lin.expert_slots(entries, 16, mt), busy=lin.expert_busy_tiles(entries, 16, mt))
+                                        lin.expert_slots(entries, 16, mt), busy=lin.expert_wave_tiles(entries, 16, mt))
     assert variants["plan"] == (grid, threads)
     assert variants["loose"][0][0] == -(-entries // mt) + min(16, entries) >= grid[0]
     for name, (grid_v, threads_v) in variants.items():

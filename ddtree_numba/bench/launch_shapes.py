@@ -74,8 +74,7 @@ def expert_variants(rows: int, n_cols: int, k_dim: int, entries: int, experts: i
     plan = lin._plan("expert", mt, n_cols, k_dim, True)   # as expert_linear plans it (rows = MT)
     tight = lin.expert_slots(entries, experts, mt)
     loose = -(-entries // mt) + min(experts, entries)
-    busy = lin.expert_busy_tiles(entries, experts, mt) if lin.EXPERT_TYPICAL_WAVES else tight   # y's waves
-    out = [("plan", (tight, lin._grid_cols(plan, busy), 1), plan.threads),
+    out = [("plan", (tight, lin._grid_cols(plan, lin.expert_wave_tiles(entries, experts, mt)), 1), plan.threads),
            ("loose", (loose, lin._grid_cols(plan, loose), 1), plan.threads)]
     for groups in EXPERT_GROUPS:
         col_blocks = -(-(-(-n_cols // plan.columns)) // groups)
@@ -113,7 +112,7 @@ def bench_expert(config: Any, rows: int, seed: int, which: str, reps: int) -> li
     # the plan as _setup makes it for the slots the routing needs (the async ring's slots sized
     # for the plan's block: the variants launch at most its threads)
     plan = lin._launch_plan("expert", mt, n_cols, k_dim, True, lin.expert_slots(entries, experts, mt), 1, 0,
-                            lin.expert_busy_tiles(entries, experts, mt) if lin.EXPERT_TYPICAL_WAVES else 0)[0]
+                            lin.expert_wave_tiles(entries, experts, mt))[0]
     kernel = lin.get_kernel("expert", prologue, False, mt, columns=plan.columns, pipelined=lin.ring_for(mt),
                             vector_x=lin.VECTOR_X_LOADS, vector_stage=lin.VECTOR_STAGING,
                             ring_stages=plan.ring_stages)   # as _setup

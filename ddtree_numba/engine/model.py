@@ -356,10 +356,11 @@ class Activations:
         offsets[-1] = jx  # the shared expert's end (folded); the routing writes the rest
         rows = np.zeros(jx, np.int32)
         rows[j:] = np.arange(jx - j)  # the shared expert's entry J + r reads row r
-        e_out = cuda.device_array((jx, c.hidden_size), dtype=np.float32, stream=stream) if has_moe else None
 
         def f32(*shape: int) -> Any:
             return cuda.device_array(shape, dtype=np.float32, stream=stream)
+
+        e_out = f32(jx, c.hidden_size) if has_moe else None
 
         def i32(*shape: int) -> Any:
             return cuda.device_array(shape, dtype=np.int32, stream=stream)
@@ -777,17 +778,14 @@ class TargetModel:
             rms_norm(b.x, f.norm, eps, b.xn, stream=stream)  # [M, D]
             moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,
                       stream=stream)
-        if self._fold_shared:  # routed + shared: entries [0, J) and [J, J + M) (b.s_out = e_out[J:])
-            expert_linear(b.xn, f.w13_all, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J + M, 2I]
-            expert_linear(b.e13, f.w2_all, b.e_out, b.row_offsets, b.entry_index, swiglu=True,
-                          max_rows=m, stream=stream)  # [J + M, D]
-        else:
-            expert_linear(b.xn, f.w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [J, 2I]
-            expert_linear(b.e13, f.w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, max_rows=m,
-                          stream=stream)  # [J, D]
-            if f.shared_w13 is not None:
-                self._product(b.xn, f.shared_w13, b.s13, stream)  # [M, 2Is]
-                self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
+        # folded: the shared expert is expert E, entries [J, J + M) (b.s_out = e_out[J:]); Jx = J + M, else J
+        w13, w2 = (f.w13_all, f.w2_all) if self._fold_shared else (f.w13, f.w2)
+        expert_linear(b.xn, w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [Jx, 2I]
+        expert_linear(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, max_rows=m,
+                      stream=stream)  # [Jx, D]
+        if f.shared_w13 is not None and not self._fold_shared:
+            self._product(b.xn, f.shared_w13, b.s13, stream)  # [M, 2Is]
+            self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
         moe_combine(b.x, v.routed_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream)  # [M, D]
 
     def _capture(self, layer: int, stream: Any) -> None:

@@ -137,6 +137,7 @@ __all__ = [
     "check_ring_stages",
     "plan_linear",
     "expert_busy_tiles",
+    "expert_wave_tiles",
     "expert_slots",
     "linear",
     "head_linear",
@@ -2406,12 +2407,17 @@ def expert_busy_tiles(entries: int, experts: int, mt: int) -> int:
     per non-empty expert, the mean padding of its last tile, (mt - 1) / (2 mt), and at least one
     tile per non-empty expert (E (1 - (1 - 1 / E)^J) of them expected: an AR step's entries, one
     an expert, fill one tile each); at most :func:`expert_slots`; exact (``entries``) at one-row
-    tiles. What expert_linear's grid y is
-    chosen for (EXPERT_TYPICAL_WAVES): 29 of 35 slots for 33 rows with the shared expert folded
-    in (165 entries, 17 experts, mt 8)."""
+    tiles. What expert_linear's grid y is chosen for (:func:`expert_wave_tiles`): 29 of 35 slots
+    for 33 rows with the shared expert folded in (165 entries, 17 experts, mt 8)."""
     hit = experts * (1.0 - (1.0 - 1.0 / experts) ** entries)   # non-empty experts expected
     typical = max(math.ceil(hit), math.ceil(entries / mt + hit * (mt - 1) / (2 * mt)))
     return min(expert_slots(entries, experts, mt), typical)
+
+
+def expert_wave_tiles(entries: int, experts: int, mt: int) -> int:
+    """The tiles expert_linear's grid y is chosen for: :func:`expert_busy_tiles` with
+    EXPERT_TYPICAL_WAVES on, else every slot of :func:`expert_slots`."""
+    return (expert_busy_tiles if EXPERT_TYPICAL_WAVES else expert_slots)(entries, experts, mt)
 
 
 def _check_routing(row_offsets: Any, row_index: Any, experts: int, entries: int,
@@ -2485,7 +2491,7 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
     mt = row_tile(rows, k_dim, "expert")
     kernel, grid, threads, smem, geometry = _setup(
         "expert", prologue, False, mt, n_cols, k_dim, _aligned(w, k_dim),
-        expert_slots(entries, experts, mt), busy=expert_busy_tiles(entries, experts, mt) if EXPERT_TYPICAL_WAVES else 0)
+        expert_slots(entries, experts, mt), busy=expert_wave_tiles(entries, experts, mt))
     _configured(kernel, grid, threads, stream, smem)(x, _kernel_weight(w), out, row_offsets,
                                                   row_index, *geometry)
     return out
