@@ -23,6 +23,7 @@ __all__ = [
     "H200",
     "RTX_PRO_6000_BLACKWELL",
     "PROFILES",
+    "stored_profile",
     "PROFILE_ENV_VAR",
     "get_profile",
     "active_profile",
@@ -75,6 +76,10 @@ class DeviceProfile:
     source: str
     max_block_dim: tuple[int, int, int] = MAX_BLOCK_DIM
     max_grid_dim: tuple[int, int, int] = MAX_GRID_DIM
+    # What a GPU's reported name must contain (case-insensitive) to take this profile, besides its
+    # compute capability: an H100 is sm_90 too, with 3.35 TB/s and 80 GB, not the H200's ceilings.
+    # Empty: the compute capability alone decides (a profile built from device attributes).
+    name_match: str = ""
 
     @property
     def arch(self) -> str:
@@ -109,6 +114,7 @@ H200 = DeviceProfile(
     fp32_peak=67e12,
     bf16_tensor_peak=989e12,
     bf16_tensor_measured=790e12,  # bf16 GEMM, limits §3
+    name_match="H200",  # the lent H200 reports "NVIDIA H200"
     clock_notes="peaks at the 1.98 GHz boost clock: 132 SMs x 128 FP32 lanes x 2 x 1.98 GHz = 67 TFLOP/s",
     source=(
         "thread/register/shared-memory/L2/grid limits: CUDA programming guide table for compute "
@@ -141,6 +147,7 @@ RTX_PRO_6000_BLACKWELL = DeviceProfile(
     fp32_peak=125e12,
     bf16_tensor_peak=504e12,
     bf16_tensor_measured=None,
+    name_match="RTX PRO 6000",
     clock_notes="peaks at the ~2.6 GHz boost clock: 188 SMs x 128 FP32 lanes x 2 x 2.6 GHz ~ 125 TFLOP/s",
     source=(
         "thread/register/shared-memory limits: CUDA programming guide table for compute capability "
@@ -240,18 +247,34 @@ _DEVICE_ATTRIBUTES = (
 )
 
 
+def stored_profile(compute_capability: tuple[int, int], device_name: str) -> DeviceProfile | None:
+    """The stored profile of a GPU with this compute capability and reported name, or None.
+
+    Both must match (``DeviceProfile.name_match`` is a case-insensitive substring of the name):
+    an H100 shares the H200's sm_90 but not its bandwidth or memory, so it gets None and the
+    caller builds its profile from the device's attributes.
+    """
+    cc = tuple(compute_capability)
+    name = device_name.lower()
+    for profile in PROFILES.values():
+        if profile.compute_capability == cc and profile.name_match.lower() in name:
+            return profile
+    return None
+
+
 def _current_device_profile() -> DeviceProfile:
-    """The stored profile matching the current GPU's compute capability, else one built from it."""
+    """The stored profile matching the current GPU (compute capability and name), else one built
+    from its attributes."""
     from numba import cuda
 
     device = cuda.get_current_device()
     cc = tuple(device.compute_capability)
-    for profile in PROFILES.values():
-        if profile.compute_capability == cc:
-            return profile
+    name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
+    profile = stored_profile(cc, name)
+    if profile is not None:
+        return profile
     attrs = {attr: getattr(device, attr) for attr in _DEVICE_ATTRIBUTES}
     total_memory = cuda.current_context().get_memory_info().total
-    name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
     return profile_from_attributes(attrs, device_name=name, compute_capability=cc, total_memory=total_memory)
 
 
@@ -259,8 +282,9 @@ def active_profile() -> DeviceProfile:
     """The profile launches are checked against.
 
     Order: ``$DDTREE_DEVICE_PROFILE`` if set; under the simulator (or with no GPU), H200, the
-    primary target; on a GPU, the stored profile with its compute capability (9.0 -> h200,
-    12.0 -> rtx-pro-6000) or one built from its attributes. Imports ``numba.cuda``.
+    primary target; on a GPU, the stored profile with its compute capability and name
+    (:func:`stored_profile`: 9.0 and "H200" -> h200, 12.0 and "RTX PRO 6000" -> rtx-pro-6000) or
+    one built from its attributes (an H100: ``device-sm_90``). Imports ``numba.cuda``.
 
     Raises:
         ValueError: ``$DDTREE_DEVICE_PROFILE`` names no profile.

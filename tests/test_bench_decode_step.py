@@ -87,6 +87,10 @@ def test_replay_rate_counts_only_replayed_rounds():
     assert result.step_median_s == pytest.approx(0.002) and result.stage_per_round_s == {"verify": 0.010}
     eager = _result(acc, [0.010, 0.002, 0.002, 0.004], graphs=False)
     assert ds.replay_rate(eager) == (0.0, 0) and eager.step_median_s == pytest.approx(0.003)
+    # The ratio's tau is the replayed rounds' own: the eager first round (5 tokens) is not timed.
+    assert ds.replayed_tau(result) == pytest.approx((16 + 10 + 3) / 3)
+    assert result.mean_acceptance == pytest.approx((5 + 16 + 10 + 3) / 4)
+    assert ds.replayed_tau(eager) == pytest.approx((5 + 16 + 10 + 3) / 4)   # every round timed
 
 
 def _points() -> tuple[list[ds.ArPoint], list[ds.TreePoint]]:
@@ -95,7 +99,8 @@ def _points() -> tuple[list[ds.ArPoint], list[ds.TreePoint]]:
           ds.ArPoint(batch=8, graph_us=900.0, graph_min_us=880.0, eager_us=9500.0, steps=126, bytes=1.8e9,
                      floor_us=418.6, tokens=[[1, 2]] * 8)]
     stages = dict.fromkeys(("draft", "topk", "build", "verify", "accept", "compact"), 100.0)
-    trees = [ds.TreePoint(accuracy=a, round_us=3000.0, eager_round_us=20000.0, tau=tau, tokens_per_s=tau / 3e-3,
+    trees = [ds.TreePoint(accuracy=a, round_us=3000.0, eager_round_us=20000.0, tau=tau, timed_tau=tau,
+                          tokens_per_s=tau / 3e-3,
                           ratio=(tau / 3e-3) / (tau * 1 / 700e-6), rounds=9, forward_passes=10, identical=True,
                           stage_us=stages) for a, tau in ((0.9, 8.5), (1.0, 15.0))]
     return ar, trees
@@ -120,10 +125,11 @@ def test_report_table_and_hdf5_run(tmp_path):
         assert back.attrs["benchmark"] == "decode_step" and back.attrs["profile"] == "h200"
         np.testing.assert_allclose(back["ar_fraction"].values, [p.fraction for p in ar])
         np.testing.assert_array_equal(back["tree_identical"].values, [1, 1])
+        np.testing.assert_allclose(back["tree_timed_tau"].values, [t.timed_tau for t in trees])
         assert list(back["stage"].values) == list(trees[0].stage_us)
         assert back["tree_stage_us"].shape == (2, 6)
     no_tree = ds.build_dataset(ar, [], {})
-    assert "tree_tau" not in no_tree and list(no_tree["batch"].values) == [1, 8]
+    assert "tree_tau" not in no_tree and "tree_timed_tau" not in no_tree and list(no_tree["batch"].values) == [1, 8]
 
 
 def test_bad_arguments_exit_before_any_work():

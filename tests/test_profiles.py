@@ -15,6 +15,7 @@ from sim.profiles import (
     get_profile,
     profile_from_attributes,
     roofline,
+    stored_profile,
 )
 
 ALL = list(PROFILES.values())
@@ -203,6 +204,26 @@ def test_h200_profile_matches_the_real_device_attributes():
     # Derived ceilings agree with the datasheet values to within the clocks' rounding.
     assert p.hbm_bandwidth_spec == pytest.approx(H200.hbm_bandwidth_spec, rel=0.01)
     assert p.fp32_peak == pytest.approx(H200.fp32_peak, rel=0.01)
+
+
+# Device attributes of an H100 SXM (sm_90 like the H200; HBM3 at 2.619 GHz on a 5120-bit bus).
+H100_ATTRS = {**H200_ATTRS, "MEMORY_CLOCK_RATE": 2619000, "GLOBAL_MEMORY_BUS_WIDTH": 5120,
+              "L2_CACHE_SIZE": 52428800}
+
+
+def test_stored_profile_needs_the_name_as_well_as_the_compute_capability():
+    assert stored_profile((9, 0), "NVIDIA H200") is H200
+    assert stored_profile((9, 0), "nvidia h200 nvl") is H200
+    assert stored_profile((12, 0), "NVIDIA RTX PRO 6000 Blackwell Server Edition") is RTX_PRO_6000_BLACKWELL
+    # An H100 is sm_90 but not an H200: no stored profile, so it is built from its attributes,
+    # with its own bandwidth (a decode-step floor at the H200's 4.3 TB/s would overstate its fraction).
+    assert stored_profile((9, 0), "NVIDIA H100 80GB HBM3") is None
+    assert stored_profile((8, 0), "NVIDIA H200") is None
+    h100 = profile_from_attributes(H100_ATTRS, device_name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),
+                                   total_memory=85 * 10**9)
+    assert h100.name == "device-sm_90"
+    assert h100.hbm_bandwidth_spec == pytest.approx(3.35e12, rel=0.01)
+    assert h100.hbm_bandwidth_spec < H200.hbm_bandwidth_measured
 
 
 def test_active_profile_env_override(monkeypatch):
