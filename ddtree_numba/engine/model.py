@@ -135,13 +135,15 @@ FUSED_MOE_NORM = False
 # stacked after theirs (weights.MoeWeights.w13_all). Two launches fewer a MoE layer, the same bits
 # (the expert kernel sums every element in linear's order). Layout, not numerics; with the
 # cuda-core products only ("tensor-core" runs the shared expert through linear_tc). H200, run
-# "fold" (the launches alone, not yet a forward): the shared expert's own two launches 16.7 us at
-# one row and 27.2 at 33, against +2.6 / +15.7 inside the routed experts'.
+# "fold" (the launches alone): the shared expert's own two launches 16.7 us at one row and 27.2 at
+# 33, against +2.6 / +15.7 inside the routed experts'; run "fold timed" (bench.forward_ab,
+# ``auto-unfold`` against the default, one process): 58.0 us off an AR forward, 125.2 off a 33-row one.
 FOLD_SHARED_EXPERT = True
 # The experts' down projection takes the row tile of M entries an expert (expert_linear's
 # max_rows: each row picks an expert once), not of its J entries: one-row tiles in an AR step, as
 # the gate | up launch and as run "fold" timed both (4d403ab took 4-row tiles for the AR step's
-# 4 entries, 8-row ones for 5 with the shared expert). Layout, not numerics.
+# 4 entries, 8-row ones for 5 with the shared expert). Layout, not numerics. Run "fold timed"
+# (``auto-entrytile`` against the default): 18.4 us off an AR forward, none off a 33-row one.
 EXPERT_TILE_BY_ROWS = True
 
 

@@ -201,7 +201,8 @@ MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in share
 # slots exit at once. By the bound, 33 rows with the shared expert folded in (165 entries, 17
 # experts, 8-row tiles) were 35 slots, 140 blocks at y = 4, two waves on 132 SMs, so y = 3 (the
 # H200, session script: the two launches 79.4 us, against 63.7 without the shared expert at
-# (30, 4)); ~29 tiles are filled: y = 4. Layout, not numerics.
+# (30, 4)); ~29 tiles are filled: y = 4. Layout, not numerics. In a forward (run "fold timed",
+# bench.forward_ab's ``auto-bound``): 76.7 us off a 33-row one, an AR step's grid unchanged.
 EXPERT_TYPICAL_WAVES = True
 FULL_MASK = 0xFFFFFFFF
 NO_SLOT = np.int32(2**31 - 1)  # warp_min identity: "this lane holds no tile"
