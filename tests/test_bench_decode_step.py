@@ -93,6 +93,18 @@ def test_replay_rate_counts_only_replayed_rounds():
     assert ds.replayed_tau(eager) == pytest.approx((5 + 16 + 10 + 3) / 4)   # every round timed
 
 
+def test_speed_ratio_takes_the_timed_rounds_tau_and_the_ar_median():
+    from ddtree_numba.engine.decode import speed_ratio
+
+    tree = _result(np.array([[5], [16], [10], [3]], dtype=np.int32), [0.010, 0.002, 0.002, 0.004], graphs=True)
+    ar = _result(np.ones((5, 1), dtype=np.int32), [0.009, 0.001, 0.001, 0.003, 0.001], graphs=True)
+    assert tree.timed_tokens_per_s == pytest.approx(29 / 0.008) and tree.timed_mean_acceptance == pytest.approx(29 / 3)
+    assert ar.step_median_s == pytest.approx(0.001)
+    # tokens/s / (tau x AR tokens/s) = timed rounds / (their time x AR tokens/s): 3 / (0.008 x 1000)
+    assert speed_ratio(ar, tree) == pytest.approx(0.375)
+    assert speed_ratio(ar, _result(np.array([[4]], dtype=np.int32), [0.01], graphs=True)) == 0.0   # no replay
+
+
 def _points() -> tuple[list[ds.ArPoint], list[ds.TreePoint]]:
     ar = [ds.ArPoint(batch=1, graph_us=700.0, graph_min_us=690.0, eager_us=9000.0, steps=126, bytes=1.45e9,
                      floor_us=337.2, tokens=[[1, 2]]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 from ddtree_numba.engine import generate
@@ -70,6 +71,7 @@ def test_tiny_run_side_by_side_with_json(tmp_path, capsys):
     assert status == 0
     assert "identical tokens" in text and "yes" in text and "target forwards" in text and "verify ms" in text
     assert "step ms (median)" in text and "eager steps" in text
+    assert "tokens/s of the timed steps" in text and "tokens/s / (tau x AR), >= 0.5" in text
     data = json.loads(out.read_text())
     assert sorted(p.name for p in out.parent.iterdir()) == ["run.json"]  # atomic: no temp file left
     assert data["identical"] is True and data["preset"] == "checkpoint tiny.h5"
@@ -81,6 +83,9 @@ def test_tiny_run_side_by_side_with_json(tmp_path, capsys):
     assert data["budget"] == 2 and data["block_size"] == 3 and data["max_new_tokens"] == 3
     assert data["graphs"] is False and ar["graphs"] is False and ar["stage_rounds"] == ar["rounds"] == 2
     assert len(ar["step_s"]) == 2 and tree["stage_rounds"] == 1
+    # Without graphs every step is timed: one round of 3 tokens against AR's median step.
+    assert tree["timed_mean_acceptance"] == 3.0 and tree["timed_tokens_per_s"] == pytest.approx(3 / tree["step_s"][0])
+    assert data["speed_ratio"] == pytest.approx(float(np.median(ar["step_s"])) / tree["step_s"][0])
 
 
 def test_tiny_run_with_the_dflash_drafter_sampled(capsys):

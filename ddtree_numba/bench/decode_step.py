@@ -153,15 +153,13 @@ def replay_rate(result: Any) -> tuple[float, int]:
     replay = result.replay_s
     if replay.size == 0 or replay.sum() <= 0:
         return 0.0, 0
-    committed = int(result.acceptance[result.stage_rounds:].sum())
-    return committed / float(replay.sum()), int(replay.size)
+    return result.timed_tokens_per_s, int(replay.size)
 
 
 def replayed_tau(result: Any) -> float:
-    """Mean acceptance length (tokens a round commits, summed over the batch) of the rounds
-    :func:`replay_rate` times: the graph-replayed ones, or every round where none was replayed."""
-    rounds = result.acceptance[result.stage_rounds:] if result.graphs else result.acceptance
-    return float(rounds.sum()) / rounds.shape[0] if rounds.shape[0] else 0.0
+    """Mean acceptance length of the rounds :func:`replay_rate` times: the graph-replayed ones, or
+    every round where none was replayed (``GenerateResult.timed_mean_acceptance``)."""
+    return result.timed_mean_acceptance
 
 
 def mean_kv_rows(prompt_len: int, first_step: int, steps: int) -> float:

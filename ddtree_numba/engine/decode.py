@@ -56,7 +56,9 @@ anyway: ``GenerateResult.step_s``. Stage times need events between the kernels o
 replayed graph does not have: without graphs they are summed over every step; with graphs they
 come from the one eager, event-timed calibration step (the first), and ``stage_rounds`` says how
 many steps they cover. ``decode_s`` is the synchronised wall clock of the steps, the one-off
-capture excluded (``capture_s``).
+capture excluded (``capture_s``), the eager calibration step included;
+``GenerateResult.timed_tokens_per_s`` and ``timed_mean_acceptance`` cover the replayed steps only
+(the steady state), and :func:`speed_ratio` is issue 4's ratio from them.
 """
 from __future__ import annotations
 
@@ -313,6 +315,30 @@ class GenerateResult:
         return self.step_s[self.stage_rounds:] if self.graphs else self.step_s[:0]
 
     @property
+    def timed_acceptance(self) -> np.ndarray:
+        """int32 [timed rounds, bs]: the acceptance rows of the steps / rounds whose times make
+        the rates below: the graph replays with graphs (the eager calibration step excluded, as
+        in :attr:`replay_s`), every step without."""
+        return self.acceptance[self.stage_rounds:] if self.graphs else self.acceptance
+
+    @property
+    def timed_mean_acceptance(self) -> float:
+        """Mean acceptance length over the timed steps' (request, round) pairs of unfinished
+        requests: the tau that goes with :attr:`timed_tokens_per_s`."""
+        active = self.timed_acceptance[self.timed_acceptance > 0]
+        return float(active.mean()) if active.size else 0.0
+
+    @property
+    def timed_tokens_per_s(self) -> float:
+        """Steady-state throughput: the timed steps' acceptance lengths (tokens they accepted,
+        summed over the batch) over their summed step times. Unlike :attr:`tokens_per_s` it leaves
+        out the eager calibration step (with graphs, ~10 ms a small DDTree round) and the host
+        loop between steps."""
+        steps = self.replay_s if self.graphs else self.step_s
+        total = float(steps.sum())
+        return float(self.timed_acceptance.sum()) / total if total > 0 else 0.0
+
+    @property
     def step_median_s(self) -> float:
         """Median step / round time of the mode that ran: graph replays with graphs (the eager
         calibration step excluded), every eager step without; 0 if there was none."""
@@ -336,7 +362,8 @@ class GenerateResult:
             "prefill_s": self.prefill_s, "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
             "stage_s": dict(self.stage_s), "timing": self.timing, "stage_rounds": self.stage_rounds,
             "graphs": self.graphs, "capture_s": self.capture_s, "pdl": self.pdl, "step_s": self.step_s.tolist(),
-            "step_median_s": self.step_median_s,
+            "step_median_s": self.step_median_s, "timed_tokens_per_s": self.timed_tokens_per_s,
+            "timed_mean_acceptance": self.timed_mean_acceptance,
         }
 
 
@@ -710,6 +737,16 @@ class _Session:
             forward_passes=self.forward_passes,
             acceptance=lengths[:min(int(rounds[0]), lengths.shape[0])].copy(),
             max_acceptance=max_acceptance, **times, **settings)
+
+
+def speed_ratio(ar: GenerateResult, tree: GenerateResult) -> float:
+    """Issue 4's speed ratio, DDTree tokens/s / (tau x AR tokens/s), as ``bench.decode_step``
+    measures it: DDTree's rate and tau over its timed rounds (:attr:`GenerateResult.timed_tokens_per_s`,
+    :attr:`GenerateResult.timed_mean_acceptance`), the AR rate from its median step (batch /
+    :attr:`GenerateResult.step_median_s`). 0 where a run has no timed step. The target is >= 0.5."""
+    tau = tree.timed_mean_acceptance
+    ar_rate = len(ar.tokens) / ar.step_median_s if ar.step_median_s > 0 else 0.0
+    return tree.timed_tokens_per_s / (tau * ar_rate) if tau > 0 and ar_rate > 0 else 0.0
 
 
 def _check_flag(value: Any, name: str) -> bool:

@@ -191,6 +191,8 @@ class _Progress:
 
 def _format(ar: Any, tree: Any) -> str:
     """The side-by-side report."""
+    from ddtree_numba.engine.decode import speed_ratio
+
     def hist(result: Any) -> str:
         h = result.histogram
         return " ".join(f"{m}:{int(c)}" for m, c in enumerate(h) if m and c) or "-"
@@ -208,6 +210,9 @@ def _format(ar: Any, tree: Any) -> str:
         ("decode s", f"{ar.decode_s:.3f}", f"{tree.decode_s:.3f}"),
         ("decode tokens/s", f"{ar.tokens_per_s:.1f}", f"{tree.tokens_per_s:.1f}"),
         ("step ms (median)", f"{1e3 * ar.step_median_s:.3f} {mode(ar)}", f"{1e3 * tree.step_median_s:.3f} {mode(tree)}"),
+        ("tokens/s of the timed steps", f"{ar.timed_tokens_per_s:.1f} {mode(ar)}",
+         f"{tree.timed_tokens_per_s:.1f} {mode(tree)}"),
+        ("tokens/s / (tau x AR), >= 0.5", "", f"{speed_ratio(ar, tree):.3f}"),
         ("graph capture s", f"{ar.capture_s:.3f}", f"{tree.capture_s:.3f}"),
     ]
     for stage in ("draft", "topk", "build", "verify", "accept", "compact"):
@@ -269,7 +274,7 @@ def _run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ddtree_numba.config import ModelConfig
-    from ddtree_numba.engine.decode import MAX_BUDGET, generate_ar, generate_ddtree, required_kv_capacity
+    from ddtree_numba.engine.decode import MAX_BUDGET, generate_ar, generate_ddtree, required_kv_capacity, speed_ratio
     from ddtree_numba.engine.drafters import OracleDrafter
     from ddtree_numba.engine.model import TargetModel
     from reference.weights import init_weights, load_weights
@@ -362,7 +367,7 @@ def _run(args: argparse.Namespace) -> int:
             "temperature": args.temperature, "stop_tokens": args.stop or [], "prompts": prompts,
             "max_new_tokens": n, "budget": budget, "block_size": block, "graphs": graphs, "pdl": pdl,
             "attention_split": model.attention_split, "products": model.products, "identical": identical,
-            "ar": ar.summary(), "ddtree": tree.summary(),
+            "speed_ratio": speed_ratio(ar, tree), "ar": ar.summary(), "ddtree": tree.summary(),
         })
         print(f"wrote {args.json}")
     return 0 if identical else 1
