@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -76,9 +77,10 @@ class DeviceProfile:
     source: str
     max_block_dim: tuple[int, int, int] = MAX_BLOCK_DIM
     max_grid_dim: tuple[int, int, int] = MAX_GRID_DIM
-    # What a GPU's reported name must contain (case-insensitive) to take this profile, besides its
-    # compute capability: an H100 is sm_90 too, with 3.35 TB/s and 80 GB, not the H200's ceilings.
-    # Empty: the compute capability alone decides (a profile built from device attributes).
+    # Words a GPU's reported name must contain (case-insensitive, whole words) to take this profile,
+    # besides its compute capability: an H100 is sm_90 too, with 3.35 TB/s and 80 GB, not the H200's
+    # ceilings, and a GH200 ("NVIDIA GH200 480GB") is not an H200 either. Empty: the compute
+    # capability alone decides (a profile built from device attributes).
     name_match: str = ""
 
     @property
@@ -255,11 +257,16 @@ def stored_profile(compute_capability: tuple[int, int], device_name: str) -> Dev
     caller builds its profile from the device's attributes.
     """
     cc = tuple(compute_capability)
-    name = device_name.lower()
     for profile in PROFILES.values():
-        if profile.compute_capability == cc and profile.name_match.lower() in name:
+        words = rf"\b{re.escape(profile.name_match)}\b" if profile.name_match else ""
+        if profile.compute_capability == cc and re.search(words, device_name, re.IGNORECASE):
             return profile
     return None
+
+
+# Profiles built from a device's attributes, by (device id, name, compute capability): active_profile
+# runs at every checked launch, and building one reads every attribute and the memory size.
+_BUILT: dict[tuple[int, str, tuple[int, int]], DeviceProfile] = {}
 
 
 def _current_device_profile() -> DeviceProfile:
@@ -273,9 +280,13 @@ def _current_device_profile() -> DeviceProfile:
     profile = stored_profile(cc, name)
     if profile is not None:
         return profile
-    attrs = {attr: getattr(device, attr) for attr in _DEVICE_ATTRIBUTES}
-    total_memory = cuda.current_context().get_memory_info().total
-    return profile_from_attributes(attrs, device_name=name, compute_capability=cc, total_memory=total_memory)
+    key = (int(device.id), name, cc)
+    if key not in _BUILT:
+        attrs = {attr: getattr(device, attr) for attr in _DEVICE_ATTRIBUTES}
+        total_memory = cuda.current_context().get_memory_info().total
+        _BUILT[key] = profile_from_attributes(attrs, device_name=name, compute_capability=cc,
+                                              total_memory=total_memory)
+    return _BUILT[key]
 
 
 def active_profile() -> DeviceProfile:

@@ -157,3 +157,30 @@ def test_products_choices_are_the_engines():
     for parser in (_parser(), decode_step._parser()):
         action = next(a for a in parser._actions if a.dest == "products")
         assert tuple(action.choices) == PRODUCTS and action.default == "cuda-core"
+
+
+def _fake_result(method: str, acceptance: np.ndarray, step_s: list[float]):
+    """A finished eager run (no GPU, nothing launched): what generate's report reads."""
+    from ddtree_numba.engine.decode import GenerateResult
+
+    rounds, bs = acceptance.shape
+    stages = ("verify", "accept") if method == "ar" else ("draft", "topk", "build", "verify", "accept", "compact")
+    return GenerateResult(method=method, tokens=[[3] * (1 + int(acceptance[:, b].sum())) for b in range(bs)],
+                          prompt_lens=[4] * bs, forward_passes=1 + rounds, acceptance=acceptance,
+                          max_acceptance=int(acceptance.max()), prefill_s=0.1, decode_s=sum(step_s),
+                          stage_s=dict.fromkeys(stages, 0.001), timing="wall-clock", step_s=np.array(step_s),
+                          stage_rounds=rounds, graphs=False, capture_s=0.0,
+                          budget=None if method == "ar" else 8, block_size=None if method == "ar" else 4)
+
+
+@pytest.mark.parametrize("bs", [1, 2])
+def test_report_gives_the_speed_ratio_at_batch_1_only(bs):
+    """The ratio row is issue 4's batch-1 measure (engine.decode.speed_ratio); in a batch, requests
+    that finish early would pull it below AR step / round, so the row says so instead."""
+    ar = _fake_result("ar", np.ones((6, bs), np.int32), [0.001] * 6)
+    tree = _fake_result("ddtree", np.array([[4] * bs, [3] * bs], np.int32), [0.004, 0.004])
+    row = next(line for line in generate._format(ar, tree).splitlines() if line.startswith("tokens/s / (tau x AR)"))
+    # every round 4 ms against a 1 ms AR step: 0.25
+    assert row.split()[-1] == "0.250" if bs == 1 else row.endswith("(batch 1 only)")
+    timed = next(line for line in generate._format(ar, tree).splitlines() if line.startswith("tokens/s of the timed"))
+    assert f"{1000.0 * bs:.1f} (eager)" in timed and f"{7 * bs / 0.008:.1f} (eager)" in timed

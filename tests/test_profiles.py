@@ -218,6 +218,7 @@ def test_stored_profile_needs_the_name_as_well_as_the_compute_capability():
     # An H100 is sm_90 but not an H200: no stored profile, so it is built from its attributes,
     # with its own bandwidth (a decode-step floor at the H200's 4.3 TB/s would overstate its fraction).
     assert stored_profile((9, 0), "NVIDIA H100 80GB HBM3") is None
+    assert stored_profile((9, 0), "NVIDIA GH200 480GB") is None   # whole words: a GH200 is not an H200
     assert stored_profile((8, 0), "NVIDIA H200") is None
     h100 = profile_from_attributes(H100_ATTRS, device_name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),
                                    total_memory=85 * 10**9)

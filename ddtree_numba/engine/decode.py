@@ -743,7 +743,9 @@ def speed_ratio(ar: GenerateResult, tree: GenerateResult) -> float:
     """Issue 4's speed ratio, DDTree tokens/s / (tau x AR tokens/s), as ``bench.decode_step``
     measures it: DDTree's rate and tau over its timed rounds (:attr:`GenerateResult.timed_tokens_per_s`,
     :attr:`GenerateResult.timed_mean_acceptance`), the AR rate from its median step (batch /
-    :attr:`GenerateResult.step_median_s`). 0 where a run has no timed step. The target is >= 0.5."""
+    :attr:`GenerateResult.step_median_s`). 0 where a run has no timed step. The target is >= 0.5,
+    stated for batch 1: in a batch, requests that finish early stop adding tokens to DDTree's rate
+    while AR's counts every request, so the ratio sits below AR step / round there."""
     tau = tree.timed_mean_acceptance
     ar_rate = len(ar.tokens) / ar.step_median_s if ar.step_median_s > 0 else 0.0
     return tree.timed_tokens_per_s / (tau * ar_rate) if tau > 0 and ar_rate > 0 else 0.0

@@ -212,7 +212,8 @@ def _format(ar: Any, tree: Any) -> str:
         ("step ms (median)", f"{1e3 * ar.step_median_s:.3f} {mode(ar)}", f"{1e3 * tree.step_median_s:.3f} {mode(tree)}"),
         ("tokens/s of the timed steps", f"{ar.timed_tokens_per_s:.1f} {mode(ar)}",
          f"{tree.timed_tokens_per_s:.1f} {mode(tree)}"),
-        ("tokens/s / (tau x AR), >= 0.5", "", f"{speed_ratio(ar, tree):.3f}"),
+        ("tokens/s / (tau x AR), >= 0.5", "",
+         f"{speed_ratio(ar, tree):.3f}" if len(ar.tokens) == 1 else "(batch 1 only)"),
         ("graph capture s", f"{ar.capture_s:.3f}", f"{tree.capture_s:.3f}"),
     ]
     for stage in ("draft", "topk", "build", "verify", "accept", "compact"):
@@ -367,7 +368,8 @@ def _run(args: argparse.Namespace) -> int:
             "temperature": args.temperature, "stop_tokens": args.stop or [], "prompts": prompts,
             "max_new_tokens": n, "budget": budget, "block_size": block, "graphs": graphs, "pdl": pdl,
             "attention_split": model.attention_split, "products": model.products, "identical": identical,
-            "speed_ratio": speed_ratio(ar, tree), "ar": ar.summary(), "ddtree": tree.summary(),
+            "speed_ratio": speed_ratio(ar, tree) if len(prompts) == 1 else None,
+            "ar": ar.summary(), "ddtree": tree.summary(),
         })
         print(f"wrote {args.json}")
     return 0 if identical else 1
