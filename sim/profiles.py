@@ -252,7 +252,7 @@ _DEVICE_ATTRIBUTES = (
 def stored_profile(compute_capability: tuple[int, int], device_name: str) -> DeviceProfile | None:
     """The stored profile of a GPU with this compute capability and reported name, or None.
 
-    Both must match (``DeviceProfile.name_match`` is a case-insensitive substring of the name):
+    Both must match (``DeviceProfile.name_match``: whole words of the name, case-insensitive):
     an H100 shares the H200's sm_90 but not its bandwidth or memory, so it gets None and the
     caller builds its profile from the device's attributes.
     """
@@ -264,9 +264,9 @@ def stored_profile(compute_capability: tuple[int, int], device_name: str) -> Dev
     return None
 
 
-# Profiles built from a device's attributes, by (device id, name, compute capability): active_profile
-# runs at every checked launch, and building one reads every attribute and the memory size.
-_BUILT: dict[tuple[int, str, tuple[int, int]], DeviceProfile] = {}
+# Profiles built from a device's attributes, by device id: active_profile runs at every checked
+# launch, and building one reads every attribute and the memory size.
+_BUILT: dict[int, DeviceProfile] = {}
 
 
 def _current_device_profile() -> DeviceProfile:
@@ -280,7 +280,7 @@ def _current_device_profile() -> DeviceProfile:
     profile = stored_profile(cc, name)
     if profile is not None:
         return profile
-    key = (int(device.id), name, cc)
+    key = int(device.id)
     if key not in _BUILT:
         attrs = {attr: getattr(device, attr) for attr in _DEVICE_ATTRIBUTES}
         total_memory = cuda.current_context().get_memory_info().total

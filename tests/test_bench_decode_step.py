@@ -88,9 +88,9 @@ def test_replay_rate_counts_only_replayed_rounds():
     eager = _result(acc, [0.010, 0.002, 0.002, 0.004], graphs=False)
     assert ds.replay_rate(eager) == (0.0, 0) and eager.step_median_s == pytest.approx(0.003)
     # The ratio's tau is the replayed rounds' own: the eager first round (5 tokens) is not timed.
-    assert ds.replayed_tau(result) == pytest.approx((16 + 10 + 3) / 3)
+    assert result.timed_mean_acceptance == pytest.approx((16 + 10 + 3) / 3)
     assert result.mean_acceptance == pytest.approx((5 + 16 + 10 + 3) / 4)
-    assert ds.replayed_tau(eager) == pytest.approx((5 + 16 + 10 + 3) / 4)   # every round timed
+    assert eager.timed_mean_acceptance == pytest.approx((5 + 16 + 10 + 3) / 4)   # every round timed
 
 
 def test_speed_ratio_takes_the_timed_rounds_tau_and_the_ar_median():

@@ -181,6 +181,9 @@ def test_report_gives_the_speed_ratio_at_batch_1_only(bs):
     tree = _fake_result("ddtree", np.array([[4] * bs, [3] * bs], np.int32), [0.004, 0.004])
     row = next(line for line in generate._format(ar, tree).splitlines() if line.startswith("tokens/s / (tau x AR)"))
     # every round 4 ms against a 1 ms AR step: 0.25
+    from ddtree_numba.engine.decode import speed_ratio
+
+    assert (speed_ratio(ar, tree) is None) == (bs > 1)
     assert row.split()[-1] == "0.250" if bs == 1 else row.endswith("(batch 1 only)")
     timed = next(line for line in generate._format(ar, tree).splitlines() if line.startswith("tokens/s of the timed"))
     assert f"{1000.0 * bs:.1f} (eager)" in timed and f"{7 * bs / 0.008:.1f} (eager)" in timed

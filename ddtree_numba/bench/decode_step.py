@@ -156,12 +156,6 @@ def replay_rate(result: Any) -> tuple[float, int]:
     return result.timed_tokens_per_s, int(replay.size)
 
 
-def replayed_tau(result: Any) -> float:
-    """Mean acceptance length of the rounds :func:`replay_rate` times: the graph-replayed ones, or
-    every round where none was replayed (``GenerateResult.timed_mean_acceptance``)."""
-    return result.timed_mean_acceptance
-
-
 def mean_kv_rows(prompt_len: int, first_step: int, steps: int) -> float:
     """Mean rows attended per layer over AR steps first_step .. first_step + steps - 1 (step r
     after the prefill reads the prompt, r earlier tokens and its own new row)."""
@@ -182,7 +176,7 @@ def measure_ar(config: Any, model: Any, prompts: list[list[int]], n_new: int, ea
     sampling = dict(temperature=temperature, seed=seed, pdl=pdl)
     replayed = generate_ar(model, prompts, max_new_tokens=n_new, graphs=True, **sampling)
     eager = generate_ar(model, prompts, max_new_tokens=eager_new, graphs=False, **sampling)
-    times = replayed.replay_s if replayed.graphs else replayed.step_s  # the simulator has no graphs
+    times = replayed.timed_s  # the replays (the simulator has no graphs: every step)
     first = replayed.stage_rounds if replayed.graphs else 0
     nbytes = step_bytes(config, len(prompts), mean_kv_rows(len(prompts[0]), first, times.size))["total"]
     return ArPoint(batch=len(prompts), graph_us=1e6 * float(np.median(times)), graph_min_us=1e6 * float(times.min()),
@@ -212,9 +206,9 @@ def measure_tree(config: Any, model: Any, prompts: list[list[int]], ar: ArPoint,
     rate, rounds = replay_rate(tree)
     if not tree.graphs:  # the simulator: every round is eager and timed, the rate over all of them
         rate, rounds = tree.timed_tokens_per_s, tree.rounds
-    times = tree.replay_s if tree.graphs else tree.step_s
+    times = tree.timed_s
     tau = tree.mean_acceptance
-    timed_tau = replayed_tau(tree)
+    timed_tau = tree.timed_mean_acceptance   # the tau of the rounds the rate times
     ar_rate = ar.tokens_per_s
     staged = eager if eager.rounds else tree   # (the graph run's eager round compiled the kernels)
     return TreePoint(accuracy=accuracy, round_us=1e6 * float(np.median(times)) if times.size else float("nan"),

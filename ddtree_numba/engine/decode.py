@@ -315,10 +315,15 @@ class GenerateResult:
         return self.step_s[self.stage_rounds:] if self.graphs else self.step_s[:0]
 
     @property
+    def timed_s(self) -> np.ndarray:
+        """float64 [timed rounds]: the step times the medians and rates below are taken over: the
+        graph replays with graphs (:attr:`replay_s`, the eager calibration step excluded), every
+        step without."""
+        return self.replay_s if self.graphs else self.step_s
+
+    @property
     def timed_acceptance(self) -> np.ndarray:
-        """int32 [timed rounds, bs]: the acceptance rows of the steps / rounds whose times make
-        the rates below: the graph replays with graphs (the eager calibration step excluded, as
-        in :attr:`replay_s`), every step without."""
+        """int32 [timed rounds, bs]: the acceptance rows of the steps / rounds of :attr:`timed_s`."""
         return self.acceptance[self.stage_rounds:] if self.graphs else self.acceptance
 
     @property
@@ -334,15 +339,14 @@ class GenerateResult:
         summed over the batch) over their summed step times. Unlike :attr:`tokens_per_s` it leaves
         out the eager calibration step (with graphs, ~10 ms a small DDTree round) and the host
         loop between steps."""
-        steps = self.replay_s if self.graphs else self.step_s
-        total = float(steps.sum())
+        total = float(self.timed_s.sum())
         return float(self.timed_acceptance.sum()) / total if total > 0 else 0.0
 
     @property
     def step_median_s(self) -> float:
         """Median step / round time of the mode that ran: graph replays with graphs (the eager
         calibration step excluded), every eager step without; 0 if there was none."""
-        steps = self.replay_s if self.graphs else self.step_s
+        steps = self.timed_s
         return float(np.median(steps)) if steps.size else 0.0
 
     @property
@@ -739,13 +743,15 @@ class _Session:
             max_acceptance=max_acceptance, **times, **settings)
 
 
-def speed_ratio(ar: GenerateResult, tree: GenerateResult) -> float:
+def speed_ratio(ar: GenerateResult, tree: GenerateResult) -> float | None:
     """Issue 4's speed ratio, DDTree tokens/s / (tau x AR tokens/s), as ``bench.decode_step``
     measures it: DDTree's rate and tau over its timed rounds (:attr:`GenerateResult.timed_tokens_per_s`,
     :attr:`GenerateResult.timed_mean_acceptance`), the AR rate from its median step (batch /
     :attr:`GenerateResult.step_median_s`). 0 where a run has no timed step. The target is >= 0.5,
-    stated for batch 1: in a batch, requests that finish early stop adding tokens to DDTree's rate
-    while AR's counts every request, so the ratio sits below AR step / round there."""
+    stated for batch 1; None for a batch: requests that finish early stop adding tokens to
+    DDTree's rate while AR's counts every request, which would put the ratio below AR step / round."""
+    if len(ar.tokens) != 1:
+        return None
     tau = tree.timed_mean_acceptance
     ar_rate = len(ar.tokens) / ar.step_median_s if ar.step_median_s > 0 else 0.0
     return tree.timed_tokens_per_s / (tau * ar_rate) if tau > 0 and ar_rate > 0 else 0.0

@@ -193,6 +193,8 @@ def _format(ar: Any, tree: Any) -> str:
     """The side-by-side report."""
     from ddtree_numba.engine.decode import speed_ratio
 
+    ratio = speed_ratio(ar, tree)
+
     def hist(result: Any) -> str:
         h = result.histogram
         return " ".join(f"{m}:{int(c)}" for m, c in enumerate(h) if m and c) or "-"
@@ -213,7 +215,7 @@ def _format(ar: Any, tree: Any) -> str:
         ("tokens/s of the timed steps", f"{ar.timed_tokens_per_s:.1f} {mode(ar)}",
          f"{tree.timed_tokens_per_s:.1f} {mode(tree)}"),
         ("tokens/s / (tau x AR), >= 0.5", "",
-         f"{speed_ratio(ar, tree):.3f}" if len(ar.tokens) == 1 else "(batch 1 only)"),
+         "(batch 1 only)" if ratio is None else f"{ratio:.3f}"),
         ("graph capture s", f"{ar.capture_s:.3f}", f"{tree.capture_s:.3f}"),
     ]
     for stage in ("draft", "topk", "build", "verify", "accept", "compact"):
@@ -368,7 +370,7 @@ def _run(args: argparse.Namespace) -> int:
             "temperature": args.temperature, "stop_tokens": args.stop or [], "prompts": prompts,
             "max_new_tokens": n, "budget": budget, "block_size": block, "graphs": graphs, "pdl": pdl,
             "attention_split": model.attention_split, "products": model.products, "identical": identical,
-            "speed_ratio": speed_ratio(ar, tree) if len(prompts) == 1 else None,
+            "speed_ratio": speed_ratio(ar, tree),
             "ar": ar.summary(), "ddtree": tree.summary(),
         })
         print(f"wrote {args.json}")
