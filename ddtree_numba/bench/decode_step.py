@@ -304,6 +304,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--odd-tiles", choices=("on", "off"),
                         help="11-row tiles for many-row linear and head launches (kernels/linear.py ODD_TILES; "
                              "a B 32 tree's 33 rows in 3 x 11 instead of 5 x 8; default: ODD_TILES, on)")
+    parser.add_argument("--row-products", choices=("on", "off"),
+                        help="1-row products through kernels/gemv.py where it has a layout (engine.model."
+                             "ROW_PRODUCTS; the same bits as linear; default: on)")
     parser.add_argument("--quads", choices=("on", "off"),
                         help="the linears' staged rows read with 16-byte shared loads and staged in 16-byte "
                              "quads (kernels/linear.py VECTOR_X_LOADS and VECTOR_STAGING, both; the same bits; "
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --temperature must be >= 0, got {args.temperature}")
     from ddtree_numba.config import ModelConfig
     from ddtree_numba.engine.decode import required_kv_capacity
+    import ddtree_numba.engine.model as em
     from ddtree_numba.engine.model import TargetModel
     from ddtree_numba.kernels import absorb as ab
     from ddtree_numba.kernels import linear as lin
@@ -354,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.odd_tiles:
         lin.set_odd_tiles(args.odd_tiles == "on")
     args.odd_tiles = "on" if lin.ODD_TILES else "off"   # (recorded in the config attrs)
+    if args.row_products:
+        em.ROW_PRODUCTS = args.row_products == "on"
+    args.row_products = "on" if em.ROW_PRODUCTS else "off"
     if args.quads:
         lin.VECTOR_X_LOADS = lin.VECTOR_STAGING = args.quads == "on"
         lin._setup.cache_clear()                          # launch shapes built with the other setting
@@ -410,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
-                                                      "temperature", "odd_tiles", "quads", "ring", "absorbs",
+                                                      "temperature", "odd_tiles", "row_products", "quads", "ring", "absorbs",
                                                       "attention_split", "products", "pdl",
                                                       "programmatic_launches")}
         ds = build_dataset(ar_points, trees, {

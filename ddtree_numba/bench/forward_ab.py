@@ -21,7 +21,9 @@ off; by default it runs inside the routed experts' launches), ``auto-bound`` (th
 grid y chosen for every slot of ``linear.expert_slots``' bound, ``linear.EXPERT_TYPICAL_WAVES`` off;
 by default for the tiles a uniform routing fills), ``auto-entrytile`` (the experts' down projection
 in the row tile of its entries, ``engine.model.EXPERT_TILE_BY_ROWS`` off; by default of M rows),
-``auto-unfold-bound`` (all three off: the MoE launches of ``4d403ab``, before run "fold"), ``h8``
+``auto-unfold-bound`` (all three off: the MoE launches of ``4d403ab``, before run "fold"),
+``auto-nogemv`` (the 1-row products in ``linear``'s tile, ``engine.model.ROW_PRODUCTS`` off; by
+default ``kernels.gemv`` where it has a layout), ``h8``
 (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
@@ -86,7 +88,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -157,6 +159,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     merge_free = va.MERGE_FREE_SHORT_CACHES
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
+    row_products = em.ROW_PRODUCTS
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
@@ -177,6 +180,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.FOLD_SHARED_EXPERT = fold and tile not in ("auto-unfold", "auto-unfold-bound")
             lin.EXPERT_TYPICAL_WAVES = typical_waves and tile not in ("auto-bound", "auto-unfold-bound")   # read per call
             em.EXPERT_TILE_BY_ROWS = tile_by_rows and tile not in ("auto-entrytile", "auto-unfold-bound")
+            em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
                 em.FEW_NODES_TILE = variant.score_first
@@ -264,6 +268,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         va.MERGE_FREE_SHORT_CACHES = merge_free
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
+        em.ROW_PRODUCTS = row_products
     return results
 
 

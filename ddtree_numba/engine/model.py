@@ -50,6 +50,7 @@ from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWei
 from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels.absorb import absorb, supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
+from ddtree_numba.kernels.gemv import gemv, plan_gemv, supported as gemv_supported
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
@@ -145,6 +146,12 @@ FOLD_SHARED_EXPERT = True
 # 4 entries, 8-row ones for 5 with the shared expert). Layout, not numerics. Run "fold timed"
 # (``auto-entrytile`` against the default): 18.4 us off an AR forward, none off a 33-row one.
 EXPERT_TILE_BY_ROWS = True
+# A 1-row product (an AR step at batch 1) runs kernels.gemv where plan_gemv gives it a layout
+# (weights up to gemv.MAX_WEIGHT_BYTES: w_a, w_q, wo, the dense down projection; not the dense
+# gate | up or the lm_head): small blocks that load their first weights before the rms,
+# x read from L1 / L2 instead of staged. The same bits as linear. Layout, not numerics
+# (bench.forward_ab's ``auto-nogemv`` switches it off).
+ROW_PRODUCTS = True
 
 
 class ForwardOut(NamedTuple):
@@ -625,9 +632,16 @@ class TargetModel:
         return views, cuda.device_array(m, np.float32, stream=stream)
 
     def _product(self, x: Any, w: Any, out: Any, stream: Any, **prologue: Any) -> None:
-        """out = prologue(x) @ w.T (+ residual) through the model's ``products`` kernels."""
+        """out = prologue(x) @ w.T (+ residual) through the model's ``products`` kernels: a 1-row
+        product (an AR step at batch 1) through ``gemv`` where it has a layout (ROW_PRODUCTS;
+        the same bits as ``linear``)."""
         if self._tc is None:
-            linear(x, w, out, stream=stream, **prologue)
+            if ROW_PRODUCTS and x.shape[0] == 1 and gemv_supported(1, w.shape[1], w, x) and \
+                    plan_gemv("swiglu" if prologue.get("swiglu") else "rmsnorm" if prologue.get("norm_weight")
+                              is not None else "none", *w.shape) is not None:
+                gemv(x, w, out, stream=stream, **prologue)
+            else:
+                linear(x, w, out, stream=stream, **prologue)
         else:
             partials, inv_rms = self._tc
             linear_tc(x, w, out, partials=partials[tuple(w.shape)], inv_rms=inv_rms, stream=stream, **prologue)

@@ -504,6 +504,18 @@ def _row_inv_rms(x, row, k_dim, eps, lane):
 
 
 @cuda.jit(device=True, inline="always")
+def warp_place(k_split_):
+    """(lane, warp, K segment, column group, column groups a block) of this thread: warp = group *
+    k_split + segment. k_split_ is a power of two (k_split): shifts and masks, not runtime divisions."""
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    ks_shift = 0
+    while (1 << ks_shift) < k_split_:
+        ks_shift += 1
+    return lane, warp, warp & (k_split_ - 1), warp >> ks_shift, (cuda.blockDim.x // WARP) >> ks_shift
+
+
+@cuda.jit(device=True, inline="always")
 def _staged_k(pos, row_floats, kcw, seg_steps, phase, phase_steps, total_steps, k_dim):
     """(k, inside) of staged offset ``pos`` of a row: pos = s * kcw + r (segment s, offset r) holds
     k = (s * seg_steps + phase * phase_steps) * STEP + r; inside: within the row's staged floats,
@@ -986,15 +998,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         acc = cuda.local.array(MTP, float32)
         wv = cuda.local.array((U, C, VEC), float32)
         wbase = cuda.local.array(C, int64)
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.threadIdx.x // WARP
-        # k_split_ is a power of two (k_split): shifts and masks, not runtime divisions
-        ks_shift = 0
-        while (1 << ks_shift) < k_split_:
-            ks_shift += 1
-        seg = warp & (k_split_ - 1)
-        group = warp >> ks_shift
-        groups_per_block = (cuda.blockDim.x // WARP) >> ks_shift
+        lane, warp, seg, group, groups_per_block = warp_place(k_split_)
         total_steps = (k_dim + STEP - 1) // STEP
         n_phases = (seg_steps + phase_steps - 1) // phase_steps
         j_seg = min(seg * seg_steps, total_steps)

@@ -1,0 +1,258 @@
+"""One-row matrix products (an AR step at batch 1) with ``linear``'s numerics, bit for bit.
+
+``gemv(x, w, out)`` computes what :func:`.linear.linear` computes for an input of one row
+(prologue none / RMSNorm / SwiGLU, residual epilogue), in the same order, so its result is the
+same bits as ``linear``'s for that row, alone or in a batch of any size (linear's module doc,
+"Numerics"): K cut into ``linear.k_split(K)`` segments of ``seg_steps`` steps of 128 values;
+lane ``l`` of a segment's warp runs one fma chain over ``k = 128 j + 4 l + e`` (j ascending,
+then e), from +0.0; the 32 lane partials are summed by :func:`.warp.warp_sum_f32`'s butterfly;
+the segment sums are added in segment order; the residual is added last. The RMSNorm prologue's
+``1 / rms`` is :func:`.linear._row_inv_rms` and a staged value is ``(x * inv) * weight``; SwiGLU's
+is :func:`.linear._silu_mul`.
+
+Why a kernel of its own. ``linear``'s 1-row tile is the many-row kernel's: a block of 8 warps
+(210-240 registers: one block an SM) stages the row in shared memory behind the rms and a
+barrier, then each warp streams its columns' weights in rounds of U = 4 steps. On the H200 a
+1-row launch costs ~6-7 us beyond its weight bytes, instructions issued by two warps a scheduler
+(PERFORMANCE, runs rms loads and odd tiles), and the AR step's products stream at 1.5-2.5 TB/s.
+Here a warp reads its x quads straight from global memory (L1 / L2 hits: one 8-32 KiB row),
+blocks are small (4-8 warps, at most 128 registers a thread) so that several share an SM and their
+weight rounds overlap, and nothing waits at a barrier or for the rms before the first weight load. The engine
+runs it for its 1-row products up to MAX_WEIGHT_BYTES (``engine.model.ROW_PRODUCTS``).
+
+Layout (never the order; :class:`GemvLayout`, picked per shape by :func:`plan_gemv`): a block is
+``warps`` warps = column groups x K segments (as linear's block: warp = group * k_split +
+segment); a column group is ``columns`` adjacent output columns; the grid has one block per
+``warps / k_split`` column groups. A warp issues its first ``unroll`` steps of weight loads
+before it finds the rms (RMSNorm), then runs rounds: a round's x quads (and the RMSNorm weight's, or SwiGLU's gate and up) load and feed
+the fmas of the weight steps loaded before it; then the next round's weights load. Segment sums
+meet in shared memory and the segment-0 warp adds them in order. Columns past N re-read the last
+weight row and are not stored.
+
+Limits (checked by :func:`supported`): one row, K a multiple of 128 (whole vector steps), 16-byte
+aligned weight rows and input row. Otherwise use ``linear``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from numba import cuda, float32, int32, int64
+
+from sim.launch import check_launch, launch_bounds
+
+from ._args import data_address
+from .linear import (ONE, STEP, VEC, WARP, ZERO, _kernel_weight, _row_inv_rms, _rows_aligned, _silu_mul, _stream,
+                     check_linear_args, k_split, load_f32x4, load_x4, warp_place)
+from .linear import _norm_sig
+from .pdl import pdl_begin
+from .registry import register
+from .warp import warp_sum_f32
+
+__all__ = ["GemvLayout", "LAYOUTS", "MAX_WEIGHT_BYTES", "supported", "plan_gemv", "gemv", "get_gemv_kernel"]
+
+
+@dataclass(frozen=True)
+class GemvLayout:
+    """A launch layout (never the order): ``columns`` adjacent output columns a warp, ``unroll``
+    steps of weight loads in flight before their fmas (columns x unroll 16-byte loads a lane),
+    ``warps`` a block, ``min_blocks`` blocks an SM the registers must allow (launch bounds)."""
+
+    columns: int
+    unroll: int
+    warps: int
+    min_blocks: int
+
+
+# The layouts plan_gemv picks. Measured on an H100 (out of the lent kinds; bench script of run
+# "row products", us a launch, queue-ahead medians, weights rotated past the L2) against linear's
+# 1-row tile: w_a 1344 x 2048 + RMSNorm 11.3 vs 13.5, w_q 12288 x 768 + RMSNorm 19.3 vs 21.1,
+# wo 2048 x 8192 + residual 26.9 vs 31.2 (LAYOUTS["narrow"]); dense w2 2048 x 5632 SwiGLU +
+# residual 25.5 vs 27.9 (LAYOUTS["swiglu"]: four columns a warp compute each silu for four
+# columns, two columns 28.3); dense w13 11264 x 2048 (92 MB) 41.9-46.1 vs 39.9 and the lm_head
+# (268 MB) 96.3 vs 96.4: past MAX_WEIGHT_BYTES linear's persistent tile is as fast or faster.
+LAYOUTS = {"narrow": GemvLayout(columns=2, unroll=4, warps=4, min_blocks=4),
+           "swiglu": GemvLayout(columns=4, unroll=4, warps=8, min_blocks=2)}
+MAX_WEIGHT_BYTES = 80 * 1024 * 1024
+
+
+def supported(rows: int, k_dim: int, w: Any, x: Any) -> bool:
+    """Whether :func:`gemv` runs this product: one row, whole 128-value steps, 16-byte rows."""
+    return rows == 1 and k_dim % STEP == 0 and data_address(w) % 16 == 0 and _rows_aligned(x)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_gemv(prologue: str, n_cols: int, k_dim: int) -> GemvLayout | None:
+    """The layout for a 1-row product of an N x K weight, or None where ``linear`` is as fast
+    (weights past MAX_WEIGHT_BYTES) or the K segments (``linear.k_split``) outnumber a block's warps."""
+    if 4 * n_cols * k_dim > MAX_WEIGHT_BYTES or k_dim % STEP:
+        return None
+    layout = LAYOUTS["swiglu" if prologue == "swiglu" else "narrow"]
+    return layout if k_split(k_dim) <= layout.warps else None
+
+
+@functools.cache
+def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS["narrow"]) -> Any:
+    """The kernel for one prologue ("none", "rmsnorm", "swiglu"), residual epilogue and layout."""
+    if prologue not in ("none", "rmsnorm", "swiglu") or not isinstance(layout, GemvLayout):
+        raise ValueError(f"no gemv kernel for prologue={prologue!r}, layout={layout!r}")
+    columns, unroll, warps, min_blocks = layout.columns, layout.unroll, layout.warps, layout.min_blocks
+    RMS = prologue == "rmsnorm"
+    SWIGLU = prologue == "swiglu"
+    RESIDUAL = residual
+    U = unroll
+    CW = columns
+    COMB = warps * CW
+
+    @cuda.jit(device=True, inline="always")
+    def load_round(w, wbase, wv, j, n):
+        """The weight float4s of steps j .. j + n - 1 (n <= U) into wv."""
+        for u in range(U):
+            if u < n:
+                for c in range(CW):
+                    v0, v1, v2, v3 = load_f32x4(w, wbase[c] + (j + u) * STEP)
+                    wv[u, c, 0] = v0
+                    wv[u, c, 1] = v1
+                    wv[u, c, 2] = v2
+                    wv[u, c, 3] = v3
+
+    @cuda.jit(device=True, inline="always")
+    def fma_round(x, norm_w, inv, k_dim, lane, wv, acc, j, n):
+        """acc[c] += x[k] * w[c, k] over steps j .. j + n - 1, k = 128 j + 4 lane + e ascending."""
+        for u in range(U):
+            if u < n:
+                k = (j + u) * STEP + VEC * lane
+                x0, x1, x2, x3 = load_x4(x, 0, 0, k)
+                if SWIGLU:
+                    g0, g1, g2, g3 = load_x4(x, 0, 0, k_dim + k)
+                    x0 = _silu_mul(x0, g0)
+                    x1 = _silu_mul(x1, g1)
+                    x2 = _silu_mul(x2, g2)
+                    x3 = _silu_mul(x3, g3)
+                if RMS:                 # (x * inv) * weight, as linear's staging
+                    n0, n1, n2, n3 = load_f32x4(norm_w, k)
+                    x0 = x0 * inv * n0
+                    x1 = x1 * inv * n1
+                    x2 = x2 * inv * n2
+                    x3 = x3 * inv * n3
+                for c in range(CW):
+                    a = cuda.fma(x0, wv[u, c, 0], acc[c])
+                    a = cuda.fma(x1, wv[u, c, 1], a)
+                    a = cuda.fma(x2, wv[u, c, 2], a)
+                    acc[c] = cuda.fma(x3, wv[u, c, 3], a)
+
+    @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
+    def kernel(x, w, out, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps):
+        """out[0] = (residual[0] +) prologue(x[0]) @ w.T; w [N, K] C-contiguous (flat indices)."""
+        comb = cuda.shared.array(COMB, float32)
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+        wv = cuda.local.array((U, CW, VEC), float32)
+        acc = cuda.local.array(CW, float32)
+        wbase = cuda.local.array(CW, int64)
+        lane, warp, seg, group, groups_per_block = warp_place(k_split_)
+        col0 = (cuda.blockIdx.x * groups_per_block + group) * CW
+        total_steps = k_dim // STEP
+        j = min(seg * seg_steps, total_steps)
+        j_end = min(j + seg_steps, total_steps)
+        for c in range(CW):
+            wbase[c] = int64(min(col0 + c, n_cols - 1)) * k_dim + VEC * lane
+            acc[c] = ZERO
+        # The first round's weights before the rms: their latency covers its loads and sums.
+        n = min(U, j_end - j)
+        load_round(w, wbase, wv, j, n)
+        inv = ONE
+        if RMS:
+            inv = _row_inv_rms(x, 0, k_dim, eps, lane)
+        while True:
+            fma_round(x, norm_w, inv, k_dim, lane, wv, acc, j, n)
+            j += n
+            if j >= j_end:
+                break
+            n = min(U, j_end - j)
+            load_round(w, wbase, wv, j, n)
+        for c in range(CW):
+            acc[c] = warp_sum_f32(acc[c])   # every lane: the butterfly's bits
+        if k_split_ == 1:
+            for c in range(CW):
+                if lane == c and col0 + c < n_cols:
+                    value = acc[c]
+                    if RESIDUAL:
+                        value = residual_arr[0, col0 + c] + value
+                    out[0, col0 + c] = value
+        else:
+            for c in range(CW):
+                if lane == c:
+                    comb[warp * CW + c] = acc[c]
+            cuda.syncthreads()  # every segment's sums in comb
+            if seg == 0:
+                for c in range(CW):
+                    if lane == c and col0 + c < n_cols:
+                        total = comb[warp * CW + c]
+                        for s in range(1, k_split_):    # segment order
+                            total += comb[(warp + s) * CW + c]
+                        if RESIDUAL:
+                            total = residual_arr[0, col0 + c] + total
+                        out[0, col0 + c] = total
+
+    return kernel
+
+
+def _register_all() -> None:
+    """The specialisations the engine launches (compile check): q_a / kv_a and q_b (RMSNorm), wo
+    (residual), the dense down projection (SwiGLU + residual), and the unfolded shared expert's
+    gate | up (none)."""
+    a2, c2 = float32[:, :], float32[:, ::1]
+    for prologue, residual in (("rmsnorm", False), ("none", True), ("swiglu", True), ("none", False)):
+        name = "swiglu" if prologue == "swiglu" else "narrow"
+        layout = LAYOUTS[name]
+        sig = (a2, c2, a2, a2, _norm_sig(prologue), float32, int32, int32, int32, int32)
+        register(f"gemv_{prologue}{'_residual' if residual else ''}", get_gemv_kernel(prologue, residual, layout),
+                 (sig,), f"1-row x @ w.T with linear's bits, {prologue} prologue"
+                 f"{', residual epilogue' if residual else ''}, layout {name}", block_threads=layout.warps * WARP)
+
+
+_register_all()
+
+
+@functools.lru_cache(maxsize=1024)
+def _setup(prologue: str, residual: bool, n_cols: int, k_dim: int, layout: GemvLayout) -> tuple:
+    """(kernel, blocks, threads, geometry) of one launch shape, checked once (sim.launch)."""
+    split = k_split(k_dim)
+    seg_steps = -(-(k_dim // STEP) // split)
+    groups = layout.warps // split          # column groups a block (plan_gemv: split <= warps)
+    blocks = -(-(-(-n_cols // layout.columns)) // groups)
+    check_launch((blocks, 1, 1), layout.warps * WARP, 0)
+    return (get_gemv_kernel(prologue, residual, layout), blocks, layout.warps * WARP,
+            (n_cols, k_dim, split, seg_steps))
+
+
+def gemv(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6, swiglu: bool = False,
+         residual: Any = None, stream: Any = 0, layout: GemvLayout | None = None) -> Any:
+    """``linear(x, w, out, ...)`` for one row: the same arguments and the same bits.
+
+    Args:
+        x, w, out, norm_weight, eps, swiglu, residual, stream: as :func:`.linear.linear`.
+        layout: a :class:`GemvLayout` (default: :func:`plan_gemv`'s, else LAYOUTS["narrow"]).
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch (``x``: not one 16-byte
+        aligned row, or K not a multiple of 128: :func:`supported`).
+    """
+    x, w, out, residual, prologue, norm, eps32 = check_linear_args(x, w, out, norm_weight, eps, swiglu,
+                                                                   residual)
+    n_cols, k_dim = w.shape
+    if not supported(x.shape[0], k_dim, w, x):
+        raise ValueError(f"x: gemv needs one 16-byte aligned row, 16-byte aligned weight rows and K % {STEP} "
+                         f"== 0, got x {tuple(x.shape)}, K {k_dim}")
+    if layout is None:
+        layout = plan_gemv(prologue, n_cols, k_dim) or LAYOUTS["narrow"]
+    if not isinstance(layout, GemvLayout):
+        raise TypeError(f"layout must be a GemvLayout, got {type(layout).__name__}")
+    if k_split(k_dim) > layout.warps:
+        raise ValueError(f"layout: {layout.warps} warps a block, fewer than K {k_dim}'s {k_split(k_dim)} segments")
+    kernel, blocks, threads, geometry = _setup(prologue, residual is not None, n_cols, k_dim, layout)
+    w_k = _kernel_weight(w)
+    kernel[blocks, threads, _stream(stream), 0](x, w_k, out, out if residual is None else residual,
+                                                w_k if norm is None else norm, eps32, *geometry)
+    return out

@@ -1,0 +1,153 @@
+"""One-row products (ddtree_numba.kernels.gemv): the same bits as linear's 1-row tile, and through it
+as any row of a many-row launch (linear's batch invariance), for every prologue, residual and
+layout, on random, tie-heavy and signed-zero inputs; the plan's rule; bad input rejected before a
+launch. Under the simulator linear itself is checked against a NumPy emulation of the order
+(tests/test_kernel_linear.py), so agreeing with it bit for bit checks gemv's order too."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.kernels import gemv as gv
+from ddtree_numba.kernels import linear as lin
+from tests.linear_checks import dev as _dev
+
+RNG = np.random.default_rng(20261205)
+LAYOUT_NAMES = tuple(gv.LAYOUTS)
+
+
+def _inputs(n, k, prologue, residual, kind, rng):
+    """x [1, Kx], w [N, K], norm [K], residual [1, N]: "random" normals, "ties" a few small integers
+    (many equal products, exact partial sums), "zeros" signed zeros among normals."""
+    kx = 2 * k if prologue == "swiglu" else k
+    if kind == "ties":
+        x = rng.integers(-2, 3, (1, kx)).astype(np.float32)
+        w = rng.integers(-2, 3, (n, k)).astype(np.float32)
+    else:
+        x = rng.standard_normal((1, kx)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        if kind == "zeros":
+            x[:, ::3] = -0.0
+            w[::2, 1::2] = -0.0
+    norm = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    res = rng.standard_normal((1, n)).astype(np.float32) if residual else None
+    return x, w, norm, res
+
+
+def _kwargs(prologue, norm, res):
+    kw = {}
+    if prologue == "rmsnorm":
+        kw = dict(norm_weight=_dev(norm), eps=1e-6)
+    elif prologue == "swiglu":
+        kw = dict(swiglu=True)
+    if res is not None:
+        kw["residual"] = _dev(res)
+    return kw
+
+
+def _both(x, w, prologue, norm, res, layout=None):
+    """(linear's output, gemv's) for the same inputs."""
+    outs = []
+    for fn in (lin.linear, gv.gemv):
+        out = cuda.to_device(np.full((1, w.shape[0]), np.nan, np.float32))
+        extra = {"layout": layout} if fn is gv.gemv and layout is not None else {}
+        fn(_dev(x), _dev(w), out, **_kwargs(prologue, norm, res), **extra)
+        outs.append(out.copy_to_host())
+    return outs
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("prologue,residual", [("none", False), ("none", True), ("rmsnorm", False),
+                                               ("rmsnorm", True), ("swiglu", True), ("swiglu", False)])
+@pytest.mark.parametrize("n,k,kind", [(7, 128, "random"), (13, 384, "ties"), (6, 2304, "random"),
+                                      (5, 4224, "zeros")])
+def test_gemv_matches_linear_bit_for_bit(layout, prologue, residual, n, k, kind):
+    """N not a multiple of the columns (the last group re-reads the last row, stores nothing past
+    N); K of one, two and four segments (linear.k_split: 1, 2, 4), a last round shorter than U."""
+    x, w, norm, res = _inputs(n, k, prologue, residual, kind, RNG)
+    ref, got = _both(x, w, prologue, norm, res, gv.LAYOUTS[layout])
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+
+
+def test_gemv_row_equals_a_row_of_a_many_row_linear():
+    """Through linear's invariance: gemv on row 3 of a 9-row input gives that row of linear's 9-row
+    launch (RMSNorm prologue, residual), bit for bit."""
+    n, k = 9, 640
+    x = RNG.standard_normal((9, k)).astype(np.float32)
+    w = RNG.standard_normal((n, k)).astype(np.float32)
+    norm = (1.0 + 0.1 * RNG.standard_normal(k)).astype(np.float32)
+    res = RNG.standard_normal((9, n)).astype(np.float32)
+    many = cuda.to_device(np.full((9, n), np.nan, np.float32))
+    lin.linear(_dev(x), _dev(w), many, norm_weight=_dev(norm), eps=1e-6, residual=_dev(res))
+    one = cuda.to_device(np.full((1, n), np.nan, np.float32))
+    gv.gemv(_dev(x[3:4]), _dev(w), one, norm_weight=_dev(norm), eps=1e-6, residual=_dev(res[3:4]))
+    assert np.array_equal(many.copy_to_host()[3].view(np.uint32), one.copy_to_host()[0].view(np.uint32))
+
+
+def test_plan_gemv_rule():
+    """A layout up to MAX_WEIGHT_BYTES with whole steps; SwiGLU takes its own; none past the
+    bytes (small's dense gate | up, 92 MB, and the lm_head stay with linear) or for K % 128."""
+    assert gv.plan_gemv("rmsnorm", 1344, 2048) == gv.LAYOUTS["narrow"]      # small's w_a
+    assert gv.plan_gemv("rmsnorm", 12288, 768) == gv.LAYOUTS["narrow"]     # w_q
+    assert gv.plan_gemv("none", 2048, 8192) == gv.LAYOUTS["narrow"]        # wo
+    assert gv.plan_gemv("swiglu", 2048, 5632) == gv.LAYOUTS["swiglu"]      # dense w2
+    assert gv.plan_gemv("rmsnorm", 11264, 2048) is None                    # dense w13
+    assert gv.plan_gemv("rmsnorm", 32768, 2048) is None                    # lm_head
+    assert gv.plan_gemv("none", 16, 100) is None                           # K not whole steps
+    for layout in gv.LAYOUTS.values():
+        assert lin.k_split(8192) <= layout.warps and layout.columns * layout.unroll <= 16
+
+
+def test_gemv_rejects_bad_input_before_launch():
+    w = _dev(RNG.standard_normal((8, 256)).astype(np.float32))
+    out = cuda.to_device(np.full((1, 8), np.nan, np.float32))
+    with pytest.raises(ValueError, match="x"):       # two rows
+        gv.gemv(_dev(np.ones((2, 256), np.float32)), w, cuda.to_device(np.zeros((2, 8), np.float32)))
+    with pytest.raises(ValueError, match="x"):       # K not a multiple of 128
+        gv.gemv(_dev(np.ones((1, 100), np.float32)), _dev(np.ones((8, 100), np.float32)), out)
+    with pytest.raises(TypeError, match="layout"):
+        gv.gemv(_dev(np.ones((1, 256), np.float32)), w, out, layout=(2, 4, 4, 4))
+    with pytest.raises(ValueError, match="layout"):  # 4 segments, 2 warps a block
+        gv.gemv(_dev(np.ones((1, 8192), np.float32)), _dev(np.ones((4, 8192), np.float32)),
+                cuda.to_device(np.zeros((1, 4), np.float32)), layout=gv.GemvLayout(2, 4, 2, 4))
+    with pytest.raises(TypeError):                   # float64 input (check_linear_args)
+        gv.gemv(_dev(np.ones((1, 256))), w, out)
+    assert np.isnan(out.copy_to_host()).all()        # nothing written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k,prologue,residual", [
+    ("w_a", 1344, 2048, "rmsnorm", False), ("w_q", 12288, 768, "rmsnorm", False),
+    ("wo", 2048, 8192, "none", True), ("w2", 2048, 5632, "swiglu", True)])
+def test_gpu_gemv_matches_linear_at_small_shapes(name, n, k, prologue, residual):
+    """small's 1-row products on the GPU: gemv's plan against linear, bit for bit, random and tie-heavy."""
+    for kind in ("random", "ties"):
+        x, w, norm, res = _inputs(n, k, prologue, residual, kind, RNG)
+        ref, got = _both(x, w, prologue, norm, res)
+        assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)), (name, kind)
+
+
+def test_engine_ar_step_runs_gemv_with_linears_bits(monkeypatch):
+    """tiny's AR forward (1 row over 5 cached rows) launches gemv for the products it has a layout
+    for (tiny's dense down projection, K 128), and its logits are the bits of the same forward with
+    ROW_PRODUCTS off (every product in linear's tile)."""
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.bench.profile_forward import forward_inputs
+    from ddtree_numba.config import ModelConfig
+    from reference.weights import init_weights
+
+    config = ModelConfig.from_name("tiny")
+    weights = init_weights(config, 0)
+    calls = []
+    real = em.gemv
+    monkeypatch.setattr(em, "gemv", lambda *a, **k: (calls.append(a[1].shape), real(*a, **k))[1])
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(em, "ROW_PRODUCTS", on)
+        model = em.TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)
+        model.advance(cuda.to_device(np.array([5], np.int32)))
+        logits[on] = model.forward(*forward_inputs(1, 5)).logits.copy_to_host()
+        if on:
+            assert calls and all(k % 128 == 0 for _, k in calls), calls
+            count = len(calls)
+    assert len(calls) == count   # none with the switch off
+    assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
