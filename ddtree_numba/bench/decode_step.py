@@ -307,6 +307,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--row-products", choices=("on", "off"),
                         help="1-row products through kernels/gemv.py where it has a layout (engine.model."
                              "ROW_PRODUCTS; the same bits as linear; default: on)")
+    parser.add_argument("--decode-split", choices=("on", "off"),
+                        help="an AR step's attention in two wide launches (kernels/verify_attention.py "
+                             "DECODE_SPLIT; the same bits as the one launch; default: on)")
     parser.add_argument("--quads", choices=("on", "off"),
                         help="the linears' staged rows read with 16-byte shared loads and staged in 16-byte "
                              "quads (kernels/linear.py VECTOR_X_LOADS and VECTOR_STAGING, both; the same bits; "
@@ -343,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree_numba.engine.model import TargetModel
     from ddtree_numba.kernels import absorb as ab
     from ddtree_numba.kernels import linear as lin
+    from ddtree_numba.kernels import verify_attention as va
     from reference.weights import init_weights
     from sim.install import simulator_active
     from sim.launch import programmatic_launch_count
@@ -361,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.row_products:
         em.ROW_PRODUCTS = args.row_products == "on"
     args.row_products = "on" if em.ROW_PRODUCTS else "off"
+    if args.decode_split:
+        va.DECODE_SPLIT = args.decode_split == "on"
+    args.decode_split = "on" if va.DECODE_SPLIT else "off"
     if args.quads:
         lin.VECTOR_X_LOADS = lin.VECTOR_STAGING = args.quads == "on"
         lin._setup.cache_clear()                          # launch shapes built with the other setting
@@ -417,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
-                                                      "temperature", "odd_tiles", "row_products", "quads", "ring", "absorbs",
+                                                      "temperature", "odd_tiles", "row_products", "decode_split", "quads", "ring", "absorbs",
                                                       "attention_split", "products", "pdl",
                                                       "programmatic_launches")}
         ds = build_dataset(ar_points, trees, {

@@ -23,7 +23,9 @@ by default for the tiles a uniform routing fills), ``auto-entrytile`` (the exper
 in the row tile of its entries, ``engine.model.EXPERT_TILE_BY_ROWS`` off; by default of M rows),
 ``auto-unfold-bound`` (all three off: the MoE launches of ``4d403ab``, before run "fold"),
 ``auto-nogemv`` (the 1-row products in ``linear``'s tile, ``engine.model.ROW_PRODUCTS`` off; by
-default ``kernels.gemv`` where it has a layout), ``h8``
+default ``kernels.gemv`` where it has a layout), ``auto-onelaunch`` (an AR step's attention in the
+score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default scores and P·V
+in two wide launches), ``h8``
 (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
@@ -88,7 +90,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-onelaunch", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -160,6 +162,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
     row_products = em.ROW_PRODUCTS
+    decode_split = va.DECODE_SPLIT
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
@@ -181,6 +184,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.EXPERT_TYPICAL_WAVES = typical_waves and tile not in ("auto-bound", "auto-unfold-bound")   # read per call
             em.EXPERT_TILE_BY_ROWS = tile_by_rows and tile not in ("auto-entrytile", "auto-unfold-bound")
             em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
+            va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
                 em.FEW_NODES_TILE = variant.score_first
@@ -269,6 +273,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
         em.ROW_PRODUCTS = row_products
+        va.DECODE_SPLIT = decode_split
     return results
 
 

@@ -403,6 +403,43 @@ def _path_length(visibility, row_base, words, size):
     return count
 
 
+@functools.cache
+def make_chunk_softmax(rc: int, kt_levels: int, k_groups: int) -> Any:
+    """The online softmax's step for one chunk on a head's lanes (both attention layouts and the
+    one-node launches: one function, so one order): ``p_key`` [rc] holds the lane's scores and
+    ``c_max`` their max; the chunk max and sum are xor butterflies over the key tiles (offsets
+    k_groups << level, level < kt_levels). Overwrites p_key with exp(score - m_new); returns
+    (m_new, l_run * rescale + chunk sum, rescale)."""
+    @cuda.jit(device=True, inline="always")
+    def chunk_softmax(p_key, c_max, m_run, l_run):
+        for level in range(kt_levels):
+            c_max = max(c_max, cuda.shfl_xor_sync(FULL_MASK, c_max, k_groups << level))
+        m_new = max(m_run, c_max)
+        rescale = math.exp(m_run - m_new)   # exp(-inf) = 0 on the first chunk
+        p_sum = float32(0.0)
+        for j in range(rc):
+            p_key[j] = math.exp(p_key[j] - m_new)
+            p_sum += p_key[j]
+        for level in range(kt_levels):
+            p_sum += cuda.shfl_xor_sync(FULL_MASK, p_sum, k_groups << level)
+        return m_new, l_run * rescale + p_sum, rescale
+    return chunk_softmax
+
+
+@cuda.jit(device=True, inline="always")
+def _merged(acc, m, l):
+    """The merge's output element for one segment: the same operations (w = exp(m - m),
+    fma(x, w, 0)), so the same bits."""
+    w = math.exp(m - m)
+    return cuda.fma(acc, w, float32(0.0)) / cuda.fma(l, w, float32(0.0))
+
+
+@cuda.jit(device=True, inline="always")
+def _merged_lse(m, l):
+    """The merge's lse for one segment (same operations, same bits)."""
+    return m + math.log(cuda.fma(l, math.exp(m - m), float32(0.0)))
+
+
 @cuda.jit(device=True, inline="always")
 def _request_ok(past, size, kv_rows, tree_capacity):
     """Whether a request's tree rows fit the cache and the tree capacity."""
@@ -510,6 +547,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     SF_PROBS = SB * SF_PROW
     SF_ALPHAS = HEADS * SF_CHUNKS
     SKIP_DEAD = config.skip_dead_keys
+    chunk_softmax = make_chunk_softmax(RC, KT_LEVELS, KG)
 
     @cuda.jit(device=True, inline="always")
     def one_segment(seg, seg_end, split):
@@ -530,17 +568,8 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         if tid < HEADS:
             lse[uint64(row + tid)] = fill
 
-    @cuda.jit(device=True, inline="always")
-    def merged(acc, m, l):
-        """The merge's output element for one segment: the same operations (w = exp(m - m),
-        fma(x, w, 0)), so the same bits."""
-        w = math.exp(m - m)
-        return cuda.fma(acc, w, float32(0.0)) / cuda.fma(l, w, float32(0.0))
-
-    @cuda.jit(device=True, inline="always")
-    def merged_lse(m, l):
-        """The merge's lse for one segment (same operations, same bits)."""
-        return m + math.log(cuda.fma(l, math.exp(m - m), float32(0.0)))
+    merged = _merged
+    merged_lse = _merged_lse
 
     @cuda.jit(device=True, inline="always")
     def block_work(past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows, vis_words,
@@ -1166,18 +1195,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                         for j in range(RC):
                             p_key[j] = probs[uint64((c0 + sm_tile + j * KEY_TILES) * SF_PROW + sm_head)]
                             c_max = max(c_max, p_key[j])
-                        for level in range(KT_LEVELS):
-                            c_max = max(c_max, cuda.shfl_xor_sync(FULL_MASK, c_max, KG << level))
-                        m_new = max(m_run, c_max)
-                        rescale = math.exp(m_run - m_new)   # exp(-inf) = 0 on the first chunk
-                        p_sum = float32(0.0)
-                        for j in range(RC):
-                            p_key[j] = math.exp(p_key[j] - m_new)
-                            p_sum += p_key[j]
-                        for level in range(KT_LEVELS):
-                            p_sum += cuda.shfl_xor_sync(FULL_MASK, p_sum, KG << level)
-                        l_run = l_run * rescale + p_sum
-                        m_run = m_new
+                        m_run, l_run, rescale = chunk_softmax(p_key, c_max, m_run, l_run)
                         cuda.syncwarp()  # every lane has read its scores before any overwrites them
                         if sm_writer:
                             if sm_tile == 0 and sm_kg == 0:
@@ -1247,6 +1265,242 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
 
 
 # ----------------------------------------------------------------------------------------------
+# One-node launches (an AR step): the same bits in two wide launches
+# ----------------------------------------------------------------------------------------------
+
+# One-node plans (Tc = 1: an AR step) whose keys all lie in segment 0 run the attention as two
+# launches with the same bits (get_decode_kernels; VerifyPlan.decode_split): the score-first
+# tile's blocks each read every key row for their heads (32 blocks of 2 heads over 193 keys in
+# small's AR step: 29.1 us a launch, run merges timed), where scores over key blocks and P·V over
+# dim slices spread the same reads over hundreds of blocks. False: the one-launch kernels.
+# H100 (run "row products", bench.verify_attention's inputs, graph replays, us a call, 64 heads):
+# 1 request over 160 cached rows 16.8 / 17.3 against 29.2 / 29.1, over 1000 rows 59.2 against
+# 133.1; 4 requests over 160 rows 35.9 against 29.3 (the one launch's 128 blocks already fill the
+# GPU): so at most DECODE_SPLIT_MAX_BATCH requests.
+DECODE_SPLIT = True
+DECODE_SPLIT_MAX_BATCH = 1
+DECODE_SCORE_THREADS = 256   # score kernel: (heads x keys) pairs x k-groups a block
+DECODE_SCORE_HEADS = 16      # heads of a score block (its keys: the threads left)
+DECODE_PV_DIMS = 64          # latent dims of a P·V block (a thread a dim)
+DECODE_PASS = 256            # keys of a P·V block's probabilities in shared memory at once
+
+
+def decode_geometry(config: TileConfig, num_heads: int) -> tuple[int, int, int, int, int]:
+    """(score heads, score keys, P·V heads, P·V dims, P·V threads) of the two decode launches: a
+    score block holds SH heads x SK keys x k_groups threads; a P·V block SPH heads (the softmax
+    lanes of every head in whole warps: 32 // lanes heads a warp) x SPD dims."""
+    lanes = config.k_groups * (config.chunk // config.qk_keys)
+    sh = math.gcd(num_heads, DECODE_SCORE_HEADS)
+    sk = max(1, DECODE_SCORE_THREADS // (sh * config.k_groups))
+    sph = math.gcd(num_heads, max(1, WARP // lanes))
+    spd = math.gcd(config.latent_dim, DECODE_PV_DIMS)
+    threads = max(-(-sph * lanes // WARP) * WARP, -(-spd // WARP) * WARP)
+    return sh, sk, sph, spd, threads
+
+
+@functools.cache
+def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
+    """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit.
+
+    The numerics (module docstring; :func:`get_kernels`): a score is lane kg's fma chain over the
+    dims ``d`` with ``(d mod (KG * VEC)) // VEC == kg`` in ascending order (latent dims, then rope),
+    from +0.0, the KG partials summed by the xor butterfly, then times ``scale``; chunks of CHUNK
+    keys go through the online softmax on LANES = KG * CHUNK / RC lanes a head (lane kg + KG *
+    tile reads keys tile + j * CHUNK / RC, j < RC, in j order; max and sum butterflies at xor
+    KG << level); ``acc = acc * alpha`` then one fma a key in key order; one segment's output
+    ``merged(acc, m, l)``, ``merged_lse(m, l)``. What differs is only who runs it:
+
+    - scores: grid (key blocks, head groups, requests); a thread pair (KG lanes) per (head, key),
+      q and k read straight from global memory (L1 / L2: one request's rows), the scaled score
+      stored to the workspace (flat ``[bs, H, S]``);
+    - values: grid (head groups, dim slices, requests); the block's first warps rerun the softmax
+      of its heads from the stored scores (the same lanes and butterflies), a pass of DECODE_PASS
+      keys' probabilities and rescales at a time in shared memory, then each thread one latent dim
+      of every head of the block: a chunk's value loads in flight together, then its fmas.
+
+    Guards as :func:`get_kernels`': a padding node (tree_sizes[b] = 0) gets zeros, a bad request
+    NaN (written by the values kernel)."""
+    config.validate()
+    DL = config.latent_dim
+    DR = config.rope_dim
+    DK = DL + DR
+    CHUNK = config.chunk
+    KG = config.k_groups
+    RC = config.qk_keys
+    VEC = math.gcd(config.k_slice // KG, 4)
+    GROUP = KG * VEC                    # dims between a lane's runs of VEC
+    KEY_TILES = CHUNK // RC
+    LANES = KG * KEY_TILES
+    KT_LEVELS = KEY_TILES.bit_length() - 1
+    BUTTERFLY = KG.bit_length() - 1
+    MAX_PATH = config.max_path
+    SH, SK, SPH, SPD, PV_THREADS = decode_geometry(config, num_heads)
+    S_THREADS = SH * SK * KG
+    PASS = max(CHUNK, DECODE_PASS // CHUNK * CHUNK)
+    PASS_CHUNKS = PASS // CHUNK
+    SOFTMAX_THREADS = SPH * LANES
+    F4 = VEC == 4                       # 16-byte q / k loads (run() checks the alignment)
+    BATCH = 8                           # a lane's dim runs loaded before their fmas
+    RUN_REGS = BATCH * VEC              # (array sizes: compile-time names, not expressions)
+    PROBS_N = PASS * SPH
+    ALPHAS_N = PASS_CHUNKS * SPH
+    FIN_N = 2 * SPH
+    chunk_softmax = make_chunk_softmax(RC, KT_LEVELS, KG)
+
+    @cuda.jit(device=True, inline="always")
+    def node_keys(past_lens, tree_sizes, visibility, kv_rows, vis_words, b):
+        """(past, size, n_keys): the node's key count past + its path (0: a padding node or a
+        request the guards reject, as block_work)."""
+        past = past_lens[b]
+        size = tree_sizes[b]
+        n_keys = 0
+        if size > 0 and _request_ok(past, size, kv_rows, 1):
+            path_len = _path_length(visibility, b * vis_words, vis_words, size)
+            if path_len <= MAX_PATH:
+                n_keys = past + path_len
+        return past, size, n_keys
+
+    @cuda.jit(device=True, inline="always")
+    def load_run(latent, rope, row, d, regs, at):
+        """regs[at : at + VEC] = dims d .. d + VEC - 1 of flat row ``row`` (latent, else rope)."""
+        if F4:
+            if d < DL:
+                v0, v1, v2, v3 = load_f32x4(latent, uint64(row * DL + d))
+            else:
+                v0, v1, v2, v3 = load_f32x4(rope, uint64(row * DR + d - DL))
+            regs[at] = v0
+            regs[at + 1] = v1
+            regs[at + 2] = v2
+            regs[at + 3] = v3
+        else:
+            for e in range(VEC):
+                if d + e < DL:
+                    regs[at + e] = latent[uint64(row * DL + d + e)]
+                else:
+                    regs[at + e] = rope[uint64(row * DR + d + e - DL)]
+
+    @cuda.jit(**launch_bounds(S_THREADS))
+    def decode_scores(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility,
+                      num_heads, kv_rows, vis_words, scale, scores):
+        """scores[(b * H + h) * S + key] = the (head, key) score of request b's node, keys below
+        its count (blocks past it return at once; a block's dead pairs join the butterfly only)."""
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+        b = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        kg = tid % KG
+        pair = tid // KG
+        key = cuda.blockIdx.x * SK + pair // SH
+        h = cuda.blockIdx.y * SH + pair % SH
+        past, size, n_keys = node_keys(past_lens, tree_sizes, visibility, kv_rows, vis_words, b)
+        if cuda.blockIdx.x * SK >= n_keys:          # block-uniform: no key of this block
+            return
+        live = key < n_keys                         # (dead pairs stay for the warp's butterfly)
+        q_row = b * num_heads + h                   # flat row of (b, node 0, h)
+        k_row = b * kv_rows + min(key, n_keys - 1)  # keys 0 .. past - 1, then the node's own row
+        q_regs = cuda.local.array(RUN_REGS, float32)
+        k_regs = cuda.local.array(RUN_REGS, float32)
+        s = float32(0.0)
+        for d0 in range(0, DK, BATCH * GROUP):      # BATCH runs in flight, then their fmas
+            for r in range(BATCH):
+                d = d0 + r * GROUP + kg * VEC
+                if live and d < DK:
+                    load_run(q_latent, q_rope, q_row, d, q_regs, r * VEC)
+                    load_run(kv_latent, k_rope, k_row, d, k_regs, r * VEC)
+            for r in range(BATCH):
+                if live and d0 + r * GROUP + kg * VEC < DK:
+                    for e in range(VEC):
+                        s = cuda.fma(q_regs[r * VEC + e], k_regs[r * VEC + e], s)
+        for level in range(BUTTERFLY):              # as sum_k_groups
+            s += cuda.shfl_xor_sync(FULL_MASK, s, KG >> (level + 1))
+        if live and kg == 0:
+            scores[uint64((b * num_heads + h) * kv_rows + key)] = s * scale
+
+    @cuda.jit(**launch_bounds(PV_THREADS))
+    def decode_values(kv_latent, past_lens, tree_sizes, visibility, num_heads, kv_rows, vis_words,
+                      scores, out, lse):
+        """out[b, 0, h, d] and lse[b, 0, h] of the block's SPH heads and SPD dims."""
+        probs = cuda.shared.array(PROBS_N, float32)       # [PASS, SPH] probabilities
+        alpha = cuda.shared.array(ALPHAS_N, float32)      # [SPH, PASS_CHUNKS] rescales
+        fin = cuda.shared.array(FIN_N, float32)           # [2, SPH] final m, then l
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+        b = cuda.blockIdx.z
+        h0 = cuda.blockIdx.x * SPH
+        dim = cuda.blockIdx.y * SPD + cuda.threadIdx.x             # this thread's latent dim
+        tid = cuda.threadIdx.x
+        past, size, n_keys = node_keys(past_lens, tree_sizes, visibility, kv_rows, vis_words, b)
+        out_row = b * num_heads + h0                               # flat row of (b, node 0, h0)
+        if n_keys == 0:   # block-uniform: the fill (zeros for a padding node, NaN for a bad one)
+            fill = float32(0.0) if size == 0 else float32(math.nan)
+            if tid < SPD:
+                for h in range(SPH):
+                    out[uint64((out_row + h) * DL + dim)] = fill
+            if cuda.blockIdx.y == 0 and tid < SPH:
+                lse[uint64(out_row + tid)] = fill
+            return
+        sm_head = min(tid // LANES, SPH - 1)
+        sm_writer = tid < SOFTMAX_THREADS
+        sm_kg = tid % KG
+        sm_tile = (tid // KG) % KEY_TILES
+        s_base = (b * num_heads + h0 + sm_head) * kv_rows          # this lane's head's scores
+        p_key = cuda.local.array(RC, float32)
+        acc = cuda.local.array(SPH, float32)
+        v_val = cuda.local.array(CHUNK, float32)
+        for h in range(SPH):
+            acc[h] = float32(0.0)
+        m_run = float32(NEG_INF)
+        l_run = float32(0.0)
+        kv_base = b * kv_rows
+        for pass_start in range(0, n_keys, PASS):
+            cuda.syncthreads()  # the previous pass's readers of probs[] and alpha[] are done
+            if tid < WARP * (-(-SOFTMAX_THREADS // WARP)):   # whole warps: the butterflies
+                for ci in range(PASS_CHUNKS):
+                    c0 = pass_start + ci * CHUNK
+                    if c0 < n_keys:
+                        c_max = float32(NEG_INF)
+                        for j in range(RC):
+                            key = c0 + sm_tile + j * KEY_TILES
+                            score = float32(NEG_INF)
+                            if key < n_keys:
+                                score = scores[uint64(s_base + key)]
+                            p_key[j] = score
+                            c_max = max(c_max, score)
+                        m_run, l_run, rescale = chunk_softmax(p_key, c_max, m_run, l_run)
+                        if sm_writer:
+                            if sm_tile == 0 and sm_kg == 0:
+                                alpha[uint64(sm_head * PASS_CHUNKS + ci)] = rescale
+                            for j in range(RC):
+                                if j % KG == sm_kg:
+                                    probs[uint64((ci * CHUNK + sm_tile + j * KEY_TILES) * SPH + sm_head)] = p_key[j]
+            cuda.syncthreads()  # the pass's probabilities and rescales are in shared memory
+            if tid < SPD:
+                for ci in range(PASS_CHUNKS):
+                    c0 = pass_start + ci * CHUNK
+                    if c0 < n_keys:
+                        for c in range(CHUNK):   # the chunk's values in flight together
+                            key = c0 + c
+                            value = float32(0.0)   # zeros past the keys: 0 * NaN would poison acc
+                            if key < n_keys:
+                                value = kv_latent[uint64((kv_base + key) * DL + dim)]
+                            v_val[c] = value
+                        for h in range(SPH):
+                            acc[h] = acc[h] * alpha[uint64(h * PASS_CHUNKS + ci)]
+                        for c in range(CHUNK):
+                            for h in range(SPH):
+                                acc[h] = cuda.fma(probs[uint64((ci * CHUNK + c) * SPH + h)], v_val[c], acc[h])
+        if sm_writer and sm_tile == 0 and sm_kg == 0:
+            fin[sm_head] = m_run
+            fin[SPH + sm_head] = l_run
+        cuda.syncthreads()  # every head's final (m, l) visible to the P·V threads
+        if tid < SPD:
+            for h in range(SPH):
+                out[uint64((out_row + h) * DL + dim)] = _merged(acc[h], fin[h], fin[SPH + h])
+        if cuda.blockIdx.y == 0 and tid < SPH:
+            lse[uint64(out_row + tid)] = _merged_lse(fin[tid], fin[SPH + tid])
+
+    return decode_scores, decode_values
+
+
+# ----------------------------------------------------------------------------------------------
 # Host side: plan once per batch shape, run per step
 # ----------------------------------------------------------------------------------------------
 
@@ -1270,10 +1524,22 @@ class VerifyPlan:
     num_splits: int
 
     @property
+    def decode_split(self) -> bool:
+        """:func:`run` launches the one-node kernels (:func:`get_decode_kernels`, DECODE_SPLIT):
+        one node a request (an AR step), at most DECODE_SPLIT_MAX_BATCH requests, and every key in
+        segment 0 (:attr:`merge_free`)."""
+        return (DECODE_SPLIT and self.tree_capacity == 1 and self.batch_size <= DECODE_SPLIT_MAX_BATCH
+                and self.merge_free)
+
+    @property
     def workspace_shape(self) -> tuple[int, int, int, int, int]:
-        """``[num_splits, bs, Tc, H, Dl + 2]`` float32: segment acc, then m and l."""
-        return (self.num_splits, self.batch_size, self.tree_capacity, self.num_heads,
-                self.config.latent_dim + 2)
+        """``[num_splits, bs, Tc, H, Dl + 2]`` float32: segment acc, then m and l; with
+        :attr:`decode_split` at least ``ceil(S / (Dl + 2))`` along the first axis, the room of the
+        scores (flat ``[bs, H, S]``)."""
+        first = self.num_splits
+        if self.decode_split:
+            first = max(first, -(-self.kv_capacity // (self.config.latent_dim + 2)))
+        return (first, self.batch_size, self.tree_capacity, self.num_heads, self.config.latent_dim + 2)
 
     @property
     def attention_grid(self) -> tuple[int, int, int]:
@@ -1437,10 +1703,20 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
     _check_host_finite(dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope),
                        past_lens, tree_sizes)
 
-    attention, merge = get_kernels(cfg)
     flat = [_flat(a) for a in (q_latent, q_rope, kv_latent, k_rope, visibility, workspace, out,
                                lse)]
     q_lat, q_rp, kv_lat, k_rp, vis, ws, out_flat, lse_flat = flat
+    if p.decode_split and (math.gcd(cfg.k_slice // cfg.k_groups, 4) != 4 or all(
+            data_address(a) % 16 == 0 for a in (q_latent, q_rope, kv_latent, k_rope))):
+        scores, values = get_decode_kernels(cfg, h)
+        sh, sk, sph, spd, pv_threads = decode_geometry(cfg, h)
+        words = np.int32(-(-tc // 32))
+        launch(scores, (-(-s // sk), h // sh, bs), sh * sk * cfg.k_groups, stream, 0, q_lat, q_rp, kv_lat,
+               k_rp, past_lens, tree_sizes, vis, np.int32(h), np.int32(s), words, scale, ws)
+        launch(values, (h // sph, cfg.latent_dim // spd, bs), pv_threads, stream, 0, kv_lat, past_lens,
+               tree_sizes, vis, np.int32(h), np.int32(s), words, ws, out_flat, lse_flat)
+        return
+    attention, merge = get_kernels(cfg)
     dims = (np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)))
     launch(attention, p.attention_grid, cfg.threads, stream, 0, q_lat, q_rp, kv_lat, k_rp,
            past_lens, tree_sizes, vis, *dims, scale, np.int32(p.split_size), ws, out_flat, lse_flat)
@@ -1523,6 +1799,18 @@ for _name, _config, _what in (
          "score-first 8-head tiles skipping dead key tiles (small trees, TileConfig.skip_dead_keys)")):
     register(_name, get_kernels(_config)[0], [_ATTENTION_SIG], f"tree-verify MLA attention, {_what}",
              block_threads=_config.threads)
+_DECODE_SCORES_SIG = (float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], int32[::1],
+                      uint32[::1], int32, int32, int32, float32, float32[::1])
+_DECODE_VALUES_SIG = (float32[::1], int32[::1], int32[::1], uint32[::1], int32, int32, int32, float32[::1],
+                      float32[::1], float32[::1])
+_decode = get_decode_kernels(KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG, 64)
+_decode_geometry = decode_geometry(KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG, 64)
+register("verify_attention_decode_scores", _decode[0], [_DECODE_SCORES_SIG],
+         "one-node MLA attention (an AR step), its scores over key blocks (Kimi K2 heads and dims)",
+         block_threads=_decode_geometry[0] * _decode_geometry[1] * KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG.k_groups)
+register("verify_attention_decode_values", _decode[1], [_DECODE_VALUES_SIG],
+         "one-node MLA attention (an AR step), softmax and P·V over dim slices (Kimi K2 heads and dims)",
+         block_threads=_decode_geometry[4])
 register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
          "tree-verify MLA attention, ordered merge of segment partials (Kimi K2)",
          block_threads=KIMI_K2_CONFIG.merge_threads)
