@@ -74,13 +74,14 @@ def test_decode_launches_match_the_one_launch(config, past):
 
 @pytest.mark.parametrize("config", [TINY, TWO_GROUPS], ids=["tiny", "two-groups"])
 def test_decode_launches_ties_batch_padding_and_bad_requests(config):
-    """Tie-heavy scores (equal maxima, exact sums) over four requests of different lengths, one
-    padding slot (size 0: zeros) and one whose rows pass the cache (past + 1 > S: NaN), as the one launch."""
+    """Tie-heavy scores (equal maxima, exact sums) over five requests of different lengths, padding
+    slots (size 0, and a negative device size: zeros) and one whose rows pass the cache (past + 1 >
+    S: NaN), as the one launch."""
     s = 300   # past DECODE_PASS: the P·V blocks' second pass of probabilities
-    pasts, sizes = [299, 5, 40, s], [1, 1, 0, 1]
+    pasts, sizes = [299, 5, 40, s, 7], [1, 1, 0, 1, -1]
     (out2, lse2), (out1, lse1) = _both(config, 4, pasts, sizes, s, ties=True)
     assert _same(out2, out1) and _same(lse2, lse1)
-    assert (out2[2] == 0).all() and (lse2[2] == 0).all()
+    assert (out2[[2, 4]] == 0).all() and (lse2[[2, 4]] == 0).all()   # size 0 and a negative size: zeros
     assert np.isnan(out2[3]).all() and np.isnan(lse2[3]).all()
     assert np.isfinite(out2[[0, 1]]).all()
 

@@ -109,6 +109,10 @@ def test_gemv_rejects_bad_input_before_launch():
     with pytest.raises(ValueError, match="layout"):  # 4 segments, 2 warps a block
         gv.gemv(_dev(np.ones((1, 8192), np.float32)), _dev(np.ones((4, 8192), np.float32)),
                 cuda.to_device(np.zeros((1, 4), np.float32)), layout=gv.GemvLayout(2, 4, 2, 4))
+    norm = cuda.to_device(np.ones(260, np.float32))[4:]    # off 16 bytes (simulator: no addresses)
+    if not cuda.config.ENABLE_CUDASIM:
+        with pytest.raises(ValueError, match="norm_weight"):
+            gv.gemv(_dev(np.ones((1, 256), np.float32)), w, out, norm_weight=norm)
     with pytest.raises(TypeError):                   # float64 input (check_linear_args)
         gv.gemv(_dev(np.ones((1, 256))), w, out)
     assert np.isnan(out.copy_to_host()).all()        # nothing written

@@ -12,7 +12,9 @@ tiles for an AR step, 8-head tiles for a 33-node tree; every TILE but ``auto-nos
 without the skip of the score FMAs of key tiles past a pass's last key), ``auto-pf`` (the same tiles with the L2 prefetch
 of the next chunk's key rows, ``engine.model.ATTENTION_PREFETCH_L2``), ``auto-pfs`` (the whole
 segment's key rows prefetched at the start, ``ATTENTION_PREFETCH_CHUNKS``), ``auto-merge`` (the
-segment merge launched where the plan needs none, ``verify_attention.MERGE_FREE_SHORT_CACHES`` off),
+segment merge launched where the plan needs none, ``verify_attention.MERGE_FREE_SHORT_CACHES`` off;
+an AR step's attention then takes the one launch too, as ``auto-onelaunch``: the two-launch path
+needs a merge-free plan),
 ``auto-unfused`` (that, with the query RoPE and the kv write in two launches and the MoE RMSNorm
 in its own, ``engine.model.FUSED_ROPE_KV_WRITE`` and ``FUSED_MOE_NORM`` off: the launches before the
 three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on),

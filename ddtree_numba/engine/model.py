@@ -636,7 +636,7 @@ class TargetModel:
         product (an AR step at batch 1) through ``gemv`` where it has a layout (ROW_PRODUCTS;
         the same bits as ``linear``)."""
         if self._tc is None:
-            if ROW_PRODUCTS and x.shape[0] == 1 and gemv_supported(1, w.shape[1], w, x) and \
+            if ROW_PRODUCTS and x.shape[0] == 1 and gemv_supported(1, w.shape[1], w, x, prologue.get("norm_weight")) and \
                     plan_gemv("swiglu" if prologue.get("swiglu") else "rmsnorm" if prologue.get("norm_weight")
                               is not None else "none", *w.shape) is not None:
                 gemv(x, w, out, stream=stream, **prologue)

@@ -77,9 +77,11 @@ LAYOUTS = {"narrow": GemvLayout(columns=2, unroll=4, warps=4, min_blocks=4),
 MAX_WEIGHT_BYTES = 80 * 1024 * 1024
 
 
-def supported(rows: int, k_dim: int, w: Any, x: Any) -> bool:
-    """Whether :func:`gemv` runs this product: one row, whole 128-value steps, 16-byte rows."""
-    return rows == 1 and k_dim % STEP == 0 and data_address(w) % 16 == 0 and _rows_aligned(x)
+def supported(rows: int, k_dim: int, w: Any, x: Any, norm_weight: Any = None) -> bool:
+    """Whether :func:`gemv` runs this product: one row, whole 128-value steps, 16-byte rows (x,
+    w and the RMSNorm weight: all read with 16-byte loads)."""
+    return rows == 1 and k_dim % STEP == 0 and data_address(w) % 16 == 0 and _rows_aligned(x) and \
+        (norm_weight is None or data_address(norm_weight) % 16 == 0)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -201,9 +203,10 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
 def _register_all() -> None:
     """The specialisations the engine launches (compile check): q_a / kv_a and q_b (RMSNorm), wo
     (residual), the dense down projection (SwiGLU + residual), and the unfolded shared expert's
-    gate | up (none)."""
+    gate | up (none) and down projection (SwiGLU)."""
     a2, c2 = float32[:, :], float32[:, ::1]
-    for prologue, residual in (("rmsnorm", False), ("none", True), ("swiglu", True), ("none", False)):
+    for prologue, residual in (("rmsnorm", False), ("none", True), ("swiglu", True), ("none", False),
+                               ("swiglu", False)):
         name = "swiglu" if prologue == "swiglu" else "narrow"
         layout = LAYOUTS[name]
         sig = (a2, c2, a2, a2, _norm_sig(prologue), float32, int32, int32, int32, int32)
@@ -242,9 +245,9 @@ def gemv(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6
     x, w, out, residual, prologue, norm, eps32 = check_linear_args(x, w, out, norm_weight, eps, swiglu,
                                                                    residual)
     n_cols, k_dim = w.shape
-    if not supported(x.shape[0], k_dim, w, x):
-        raise ValueError(f"x: gemv needs one 16-byte aligned row, 16-byte aligned weight rows and K % {STEP} "
-                         f"== 0, got x {tuple(x.shape)}, K {k_dim}")
+    if not supported(x.shape[0], k_dim, w, x, norm):
+        raise ValueError(f"x, w, norm_weight: gemv needs one 16-byte aligned row of x, 16-byte aligned rows of "
+                         f"w and norm_weight, and K % {STEP} == 0, got x {tuple(x.shape)}, K {k_dim}")
     if layout is None:
         layout = plan_gemv(prologue, n_cols, k_dim) or LAYOUTS["narrow"]
     if not isinstance(layout, GemvLayout):

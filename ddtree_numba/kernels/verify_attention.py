@@ -405,8 +405,9 @@ def _path_length(visibility, row_base, words, size):
 
 @functools.cache
 def make_chunk_softmax(rc: int, kt_levels: int, k_groups: int) -> Any:
-    """The online softmax's step for one chunk on a head's lanes (both attention layouts and the
-    one-node launches: one function, so one order): ``p_key`` [rc] holds the lane's scores and
+    """The online softmax's step for one chunk on a head's lanes (the score-first kernel and the
+    one-node launches: one function, so one order; the chunk layout's ``attention`` runs the same
+    operations inline on its 2-D score registers): ``p_key`` [rc] holds the lane's scores and
     ``c_max`` their max; the chunk max and sum are xor butterflies over the key tiles (offsets
     k_groups << level, level < kt_levels). Overwrites p_key with exp(score - m_new); returns
     (m_new, l_run * rescale + chunk sum, rescale)."""
@@ -1363,11 +1364,14 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     @cuda.jit(device=True, inline="always")
     def load_run(latent, rope, row, d, regs, at):
         """regs[at : at + VEC] = dims d .. d + VEC - 1 of flat row ``row`` (latent, else rope)."""
-        if F4:
-            if d < DL:
-                v0, v1, v2, v3 = load_f32x4(latent, uint64(row * DL + d))
+        if F4:   # both addresses inside their arrays whichever branch runs (load_row_f32x4)
+            in_latent = d < DL
+            lat_at = row * DL + d if in_latent else 0
+            rope_at = 0 if in_latent else row * DR + d - DL
+            if in_latent:
+                v0, v1, v2, v3 = load_f32x4(latent, uint64(lat_at))
             else:
-                v0, v1, v2, v3 = load_f32x4(rope, uint64(row * DR + d - DL))
+                v0, v1, v2, v3 = load_f32x4(rope, uint64(rope_at))
             regs[at] = v0
             regs[at + 1] = v1
             regs[at + 2] = v2
@@ -1430,7 +1434,7 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
         past, size, n_keys = node_keys(past_lens, tree_sizes, visibility, kv_rows, vis_words, b)
         out_row = b * num_heads + h0                               # flat row of (b, node 0, h0)
         if n_keys == 0:   # block-uniform: the fill (zeros for a padding node, NaN for a bad one)
-            fill = float32(0.0) if size == 0 else float32(math.nan)
+            fill = float32(0.0) if size <= 0 else float32(math.nan)   # as write_fill: node 0 >= size
             if tid < SPD:
                 for h in range(SPH):
                     out[uint64((out_row + h) * DL + dim)] = fill
