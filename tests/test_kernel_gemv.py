@@ -95,6 +95,11 @@ def test_plan_gemv_rule():
     assert gv.plan_gemv("none", 16, 100) is None                           # K not whole steps
     for layout in gv.LAYOUTS.values():
         assert lin.k_split(8192) <= layout.warps and layout.columns * layout.unroll <= 16
+    w = _dev(np.ones((8, 256), np.float32))
+    assert gv.takes(_dev(np.ones((1, 256), np.float32)), w)
+    assert gv.takes(_dev(np.ones((1, 512), np.float32)), w, swiglu=True)
+    assert not gv.takes(_dev(np.ones((2, 256), np.float32)), w)                       # two rows
+    assert not gv.takes(_dev(np.ones((1, 100), np.float32)), _dev(np.ones((8, 100), np.float32)))
 
 
 def test_gemv_rejects_bad_input_before_launch():

@@ -50,7 +50,7 @@ from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWei
 from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels.absorb import absorb, supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
-from ddtree_numba.kernels.gemv import gemv, plan_gemv, supported as gemv_supported
+from ddtree_numba.kernels.gemv import gemv, takes as gemv_takes
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
@@ -636,9 +636,8 @@ class TargetModel:
         product (an AR step at batch 1) through ``gemv`` where it has a layout (ROW_PRODUCTS;
         the same bits as ``linear``)."""
         if self._tc is None:
-            if ROW_PRODUCTS and x.shape[0] == 1 and gemv_supported(1, w.shape[1], w, x, prologue.get("norm_weight")) and \
-                    plan_gemv("swiglu" if prologue.get("swiglu") else "rmsnorm" if prologue.get("norm_weight")
-                              is not None else "none", *w.shape) is not None:
+            if ROW_PRODUCTS and gemv_takes(x, w, norm_weight=prologue.get("norm_weight"),
+                                           swiglu=bool(prologue.get("swiglu"))):
                 gemv(x, w, out, stream=stream, **prologue)
             else:
                 linear(x, w, out, stream=stream, **prologue)

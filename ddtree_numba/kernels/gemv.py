@@ -50,7 +50,7 @@ from .pdl import pdl_begin
 from .registry import register
 from .warp import warp_sum_f32
 
-__all__ = ["GemvLayout", "LAYOUTS", "MAX_WEIGHT_BYTES", "supported", "plan_gemv", "gemv", "get_gemv_kernel"]
+__all__ = ["GemvLayout", "LAYOUTS", "MAX_WEIGHT_BYTES", "supported", "takes", "plan_gemv", "gemv", "get_gemv_kernel"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,13 @@ def supported(rows: int, k_dim: int, w: Any, x: Any, norm_weight: Any = None) ->
     w and the RMSNorm weight: all read with 16-byte loads)."""
     return rows == 1 and k_dim % STEP == 0 and data_address(w) % 16 == 0 and _rows_aligned(x) and \
         (norm_weight is None or data_address(norm_weight) % 16 == 0)
+
+
+def takes(x: Any, w: Any, *, norm_weight: Any = None, swiglu: bool = False) -> bool:
+    """Whether a product with ``linear``'s arguments runs here: :func:`supported` and a layout from
+    :func:`plan_gemv` (the engine's rule for its 1-row products)."""
+    prologue = "swiglu" if swiglu else "rmsnorm" if norm_weight is not None else "none"
+    return supported(x.shape[0], w.shape[1], w, x, norm_weight) and plan_gemv(prologue, *w.shape) is not None
 
 
 @functools.lru_cache(maxsize=1024)

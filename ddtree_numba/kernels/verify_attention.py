@@ -404,6 +404,52 @@ def _path_length(visibility, row_base, words, size):
 
 
 @functools.cache
+def make_load_row_f32x4(dl: int, dr: int) -> Any:
+    """``load_row_f32x4`` for rows of ``dl`` latent and ``dr`` rope dims (device function; the
+    attention kernels' and the one-node scores' 16-byte row loads)."""
+    DL = dl
+    DR = dr
+
+    @cuda.jit(device=True, inline="always")
+    def load_row_f32x4(latent, rope, row, col, in_latent, live, regs, base):
+        """regs[base : base + 4] = dims col .. col + 3 of flat row ``row``: latent dims where
+        ``in_latent`` (``col < DL``; 4 | Dl, so a float4 never straddles latent and rope), else
+        rope; zeros unless ``live``. The caller passes the test: P·V's value dims are latent by
+        construction, and a constant True leaves the rope path out of its unrolled loop.
+
+        Both addresses are clamped to element 0 where their branch is not taken, so each is
+        inside its array whatever runs: the 16-byte load is inline assembly without side
+        effects, which LLVM may execute whatever branch guards it, and before 2026-12-02 a rope
+        load ran for latent dims at a negative offset (compute-sanitizer on the H200: 16-byte
+        reads 1.5 KB before a separately allocated ``q_rope``, an illegal address in
+        ``bench.verify_attention`` at 33 nodes and 160 cached rows). The branches stay (a dead
+        key loads nothing): one load under a select of the array and index instead took the
+        33-node launch from 60.7 to 90.2 us and the AR step's from 32.1 to 59.0 (Nsight Compute,
+        PERFORMANCE.md run "in-bounds loads"); the clamps cost 1.9 us each."""
+        v0 = float32(0.0)
+        v1 = float32(0.0)
+        v2 = float32(0.0)
+        v3 = float32(0.0)
+        lat_at = row * DL + col
+        rope_at = row * DR + col - DL
+        if not (live and in_latent):
+            lat_at = 0
+        if not live or in_latent:
+            rope_at = 0
+        if live:
+            if in_latent:
+                v0, v1, v2, v3 = load_f32x4(latent, uint64(lat_at))
+            else:
+                v0, v1, v2, v3 = load_f32x4(rope, uint64(rope_at))
+        regs[base] = v0
+        regs[base + 1] = v1
+        regs[base + 2] = v2
+        regs[base + 3] = v3
+
+    return load_row_f32x4
+
+
+@functools.cache
 def make_chunk_softmax(rc: int, kt_levels: int, k_groups: int) -> Any:
     """The online softmax's step for one chunk on a head's lanes (the score-first kernel and the
     one-node launches: one function, so one order; the chunk layout's ``attention`` runs the same
@@ -614,41 +660,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             return pos
         return past + path[uint64(pos - past)]
 
-    @cuda.jit(device=True, inline="always")
-    def load_row_f32x4(latent, rope, row, col, in_latent, live, regs, base):
-        """regs[base : base + 4] = dims col .. col + 3 of flat row ``row``: latent dims where
-        ``in_latent`` (``col < DL``; 4 | Dl, so a float4 never straddles latent and rope), else
-        rope; zeros unless ``live``. The caller passes the test: P·V's value dims are latent by
-        construction, and a constant True leaves the rope path out of its unrolled loop.
-
-        Both addresses are clamped to element 0 where their branch is not taken, so each is
-        inside its array whatever runs: the 16-byte load is inline assembly without side
-        effects, which LLVM may execute whatever branch guards it, and before 2026-12-02 a rope
-        load ran for latent dims at a negative offset (compute-sanitizer on the H200: 16-byte
-        reads 1.5 KB before a separately allocated ``q_rope``, an illegal address in
-        ``bench.verify_attention`` at 33 nodes and 160 cached rows). The branches stay (a dead
-        key loads nothing): one load under a select of the array and index instead took the
-        33-node launch from 60.7 to 90.2 us and the AR step's from 32.1 to 59.0 (Nsight Compute,
-        PERFORMANCE.md run "in-bounds loads"); the clamps cost 1.9 us each."""
-        v0 = float32(0.0)
-        v1 = float32(0.0)
-        v2 = float32(0.0)
-        v3 = float32(0.0)
-        lat_at = row * DL + col
-        rope_at = row * DR + col - DL
-        if not (live and in_latent):
-            lat_at = 0
-        if not live or in_latent:
-            rope_at = 0
-        if live:
-            if in_latent:
-                v0, v1, v2, v3 = load_f32x4(latent, uint64(lat_at))
-            else:
-                v0, v1, v2, v3 = load_f32x4(rope, uint64(rope_at))
-        regs[base] = v0
-        regs[base + 1] = v1
-        regs[base + 2] = v2
-        regs[base + 3] = v3
+    load_row_f32x4 = make_load_row_f32x4(DL, DR)
 
     def slice_io(n_keys, k_buf, lane_floats):
         """(load, store, lane, query registers, key registers) of ``[HEADS, KS]`` query and
@@ -1347,6 +1359,7 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     ALPHAS_N = PASS_CHUNKS * SPH
     FIN_N = 2 * SPH
     chunk_softmax = make_chunk_softmax(RC, KT_LEVELS, KG)
+    load_row_f32x4 = make_load_row_f32x4(DL, DR)
 
     @cuda.jit(device=True, inline="always")
     def node_keys(past_lens, tree_sizes, visibility, kv_rows, vis_words, b):
@@ -1364,18 +1377,8 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     @cuda.jit(device=True, inline="always")
     def load_run(latent, rope, row, d, regs, at):
         """regs[at : at + VEC] = dims d .. d + VEC - 1 of flat row ``row`` (latent, else rope)."""
-        if F4:   # both addresses inside their arrays whichever branch runs (load_row_f32x4)
-            in_latent = d < DL
-            lat_at = row * DL + d if in_latent else 0
-            rope_at = 0 if in_latent else row * DR + d - DL
-            if in_latent:
-                v0, v1, v2, v3 = load_f32x4(latent, uint64(lat_at))
-            else:
-                v0, v1, v2, v3 = load_f32x4(rope, uint64(rope_at))
-            regs[at] = v0
-            regs[at + 1] = v1
-            regs[at + 2] = v2
-            regs[at + 3] = v3
+        if F4:
+            load_row_f32x4(latent, rope, row, d, d < DL, True, regs, at)
         else:
             for e in range(VEC):
                 if d + e < DL:
