@@ -117,7 +117,7 @@ def test_pdl_variants_parse():
 
 
 def test_pdl_release_choices(capsys):
-    """--pdl-release takes start or exit only (kernels.pdl.RELEASE_AT_START, set before any compile)."""
+    """--pdl-release takes kernels.pdl.RELEASE_MODES only (set before any compile)."""
     with pytest.raises(SystemExit) as exc:
         forward_ab.main(["--pdl-release", "never"])
     assert exc.value.code == 2 and "--pdl-release" in capsys.readouterr().err

@@ -19,7 +19,7 @@ import pytest
 from numba import cuda, float32
 
 from ddtree_numba.kernels import pdl
-from ddtree_numba.kernels.pdl import pdl_begin, pdl_release, pdl_wait
+from ddtree_numba.kernels.pdl import pdl_begin, pdl_begin_early, pdl_release, pdl_wait
 from ddtree_numba.kernels.registry import all_kernels
 from sim import launch as launch_mod
 from sim.launch import programmatic_launches, programmatic_launches_active, takes_programmatic_launch
@@ -83,21 +83,30 @@ def _is_kernel(node: ast.FunctionDef) -> bool:
 def test_entry_points_are_pdl_device_functions():
     """sim.launch finds waiting kernels by the names kernels.pdl exports: each is one of its
     device functions, and the release alone is not among them."""
-    assert set(pdl.ENTRY_POINTS) == {"pdl_begin", "pdl_wait"}
+    assert set(pdl.ENTRY_POINTS) == {"pdl_begin", "pdl_begin_early", "pdl_wait"}
     assert all(hasattr(pdl, name) for name in pdl.ENTRY_POINTS)
+
+
+BEGINS = ("pdl_begin()", "pdl_begin_early()")
 
 
 def test_every_engine_kernel_begins_with_pdl_begin():
     """The wait before any memory access: in the source of every module an engine step launches
-    from, each kernel (registered or not) has pdl_begin() as its first statement, shared-array
-    declarations aside."""
-    kernels = []
+    from, each kernel (registered or not) has pdl_begin() or pdl_begin_early() as its first
+    statement, shared-array declarations aside; the kernels of pdl.WEIGHTS_BEFORE_WAIT call it at
+    their top level (after their first weight loads: the PTX test checks what precedes it)."""
+    kernels, early = [], []
     for path in ENGINE_SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and _is_kernel(node):
                 kernels.append(f"{path.name}:{node.name}")
-                assert ast.unparse(_first_statement(node)) == "pdl_begin()", kernels[-1]
+                if kernels[-1] in pdl.WEIGHTS_BEFORE_WAIT:
+                    early.append(kernels[-1])
+                    assert "pdl_begin_early()" in [ast.unparse(st) for st in node.body], kernels[-1]
+                else:
+                    assert ast.unparse(_first_statement(node)) in BEGINS, kernels[-1]
     assert len(kernels) >= 47
+    assert sorted(early) == sorted(pdl.WEIGHTS_BEFORE_WAIT)   # every listed kernel exists
 
 
 def test_registered_kernels_take_programmatic_launches():
@@ -128,6 +137,19 @@ def test_numba_launch_builds_the_config_the_hooks_wrap():
     assert "LaunchConfig" in calls and "launch" in calls
 
 
+def test_set_release_mode(monkeypatch):
+    """The three policies set the two compile-time flags; anything else is a ValueError naming mode."""
+    monkeypatch.setattr(pdl, "RELEASE_AT_START", pdl.RELEASE_AT_START)
+    monkeypatch.setattr(pdl, "RELEASE_EARLY", pdl.RELEASE_EARLY)
+    expected = {"early": (False, True), "exit": (False, False), "start": (True, False)}
+    assert set(pdl.RELEASE_MODES) == set(expected)
+    for mode, flags in expected.items():
+        pdl.set_release_mode(mode)
+        assert (pdl.RELEASE_AT_START, pdl.RELEASE_EARLY) == flags
+    with pytest.raises(ValueError, match="mode"):
+        pdl.set_release_mode("never")
+
+
 def test_takes_programmatic_launch_by_name():
     def begins():
         pdl_begin()
@@ -135,11 +157,15 @@ def test_takes_programmatic_launch_by_name():
     def waits():
         pdl_wait()
 
+    def begins_early():
+        pdl_begin_early()
+
     def releases_only():
         pdl_release()
 
     assert takes_programmatic_launch(add_one_kernel) and takes_programmatic_launch(add_weight_kernel)
     assert takes_programmatic_launch(begins) and takes_programmatic_launch(waits)
+    assert takes_programmatic_launch(begins_early)
     assert not takes_programmatic_launch(releases_only)   # releasing early without a wait is not safe
     assert not takes_programmatic_launch(plain_kernel)
     assert not takes_programmatic_launch(object()) and not takes_programmatic_launch(len)
@@ -285,7 +311,8 @@ PTX_ORDER_SCRIPT = textwrap.dedent(
         before = [op for op in ops[:first]
                   if op.startswith(("ld.", "st.", "atom.", "red.", "cp.async", "prefetch", "cp.reduce"))
                   and not op.startswith(GLOBAL_SPACE_SAFE)]
-        out[name] = {"waits": len(waits), "before": before}
+        out[name] = {"waits": len(waits), "before": before,
+                     "releases": sum(op.startswith("griddepcontrol.launch_dependents") for op in ops)}
     json.dump(out, open(sys.argv[1], "w"))
     """
 )
@@ -294,14 +321,24 @@ PTX_ORDER_KERNELS = ("rms_norm_rows", "mla_rope_kv_write", "moe_route", "moe_com
                      "verify_attention_mla_score_first", "verify_attention_merge", "linear_none_mt1",
                      "linear_tc_rmsnorm_mt1", "segment_sum", "absorb_split_mt1_l4", "accept_walk",
                      "posterior_argmax", "compact_u32", "decode_commit", "draft_norm_rope", "gemv_rmsnorm",
+                     "verify_attention_decode_values",
                      "engine_prepare_rows", "oracle_logits")
+
+
+# Kernels whose weight loads (ld.global.nc) precede the wait (pdl.WEIGHTS_BEFORE_WAIT), and those
+# that release the next grid right after it (pdl_begin_early, pdl.RELEASE_EARLY on by default).
+PTX_WEIGHTS_FIRST = ("gemv_rmsnorm", "absorb_split_mt1_l4")
+PTX_RELEASE_EARLY = ("gemv_rmsnorm", "moe_combine", "embed_rows", "absorb_split_mt1_l4", "mla_rope_kv_write",
+                     "verify_attention_decode_values")
 
 
 @needs_compiler
 def test_no_global_memory_access_before_the_wait_in_ptx(tmp_path):
     """In the sm_90 PTX of a kernel of each engine module, griddepcontrol.wait comes before every
     global or generic load, store, atomic, cp.async and prefetch (parameter, shared and local
-    accesses may precede it): NVVM kept the source order, the nc loads included."""
+    accesses may precede it): NVVM kept the source order, the nc loads included. In gemv only the
+    weights' non-coherent loads precede it, and they do (its first round); the kernels that
+    precede a gemv in an AR step release the next grid (pdl_begin_early), the others do not."""
     path = tmp_path / "order.json"
     proc = subprocess.run([sys.executable, "-c", PTX_ORDER_SCRIPT, str(path), ",".join(PTX_ORDER_KERNELS)],
                           cwd=ROOT, env=no_sim_env(), capture_output=True, text=True, timeout=600)
@@ -309,7 +346,12 @@ def test_no_global_memory_access_before_the_wait_in_ptx(tmp_path):
     found = json.loads(path.read_text())
     assert sorted(found) == sorted(PTX_ORDER_KERNELS)
     for name, info in found.items():
-        assert info["waits"] >= 1 and info["before"] == [], (name, info)
+        assert info["waits"] >= 1, (name, info)
+        if name in PTX_WEIGHTS_FIRST:
+            assert info["before"] and set(info["before"]) == {"ld.global.nc.v4.f32"}, (name, info)
+        else:
+            assert info["before"] == [], (name, info)
+        assert (info["releases"] >= 1) is (name in PTX_RELEASE_EARLY), (name, info)
 
 
 RELEASE_SCRIPT = textwrap.dedent("""

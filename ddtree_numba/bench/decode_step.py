@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ddtree_numba.engine.generate import _positive as positive_arg  # argparse type: an int >= 1
+from ddtree_numba.kernels.pdl import RELEASE_MODES
 
 F32 = 4
 MIN_STEPS = 50  # replayed steps the AR median is taken over (issue 4: median of >= 50 steps)
@@ -328,6 +329,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pdl", action="store_true",
                         help="programmatic dependent launch of every kernel (engine.decode's pdl; sm_90 on; "
                              "the same tokens; ignored under the simulator)")
+    parser.add_argument("--pdl-release", choices=RELEASE_MODES, default="early",
+                        help="with --pdl: when a kernel's blocks let the next grid launch (kernels.pdl."
+                             "set_release_mode): early (default: right after the wait in the kernels before "
+                             "a gemv, which loads weights before its wait; at the exits elsewhere), exit or start")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -367,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     args.row_products = "on" if em.ROW_PRODUCTS else "off"
     if args.decode_split:
         va.DECODE_SPLIT = args.decode_split == "on"
+    from ddtree_numba.kernels.pdl import set_release_mode
+
+    set_release_mode(args.pdl_release)   # before the first kernel compiles (recorded in the config attrs)
     args.decode_split = "on" if va.DECODE_SPLIT else "off"
     if args.quads:
         lin.VECTOR_X_LOADS = lin.VECTOR_STAGING = args.quads == "on"
@@ -415,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
           f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}, "
           f"attention segments of {args.attention_split} keys, products {args.products}"
-          + (f", programmatic launches ({args.programmatic_launches} launched eagerly or captured)"
+          + (f", programmatic launches ({args.programmatic_launches} launched eagerly or captured, "
+             f"release {args.pdl_release})"
              if args.pdl else "")
           + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
     print(format_table(ar_points, trees, bandwidth, profile.name))
@@ -426,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "budget", "block", "accuracy", "entropy", "seed",
                                                       "temperature", "odd_tiles", "row_products", "decode_split", "quads", "ring", "absorbs",
                                                       "attention_split", "products", "pdl",
-                                                      "programmatic_launches")}
+                                                      "pdl_release", "programmatic_launches")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),

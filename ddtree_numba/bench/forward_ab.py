@@ -318,6 +318,8 @@ def _variants(text: str) -> list[Variant]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ddtree_numba.kernels.pdl import RELEASE_MODES, set_release_mode
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--preset", default="small", help="model preset (default: %(default)s)")
@@ -325,15 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 33], help="rows per forward (default: 1 33)")
     parser.add_argument("--variants", type=_variants, default=_variants("auto/auto,64/auto,auto/4,64/4"),
                         help="comma-separated TILE/COLS[/pdl] variants (default: all four pairs of auto/64 and auto/4)")
-    parser.add_argument("--pdl-release", choices=("start", "exit"), default="exit",
-                        help="/pdl variants: each block releases the next grid at its start (kernels.pdl."
-                             "RELEASE_AT_START) or at its exit (default: %(default)s); one per process, "
-                             "since the kernels compile it in")
+    parser.add_argument("--pdl-release", choices=RELEASE_MODES, default="early",
+                        help="/pdl variants: when a kernel's blocks let the next grid launch (kernels.pdl."
+                             "set_release_mode): early (default: right after the wait in the kernels "
+                             "before a gemv, which loads weights before its wait; at the exits elsewhere), "
+                             "exit (every kernel at its blocks' exits) or start (every kernel right after "
+                             "its wait); one per process, since the kernels compile it in")
     parser.add_argument("--out", help="append the run to this HDF5 file (bench.common.write_run)")
     args = parser.parse_args(argv)
-    from ddtree_numba.kernels import pdl
-
-    pdl.RELEASE_AT_START = args.pdl_release == "start"   # before the first kernel compiles
+    set_release_mode(args.pdl_release)   # before the first kernel compiles
     same_bits: dict[str, dict[int, bool]] = {}
     results = time_variants(args.preset, args.past, args.rows, args.variants, same_bits=same_bits)
     if args.out:

@@ -35,10 +35,12 @@ graph. Under the simulator, which has no graphs, every step runs eagerly through
 Programmatic dependent launch (``pdl=True``, off by default: on the H200 slower with the
 release at each block's start, 0.5 % faster with it at the exits, PERFORMANCE runs pdl timed
 and fold; :mod:`ddtree_numba.kernels.pdl`):
-every kernel of a step begins with ``pdl_begin()``, so under :func:`sim.launch.programmatic_launches`
-each is launched while its predecessor drains (a captured graph keeps the programmatic edges) and
-waits in hardware for its writes before touching memory: the launch gaps of a ~90-kernel step
-overlap, the arithmetic does not change.
+every kernel of a step begins with ``pdl_begin()`` (or ``pdl_begin_early()``), so under
+:func:`sim.launch.programmatic_launches` each is launched while its predecessor drains (a captured
+graph keeps the programmatic edges) and waits in hardware for its writes before touching memory;
+the 1-row gemv and the split absorb load their first weights before that wait, and their
+predecessors release them right after their own: the launch gaps of a ~80-kernel step overlap, the
+arithmetic does not change.
 
 Exactness (issue 4): the target's rows are batch-invariant and a tree node's attention sees
 exactly its root path, so the verify logits of the accepted path are bit-identical to the AR

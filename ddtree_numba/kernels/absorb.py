@@ -47,7 +47,7 @@ from sim.profiles import active_profile
 from ._args import data_address, is_c_contiguous
 from .linear import (NEG_ZERO, SIM_TREE, VEC, ZERO, _check_out, _f32, _kernel_weight, _rows_aligned, _stream,
                      load_f32x4, load_x4, shared_put4, shared_x4)
-from .pdl import pdl_begin
+from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
 
 __all__ = [
@@ -155,20 +155,29 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
     BATCH = SPLIT_BATCH[mt]             # k a thread loads ahead of its fmas
 
     @cuda.jit(device=True, inline="always")
-    def chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, n):
+    def load_batch(w_kn, wv, g, col, n_cols, k_dim, k0, n, b0):
+        """The weight float4s of k0 + b0 .. k0 + b0 + BATCH - 1 into wv (zeros past k0 + n)."""
+        for kb in range(BATCH):
+            kk = b0 + kb
+            v0 = v1 = v2 = v3 = ZERO
+            if kk < n:
+                v0, v1, v2, v3 = load_f32x4(w_kn, (int64(g) * k_dim + k0 + kk) * n_cols + col)
+            wv[kb, 0] = v0
+            wv[kb, 1] = v1
+            wv[kb, 2] = v2
+            wv[kb, 3] = v3
+
+    @cuda.jit(device=True, inline="always")
+    def chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, n, loaded):
         """p[r, c] = the fma chain of segment k0 .. k0 + SEGMENT - 1, zeros past k0 + n (n ==
         SEGMENT: the guards fold; the order's zero fmas past K) and past M. BATCH k's loads are
-        issued before their fmas (a chain of single loads waits a memory round trip a k)."""
+        issued before their fmas (a chain of single loads waits a memory round trip a k); with
+        ``loaded`` the first batch's weights are in wv already (loaded before the PDL wait)."""
         for b0 in range(0, SEGMENT, BATCH):
+            if not (loaded and b0 == 0):
+                load_batch(w_kn, wv, g, col, n_cols, k_dim, k0, n, b0)
             for kb in range(BATCH):
                 kk = b0 + kb
-                v0 = v1 = v2 = v3 = ZERO
-                if kk < n:
-                    v0, v1, v2, v3 = load_f32x4(w_kn, (int64(g) * k_dim + k0 + kk) * n_cols + col)
-                wv[kb, 0] = v0
-                wv[kb, 1] = v1
-                wv[kb, 2] = v2
-                wv[kb, 3] = v3
                 for r in range(MT):
                     xv[kb, r] = x[row0 + r, g, k0 + kk] if kk < n and r < rows else ZERO
             for kb in range(BATCH):
@@ -179,11 +188,10 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
                     p[r, 3] = cuda.fma(xv[kb, r], wv[kb, 3], p[r, 3])
 
     @cuda.jit(**launch_bounds(THREADS))
-    def kernel(x, w_kn, out, n_cols, k_dim):
+    def split_kernel(x, w_kn, out, n_cols, k_dim):
         """x [M, G, K], w_kn [G, K, N] (flat under the simulator; N % 4 == 0), out [M, G, N]. Grid
         (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
         part = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [S, MT, NB] segment partials
-        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         p = cuda.local.array((MT, VEC), float32)
         wv = cuda.local.array((BATCH, VEC), float32)
         xv = cuda.local.array((BATCH, MT), float32)
@@ -194,9 +202,15 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
         row0 = int32(cuda.blockIdx.y) * MT
         col0 = int32(cuda.blockIdx.x) * NB
         col = col0 + quad * VEC
+        n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
+        # The first segment's first weights before the wait (no kernel of a step writes them:
+        # pdl's WEIGHTS_BEFORE_WAIT), so under PDL they stream while the previous kernel runs.
+        if col < n_cols and lane < n_segs:
+            load_batch(w_kn, wv, g, col, n_cols, k_dim, lane << SEG_SHIFT,
+                       min(SEGMENT, k_dim - (lane << SEG_SHIFT)), 0)
+        pdl_begin_early()  # PDL: wait for the previous kernel (x), then let the next one launch
         m_rows = x.shape[0]
         rows = min(MT, m_rows - row0)
-        n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
         if col < n_cols:
             for s in range(lane, n_segs, SB):
                 for r in range(MT):
@@ -204,9 +218,9 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
                         p[r, c] = ZERO
                 k0 = s << SEG_SHIFT
                 if k0 + SEGMENT <= k_dim:
-                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, SEGMENT)
+                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, SEGMENT, s == lane)
                 else:
-                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, k_dim - k0)
+                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, k_dim - k0, s == lane)
                 for r in range(MT):
                     for c in range(VEC):
                         part[(s * MT + r) * NB + quad * VEC + c] = p[r, c]
@@ -220,7 +234,7 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
                     total += part[(s * MT + r) * NB + c]
                 out[row0 + r, g, col0 + c] = total
 
-    return kernel
+    return split_kernel
 
 
 # --- many rows: a thread keeps MT x 4 outputs, its segment lane's segments ---------------------------

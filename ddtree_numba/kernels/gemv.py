@@ -24,7 +24,7 @@ Layout (never the order; :class:`GemvLayout`, picked per shape by :func:`plan_ge
 ``warps`` warps = column groups x K segments (as linear's block: warp = group * k_split +
 segment); a column group is ``columns`` adjacent output columns; the grid has one block per
 ``warps / k_split`` column groups. A warp issues its first ``unroll`` steps of weight loads
-before it finds the rms (RMSNorm), then runs rounds: a round's x quads (and the RMSNorm weight's, or SwiGLU's gate and up) load and feed
+before its PDL wait and before it finds the rms (RMSNorm), then runs rounds: a round's x quads (and the RMSNorm weight's, or SwiGLU's gate and up) load and feed
 the fmas of the weight steps loaded before it; then the next round's weights load. Segment sums
 meet in shared memory and the segment-0 warp adds them in order. Columns past N re-read the last
 weight row and are not stored.
@@ -46,7 +46,7 @@ from ._args import data_address
 from .linear import (ONE, STEP, VEC, WARP, ZERO, _kernel_weight, _row_inv_rms, _rows_aligned, _silu_mul, _stream,
                      check_linear_args, k_split, load_f32x4, load_x4, warp_place)
 from .linear import _norm_sig
-from .pdl import pdl_begin
+from .pdl import pdl_begin_early
 from .registry import register
 from .warp import warp_sum_f32
 
@@ -155,7 +155,6 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
     def kernel(x, w, out, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps):
         """out[0] = (residual[0] +) prologue(x[0]) @ w.T; w [N, K] C-contiguous (flat indices)."""
         comb = cuda.shared.array(COMB, float32)
-        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         wv = cuda.local.array((U, CW, VEC), float32)
         acc = cuda.local.array(CW, float32)
         wbase = cuda.local.array(CW, int64)
@@ -167,9 +166,12 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         for c in range(CW):
             wbase[c] = int64(min(col0 + c, n_cols - 1)) * k_dim + VEC * lane
             acc[c] = ZERO
-        # The first round's weights before the rms: their latency covers its loads and sums.
+        # The first round's weights before the wait (no kernel of a step writes them: pdl's
+        # WEIGHTS_BEFORE_WAIT), so under PDL they stream while the previous kernel runs, and
+        # before the rms: their latency covers its loads and sums.
         n = min(U, j_end - j)
         load_round(w, wbase, wv, j, n)
+        pdl_begin_early()  # PDL: wait for the previous kernel (x, residual), then let the next one launch
         inv = ONE
         if RMS:
             inv = _row_inv_rms(x, 0, k_dim, eps, lane)

@@ -55,7 +55,7 @@ from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
 
 from ._args import as_kernel_array, check_array, check_shape, host_values
-from .pdl import pdl_begin
+from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
 from .warp import warp_inclusive_scan_i32
 
@@ -250,7 +250,7 @@ def embed_kernel(tokens, table, out):
 
     tokens int32 [M], table [V, D], out [M, D]. One thread per element, grid-stride.
     """
-    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+    pdl_begin_early()  # PDL: wait, then let the next kernel (an AR step's w_a gemv) launch and load weights
     dim = out.shape[1]
     for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
                      cuda.gridDim.x * cuda.blockDim.x):
@@ -354,7 +354,7 @@ def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, si
     the others, in one launch: an MLA layer's two RoPE steps run side by side (the same loops
     per element and per row, so the same bits). Arguments as those two kernels'."""
     s_part = cuda.shared.array(ROW_THREADS, float32)  # the kv rows: one partial sum per lane
-    pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+    pdl_begin_early()  # PDL: wait, then let the next kernel (the q absorb) launch and load weights
     if cuda.blockIdx.x < q_blocks:  # block-uniform
         _q_rope_pairs(q, cos, sin, positions, q_out, layout, cuda.blockIdx.x, q_blocks)
     else:
@@ -563,7 +563,7 @@ def moe_combine_kernel(shared: bool) -> Any:
         s ascending (= ascending expert id), shared_out [M, D] (shared; else a placeholder); a slot
         outside [0, M·k) gives NaN. One thread per element, grid-stride; out may be x.
         """
-        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+        pdl_begin_early()  # PDL: wait, then let the next kernel (an AR step's w_a gemv) launch and load weights
         dim = out.shape[1]
         for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
                          cuda.gridDim.x * cuda.blockDim.x):

@@ -17,6 +17,16 @@ Device side (call from kernels; inlined, no registers):
 - :func:`pdl_begin`: the wait, then the release if :data:`RELEASE_AT_START`: the rule for every
   kernel of the engine, as its first statement. Reads of memory that no kernel of the step
   writes (the weights) may go before a :func:`pdl_wait`; nothing else may, and no write may.
+- :func:`pdl_begin_early`: the wait, then the release if :data:`RELEASE_EARLY` (or
+  :data:`RELEASE_AT_START`): the first statement of a kernel whose successor in an AR step reads
+  its first weights before its own wait (:data:`WEIGHTS_BEFORE_WAIT`), so that the successor's
+  blocks take the SMs this grid leaves free and stream those weights while this grid runs.
+
+Weights before the wait: the kernels named in :data:`WEIGHTS_BEFORE_WAIT` (``gemv``, the split
+absorb) load their first round of weights, then call :func:`pdl_begin_early`. The weights are written by no kernel of
+a step (only by the host, before any step), so the early reads see their final values; the PTX
+test (``tests/test_pdl.py``) checks that only non-coherent global loads (``ld.global.nc``, the
+weight loads) precede the wait in those kernels.
 
 Host side (:mod:`sim.launch`): a kernel whose Python body calls :func:`pdl_begin` or
 :func:`pdl_wait` (found by name, :func:`sim.launch.takes_programmatic_launch`) is launched with
@@ -35,7 +45,8 @@ from typing import Any
 
 from numba import cuda
 
-__all__ = ["pdl_wait", "pdl_release", "pdl_begin", "ENTRY_POINTS", "RELEASE_AT_START"]
+__all__ = ["pdl_wait", "pdl_release", "pdl_begin", "pdl_begin_early", "ENTRY_POINTS", "RELEASE_AT_START",
+           "RELEASE_EARLY", "WEIGHTS_BEFORE_WAIT", "RELEASE_MODES", "set_release_mode"]
 
 # Whether pdl_begin releases the next grid at once (True) or leaves the release to each block's
 # exit (False: the next grid launches as this one's blocks drain). Read when the first kernel
@@ -46,10 +57,41 @@ __all__ = ["pdl_wait", "pdl_release", "pdl_begin", "ENTRY_POINTS", "RELEASE_AT_S
 # at one row, 2250.2 against 2261.1 at 33 (means of two passes): -0.5 %.
 RELEASE_AT_START = False
 
+# Whether pdl_begin_early releases the next grid right after the wait (True) or leaves it to the
+# blocks' exits as pdl_begin does (False; bench.forward_ab's --pdl-release exit). Read when the
+# first kernel compiles. Releasing early only before kernels that read weights before their wait
+# keeps the waiting blocks useful: they stream their first weights while this grid runs.
+RELEASE_EARLY = True
+
+# The release policies (set_release_mode): "early" (the defaults: pdl_begin_early releases at
+# once, pdl_begin at the blocks' exits), "exit" (every kernel at its blocks' exits) and "start"
+# (every kernel right after its wait: RELEASE_AT_START).
+RELEASE_MODES = ("early", "exit", "start")
+
+
+def set_release_mode(mode: str) -> None:
+    """Set RELEASE_AT_START / RELEASE_EARLY for one of RELEASE_MODES. The kernels compile the
+    flags in, so call it before the first kernel compiles (bench.forward_ab's and
+    bench.decode_step's --pdl-release); a process runs one mode.
+
+    Raises:
+        ValueError: ``mode`` is not one of RELEASE_MODES.
+    """
+    global RELEASE_AT_START, RELEASE_EARLY
+    if mode not in RELEASE_MODES:
+        raise ValueError(f"mode must be one of {RELEASE_MODES}, got {mode!r}")
+    RELEASE_AT_START = mode == "start"
+    RELEASE_EARLY = mode == "early"
+
+
+# Kernels (module file: kernel function) that read weights before their wait; every other engine
+# kernel begins with pdl_begin / pdl_begin_early (tests/test_pdl.py checks both rules).
+WEIGHTS_BEFORE_WAIT = ("gemv.py:kernel", "absorb.py:split_kernel")
+
 # The device functions whose call makes a kernel take programmatic launches (sim.launch's
 # takes_programmatic_launch reads this tuple; a kernel must call one of them before any access
 # to memory another kernel writes).
-ENTRY_POINTS = ("pdl_begin", "pdl_wait")
+ENTRY_POINTS = ("pdl_begin", "pdl_begin_early", "pdl_wait")
 
 
 def _make_instructions() -> tuple[Any, Any]:
@@ -108,4 +150,14 @@ def pdl_begin():
     the next grid launches as this grid's blocks exit, still before its completion and flush."""
     _griddepcontrol_wait()
     if RELEASE_AT_START:   # a compile-time constant: the branch folds away
+        _griddepcontrol_launch_dependents()
+
+
+@cuda.jit(device=True, inline="always")
+def pdl_begin_early():
+    """pdl_begin for a kernel whose successor reads weights before its wait: wait for the previous
+    grid, then (:data:`RELEASE_EARLY`) let the next one launch at once, so its blocks load their
+    first weights on the SMs this grid leaves free while this grid runs."""
+    _griddepcontrol_wait()
+    if RELEASE_EARLY or RELEASE_AT_START:   # compile-time constants: the branch folds away
         _griddepcontrol_launch_dependents()

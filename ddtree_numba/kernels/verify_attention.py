@@ -90,7 +90,7 @@ from numba.core.extending import intrinsic
 
 from ddtree_numba.kernels._args import check_array, data_address, int_arg, positive_real
 from ddtree_numba.kernels.linear import load_f32x4
-from ddtree_numba.kernels.pdl import pdl_begin
+from ddtree_numba.kernels.pdl import pdl_begin, pdl_begin_early
 from ddtree_numba.kernels.registry import register
 from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
@@ -1429,7 +1429,7 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
         probs = cuda.shared.array(PROBS_N, float32)       # [PASS, SPH] probabilities
         alpha = cuda.shared.array(ALPHAS_N, float32)      # [SPH, PASS_CHUNKS] rescales
         fin = cuda.shared.array(FIN_N, float32)           # [2, SPH] final m, then l
-        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+        pdl_begin_early()  # PDL: wait, then let the next kernel (an AR step's value absorb) launch and load weights
         b = cuda.blockIdx.z
         h0 = cuda.blockIdx.x * SPH
         dim = cuda.blockIdx.y * SPD + cuda.threadIdx.x             # this thread's latent dim
