@@ -676,6 +676,61 @@ def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:
         assert cfg.static_shared_bytes <= em.STATIC_SMEM_LIMIT   # max_path raised within the limit
 
 
+# The wrappers a forward calls, in model.py's namespace (va.run as "attention"); with a release flag.
+_RELEASING = ("embed", "gemv", "absorb", "mla_rope_kv_write", "moe_combine", "attention")
+_LAUNCHING = _RELEASING + ("linear", "head_linear", "mla_q_rope", "mla_kv_write", "moe_route", "expert_linear",
+                           "rms_norm", "linear_split_k", "swiglu_rows", "launch")
+
+
+def _record_launches(mp: pytest.MonkeyPatch, seen: list) -> None:
+    """Record (wrapper, release_next, reads weights before its wait) for every launch of a forward."""
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.kernels import verify_attention as va
+    from ddtree_numba.kernels.absorb import reads_weights_first
+
+    def wrap(name, original):
+        def call(*args, **kwargs):
+            first = name == "gemv" or (name == "absorb" and reads_weights_first(args[0], args[1]))
+            seen.append((name, bool(kwargs.get("release_next", False)), first))
+            return original(*args, **kwargs)
+        return call
+
+    for name in _LAUNCHING:
+        if name == "attention":
+            mp.setattr(va, "run", wrap(name, va.run))
+        else:
+            mp.setattr(em, name, wrap(name, getattr(em, name)))
+
+
+@pytest.mark.parametrize("bs, rows", [(1, 1), (1, 3)])
+def test_forward_releases_early_only_before_weight_first_kernels(monkeypatch, bs, rows) -> None:
+    """PDL (kernels.pdl): a launch passes release_next exactly where the next launch of the forward
+    reads weights before its wait (gemv, the split absorb); an AR step at batch 1 has such pairs
+    (tiny: the RoPE / cache write before the split q absorb, the two-launch attention before the
+    split value absorb, the dense SwiGLU gemv after its linear); a 3-row forward none (no gemv, and
+    the split absorb reads weights first at one row only). PDL's bits are the GPU test's
+    (test_engine_decode)."""
+    import ddtree_numba.engine.model as em
+
+    config, weights = _tiny()
+    model = TargetModel(config, weights, batch_size=bs, kv_capacity=KV_CAPACITY, max_rows=rows)
+    seen: list = []
+    _record_launches(monkeypatch, seen)
+    tokens = np.arange(1, rows + 1, dtype=np.int32)[None, :]
+    positions = np.arange(rows, dtype=np.int32)[None, :]
+    model.forward(tokens, positions, np.array([rows], np.int32), prefill_visibility(np.array([rows]), rows))
+    names = [name for name, _, _ in seen]
+    assert names[:2] == ["launch", "embed"] and names.count("attention") == config.n_layers
+    for (name, release, _), (next_name, _, first) in zip(seen, seen[1:] + [("end", False, False)]):
+        assert release is first or (release is False and name not in _RELEASING), (name, next_name)
+    released = {name for name, release, _ in seen if release}
+    if rows == 1:
+        assert em.ROW_PRODUCTS and {"mla_rope_kv_write", "attention"} <= released
+        assert ("gemv", False, True) in seen      # tiny's one gemv: the dense SwiGLU (K 128)
+    else:   # no gemv, and the 3-row split absorbs load their weights after the wait
+        assert not released and "gemv" not in names and names.count("absorb") == 2 * config.n_layers
+
+
 def test_cache_layers_view_the_stacked_arrays() -> None:
     """Every layer's buffers are C-contiguous views of KVCache.stacked(), 16 bytes aligned."""
     config, _ = _tiny()

@@ -85,6 +85,21 @@ def test_absorb_is_the_documented_order(m_rows, groups, k_dim, n_cols):
 
 
 @pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
+@pytest.mark.parametrize("m_rows, k_dim, lanes", [(1, 200, 2), (1, 100, 1), (2, 161, 2), (5, 129, 4)])
+def test_split_lanes_with_several_segments_keep_the_order(m_rows, k_dim, lanes):
+    """Fewer segment lanes than segments: a lane runs its first segment from the weights it loaded
+    before the PDL wait, then its later segments (and, past one row, later batches) loading their
+    own; partial last segments included. The documented order, bit for bit."""
+    x, w = _rand(m_rows, 2, k_dim), _rand(2, k_dim, 8)
+    mt = next(t for t in ab.SPLIT_ROW_TILES if t >= m_rows)
+    threads = lanes * 2   # two column quads: N 8
+    plan = ab.AbsorbPlan("split", mt, lanes, 0, 0, (1, -(-m_rows // mt), 2), threads,
+                         ab.split_shared_bytes(k_dim, mt, lanes, threads))
+    assert -(-k_dim // ab.SEGMENT) > lanes
+    _same_bits(_run(x, w, plan=plan), _emulate(x, w))
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the GPU fma rounds once; the emulation models the simulator")
 def test_signed_zeros_and_exact_cancellation_follow_the_order():
     """Tie-heavy inputs: small integers (exact products, sums cancelling to zero), -0.0 entries,
     whole zero rows and columns; the chain from +0.0 and the sum from -0.0 decide every zero's sign."""

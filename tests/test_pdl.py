@@ -2,8 +2,10 @@
 
 Under the simulator the device calls are no-ops and launches run one after another, so what is
 checked there is the structure that makes PDL safe on a GPU: every engine kernel's first statement
-is ``pdl_begin()`` (the wait comes before any memory access), the host marks exactly those kernels,
-and the hooks add the launch attribute only inside ``programmatic_launches`` and only for them.
+is ``pdl_begin()`` or ``pdl_begin_early(release_next)`` (the wait comes before any memory access),
+except in the kernels of ``pdl.WEIGHTS_BEFORE_WAIT``, where only weight loads precede it (source and
+PTX); the host marks exactly those kernels, and the hooks add the launch attribute only inside
+``programmatic_launches`` and only for them.
 The GPU tests run chains of dependent kernels with programmatic launches, eagerly and replayed
 from a captured graph, and compare exact values.
 """
@@ -87,26 +89,37 @@ def test_entry_points_are_pdl_device_functions():
     assert all(hasattr(pdl, name) for name in pdl.ENTRY_POINTS)
 
 
-BEGINS = ("pdl_begin()", "pdl_begin_early()")
+BEGINS = ("pdl_begin()", "pdl_begin_early(release_next)")
+# The parameters the kernels of pdl.WEIGHTS_BEFORE_WAIT may name before their wait: the weights and
+# scalars (every other parameter is an array another kernel writes).
+BEFORE_WAIT_PARAMS = {"gemv.py:kernel": {"w", "eps", "n_cols", "k_dim", "k_split_", "seg_steps", "release_next"},
+                      "absorb.py:split_kernel": {"w_kn", "n_cols", "k_dim", "release_next"}}
 
 
 def test_every_engine_kernel_begins_with_pdl_begin():
     """The wait before any memory access: in the source of every module an engine step launches
-    from, each kernel (registered or not) has pdl_begin() or pdl_begin_early() as its first
-    statement, shared-array declarations aside; the kernels of pdl.WEIGHTS_BEFORE_WAIT call it at
-    their top level (after their first weight loads: the PTX test checks what precedes it)."""
+    from, each kernel (registered or not) has pdl_begin() or pdl_begin_early(release_next) as its
+    first statement, shared-array declarations aside; the kernels of pdl.WEIGHTS_BEFORE_WAIT call
+    pdl_begin_early(release_next) at their top level, and no statement before it names a parameter
+    other than their weights and scalars (the PTX test checks the loads that precede it)."""
     kernels, early = [], []
     for path in ENGINE_SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and _is_kernel(node):
-                kernels.append(f"{path.name}:{node.name}")
-                if kernels[-1] in pdl.WEIGHTS_BEFORE_WAIT:
-                    early.append(kernels[-1])
-                    assert "pdl_begin_early()" in [ast.unparse(st) for st in node.body], kernels[-1]
-                else:
-                    assert ast.unparse(_first_statement(node)) in BEGINS, kernels[-1]
+                name = f"{path.name}:{node.name}"
+                kernels.append(name)
+                if name not in pdl.WEIGHTS_BEFORE_WAIT:
+                    assert ast.unparse(_first_statement(node)) in BEGINS, name
+                    continue
+                early.append(name)
+                body = [ast.unparse(st) for st in node.body]
+                assert "pdl_begin_early(release_next)" in body, name
+                before = node.body[:body.index("pdl_begin_early(release_next)")]
+                named = {n.id for st in before for n in ast.walk(st) if isinstance(n, ast.Name)}
+                params = {a.arg for a in node.args.args}
+                assert named & params <= BEFORE_WAIT_PARAMS[name], (name, (named & params) - BEFORE_WAIT_PARAMS[name])
     assert len(kernels) >= 47
-    assert sorted(early) == sorted(pdl.WEIGHTS_BEFORE_WAIT)   # every listed kernel exists
+    assert sorted(early) == sorted(pdl.WEIGHTS_BEFORE_WAIT) == sorted(BEFORE_WAIT_PARAMS)
 
 
 def test_registered_kernels_take_programmatic_launches():
@@ -157,8 +170,8 @@ def test_takes_programmatic_launch_by_name():
     def waits():
         pdl_wait()
 
-    def begins_early():
-        pdl_begin_early()
+    def begins_early(release_next):
+        pdl_begin_early(release_next)
 
     def releases_only():
         pdl_release()
@@ -325,9 +338,11 @@ PTX_ORDER_KERNELS = ("rms_norm_rows", "mla_rope_kv_write", "moe_route", "moe_com
                      "engine_prepare_rows", "oracle_logits")
 
 
-# Kernels whose weight loads (ld.global.nc) precede the wait (pdl.WEIGHTS_BEFORE_WAIT), and those
-# that release the next grid right after it (pdl_begin_early, pdl.RELEASE_EARLY on by default).
-PTX_WEIGHTS_FIRST = ("gemv_rmsnorm", "absorb_split_mt1_l4")
+# Kernels whose first weight loads (ld.global.nc.v4.f32, as many as their first round) precede the
+# wait (pdl.WEIGHTS_BEFORE_WAIT: gemv's narrow layout 4 steps x 2 columns; the split absorb's first
+# batch, SPLIT_BATCH[1] = 32 k), and those that may release the next grid right after it
+# (pdl_begin_early(release_next), pdl.RELEASE_EARLY on by default).
+PTX_WEIGHTS_FIRST = {"gemv_rmsnorm": 8, "absorb_split_mt1_l4": 32}
 PTX_RELEASE_EARLY = ("gemv_rmsnorm", "moe_combine", "embed_rows", "absorb_split_mt1_l4", "mla_rope_kv_write",
                      "verify_attention_decode_values")
 
@@ -336,9 +351,9 @@ PTX_RELEASE_EARLY = ("gemv_rmsnorm", "moe_combine", "embed_rows", "absorb_split_
 def test_no_global_memory_access_before_the_wait_in_ptx(tmp_path):
     """In the sm_90 PTX of a kernel of each engine module, griddepcontrol.wait comes before every
     global or generic load, store, atomic, cp.async and prefetch (parameter, shared and local
-    accesses may precede it): NVVM kept the source order, the nc loads included. In gemv only the
-    weights' non-coherent loads precede it, and they do (its first round); the kernels that
-    precede a gemv in an AR step release the next grid (pdl_begin_early), the others do not."""
+    accesses may precede it): NVVM kept the source order, the nc loads included. In gemv and the
+    split absorb exactly their first round of weight loads precede it (an x load would be one more
+    ld.global.nc); the kernels with pdl_begin_early may release the next grid, the others do not."""
     path = tmp_path / "order.json"
     proc = subprocess.run([sys.executable, "-c", PTX_ORDER_SCRIPT, str(path), ",".join(PTX_ORDER_KERNELS)],
                           cwd=ROOT, env=no_sim_env(), capture_output=True, text=True, timeout=600)
@@ -348,7 +363,7 @@ def test_no_global_memory_access_before_the_wait_in_ptx(tmp_path):
     for name, info in found.items():
         assert info["waits"] >= 1, (name, info)
         if name in PTX_WEIGHTS_FIRST:
-            assert info["before"] and set(info["before"]) == {"ld.global.nc.v4.f32"}, (name, info)
+            assert info["before"] == ["ld.global.nc.v4.f32"] * PTX_WEIGHTS_FIRST[name], (name, info)
         else:
             assert info["before"] == [], (name, info)
         assert (info["releases"] >= 1) is (name in PTX_RELEASE_EARLY), (name, info)

@@ -48,7 +48,8 @@ from ddtree_numba.config import ModelConfig
 from ddtree_numba.engine.cache import KVCache, LayerKV
 from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
 from ddtree_numba.kernels import verify_attention as va
-from ddtree_numba.kernels.absorb import absorb, supported as absorb_supported
+from ddtree_numba.kernels.absorb import absorb, reads_weights_first as absorb_reads_weights_first, \
+    supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.gemv import gemv, takes as gemv_takes
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
@@ -631,14 +632,21 @@ class TargetModel:
         views = {shape: flat[:int(np.prod(p))].reshape(p) if p[0] > 1 else None for shape, p in need.items()}
         return views, cuda.device_array(m, np.float32, stream=stream)
 
-    def _product(self, x: Any, w: Any, out: Any, stream: Any, **prologue: Any) -> None:
+    def _gemv_runs(self, x: Any, w: Any, **prologue: Any) -> bool:
+        """Whether :meth:`_product` runs this product through ``gemv`` (a 1-row product with a
+        layout, ROW_PRODUCTS), which reads its first weights before its PDL wait."""
+        return self._tc is None and ROW_PRODUCTS and gemv_takes(x, w, norm_weight=prologue.get("norm_weight"),
+                                                                swiglu=bool(prologue.get("swiglu")))
+
+    def _product(self, x: Any, w: Any, out: Any, stream: Any, *, release_next: bool = False,
+                 **prologue: Any) -> None:
         """out = prologue(x) @ w.T (+ residual) through the model's ``products`` kernels: a 1-row
         product (an AR step at batch 1) through ``gemv`` where it has a layout (ROW_PRODUCTS;
-        the same bits as ``linear``)."""
+        the same bits as ``linear``). ``release_next``: the next launch reads weights before its
+        PDL wait (gemv's pdl_begin_early; the other kernels release at their exits)."""
         if self._tc is None:
-            if ROW_PRODUCTS and gemv_takes(x, w, norm_weight=prologue.get("norm_weight"),
-                                           swiglu=bool(prologue.get("swiglu"))):
-                gemv(x, w, out, stream=stream, **prologue)
+            if self._gemv_runs(x, w, **prologue):
+                gemv(x, w, out, stream=stream, release_next=release_next, **prologue)
             else:
                 linear(x, w, out, stream=stream, **prologue)
         else:
@@ -722,21 +730,33 @@ class TargetModel:
         launch(_prepare_rows_kernel, -(-m // threads), threads, stream, 0, tokens.reshape(m),
                positions.reshape(m), sizes, self.cache.past_lens, np.int32(tc), np.int32(self.kv_capacity),
                b.row_tokens, b.row_positions, b.cache_rows)
-        embed(b.row_tokens, self.weights.embed, b.x, stream=stream)
-        for lw, kv in zip(self.weights.layers, self.cache.layers):
+        layers = self.weights.layers
+        # PDL (kernels.pdl): a kernel releases the next one right after its wait only where that
+        # one reads weights before its own wait (a 1-row gemv, a split absorb); here, the layers'
+        # first products (w_a) after the embedding and after each FFN that no capture follows.
+        w_a_first = [self._gemv_runs(b.x, lw.attn.w_a, norm_weight=lw.attn.norm) for lw in layers]
+        embed(b.row_tokens, self.weights.embed, b.x, stream=stream, release_next=w_a_first[0])
+        for i, (lw, kv) in enumerate(zip(layers, self.cache.layers)):
             self._attention(lw, kv, sizes, visibility, stream)
-            self._ffn(lw, stream)
-            if lw.index in self._capture_slot:
+            captured = lw.index in self._capture_slot
+            self._ffn(lw, stream, release_next=not captured and i + 1 < len(layers) and w_a_first[i + 1])
+            if captured:
                 self._capture(lw.index, stream)
         self._product(b.x, self.weights.lm_head, self._views.logits, stream, norm_weight=self.weights.final_norm,
                       eps=self.config.rms_norm_eps)  # [M, V]
         return ForwardOut(logits=b.logits, features=b.features)
 
-    def _absorb(self, x: Any, w: Any, w_kn: Any, out: Any, stream: Any) -> None:
+    def _absorb_split(self, x: Any, w_kn: Any) -> bool:
+        """Whether :meth:`_absorb` launches the split absorb, which reads its first weights before
+        its PDL wait."""
+        return self._segment_absorbs and absorb_reads_weights_first(x, w_kn)
+
+    def _absorb(self, x: Any, w: Any, w_kn: Any, out: Any, stream: Any, *, release_next: bool = False) -> None:
         """out[m, h] = x[m, h] @ w[h].T: kernels.absorb (w k-major) with the segment absorbs on,
-        else head_linear (w, and w_kn where its many-row kernel takes it)."""
+        else head_linear (w, and w_kn where its many-row kernel takes it). ``release_next``: as
+        :meth:`_product`'s (the split absorb's pdl_begin_early)."""
         if self._segment_absorbs:
-            absorb(x, w_kn, out, stream=stream)
+            absorb(x, w_kn, out, stream=stream, release_next=release_next)
         else:
             head_linear(x, w, out, w_kn=w_kn, stream=stream)
 
@@ -744,40 +764,43 @@ class TargetModel:
         """x += wo(W_UV · verify_attention(absorbed q, cache)) for one layer, its new rows cached first."""
         c, b, v, w = self.config, self.buffers, self._views, lw.attn
         eps = c.rms_norm_eps
-        self._product(b.x, w.w_a, b.a, stream, norm_weight=w.norm, eps=eps)  # [M, Qa + C + R]
-        if v.a_q is not None:
-            self._product(v.a_q, w.w_q, v.q2, stream, norm_weight=w.q_norm, eps=eps)  # [M, H * (nope + R)]
-        else:
-            self._product(b.x, w.w_q, v.q2, stream, norm_weight=w.norm, eps=eps)
+        uk_kn, uv_kn = (None, None) if self._absorb_kn is None else (kn[lw.index] for kn in self._absorb_kn)
+        q_in, q_norm = (v.a_q, w.q_norm) if v.a_q is not None else (b.x, w.norm)
+        self._product(b.x, w.w_a, b.a, stream, norm_weight=w.norm, eps=eps,
+                      release_next=self._gemv_runs(q_in, w.w_q, norm_weight=q_norm))  # [M, Qa + C + R]
+        self._product(q_in, w.w_q, v.q2, stream, norm_weight=q_norm, eps=eps)  # [M, H * (nope + R)]
         latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
         if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
             mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
                               b.row_positions, b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout,
-                              stream=stream)
+                              stream=stream, release_next=self._absorb_split(v.q_nope, uk_kn))
         else:
             mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
                        stream=stream)  # [M, H, R]
             mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
                          latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
-        uk_kn, uv_kn = (None, None) if self._absorb_kn is None else (kn[lw.index] for kn in self._absorb_kn)
         self._absorb(v.q_nope, w.w_uk_t, uk_kn, v.q_latent, stream)  # [M, H, C]
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
-               c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream)  # [bs, Tc, H, C]
-        self._absorb(v.attn, w.w_uv, uv_kn, b.heads, stream)  # [M, H, v]
+               c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream,
+               release_next=self._absorb_split(v.attn, uv_kn))  # [bs, Tc, H, C]
+        self._absorb(v.attn, w.w_uv, uv_kn, b.heads, stream,
+                     release_next=self._wo_split is None and self._gemv_runs(v.heads, w.w_o))  # [M, H, v]
         if self._wo_split is None:
             self._product(v.heads, w.w_o, b.x, stream, residual=b.x)  # [M, D]
         else:
             w_split, heads, parts = self._wo_split
             linear_split_k(heads, w_split[lw.index], parts, b.x, residual=b.x, stream=stream)  # [M, D]
 
-    def _ffn(self, lw: LayerWeights, stream: Any) -> None:
-        """x += FFN(rmsnorm(x)): dense SwiGLU, or routed experts + shared expert."""
+    def _ffn(self, lw: LayerWeights, stream: Any, *, release_next: bool = False) -> None:
+        """x += FFN(rmsnorm(x)): dense SwiGLU, or routed experts + shared expert. ``release_next``:
+        the launch after the FFN reads weights before its PDL wait (the next layer's 1-row w_a)."""
         c, b, f = self.config, self.buffers, lw.ffn
         eps = c.rms_norm_eps
         if isinstance(f, DenseFfnWeights):
             self._product(b.x, f.w13, b.h13, stream, norm_weight=f.norm, eps=eps)  # [M, 2I]
             if self._w2_split is None:
-                self._product(b.h13, f.w2, b.x, stream, swiglu=True, residual=b.x)  # [M, D]
+                self._product(b.h13, f.w2, b.x, stream, swiglu=True, residual=b.x,
+                              release_next=release_next)  # [M, D]
             else:
                 w_split, act, act_split, parts = self._w2_split
                 swiglu_rows(b.h13, act, stream=stream)  # [M, I]
@@ -801,7 +824,8 @@ class TargetModel:
         if f.shared_w13 is not None and not self._fold_shared:
             self._product(b.xn, f.shared_w13, b.s13, stream)  # [M, 2Is]
             self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
-        moe_combine(b.x, v.routed_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream)  # [M, D]
+        moe_combine(b.x, v.routed_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream,
+                    release_next=release_next)  # [M, D]
 
     def _capture(self, layer: int, stream: Any) -> None:
         """features[..., slot * D:(slot + 1) * D] = x (hidden-state entry layer + 1)."""

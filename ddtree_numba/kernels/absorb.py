@@ -63,6 +63,7 @@ __all__ = [
     "absorb",
     "get_split_kernel",
     "get_tile_kernel",
+    "reads_weights_first",
 ]
 
 SEGMENT = 32                    # k values a partial sums before the partials are added (the order)
@@ -153,6 +154,9 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
     NB = QB * VEC                       # columns a block
     NB_SHIFT = NB.bit_length() - 1
     BATCH = SPLIT_BATCH[mt]             # k a thread loads ahead of its fmas
+    # One row (an AR step at batch 1): the first batch's weights load before the PDL wait. (With
+    # 8 rows, holding them across it spilled on sm_120; more rows keep the loads after the wait.)
+    WEIGHTS_FIRST = mt == 1
 
     @cuda.jit(device=True, inline="always")
     def load_batch(w_kn, wv, g, col, n_cols, k_dim, k0, n, b0):
@@ -188,7 +192,7 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
                     p[r, 3] = cuda.fma(xv[kb, r], wv[kb, 3], p[r, 3])
 
     @cuda.jit(**launch_bounds(THREADS))
-    def split_kernel(x, w_kn, out, n_cols, k_dim):
+    def split_kernel(x, w_kn, out, n_cols, k_dim, release_next):
         """x [M, G, K], w_kn [G, K, N] (flat under the simulator; N % 4 == 0), out [M, G, N]. Grid
         (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
         part = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [S, MT, NB] segment partials
@@ -205,10 +209,10 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
         n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
         # The first segment's first weights before the wait (no kernel of a step writes them:
         # pdl's WEIGHTS_BEFORE_WAIT), so under PDL they stream while the previous kernel runs.
-        if col < n_cols and lane < n_segs:
+        if WEIGHTS_FIRST and col < n_cols and lane < n_segs:
             load_batch(w_kn, wv, g, col, n_cols, k_dim, lane << SEG_SHIFT,
                        min(SEGMENT, k_dim - (lane << SEG_SHIFT)), 0)
-        pdl_begin_early()  # PDL: wait for the previous kernel (x), then let the next one launch
+        pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x); release the next?
         m_rows = x.shape[0]
         rows = min(MT, m_rows - row0)
         if col < n_cols:
@@ -218,9 +222,11 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
                         p[r, c] = ZERO
                 k0 = s << SEG_SHIFT
                 if k0 + SEGMENT <= k_dim:
-                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, SEGMENT, s == lane)
+                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, SEGMENT,
+                          WEIGHTS_FIRST and s == lane)
                 else:
-                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, k_dim - k0, s == lane)
+                    chain(x, w_kn, p, wv, xv, g, row0, rows, col, n_cols, k_dim, k0, k_dim - k0,
+                          WEIGHTS_FIRST and s == lane)
                 for r in range(MT):
                     for c in range(VEC):
                         part[(s * MT + r) * NB + quad * VEC + c] = p[r, c]
@@ -560,6 +566,17 @@ def _plan_absorb(rows: int, groups: int, n_cols: int, k_dim: int, rows_aligned: 
 plan_absorb.cache_clear = _plan_absorb.cache_clear   # type: ignore[attr-defined]
 
 
+def reads_weights_first(x: Any, w_kn: Any) -> bool:
+    """Whether ``absorb(x, w_kn, out)`` launches the one-row split kernel, which reads its first
+    weights before its PDL wait (``kernels.pdl.WEIGHTS_BEFORE_WAIT``): the engine's rule for
+    releasing the kernel before it early (``release_next``). Shapes as :func:`absorb` takes them."""
+    groups, k_dim, n_cols = (int(d) for d in w_kn.shape)
+    if x.shape[0] == 0 or groups == 0:
+        return False
+    plan = plan_absorb(int(x.shape[0]), groups, n_cols, k_dim, rows_aligned=_rows_aligned(x))
+    return plan.kind == "split" and plan.mt == 1
+
+
 def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, aligned: bool) -> bool:
     """The plan is one of the kernels' layouts, its grid covers these shapes (a split plan stages
     every segment, a tile plan has 16-byte x rows) and it passes the launch check."""
@@ -587,8 +604,13 @@ def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, a
     return True
 
 
-def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | None = None) -> Any:
+def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | None = None,
+           release_next: bool = False) -> Any:
     """``out[m, g] = x[m, g] @ w_kn[g]`` in the module's order (bit-identical for any row count).
+
+    Under programmatic launches (``sim.launch.programmatic_launches``) the split kernel reads its
+    first weights before it waits for the previous kernel (``kernels.pdl``): ``w_kn`` must not be
+    written by the kernel launched just before it.
 
     Args:
         x: float32 [M, G, K], unit inner stride (a view such as q[:, :, :nope] is fine).
@@ -598,6 +620,8 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
         stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
         plan: a plan from :func:`plan_absorb` for these shapes (e.g. the split kernel at any row
             count, as the tests do); default: plan_absorb's choice.
+        release_next: the next kernel of the stream reads weights before its PDL wait (a 1-row
+            gemv): a split launch lets it launch right after its own wait (``pdl_begin_early``).
 
     Returns:
         ``out``.
@@ -633,14 +657,15 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
                          "make it with plan_absorb (or _split_plan) for them")
     # Both kernels stay within the default 48 KiB (split: <= 32 KiB of partials; tile: TILE_SMEM):
     # no opt-in call before the launch.
+    flag = (np.int32(1 if release_next else 0),) if plan.kind == "split" else ()   # the split kernel's
     plan.kernel()[plan.grid, plan.threads, _stream(stream), plan.shared_bytes](
-        x, _kernel_weight(w_kn), out, n_cols, k_dim)
+        x, _kernel_weight(w_kn), out, n_cols, k_dim, *flag)
     return out
 
 
-def _sigs() -> tuple:
+def _sigs(split: bool = False) -> tuple:
     a3 = float32[:, :, :]
-    return ((a3, float32[:, :, ::1], a3, int32, int32),)
+    return ((a3, float32[:, :, ::1], a3, int32, int32) + ((int32,) if split else ()),)   # (+ release_next)
 
 
 # The compile check: the H200's launches of `small` (the AR step's split kernels for K 128 and 512,
@@ -648,7 +673,7 @@ def _sigs() -> tuple:
 # lane squares), an 8-row split (a small batch), an 8-row tile thread, the widest block the plan
 # runs at 4 an SM (8 x 18: 144 threads) and the 32 x 8 block of many rows (a prefill's q absorb).
 for _mt, _lanes in ((1, 4), (1, 16), (8, 4)):
-    register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(),
+    register(f"absorb_split_mt{_mt}_l{_lanes}", get_split_kernel(_mt, _lanes), _sigs(split=True),
              f"MLA absorb in segment order, {_mt} row(s), {_lanes} segment lanes a block, partials met in shared memory",
              block_threads=SPLIT_THREADS)
 for _mt, _cq, _rw, _sl, _bps, _pairs in ((4, 16, 9, 1, 4, False), (4, 8, 10, 2, 2, True), (8, 32, 5, 1, 2, False),

@@ -38,6 +38,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from numba import cuda, float32, int32, int64
 
 from sim.launch import check_launch, launch_bounds
@@ -152,8 +153,9 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                     acc[c] = cuda.fma(x3, wv[u, c, 3], a)
 
     @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
-    def kernel(x, w, out, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps):
-        """out[0] = (residual[0] +) prologue(x[0]) @ w.T; w [N, K] C-contiguous (flat indices)."""
+    def kernel(x, w, out, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps, release_next):
+        """out[0] = (residual[0] +) prologue(x[0]) @ w.T; w [N, K] C-contiguous (flat indices);
+        release_next: 1 where the next kernel reads weights before its PDL wait (pdl_begin_early)."""
         comb = cuda.shared.array(COMB, float32)
         wv = cuda.local.array((U, CW, VEC), float32)
         acc = cuda.local.array(CW, float32)
@@ -171,7 +173,7 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         # before the rms: their latency covers its loads and sums.
         n = min(U, j_end - j)
         load_round(w, wbase, wv, j, n)
-        pdl_begin_early()  # PDL: wait for the previous kernel (x, residual), then let the next one launch
+        pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x, residual); release the next?
         inv = ONE
         if RMS:
             inv = _row_inv_rms(x, 0, k_dim, eps, lane)
@@ -218,7 +220,7 @@ def _register_all() -> None:
                                ("swiglu", False)):
         name = "swiglu" if prologue == "swiglu" else "narrow"
         layout = LAYOUTS[name]
-        sig = (a2, c2, a2, a2, _norm_sig(prologue), float32, int32, int32, int32, int32)
+        sig = (a2, c2, a2, a2, _norm_sig(prologue), float32, int32, int32, int32, int32, int32)
         register(f"gemv_{prologue}{'_residual' if residual else ''}", get_gemv_kernel(prologue, residual, layout),
                  (sig,), f"1-row x @ w.T with linear's bits, {prologue} prologue"
                  f"{', residual epilogue' if residual else ''}, layout {name}", block_threads=layout.warps * WARP)
@@ -240,12 +242,19 @@ def _setup(prologue: str, residual: bool, n_cols: int, k_dim: int, layout: GemvL
 
 
 def gemv(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6, swiglu: bool = False,
-         residual: Any = None, stream: Any = 0, layout: GemvLayout | None = None) -> Any:
+         residual: Any = None, stream: Any = 0, layout: GemvLayout | None = None,
+         release_next: bool = False) -> Any:
     """``linear(x, w, out, ...)`` for one row: the same arguments and the same bits.
+
+    Under programmatic launches (``sim.launch.programmatic_launches``) the kernel reads its first
+    weights before it waits for the previous kernel (``kernels.pdl``): ``w`` must not be written
+    by the kernel launched just before it.
 
     Args:
         x, w, out, norm_weight, eps, swiglu, residual, stream: as :func:`.linear.linear`.
         layout: a :class:`GemvLayout` (default: :func:`plan_gemv`'s, else LAYOUTS["narrow"]).
+        release_next: the next kernel of the stream reads weights before its PDL wait (a gemv, a
+            split absorb): let it launch right after this one's wait (``kernels.pdl.pdl_begin_early``).
 
     Raises:
         TypeError / ValueError naming the argument, before any launch (``x``: not one 16-byte
@@ -266,5 +275,6 @@ def gemv(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6
     kernel, blocks, threads, geometry = _setup(prologue, residual is not None, n_cols, k_dim, layout)
     w_k = _kernel_weight(w)
     kernel[blocks, threads, _stream(stream), 0](x, w_k, out, out if residual is None else residual,
-                                                w_k if norm is None else norm, eps32, *geometry)
+                                                w_k if norm is None else norm, eps32, *geometry,
+                                                np.int32(1 if release_next else 0))
     return out

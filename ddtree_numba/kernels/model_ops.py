@@ -245,12 +245,13 @@ def _outranks(other_value, other, value, index):
 # --- kernels ---------------------------------------------------------------------------------
 
 @cuda.jit
-def embed_kernel(tokens, table, out):
+def embed_kernel(tokens, table, out, release_next):
     """out[m, d] = table[tokens[m], d]; a NaN row for an id outside [0, V).
 
-    tokens int32 [M], table [V, D], out [M, D]. One thread per element, grid-stride.
+    tokens int32 [M], table [V, D], out [M, D]. One thread per element, grid-stride. release_next:
+    1 where the next kernel reads weights before its PDL wait (an AR step's w_a gemv).
     """
-    pdl_begin_early()  # PDL: wait, then let the next kernel (an AR step's w_a gemv) launch and load weights
+    pdl_begin_early(release_next)  # PDL: wait for the previous kernel; release the next one now?
     dim = out.shape[1]
     for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
                      cuda.gridDim.x * cuda.blockDim.x):
@@ -349,12 +350,13 @@ def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
 
 @cuda.jit
 def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, sin, positions,
-                             cache_rows, kv_latent, k_rope, layout):
+                             cache_rows, kv_latent, k_rope, layout, release_next):
     """:func:`mla_q_rope_kernel` on blocks ``[0, q_blocks)`` and :func:`mla_kv_write_kernel` on
     the others, in one launch: an MLA layer's two RoPE steps run side by side (the same loops
-    per element and per row, so the same bits). Arguments as those two kernels'."""
+    per element and per row, so the same bits). Arguments as those two kernels'; release_next: 1
+    where the next kernel reads weights before its PDL wait (an AR step's split q absorb)."""
     s_part = cuda.shared.array(ROW_THREADS, float32)  # the kv rows: one partial sum per lane
-    pdl_begin_early()  # PDL: wait, then let the next kernel (the q absorb) launch and load weights
+    pdl_begin_early(release_next)  # PDL: wait for the previous kernel; release the next one now?
     if cuda.blockIdx.x < q_blocks:  # block-uniform
         _q_rope_pairs(q, cos, sin, positions, q_out, layout, cuda.blockIdx.x, q_blocks)
     else:
@@ -557,13 +559,14 @@ def moe_combine_kernel(shared: bool) -> Any:
     """The combine kernel with (``shared``) or without a shared expert's rows: a compile-time flag,
     the absent array a float32 placeholder (no None argument reaches a GPU launch)."""
     @cuda.jit
-    def moe_combine_kernel(x, expert_out, slot_of, topk_w, shared_out, out):
+    def moe_combine_kernel(x, expert_out, slot_of, topk_w, shared_out, out, release_next):
         """out[m, d] = x[m, d] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s], d] + shared_out[m, d]).
 
         s ascending (= ascending expert id), shared_out [M, D] (shared; else a placeholder); a slot
-        outside [0, M·k) gives NaN. One thread per element, grid-stride; out may be x.
+        outside [0, M·k) gives NaN. One thread per element, grid-stride; out may be x. release_next:
+        1 where the next kernel reads weights before its PDL wait (an AR step's w_a gemv).
         """
-        pdl_begin_early()  # PDL: wait, then let the next kernel (an AR step's w_a gemv) launch and load weights
+        pdl_begin_early(release_next)  # PDL: wait for the previous kernel; release the next one now?
         dim = out.shape[1]
         for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[0] * dim,
                          cuda.gridDim.x * cuda.blockDim.x):
@@ -592,7 +595,7 @@ _F3A = float32[:, :, :]
 _I1 = int32[::1]
 _I2 = int32[:, ::1]
 
-register("embed_rows", embed_kernel, ((_I1, _F2C, _F2A),),
+register("embed_rows", embed_kernel, ((_I1, _F2C, _F2A, int32),),
          "embedding gather, one thread per element, NaN rows for bad ids", block_threads=ELEM_THREADS)
 register("rms_norm_rows", rms_norm_kernel, ((_F2A, _F1, float32, _F2A),),
          "RMSNorm of rows, one warp per row (fixed-order reduction)", block_threads=ROW_THREADS)
@@ -602,7 +605,7 @@ register("mla_kv_write", mla_kv_write_kernel,
 register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),),
          "RoPE of the query rope part of every head, one thread per pair", block_threads=ELEM_THREADS)
 register("mla_rope_kv_write", mla_rope_kv_write_kernel,
-         ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32),),
+         ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32, int32),),
          "the query RoPE and the kv cache write in one launch (the engine's)", block_threads=ELEM_THREADS)
 for _norm in (False, True):
     for _biased in (True, False):
@@ -618,7 +621,7 @@ register("moe_route_csr", moe_csr_kernel, ((_I2, _I1, _I1, _I2),),
          block_threads=CSR_THREADS)
 for _shared in (True, False):
     register("moe_combine" + ("" if _shared else "_noshared"), moe_combine_kernel(_shared),
-             ((_F2A, _F2C, _I2, _F2C, _F2A if _shared else float32, _F2A),),
+             ((_F2A, _F2C, _I2, _F2C, _F2A if _shared else float32, _F2A, int32),),
              "MoE combine: residual + routed experts (ascending id)" + (" + shared expert" if _shared else "")
              + ", per element", block_threads=ELEM_THREADS)
 
@@ -702,7 +705,7 @@ def _shape(items: int, per_block: int, threads: int) -> tuple[int, int]:
 
 # --- host wrappers ---------------------------------------------------------------------------
 
-def embed(tokens: Any, table: Any, out: Any, *, stream: Any = 0) -> Any:
+def embed(tokens: Any, table: Any, out: Any, *, stream: Any = 0, release_next: bool = False) -> Any:
     """``out[m] = table[tokens[m]]``.
 
     Args:
@@ -711,6 +714,8 @@ def embed(tokens: Any, table: Any, out: Any, *, stream: Any = 0) -> Any:
         table: float32 [V, D], C-contiguous (``model.embed_tokens.weight``).
         out: float32 [M, D], unit inner stride (a view is fine).
         stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
+        release_next: the next kernel of the stream reads weights before its PDL wait (a 1-row
+            gemv): let it launch right after this one's wait (``kernels.pdl.pdl_begin_early``).
 
     Returns:
         ``out``. Bit-exact (a copy).
@@ -727,7 +732,7 @@ def embed(tokens: Any, table: Any, out: Any, *, stream: Any = 0) -> Any:
     if values is not None and (values.min() < 0 or values.max() >= table.shape[0]):
         raise ValueError(f"tokens must be in [0, {table.shape[0]})")
     launch(embed_kernel, *_shape(out.shape[0] * out.shape[1], ELEM_THREADS, ELEM_THREADS), stream, 0,
-           tokens, table, out)
+           tokens, table, out, np.int32(1 if release_next else 0))
     return out
 
 
@@ -872,7 +877,7 @@ def mla_q_rope(q: Any, cos: Any, sin: Any, positions: Any, out: Any, *, layout: 
 
 def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any,
                       positions: Any, cache_rows: Any, kv_latent: Any, k_rope: Any, *, layout: str,
-                      stream: Any = 0) -> Any:
+                      stream: Any = 0, release_next: bool = False) -> Any:
     """:func:`mla_q_rope` ``(q, cos, sin, positions, q_out)`` and :func:`mla_kv_write` ``(kv_a,
     kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope)`` in one launch
     (the engine's per-layer RoPE step: one kernel instead of two, the same bits).
@@ -880,7 +885,8 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     Args: as those two functions; ``q`` and ``kv_a`` have the same rows M (one position each),
     ``q_out`` the rope width of ``k_rope``. The two parts run at once: ``q_out`` may be
     ``q[:, :, nope:]`` but must not overlap ``kv_a``, ``kv_latent`` or ``k_rope``. Every argument
-    is checked before the launch. Returns ``q_out``.
+    is checked before the launch. ``release_next``: as :func:`embed`'s (the next kernel a split
+    absorb). Returns ``q_out``.
     """
     kv_args = _kv_write_args(kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
     q = _check_rows(q, "q", 3)
@@ -895,7 +901,7 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     kv_blocks, kv_threads = _shape(kv_args[0].shape[0], ROW_WARPS, ROW_THREADS)
     assert threads == kv_threads   # one block size for both parts: ELEM_THREADS == ROW_THREADS
     launch(mla_rope_kv_write_kernel, q_blocks + kv_blocks, threads, stream, 0, q, q_out, np.int32(q_blocks),
-           *kv_args)
+           *kv_args, np.int32(1 if release_next else 0))
     return q_out
 
 
@@ -989,7 +995,7 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
 
 
 def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: Any, out: Any, *,
-                stream: Any = 0) -> Any:
+                stream: Any = 0, release_next: bool = False) -> Any:
     """``out[m] = x[m] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s]] + shared_out[m])``.
 
     The sum runs over s ascending (ascending expert id, the reference's ``moe`` loop order),
@@ -1002,7 +1008,7 @@ def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: 
         topk_w: float32 [M, k] from :func:`moe_route`.
         shared_out: float32 [M, D] (shared expert output, unit inner stride) or None.
         out: float32 [M, D], unit inner stride; may be ``x``.
-        stream: as :func:`embed`.
+        stream, release_next: as :func:`embed`'s.
 
     Returns:
         ``out``.
@@ -1027,5 +1033,5 @@ def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: 
         raise ValueError(f"slot_of must be in [0, {m * k})")
     shared = shared_out is not None
     launch(moe_combine_kernel(shared), *_shape(m * dim, ELEM_THREADS, ELEM_THREADS), stream, 0, x, expert_out, slot_of,
-           topk_w, shared_out if shared else PLACEHOLDER, out)
+           topk_w, shared_out if shared else PLACEHOLDER, out, np.int32(1 if release_next else 0))
     return out

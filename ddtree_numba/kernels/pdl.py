@@ -17,16 +17,21 @@ Device side (call from kernels; inlined, no registers):
 - :func:`pdl_begin`: the wait, then the release if :data:`RELEASE_AT_START`: the rule for every
   kernel of the engine, as its first statement. Reads of memory that no kernel of the step
   writes (the weights) may go before a :func:`pdl_wait`; nothing else may, and no write may.
-- :func:`pdl_begin_early`: the wait, then the release if :data:`RELEASE_EARLY` (or
-  :data:`RELEASE_AT_START`): the first statement of a kernel whose successor in an AR step reads
-  its first weights before its own wait (:data:`WEIGHTS_BEFORE_WAIT`), so that the successor's
-  blocks take the SMs this grid leaves free and stream those weights while this grid runs.
+- :func:`pdl_begin_early` ``(release_next)``: the wait, then the release if the launch argument
+  ``release_next`` is nonzero and :data:`RELEASE_EARLY` is on (or :data:`RELEASE_AT_START`): the
+  first statement of a kernel that may precede one which reads its first weights before its own
+  wait (:data:`WEIGHTS_BEFORE_WAIT`). The engine passes ``release_next`` = 1 only where the next
+  kernel of the stream is such a kernel, so that its blocks take the SMs this grid leaves free
+  and stream those weights while this grid runs; before any other kernel the release stays at the
+  blocks' exits (releasing at the start before kernels with nothing to do timed slower).
 
 Weights before the wait: the kernels named in :data:`WEIGHTS_BEFORE_WAIT` (``gemv``, the split
-absorb) load their first round of weights, then call :func:`pdl_begin_early`. The weights are written by no kernel of
-a step (only by the host, before any step), so the early reads see their final values; the PTX
-test (``tests/test_pdl.py``) checks that only non-coherent global loads (``ld.global.nc``, the
-weight loads) precede the wait in those kernels.
+absorb at one row) load their first round of weights, then call :func:`pdl_begin_early`. The weights are
+written by no kernel of a step (only by the host, before any step), so the early reads see their
+final values (a caller that writes a weight array in a kernel must not launch these right after it
+inside ``programmatic_launches``). ``tests/test_pdl.py`` checks that nothing before that call names
+another array (source) and that exactly the first round's weight loads (``ld.global.nc``) precede
+the wait (sm_90 PTX).
 
 Host side (:mod:`sim.launch`): a kernel whose Python body calls :func:`pdl_begin` or
 :func:`pdl_wait` (found by name, :func:`sim.launch.takes_programmatic_launch`) is launched with
@@ -57,15 +62,17 @@ __all__ = ["pdl_wait", "pdl_release", "pdl_begin", "pdl_begin_early", "ENTRY_POI
 # at one row, 2250.2 against 2261.1 at 33 (means of two passes): -0.5 %.
 RELEASE_AT_START = False
 
-# Whether pdl_begin_early releases the next grid right after the wait (True) or leaves it to the
-# blocks' exits as pdl_begin does (False; bench.forward_ab's --pdl-release exit). Read when the
-# first kernel compiles. Releasing early only before kernels that read weights before their wait
-# keeps the waiting blocks useful: they stream their first weights while this grid runs.
+# Whether pdl_begin_early(release_next) releases the next grid right after the wait when its
+# launch passed release_next = 1 (True), or always leaves it to the blocks' exits as pdl_begin does
+# (False; bench.forward_ab's --pdl-release exit). Read when the first kernel compiles. The engine
+# passes 1 only before a kernel that reads weights before its wait, so the waiting blocks have
+# work: they stream their first weights while this grid runs.
 RELEASE_EARLY = True
 
-# The release policies (set_release_mode): "early" (the defaults: pdl_begin_early releases at
-# once, pdl_begin at the blocks' exits), "exit" (every kernel at its blocks' exits) and "start"
-# (every kernel right after its wait: RELEASE_AT_START).
+# The release policies (set_release_mode): "early" (the defaults: pdl_begin_early releases right
+# after the wait where its launch passes release_next, every other kernel at its blocks' exits),
+# "exit" (every kernel at its blocks' exits) and "start" (every kernel right after its wait:
+# RELEASE_AT_START).
 RELEASE_MODES = ("early", "exit", "start")
 
 
@@ -84,8 +91,9 @@ def set_release_mode(mode: str) -> None:
     RELEASE_EARLY = mode == "early"
 
 
-# Kernels (module file: kernel function) that read weights before their wait; every other engine
-# kernel begins with pdl_begin / pdl_begin_early (tests/test_pdl.py checks both rules).
+# Kernels (module file: kernel function) that read weights before their wait (the split absorb
+# at one row only); every other engine kernel begins with pdl_begin / pdl_begin_early
+# (tests/test_pdl.py checks both rules).
 WEIGHTS_BEFORE_WAIT = ("gemv.py:kernel", "absorb.py:split_kernel")
 
 # The device functions whose call makes a kernel take programmatic launches (sim.launch's
@@ -154,10 +162,12 @@ def pdl_begin():
 
 
 @cuda.jit(device=True, inline="always")
-def pdl_begin_early():
-    """pdl_begin for a kernel whose successor reads weights before its wait: wait for the previous
-    grid, then (:data:`RELEASE_EARLY`) let the next one launch at once, so its blocks load their
-    first weights on the SMs this grid leaves free while this grid runs."""
+def pdl_begin_early(release_next):
+    """pdl_begin with a per-launch release: wait for the previous grid; then, if ``release_next``
+    (a launch argument, the same in every thread: nonzero where the next kernel of the stream
+    reads weights before its wait) and :data:`RELEASE_EARLY`, let the next grid launch at once, so
+    its blocks load their first weights on the SMs this grid leaves free while this grid runs.
+    With :data:`RELEASE_AT_START` it always releases, as :func:`pdl_begin`."""
     _griddepcontrol_wait()
-    if RELEASE_EARLY or RELEASE_AT_START:   # compile-time constants: the branch folds away
+    if RELEASE_AT_START or (RELEASE_EARLY and release_next != 0):   # (the constants fold)
         _griddepcontrol_launch_dependents()

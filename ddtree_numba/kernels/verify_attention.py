@@ -1424,12 +1424,13 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
 
     @cuda.jit(**launch_bounds(PV_THREADS))
     def decode_values(kv_latent, past_lens, tree_sizes, visibility, num_heads, kv_rows, vis_words,
-                      scores, out, lse):
-        """out[b, 0, h, d] and lse[b, 0, h] of the block's SPH heads and SPD dims."""
+                      scores, out, lse, release_next):
+        """out[b, 0, h, d] and lse[b, 0, h] of the block's SPH heads and SPD dims; release_next: 1
+        where the next kernel reads weights before its PDL wait (an AR step's value absorb)."""
         probs = cuda.shared.array(PROBS_N, float32)       # [PASS, SPH] probabilities
         alpha = cuda.shared.array(ALPHAS_N, float32)      # [SPH, PASS_CHUNKS] rescales
         fin = cuda.shared.array(FIN_N, float32)           # [2, SPH] final m, then l
-        pdl_begin_early()  # PDL: wait, then let the next kernel (an AR step's value absorb) launch and load weights
+        pdl_begin_early(release_next)  # PDL: wait for the previous kernel; release the next one now?
         b = cuda.blockIdx.z
         h0 = cuda.blockIdx.x * SPH
         dim = cuda.blockIdx.y * SPD + cuda.threadIdx.x             # this thread's latent dim
@@ -1663,7 +1664,7 @@ def _check_host_finite(arrays: dict[str, Any], past_lens: Any, tree_sizes: Any) 
 
 def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
         past_lens: Any, tree_sizes: Any, visibility: Any, scale: float, out: Any, lse: Any,
-        workspace: Any, stream: Any = 0) -> None:
+        workspace: Any, stream: Any = 0, *, release_next: bool = False) -> None:
     """Launch tree-verify attention into caller-owned ``out``, ``lse`` and ``workspace``.
 
     Args:
@@ -1680,6 +1681,9 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
         workspace: float32 ``p.workspace_shape``.
         stream: 0, a numba stream, a cuda.core Stream, or a cuda.core GraphBuilder (a capture:
             the engine's step graphs, ``bench.verify_attention --graph``).
+        release_next: the next kernel of the stream reads weights before its PDL wait (an AR
+            step's split value absorb): the two-launch path's values launch lets it launch right
+            after its own wait (``kernels.pdl.pdl_begin_early``); the other launches ignore it.
 
     Raises:
         TypeError / ValueError naming the argument, before any launch.
@@ -1721,7 +1725,8 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
         launch(scores, (-(-s // sk), h // sh, bs), sh * sk * cfg.k_groups, stream, 0, q_lat, q_rp, kv_lat,
                k_rp, past_lens, tree_sizes, vis, np.int32(h), np.int32(s), words, scale, ws)
         launch(values, (h // sph, cfg.latent_dim // spd, bs), pv_threads, stream, 0, kv_lat, past_lens,
-               tree_sizes, vis, np.int32(h), np.int32(s), words, ws, out_flat, lse_flat)
+               tree_sizes, vis, np.int32(h), np.int32(s), words, ws, out_flat, lse_flat,
+               np.int32(1 if release_next else 0))
         return
     attention, merge = get_kernels(cfg)
     dims = (np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)))
@@ -1809,7 +1814,7 @@ for _name, _config, _what in (
 _DECODE_SCORES_SIG = (float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], int32[::1],
                       uint32[::1], int32, int32, int32, float32, float32[::1])
 _DECODE_VALUES_SIG = (float32[::1], int32[::1], int32[::1], uint32[::1], int32, int32, int32, float32[::1],
-                      float32[::1], float32[::1])
+                      float32[::1], float32[::1], int32)
 _decode = get_decode_kernels(KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG, 64)
 _decode_geometry = decode_geometry(KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG, 64)
 register("verify_attention_decode_scores", _decode[0], [_DECODE_SCORES_SIG],
