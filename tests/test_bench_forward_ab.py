@@ -103,15 +103,20 @@ def test_tensor_core_variant_parses():
 
 
 def test_pdl_variants_parse():
-    """A third part /pdl: the same layout captured with programmatic launches, its own result key."""
-    variants = forward_ab._variants("auto/auto-seg,auto/auto-seg/pdl,sf2x128/auto-tc/pdl")
-    assert variants == [("auto", "auto-seg"), ("auto", "auto-seg"), ("sf2x128", "auto-tc")]
-    assert [v.pdl for v in variants] == [False, True, True]
-    assert [v.name for v in variants] == ["auto/auto-seg", "auto/auto-seg/pdl", "sf2x128/auto-tc/pdl"]
+    """A third part /pdl: the same layout captured with programmatic launches, its own result key;
+    /pdlx: the same with every release at the blocks' exits (engine.model.PDL_RELEASE_EARLY off)."""
+    variants = forward_ab._variants("auto/auto-seg,auto/auto-seg/pdl,sf2x128/auto-tc/pdl,auto/auto-seg/pdlx")
+    assert variants == [("auto", "auto-seg"), ("auto", "auto-seg"), ("sf2x128", "auto-tc"), ("auto", "auto-seg")]
+    assert [v.pdl for v in variants] == [False, True, True, True]
+    assert [v.exit_release for v in variants] == [False, False, False, True]
+    assert [v.name for v in variants] == ["auto/auto-seg", "auto/auto-seg/pdl", "sf2x128/auto-tc/pdl",
+                                          "auto/auto-seg/pdlx"]
     assert variants[2].score_first == (2, 128, 1)
     copied = __import__("copy").copy(variants[1])
     assert copied.pdl and copied.name == "auto/auto-seg/pdl"
-    for bad in ("auto/auto-seg/pd", "auto/auto-seg/pdl/pdl", "auto/pdl", "auto/auto-seg/"):
+    copied = __import__("copy").copy(variants[3])
+    assert copied.exit_release and copied.name == "auto/auto-seg/pdlx"
+    for bad in ("auto/auto-seg/pd", "auto/auto-seg/pdl/pdl", "auto/pdl", "auto/auto-seg/", "auto/auto-seg/pdlxx"):
         with pytest.raises(argparse.ArgumentTypeError, match="variant"):
             forward_ab._variants(bad)
 

@@ -731,6 +731,27 @@ def test_forward_releases_early_only_before_weight_first_kernels(monkeypatch, bs
         assert not released and "gemv" not in names and names.count("absorb") == 2 * config.n_layers
 
 
+def test_release_switch_off_flags_no_launch(monkeypatch) -> None:
+    """engine.model.PDL_RELEASE_EARLY off (bench.forward_ab's /pdlx): no launch of an AR step asks
+    to release the next one early; the same launches otherwise."""
+    import ddtree_numba.engine.model as em
+
+    config, weights = _tiny()
+    model = TargetModel(config, weights, batch_size=1, kv_capacity=KV_CAPACITY, max_rows=1)
+    args = (np.array([[3]], np.int32), np.array([[0]], np.int32), np.array([1], np.int32),
+            prefill_visibility(np.array([1]), 1))
+    runs = {}
+    for early in (True, False):
+        seen: list = []
+        with monkeypatch.context() as mp:
+            mp.setattr(em, "PDL_RELEASE_EARLY", early)
+            _record_launches(mp, seen)
+            model.forward(*args)
+        runs[early] = seen
+    assert [n for n, _, _ in runs[True]] == [n for n, _, _ in runs[False]]
+    assert any(r for _, r, _ in runs[True]) and not any(r for _, r, _ in runs[False])
+
+
 def test_cache_layers_view_the_stacked_arrays() -> None:
     """Every layer's buffers are C-contiguous views of KVCache.stacked(), 16 bytes aligned."""
     config, _ = _tiny()

@@ -62,7 +62,9 @@ partner), ``auto-tc-ring1`` (that, with the one-row products' weights through th
 ``linear_tc.ASYNC_RING = (1,)``) or ``auto-tc-ring`` (every product's, ``ASYNC_RING = True``). A
 third part ``/pdl`` (``TILE/COLS/pdl``) captures that variant's forward with programmatic dependent
 launches (``sim.launch.programmatic_launches``: each kernel may start while the previous one
-drains; the same arithmetic). A variant named twice is timed twice and printed twice; the HDF5
+drains; the same arithmetic); ``/pdlx`` does too with ``engine.model.PDL_RELEASE_EARLY`` off (no
+launch releases the next right after its wait: every release at the blocks' exits), so the early
+release before a weights-first gemv / split absorb is timed against its absence in one process. A variant named twice is timed twice and printed twice; the HDF5
 group keeps its last run.
 
 Each variant's logits after its replays are compared bit for bit with those of the first variant
@@ -105,28 +107,31 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
 
 
 class Variant(tuple):
-    """One ``TILE/COLS[/pdl]`` variant: the pair ``(tile, cols)`` (equal to that plain tuple),
-    ``score_first``, the parsed (H heads, K keys, R score rows) of an ``sfHxK[rR][+]`` or
-    ``tsfHxK[rR]`` tile (None for any other tile), and ``pdl``, whether its launches are
-    programmatic: :func:`_variants` parses a name once."""
+    """One ``TILE/COLS[/pdl|/pdlx]`` variant: the pair ``(tile, cols)`` (equal to that plain
+    tuple), ``score_first``, the parsed (H heads, K keys, R score rows) of an ``sfHxK[rR][+]`` or
+    ``tsfHxK[rR]`` tile (None for any other tile), ``pdl``, whether its launches are programmatic,
+    and ``exit_release``, whether they all release at their blocks' exits (``/pdlx``):
+    :func:`_variants` parses a name once."""
 
     score_first: tuple[int, int, int] | None
     pdl: bool
+    exit_release: bool
 
     def __new__(cls, tile: str, cols: str, score_first: tuple[int, int, int] | None = None,
-                pdl: bool = False) -> Variant:
+                pdl: bool = False, exit_release: bool = False) -> Variant:
         self = super().__new__(cls, (tile, cols))
         self.score_first = score_first
         self.pdl = pdl
+        self.exit_release = exit_release
         return self
 
     def __getnewargs__(self) -> tuple:   # copy and pickle call __new__ with these
-        return (*self, self.score_first, self.pdl)
+        return (*self, self.score_first, self.pdl, self.exit_release)
 
     @property
     def name(self) -> str:
-        """``TILE/COLS``, with ``/pdl`` for a programmatic variant (its key in the results)."""
-        return f"{self[0]}/{self[1]}" + ("/pdl" if self.pdl else "")
+        """``TILE/COLS``, with ``/pdl`` (``/pdlx``) for a programmatic variant (its key in the results)."""
+        return f"{self[0]}/{self[1]}" + (("/pdlx" if self.exit_release else "/pdl") if self.pdl else "")
 
 
 def time_variants(preset: str, past: int, row_counts: list[int], variants: list[Variant],
@@ -164,6 +169,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
     row_products = em.ROW_PRODUCTS
+    release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
@@ -186,6 +192,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.EXPERT_TYPICAL_WAVES = typical_waves and tile not in ("auto-bound", "auto-unfold-bound")   # read per call
             em.EXPERT_TILE_BY_ROWS = tile_by_rows and tile not in ("auto-entrytile", "auto-unfold-bound")
             em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
+            em.PDL_RELEASE_EARLY = release_early and not variant.exit_release   # (captured as launch arguments)
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
@@ -254,7 +261,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             programmatic = programmatic_launch_count() - programmatic_before   # > 0 for a /pdl variant on a GPU
             bits = "same bits" if all(same_bits[variant.name].values()) else "DIFFERENT BITS " + json.dumps(
                 same_bits[variant.name])
-            print(f"tile {tile:11s} cols {cols:10s} {'pdl' if variant.pdl else '   '} " + json.dumps(per_rows)
+            launch_kind = ("pdlx" if variant.exit_release else "pdl ") if variant.pdl else "    "
+            print(f"tile {tile:11s} cols {cols:10s} {launch_kind} " + json.dumps(per_rows)
                   + f" {bits}"
                   + (f" ({programmatic} programmatic launches in warm-up and capture)" if variant.pdl else ""),
                   flush=True)
@@ -275,6 +283,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
         em.ROW_PRODUCTS = row_products
+        em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split
     return results
 
@@ -303,17 +312,17 @@ def _merge_tile(tile: str) -> tuple[int, int] | None:
 
 
 def _variants(text: str) -> list[Variant]:
-    """``TILE/COLS[/pdl],...`` -> its variants (argparse type: ArgumentTypeError naming a bad one)."""
+    """``TILE/COLS[/pdl|/pdlx],...`` -> its variants (argparse type: ArgumentTypeError naming a bad one)."""
     out = []
     for item in text.split(","):
         tile, _, cols = item.partition("/")
         cols, slash, launch = cols.partition("/")
         score_first = _score_first_tile(tile[1:] if tile.startswith("tsf") else tile)
         if (tile not in TILE_VARIANTS and not score_first and not _merge_tile(tile)) or cols not in COLS_VARIANTS \
-                or (slash and launch != "pdl"):
+                or (slash and launch not in ("pdl", "pdlx")):
             raise argparse.ArgumentTypeError(f"variant {item!r}: TILE in {'|'.join(TILE_VARIANTS)}|sfHxK[rR][+]|tsfHxK[rR]|automTxH, "
-                                             f"COLS in {'|'.join(COLS_VARIANTS)}, then optionally /pdl")
-        out.append(Variant(tile, cols, score_first, launch == "pdl"))
+                                             f"COLS in {'|'.join(COLS_VARIANTS)}, then optionally /pdl or /pdlx")
+        out.append(Variant(tile, cols, score_first, launch in ("pdl", "pdlx"), launch == "pdlx"))
     return out
 
 
@@ -326,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=192, help="cached rows (default: %(default)s)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 33], help="rows per forward (default: 1 33)")
     parser.add_argument("--variants", type=_variants, default=_variants("auto/auto,64/auto,auto/4,64/4"),
-                        help="comma-separated TILE/COLS[/pdl] variants (default: all four pairs of auto/64 and auto/4)")
+                        help="comma-separated TILE/COLS[/pdl|/pdlx] variants (default: all four pairs of auto/64 "
+                             "and auto/4); /pdl: programmatic launches, /pdlx: the same with every release at the "
+                             "blocks' exits (engine.model.PDL_RELEASE_EARLY off)")
     parser.add_argument("--pdl-release", choices=RELEASE_MODES, default="early",
                         help="/pdl variants: when a kernel's blocks let the next grid launch (kernels.pdl."
                              "set_release_mode): early (default: right after the wait in the kernels "

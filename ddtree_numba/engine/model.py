@@ -153,6 +153,11 @@ EXPERT_TILE_BY_ROWS = True
 # x read from L1 / L2 instead of staged. The same bits as linear. Layout, not numerics
 # (bench.forward_ab's ``auto-nogemv`` switches it off).
 ROW_PRODUCTS = True
+# Under programmatic launches (decode's pdl=True), a launch followed by one that reads weights before
+# its wait (a gemv, a 1-row split absorb) lets it launch right after its own wait (release_next:
+# kernels.pdl.pdl_begin_early); off, every kernel releases at its blocks' exits. A launch argument,
+# so a captured graph keeps what was set at its capture (bench.forward_ab's ``/pdlx`` turns it off).
+PDL_RELEASE_EARLY = True
 
 
 class ForwardOut(NamedTuple):
@@ -638,6 +643,11 @@ class TargetModel:
         return self._tc is None and ROW_PRODUCTS and gemv_takes(x, w, norm_weight=prologue.get("norm_weight"),
                                                                 swiglu=bool(prologue.get("swiglu")))
 
+    def _release_before_gemv(self, x: Any, w: Any, **prologue: Any) -> bool:
+        """release_next for the launch before this product: it runs through ``gemv`` and
+        PDL_RELEASE_EARLY is on."""
+        return PDL_RELEASE_EARLY and self._gemv_runs(x, w, **prologue)
+
     def _product(self, x: Any, w: Any, out: Any, stream: Any, *, release_next: bool = False,
                  **prologue: Any) -> None:
         """out = prologue(x) @ w.T (+ residual) through the model's ``products`` kernels: a 1-row
@@ -734,7 +744,7 @@ class TargetModel:
         # PDL (kernels.pdl): a kernel releases the next one right after its wait only where that
         # one reads weights before its own wait (a 1-row gemv, a split absorb); here, the layers'
         # first products (w_a) after the embedding and after each FFN that no capture follows.
-        w_a_first = [self._gemv_runs(b.x, lw.attn.w_a, norm_weight=lw.attn.norm) for lw in layers]
+        w_a_first = [self._release_before_gemv(b.x, lw.attn.w_a, norm_weight=lw.attn.norm) for lw in layers]
         embed(b.row_tokens, self.weights.embed, b.x, stream=stream, release_next=w_a_first[0])
         for i, (lw, kv) in enumerate(zip(layers, self.cache.layers)):
             self._attention(lw, kv, sizes, visibility, stream)
@@ -746,10 +756,10 @@ class TargetModel:
                       eps=self.config.rms_norm_eps)  # [M, V]
         return ForwardOut(logits=b.logits, features=b.features)
 
-    def _absorb_split(self, x: Any, w_kn: Any) -> bool:
-        """Whether :meth:`_absorb` launches the split absorb, which reads its first weights before
-        its PDL wait."""
-        return self._segment_absorbs and absorb_reads_weights_first(x, w_kn)
+    def _release_before_absorb(self, x: Any, w_kn: Any) -> bool:
+        """release_next for the launch before this absorb: :meth:`_absorb` launches the 1-row split
+        absorb, which reads its first weights before its PDL wait, and PDL_RELEASE_EARLY is on."""
+        return PDL_RELEASE_EARLY and self._segment_absorbs and absorb_reads_weights_first(x, w_kn)
 
     def _absorb(self, x: Any, w: Any, w_kn: Any, out: Any, stream: Any, *, release_next: bool = False) -> None:
         """out[m, h] = x[m, h] @ w[h].T: kernels.absorb (w k-major) with the segment absorbs on,
@@ -767,13 +777,13 @@ class TargetModel:
         uk_kn, uv_kn = (None, None) if self._absorb_kn is None else (kn[lw.index] for kn in self._absorb_kn)
         q_in, q_norm = (v.a_q, w.q_norm) if v.a_q is not None else (b.x, w.norm)
         self._product(b.x, w.w_a, b.a, stream, norm_weight=w.norm, eps=eps,
-                      release_next=self._gemv_runs(q_in, w.w_q, norm_weight=q_norm))  # [M, Qa + C + R]
+                      release_next=self._release_before_gemv(q_in, w.w_q, norm_weight=q_norm))  # [M, Qa + C + R]
         self._product(q_in, w.w_q, v.q2, stream, norm_weight=q_norm, eps=eps)  # [M, H * (nope + R)]
         latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
         if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
             mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
                               b.row_positions, b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout,
-                              stream=stream, release_next=self._absorb_split(v.q_nope, uk_kn))
+                              stream=stream, release_next=self._release_before_absorb(v.q_nope, uk_kn))
         else:
             mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
                        stream=stream)  # [M, H, R]
@@ -782,9 +792,9 @@ class TargetModel:
         self._absorb(v.q_nope, w.w_uk_t, uk_kn, v.q_latent, stream)  # [M, H, C]
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream,
-               release_next=self._absorb_split(v.attn, uv_kn))  # [bs, Tc, H, C]
+               release_next=self._release_before_absorb(v.attn, uv_kn))  # [bs, Tc, H, C]
         self._absorb(v.attn, w.w_uv, uv_kn, b.heads, stream,
-                     release_next=self._wo_split is None and self._gemv_runs(v.heads, w.w_o))  # [M, H, v]
+                     release_next=self._wo_split is None and self._release_before_gemv(v.heads, w.w_o))  # [M, H, v]
         if self._wo_split is None:
             self._product(v.heads, w.w_o, b.x, stream, residual=b.x)  # [M, D]
         else:
