@@ -135,6 +135,60 @@ def test_gpu_gemv_matches_linear_at_small_shapes(name, n, k, prologue, residual)
         assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)), (name, kind)
 
 
+@pytest.mark.gpu
+def test_gpu_gemv_chain_with_early_release_under_pdl():
+    """Eight dependent 1-row products (each reads the previous one's output; RMSNorm prologue;
+    8192 x 2048 alternating with small's wo shape 2048 x 8192: one K segment and four), each
+    releasing the next early (release_next) while the next loads its weights before its wait:
+    under programmatic launches,
+    eagerly and replayed from a captured graph with a new input before each replay, the last
+    output is the bits of the same chain launched ordinarily. A product that read its input
+    before the previous one finished would see the last replay's values."""
+    from cuda.core import Device
+
+    from ddtree_numba.engine.graphs import StepGraph
+    from sim.launch import programmatic_launch_count, programmatic_launches
+
+    rng = np.random.default_rng(7)
+    shapes = [(8192, 2048), (2048, 8192)] * 4
+    weights = [_dev(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1])) for s in shapes]
+    norms = [_dev((1.0 + 0.1 * rng.standard_normal(s[1])).astype(np.float32)) for s in shapes]
+    bufs = [cuda.device_array((1, s[0]), np.float32) for s in shapes]
+    x0 = cuda.device_array((1, 2048), np.float32)
+    stream = Device().create_stream()
+
+    def chain(s):
+        x = x0
+        for i, (w, norm, out) in enumerate(zip(weights, norms, bufs)):
+            gv.gemv(x, w, out, norm_weight=norm, eps=1e-6, stream=s, release_next=i + 1 < len(weights))
+            x = out
+
+    def run_plain(x_host):
+        x0.copy_to_device(x_host)
+        chain(0)
+        cuda.synchronize()
+        return bufs[-1].copy_to_host()
+
+    inputs = [rng.standard_normal((1, 2048)).astype(np.float32) for _ in range(4)]
+    want = [run_plain(x) for x in inputs]
+    count = programmatic_launch_count()
+    with programmatic_launches():
+        x0.copy_to_device(inputs[0])
+        chain(stream)
+        stream.sync()
+        assert programmatic_launch_count() == count + len(weights)
+        assert np.array_equal(bufs[-1].copy_to_host().view(np.uint32), want[0].view(np.uint32))
+        graph = StepGraph(chain, stream)
+        graph.warm_up()
+        graph.capture()
+        for x, ref in zip(inputs * 5, want * 5):
+            x0.copy_to_device(x)   # synchronous: done before the replay is enqueued
+            graph.replay()
+            stream.sync()
+            assert np.array_equal(bufs[-1].copy_to_host().view(np.uint32), ref.view(np.uint32))
+        graph.close()
+
+
 def test_engine_ar_step_runs_gemv_with_linears_bits(monkeypatch):
     """tiny's AR forward (1 row over 5 cached rows) launches gemv for the products it has a layout
     for (tiny's dense down projection, K 128), and its logits are the bits of the same forward with
