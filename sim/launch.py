@@ -258,7 +258,8 @@ def _code_calls_pdl(code: types.CodeType) -> bool:
 
 def takes_programmatic_launch(kernel: Any) -> bool:
     """Whether ``kernel`` (a numba dispatcher, compiled kernel, simulator kernel or plain Python
-    function) calls ``pdl_begin`` / ``pdl_wait`` in its body, by name: only such a kernel may be
+    function) calls ``pdl_begin`` / ``pdl_begin_early`` / ``pdl_wait`` in its body (kernels.pdl's
+    ENTRY_POINTS), by name: only such a kernel may be
     launched before its predecessor has completed (:mod:`ddtree_numba.kernels.pdl`)."""
     func = getattr(kernel, "py_func", kernel)
     code = getattr(func, "__code__", None)

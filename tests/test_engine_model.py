@@ -702,6 +702,46 @@ def _record_launches(mp: pytest.MonkeyPatch, seen: list) -> None:
             mp.setattr(em, name, wrap(name, getattr(em, name)))
 
 
+def _wide_tiny() -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """tiny widened so that every 1-row product takes gemv (K a multiple of 128: hidden, q_lora,
+    heads x v, dense and expert widths 128), three layers (one dense): the engine's PDL flags then
+    meet every kind of pair (embed, MoE combine and the dense down projection before w_a, w_a before
+    w_q, the value absorb before wo, wo before the dense gate | up, that before the down projection,
+    the last FFN before the lm_head)."""
+    config = dataclasses.replace(ModelConfig.from_name(MODEL_PRESET), hidden_size=128, q_lora_rank=128,
+                                 v_head_dim=32, moe_intermediate=128, n_layers=3)
+    return config, init_weights(config, 1)
+
+
+def _check_release_flags(seen: list) -> set:
+    """Every launch that takes release_next passes it exactly when the next launch reads weights
+    before its wait; returns the names that passed it."""
+    for (name, release, _), (next_name, _, first) in zip(seen, seen[1:] + [("end", False, False)]):
+        assert release is first or (release is False and name not in _RELEASING), (name, next_name)
+    return {name for name, release, _ in seen if release}
+
+
+def test_forward_flags_every_weights_first_pair_of_a_wide_model(monkeypatch) -> None:
+    """With every 1-row product on gemv, each launch before a gemv or a 1-row split absorb passes
+    release_next and no other does, a captured layer's copy launch (layer 1) and the unfolded shared
+    expert's two products included. (Under the simulator the flags change nothing: the tiny tests
+    check the bits; this one, one slow forward, only the flags.)"""
+    import ddtree_numba.engine.model as em
+
+    config, weights = _wide_tiny()
+    monkeypatch.setattr(em, "FOLD_SHARED_EXPERT", False)
+    model = TargetModel(config, weights, batch_size=1, kv_capacity=KV_CAPACITY, max_rows=1, capture_layers=(1,))
+    seen: list = []
+    _record_launches(monkeypatch, seen)
+    model.forward(np.array([[5]], np.int32), np.array([[0]], np.int32), np.array([1], np.int32),
+                  prefill_visibility(np.array([1]), 1))
+    released = _check_release_flags(seen)
+    assert released == {"embed", "gemv", "absorb", "mla_rope_kv_write", "attention", "moe_combine"}
+    names = [n for n, _, _ in seen]
+    assert names.count("gemv") == 3 * 3 + 2 + 2 * 2 + 1   # w_a, w_q, wo; dense; shared experts; lm_head
+    assert ("moe_combine", True, False) in seen and ("gemv", True, True) in seen   # before the lm_head; gemv pairs
+
+
 @pytest.mark.parametrize("bs, rows", [(1, 1), (1, 3)])
 def test_forward_releases_early_only_before_weight_first_kernels(monkeypatch, bs, rows) -> None:
     """PDL (kernels.pdl): a launch passes release_next exactly where the next launch of the forward
@@ -721,9 +761,7 @@ def test_forward_releases_early_only_before_weight_first_kernels(monkeypatch, bs
     model.forward(tokens, positions, np.array([rows], np.int32), prefill_visibility(np.array([rows]), rows))
     names = [name for name, _, _ in seen]
     assert names[:2] == ["launch", "embed"] and names.count("attention") == config.n_layers
-    for (name, release, _), (next_name, _, first) in zip(seen, seen[1:] + [("end", False, False)]):
-        assert release is first or (release is False and name not in _RELEASING), (name, next_name)
-    released = {name for name, release, _ in seen if release}
+    released = _check_release_flags(seen)
     if rows == 1:
         assert em.ROW_PRODUCTS and {"mla_rope_kv_write", "attention"} <= released
         assert ("gemv", False, True) in seen      # tiny's one gemv: the dense SwiGLU (K 128)

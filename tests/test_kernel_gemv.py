@@ -165,6 +165,7 @@ def test_gpu_gemv_chain_with_early_release_under_pdl():
 
     def run_plain(x_host):
         x0.copy_to_device(x_host)
+        cuda.synchronize()
         chain(0)
         cuda.synchronize()
         return bufs[-1].copy_to_host()
@@ -174,6 +175,7 @@ def test_gpu_gemv_chain_with_early_release_under_pdl():
     count = programmatic_launch_count()
     with programmatic_launches():
         x0.copy_to_device(inputs[0])
+        cuda.synchronize()   # the copy done before the launches on the non-blocking stream
         chain(stream)
         stream.sync()
         assert programmatic_launch_count() == count + len(weights)
@@ -182,7 +184,8 @@ def test_gpu_gemv_chain_with_early_release_under_pdl():
         graph.warm_up()
         graph.capture()
         for x, ref in zip(inputs * 5, want * 5):
-            x0.copy_to_device(x)   # synchronous: done before the replay is enqueued
+            x0.copy_to_device(x)
+            cuda.synchronize()   # the copy done before the replay (the stream does not wait for it)
             graph.replay()
             stream.sync()
             assert np.array_equal(bufs[-1].copy_to_host().view(np.uint32), ref.view(np.uint32))

@@ -63,8 +63,9 @@ partner), ``auto-tc-ring1`` (that, with the one-row products' weights through th
 third part ``/pdl`` (``TILE/COLS/pdl``) captures that variant's forward with programmatic dependent
 launches (``sim.launch.programmatic_launches``: each kernel may start while the previous one
 drains; the same arithmetic); ``/pdlx`` does too with ``engine.model.PDL_RELEASE_EARLY`` off (no
-launch releases the next right after its wait: every release at the blocks' exits), so the early
-release before a weights-first gemv / split absorb is timed against its absence in one process. A variant named twice is timed twice and printed twice; the HDF5
+launch asks to release the next right after its wait: with the default ``--pdl-release early``
+every release is then at the blocks' exits), so the early release before a weights-first gemv /
+split absorb is timed against its absence in one process. A variant named twice is timed twice and printed twice; the HDF5
 group keeps its last run.
 
 Each variant's logits after its replays are compared bit for bit with those of the first variant

@@ -742,14 +742,16 @@ class TargetModel:
                b.row_tokens, b.row_positions, b.cache_rows)
         layers = self.weights.layers
         # PDL (kernels.pdl): a kernel releases the next one right after its wait only where that
-        # one reads weights before its own wait (a 1-row gemv, a split absorb); here, the layers'
-        # first products (w_a) after the embedding and after each FFN that no capture follows.
-        w_a_first = [self._release_before_gemv(b.x, lw.attn.w_a, norm_weight=lw.attn.norm) for lw in layers]
-        embed(b.row_tokens, self.weights.embed, b.x, stream=stream, release_next=w_a_first[0])
+        # one reads weights before its own wait (a 1-row gemv, a 1-row split absorb); here, each
+        # layer's first product (w_a) and the lm_head after the embedding or an FFN that no
+        # capture follows.
+        firsts = [self._release_before_gemv(b.x, lw.attn.w_a, norm_weight=lw.attn.norm) for lw in layers]
+        firsts.append(self._release_before_gemv(b.x, self.weights.lm_head, norm_weight=self.weights.final_norm))
+        embed(b.row_tokens, self.weights.embed, b.x, stream=stream, release_next=firsts[0])
         for i, (lw, kv) in enumerate(zip(layers, self.cache.layers)):
             self._attention(lw, kv, sizes, visibility, stream)
             captured = lw.index in self._capture_slot
-            self._ffn(lw, stream, release_next=not captured and i + 1 < len(layers) and w_a_first[i + 1])
+            self._ffn(lw, stream, release_next=not captured and firsts[i + 1])
             if captured:
                 self._capture(lw.index, stream)
         self._product(b.x, self.weights.lm_head, self._views.logits, stream, norm_weight=self.weights.final_norm,
@@ -796,18 +798,24 @@ class TargetModel:
         self._absorb(v.attn, w.w_uv, uv_kn, b.heads, stream,
                      release_next=self._wo_split is None and self._release_before_gemv(v.heads, w.w_o))  # [M, H, v]
         if self._wo_split is None:
-            self._product(v.heads, w.w_o, b.x, stream, residual=b.x)  # [M, D]
+            f = lw.ffn   # the FFN's first launch: the dense gate | up (a product), else the routing
+            self._product(v.heads, w.w_o, b.x, stream, residual=b.x,
+                          release_next=isinstance(f, DenseFfnWeights) and self._release_before_gemv(
+                              b.x, f.w13, norm_weight=f.norm))  # [M, D]
         else:
             w_split, heads, parts = self._wo_split
             linear_split_k(heads, w_split[lw.index], parts, b.x, residual=b.x, stream=stream)  # [M, D]
 
     def _ffn(self, lw: LayerWeights, stream: Any, *, release_next: bool = False) -> None:
         """x += FFN(rmsnorm(x)): dense SwiGLU, or routed experts + shared expert. ``release_next``:
-        the launch after the FFN reads weights before its PDL wait (the next layer's 1-row w_a)."""
+        the launch after the FFN reads weights before its PDL wait (the next layer's 1-row w_a, or
+        the lm_head's)."""
         c, b, f = self.config, self.buffers, lw.ffn
         eps = c.rms_norm_eps
         if isinstance(f, DenseFfnWeights):
-            self._product(b.x, f.w13, b.h13, stream, norm_weight=f.norm, eps=eps)  # [M, 2I]
+            self._product(b.x, f.w13, b.h13, stream, norm_weight=f.norm, eps=eps,
+                          release_next=self._w2_split is None and self._release_before_gemv(
+                              b.h13, f.w2, swiglu=True))  # [M, 2I]
             if self._w2_split is None:
                 self._product(b.h13, f.w2, b.x, stream, swiglu=True, residual=b.x,
                               release_next=release_next)  # [M, D]
@@ -832,7 +840,8 @@ class TargetModel:
         expert_linear(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, max_rows=m,
                       stream=stream)  # [Jx, D]
         if f.shared_w13 is not None and not self._fold_shared:
-            self._product(b.xn, f.shared_w13, b.s13, stream)  # [M, 2Is]
+            self._product(b.xn, f.shared_w13, b.s13, stream,
+                          release_next=self._release_before_gemv(b.s13, f.shared_w2, swiglu=True))  # [M, 2Is]
             self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
         moe_combine(b.x, v.routed_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream,
                     release_next=release_next)  # [M, D]

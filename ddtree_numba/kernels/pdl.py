@@ -33,8 +33,8 @@ inside ``programmatic_launches``). ``tests/test_pdl.py`` checks that nothing bef
 another array (source) and that exactly the first round's weight loads (``ld.global.nc``) precede
 the wait (sm_90 PTX).
 
-Host side (:mod:`sim.launch`): a kernel whose Python body calls :func:`pdl_begin` or
-:func:`pdl_wait` (found by name, :func:`sim.launch.takes_programmatic_launch`) is launched with
+Host side (:mod:`sim.launch`): a kernel whose Python body calls :func:`pdl_begin`,
+:func:`pdl_begin_early` or :func:`pdl_wait` (found by name, :func:`sim.launch.takes_programmatic_launch`) is launched with
 ``programmatic_stream_serialization`` inside :func:`sim.launch.programmatic_launches`; every
 other kernel and every launch outside that context is an ordinary launch, for which the wait is a
 no-op. Because each such kernel waits before it touches memory, ordering stays transitive: kernel
