@@ -151,6 +151,18 @@ def test_bad_arguments_exit_before_any_work():
             ds.main(argv)
 
 
+def test_pdl_release_choices(capsys):
+    """--pdl-release takes kernels.pdl.RELEASE_MODES (early by default), parsed before any work."""
+    from ddtree_numba.kernels.pdl import RELEASE_MODES
+
+    assert ds._parser().parse_args([]).pdl_release == "early"
+    for mode in RELEASE_MODES:
+        assert ds._parser().parse_args(["--pdl", "--pdl-release", mode]).pdl_release == mode
+    with pytest.raises(SystemExit) as exc:
+        ds._parser().parse_args(["--pdl-release", "never"])
+    assert exc.value.code == 2 and "--pdl-release" in capsys.readouterr().err
+
+
 def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys, monkeypatch, request):
     """--temperature: AR and DDTree sample with the same seed (the Gumbel posterior) through the
     whole bench on tiny, the tokens agree (exit status 0) and the run records its temperature
@@ -177,5 +189,6 @@ def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys, monkeypatch, 
     with xr.open_dataset(out, group=group, engine="h5netcdf") as back:
         config = json.loads(back.attrs["config"])
         assert config["temperature"] == 0.8 and config["quads"] == "off" and config["ring"] == 2
+        assert config["pdl_release"] == "early" and not config["pdl"]   # the default policy, recorded
         assert int(back["tree_identical"].values[0]) == 1
     assert not lin.VECTOR_X_LOADS and not lin.VECTOR_STAGING and lin.ASYNC_RING_STAGES == 2
