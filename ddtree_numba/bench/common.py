@@ -144,6 +144,19 @@ def copy_runs(src: str | Path, dst: str | Path, groups: list[str] | None = None,
     return todo
 
 
+def add_pdl_release_argument(parser: Any, applies_to: str) -> None:
+    """``--pdl-release``: kernels.pdl.set_release_mode's policy for programmatic launches (the
+    kernels compile it in, so a process runs one); ``applies_to`` says which runs it concerns."""
+    from ddtree_numba.kernels.pdl import RELEASE_MODES
+
+    parser.add_argument("--pdl-release", choices=RELEASE_MODES, default="early",
+                        help=f"{applies_to}: when a kernel's blocks let the next grid launch (kernels.pdl."
+                             "set_release_mode): early (default: right after the wait where the next kernel, "
+                             "a 1-row gemv or split absorb, loads weights before its wait; at the exits "
+                             "elsewhere), exit (every kernel at its blocks' exits) or start (every kernel right "
+                             "after its wait); one per process, since the kernels compile it in")
+
+
 def summarize(times_us) -> dict[str, float]:
     """Median / min / max of a list of times in microseconds."""
     arr = np.asarray(times_us, dtype=np.float64)

@@ -43,8 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from ddtree_numba.bench.common import add_pdl_release_argument
 from ddtree_numba.engine.generate import _positive as positive_arg  # argparse type: an int >= 1
-from ddtree_numba.kernels.pdl import RELEASE_MODES
+from ddtree_numba.kernels.pdl import set_release_mode
 
 F32 = 4
 MIN_STEPS = 50  # replayed steps the AR median is taken over (issue 4: median of >= 50 steps)
@@ -329,10 +330,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pdl", action="store_true",
                         help="programmatic dependent launch of every kernel (engine.decode's pdl; sm_90 on; "
                              "the same tokens; ignored under the simulator)")
-    parser.add_argument("--pdl-release", choices=RELEASE_MODES, default="early",
-                        help="with --pdl: when a kernel's blocks let the next grid launch (kernels.pdl."
-                             "set_release_mode): early (default: right after the wait in the kernels before "
-                             "a gemv, which loads weights before its wait; at the exits elsewhere), exit or start")
+    add_pdl_release_argument(parser, "with --pdl")
     parser.add_argument("--out", type=Path, help="append the run to this HDF5 file (bench/common.py write_run)")
     return parser
 
@@ -372,10 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     args.row_products = "on" if em.ROW_PRODUCTS else "off"
     if args.decode_split:
         va.DECODE_SPLIT = args.decode_split == "on"
-    from ddtree_numba.kernels.pdl import set_release_mode
-
-    set_release_mode(args.pdl_release)   # before the first kernel compiles (recorded in the config attrs)
     args.decode_split = "on" if va.DECODE_SPLIT else "off"
+    set_release_mode(args.pdl_release)   # before the first kernel compiles (recorded in the config attrs)
     if args.quads:
         lin.VECTOR_X_LOADS = lin.VECTOR_STAGING = args.quads == "on"
         lin._setup.cache_clear()                          # launch shapes built with the other setting

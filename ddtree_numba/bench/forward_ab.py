@@ -328,7 +328,8 @@ def _variants(text: str) -> list[Variant]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddtree_numba.kernels.pdl import RELEASE_MODES, set_release_mode
+    from ddtree_numba.bench.common import add_pdl_release_argument
+    from ddtree_numba.kernels.pdl import set_release_mode
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -339,12 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated TILE/COLS[/pdl|/pdlx] variants (default: all four pairs of auto/64 "
                              "and auto/4); /pdl: programmatic launches, /pdlx: the same with every release at the "
                              "blocks' exits (engine.model.PDL_RELEASE_EARLY off)")
-    parser.add_argument("--pdl-release", choices=RELEASE_MODES, default="early",
-                        help="/pdl variants: when a kernel's blocks let the next grid launch (kernels.pdl."
-                             "set_release_mode): early (default: right after the wait in the kernels "
-                             "before a gemv, which loads weights before its wait; at the exits elsewhere), "
-                             "exit (every kernel at its blocks' exits) or start (every kernel right after "
-                             "its wait); one per process, since the kernels compile it in")
+    add_pdl_release_argument(parser, "/pdl and /pdlx variants")
     parser.add_argument("--out", help="append the run to this HDF5 file (bench.common.write_run)")
     args = parser.parse_args(argv)
     set_release_mode(args.pdl_release)   # before the first kernel compiles
