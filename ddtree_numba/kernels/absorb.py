@@ -608,8 +608,8 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
            release_next: bool = False) -> Any:
     """``out[m, g] = x[m, g] @ w_kn[g]`` in the module's order (bit-identical for any row count).
 
-    Under programmatic launches (``sim.launch.programmatic_launches``) the split kernel reads its
-    first weights before it waits for the previous kernel (``kernels.pdl``): ``w_kn`` must not be
+    Under programmatic launches (``sim.launch.programmatic_launches``) the one-row split kernel
+    reads its first weights before it waits for the previous kernel (``kernels.pdl``): ``w_kn`` must not be
     written by the kernel launched just before it.
 
     Args:
