@@ -151,7 +151,7 @@ def test_gpu_gemv_chain_with_early_release_under_pdl():
 
     rng = np.random.default_rng(7)
     shapes = [(8192, 2048), (2048, 8192)] * 4
-    weights = [_dev(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1])) for s in shapes]
+    weights = [_dev((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32)) for s in shapes]
     norms = [_dev((1.0 + 0.1 * rng.standard_normal(s[1])).astype(np.float32)) for s in shapes]
     bufs = [cuda.device_array((1, s[0]), np.float32) for s in shapes]
     x0 = cuda.device_array((1, 2048), np.float32)
