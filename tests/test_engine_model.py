@@ -730,6 +730,7 @@ def test_forward_flags_every_weights_first_pair_of_a_wide_model(monkeypatch) -> 
 
     config, weights = _wide_tiny()
     monkeypatch.setattr(em, "FOLD_SHARED_EXPERT", False)
+    monkeypatch.setattr(em, "PDL_RELEASE_EARLY", True)   # (off by default: bench.forward_ab's /pdl)
     model = TargetModel(config, weights, batch_size=1, kv_capacity=KV_CAPACITY, max_rows=1, capture_layers=(1,))
     seen: list = []
     _record_launches(monkeypatch, seen)
@@ -753,6 +754,7 @@ def test_forward_releases_early_only_before_weight_first_kernels(monkeypatch, bs
     import ddtree_numba.engine.model as em
 
     config, weights = _tiny()
+    monkeypatch.setattr(em, "PDL_RELEASE_EARLY", True)   # (off by default: bench.forward_ab's /pdl)
     model = TargetModel(config, weights, batch_size=bs, kv_capacity=KV_CAPACITY, max_rows=rows)
     seen: list = []
     _record_launches(monkeypatch, seen)

@@ -151,9 +151,10 @@ def add_pdl_release_argument(parser: Any, applies_to: str) -> None:
 
     parser.add_argument("--pdl-release", choices=RELEASE_MODES, default="early",
                         help=f"{applies_to}: when a kernel's blocks let the next grid launch (kernels.pdl."
-                             "set_release_mode): early (default: right after the wait where the next kernel, "
-                             "a 1-row gemv or split absorb, loads weights before its wait; at the exits "
-                             "elsewhere), exit (every kernel at its blocks' exits) or start (every kernel right "
+                             "set_release_mode): early (default: right after the wait where the launch asks, "
+                             "before a 1-row gemv or split absorb, which the engine does only with "
+                             "engine.model.PDL_RELEASE_EARLY on, off by default, as in forward_ab's /pdl; at the "
+                             "exits elsewhere), exit (every kernel at its blocks' exits) or start (every kernel right "
                              "after its wait); one per process, since the kernels compile it in")
 
 

@@ -62,10 +62,10 @@ partner), ``auto-tc-ring1`` (that, with the one-row products' weights through th
 ``linear_tc.ASYNC_RING = (1,)``) or ``auto-tc-ring`` (every product's, ``ASYNC_RING = True``). A
 third part ``/pdl`` (``TILE/COLS/pdl``) captures that variant's forward with programmatic dependent
 launches (``sim.launch.programmatic_launches``: each kernel may start while the previous one
-drains; the same arithmetic); ``/pdlx`` does too with ``engine.model.PDL_RELEASE_EARLY`` off (no
-launch asks to release the next right after its wait: with the default ``--pdl-release early``
-every release is then at the blocks' exits), so the early release before a weights-first gemv /
-split absorb is timed against its absence in one process. A variant named twice is timed twice and printed twice; the HDF5
+drains; the same arithmetic) with ``engine.model.PDL_RELEASE_EARLY`` on (a launch before a
+weights-first gemv / split absorb releases it right after its own wait, under the default
+``--pdl-release early``); ``/pdlx`` does too with it off (the engine's default: every release at
+the blocks' exits), so the early release is timed against its absence in one process. A variant named twice is timed twice and printed twice; the HDF5
 group keeps its last run.
 
 Each variant's logits after its replays are compared bit for bit with those of the first variant
@@ -193,7 +193,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.EXPERT_TYPICAL_WAVES = typical_waves and tile not in ("auto-bound", "auto-unfold-bound")   # read per call
             em.EXPERT_TILE_BY_ROWS = tile_by_rows and tile not in ("auto-entrytile", "auto-unfold-bound")
             em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
-            em.PDL_RELEASE_EARLY = release_early and not variant.exit_release   # (captured as launch arguments)
+            em.PDL_RELEASE_EARLY = not variant.exit_release   # /pdl early, /pdlx at the exits (launch arguments)
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
@@ -338,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 33], help="rows per forward (default: 1 33)")
     parser.add_argument("--variants", type=_variants, default=_variants("auto/auto,64/auto,auto/4,64/4"),
                         help="comma-separated TILE/COLS[/pdl|/pdlx] variants (default: all four pairs of auto/64 "
-                             "and auto/4); /pdl: programmatic launches, /pdlx: the same with every release at the "
-                             "blocks' exits (engine.model.PDL_RELEASE_EARLY off)")
+                             "and auto/4); /pdl: programmatic launches with the early release before weights-first kernels "
+                             "(engine.model.PDL_RELEASE_EARLY on), /pdlx: with every release at the blocks' exits "
+                             "(off, decode's pdl=True)")
     add_pdl_release_argument(parser, "/pdl and /pdlx variants")
     parser.add_argument("--out", help="append the run to this HDF5 file (bench.common.write_run)")
     args = parser.parse_args(argv)

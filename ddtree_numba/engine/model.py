@@ -156,8 +156,13 @@ ROW_PRODUCTS = True
 # Under programmatic launches (decode's pdl=True), a launch followed by one that reads weights before
 # its wait (a gemv, a 1-row split absorb) lets it launch right after its own wait (release_next:
 # kernels.pdl.pdl_begin_early); off, every kernel releases at its blocks' exits. A launch argument,
-# so a captured graph keeps what was set at its capture (bench.forward_ab's ``/pdlx`` turns it off).
-PDL_RELEASE_EARLY = True
+# so a captured graph keeps what was set at its capture (bench.forward_ab's ``/pdl`` turns it on,
+# ``/pdlx`` off). Off: run "pdl early timed" (H200, 128f022, small, graph replays, two passes) timed
+# the early release at 891.9 / 892.0 us a 1-row forward against 882.1 / 882.3 without PDL and
+# 874.0 / 874.3 with every release at the exits (33 rows: 2115.9 / 2114.2, 2121.0 / 2122.1,
+# 2112.0 / 2113.4): the early grids' blocks slow the grid they wait on more than their first
+# weight round gains.
+PDL_RELEASE_EARLY = False
 
 
 class ForwardOut(NamedTuple):

@@ -26,7 +26,9 @@ Device side (call from kernels; inlined, no registers):
   blocks' exits (releasing at the start before kernels with nothing to do timed slower).
 
 Weights before the wait: the kernels named in :data:`WEIGHTS_BEFORE_WAIT` (``gemv``, the split
-absorb at one row) load their first round of weights, then call :func:`pdl_begin_early`. The weights are
+absorb at one row) load their first round of weights, then call :func:`pdl_begin_early`: so in
+the PTX; in gemv's sm_90 SASS ptxas scheduled the wait (``ACQBULK``) above those loads
+(PERFORMANCE run pdl early timed), so they gain nothing there as built. The weights are
 written by no kernel of a step (only by the host, before any step), so the early reads see their
 final values (a caller that writes a weight array in a kernel must not launch these right after it
 inside ``programmatic_launches``). ``tests/test_pdl.py`` checks that nothing before that call names
@@ -65,8 +67,11 @@ RELEASE_AT_START = False
 # Whether pdl_begin_early(release_next) releases the next grid right after the wait when its
 # launch passed release_next = 1 (True), or always leaves it to the blocks' exits as pdl_begin does
 # (False; bench.forward_ab's --pdl-release exit). Read when the first kernel compiles. The engine
-# passes 1 only before a kernel that reads weights before its wait, so the waiting blocks have
-# work: they stream their first weights while this grid runs.
+# passes 1 only before a kernel that reads weights before its wait, and only with its own switch
+# engine.model.PDL_RELEASE_EARLY on (off by default). Run "pdl early timed" (128f022, H200): the
+# early release made small's 1-row forward 9.8 us slower than no PDL, where the release at the exits
+# saved 8.1 us; in gemv's sm_90 SASS ptxas put the wait (ACQBULK) above the first weight loads, so
+# the early blocks had no work before their wait after all.
 RELEASE_EARLY = True
 
 # The release policies (set_release_mode): "early" (the defaults: pdl_begin_early releases right
