@@ -190,5 +190,6 @@ def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys, monkeypatch, 
         config = json.loads(back.attrs["config"])
         assert config["temperature"] == 0.8 and config["quads"] == "off" and config["ring"] == 2
         assert config["pdl_release"] == "early" and not config["pdl"]   # the default policy, recorded
+        assert config["engine_release_early"] is False   # engine.model.PDL_RELEASE_EARLY's default
         assert int(back["tree_identical"].values[0]) == 1
     assert not lin.VECTOR_X_LOADS and not lin.VECTOR_STAGING and lin.ASYNC_RING_STAGES == 2

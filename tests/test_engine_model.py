@@ -772,7 +772,7 @@ def test_forward_releases_early_only_before_weight_first_kernels(monkeypatch, bs
 
 
 def test_release_switch_off_flags_no_launch(monkeypatch) -> None:
-    """engine.model.PDL_RELEASE_EARLY off (bench.forward_ab's /pdlx): no launch of an AR step asks
+    """engine.model.PDL_RELEASE_EARLY off (the default; bench.forward_ab's /pdlx): no launch of an AR step asks
     to release the next one early; the same launches otherwise."""
     import ddtree_numba.engine.model as em
 

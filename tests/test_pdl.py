@@ -301,6 +301,69 @@ def test_gpu_programmatic_chain_eager_and_replayed():
     assert launch_mod._install_programmatic_hooks()   # installed, idempotent
 
 
+def sass_order(sass: str) -> tuple[int, list[int]]:
+    """(index of the first ``ACQBULK``, indices of the ``LDG.E.128.CONSTANT`` loads) among the
+    instructions of a SASS listing (nvdisasm lines ``/*0b70*/  @P3 LDG.E.128.CONSTANT R28, ...``):
+    on sm_90 ``griddepcontrol.wait`` assembles to ``ACQBULK`` and ``launch_dependents`` to
+    ``PREEXIT`` (inferred: each is the only one in a kernel with one wait and one release). gemv's
+    x loads are ``.CONSTANT`` too (``ld.global.nc``), but only after the wait."""
+    ops = []
+    for line in sass.splitlines():
+        line = line.strip()
+        if line.startswith("/*") and "*/" in line:
+            text = line.split("*/", 1)[1].strip().rstrip(";").strip()
+            words = [w for w in text.split() if not w.startswith("@")]
+            if words and not words[0].startswith(("/*", ".")):   # (not a data section's .byte rows)
+                ops.append(words[0])
+    if "ACQBULK" not in ops:
+        raise ValueError("no ACQBULK in the SASS")
+    return ops.index("ACQBULK"), [i for i, op in enumerate(ops) if op == "LDG.E.128.CONSTANT"]
+
+
+def test_sass_order_reads_nvdisasm_lines():
+    sass = textwrap.dedent("""
+        /*04b0*/                   USHF.R.S64 UR4, UR5, UR4, UR6 ;
+        /*0000*/ 	.byte	0x04, 0x2f
+        /*04c0*/                   ACQBULK ;
+        /*0b70*/               @P3 LDG.E.128.CONSTANT R28, desc[UR6][R66.64+0x600] ;
+                                                                                     /* 0x000000 */
+        /*0c40*/               @P0 PREEXIT ;
+        /*0d40*/                   LDG.E R93, desc[UR6][R44.64] ;
+    """)
+    assert sass_order(sass) == (1, [2])
+    with pytest.raises(ValueError):
+        sass_order("/*0000*/ EXIT ;")
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="ptxas schedules the wait (ACQBULK) above gemv's first weight loads, which the "
+                          "PTX has before it (PERFORMANCE run pdl early timed): the weights-before-the-wait "
+                          "overlap does not exist in the machine code; strict, so a fix shows up here")
+def test_gpu_gemv_first_weight_loads_precede_the_wait_in_sass():
+    """In the SASS numba builds for this GPU, the 1-row RMSNorm gemv issues its first round of
+    weight loads (8 ``LDG.E.128.CONSTANT``: 4 steps x 2 columns) before ``ACQBULK``, as its PTX
+    does (test_no_global_memory_access_before_the_wait_in_ptx)."""
+    from ddtree_numba.kernels import gemv as gv
+    from tests.linear_checks import dev
+
+    rng = np.random.default_rng(0)
+    x = dev(rng.standard_normal((1, 256)).astype(np.float32))
+    w = dev(rng.standard_normal((64, 256)).astype(np.float32))
+    norm = dev(np.ones(256, np.float32))
+    out = cuda.device_array((1, 64), np.float32)
+    gv.gemv(x, w, out, norm_weight=norm, eps=1e-6)   # compiles the kernel for this GPU
+    cuda.synchronize()
+    try:
+        listing = gv.get_gemv_kernel("rmsnorm", False, gv.LAYOUTS["narrow"]).inspect_sass()
+    except Exception as exc:   # nvdisasm is not part of every CUDA install
+        pytest.skip(f"no SASS: {type(exc).__name__}: {exc}")
+    sass = "\n".join(map(str, listing.values())) if isinstance(listing, dict) else str(listing)
+    wait, loads = sass_order(sass)
+    assert len(loads) >= 8
+    assert sum(i < wait for i in loads) == 8, (wait, loads[:10])
+
+
 PTX_ORDER_SCRIPT = textwrap.dedent(
     """
     import json, sys

@@ -416,11 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         del model
     del host_weights
     args.programmatic_launches = programmatic_launch_count() - programmatic_before   # > 0: PDL really on
+    args.engine_release_early = em.PDL_RELEASE_EARLY   # whether the engine asked for any early release
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
           f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}, "
           f"attention segments of {args.attention_split} keys, products {args.products}"
           + (f", programmatic launches ({args.programmatic_launches} launched eagerly or captured, "
-             f"release {args.pdl_release})"
+             f"release {args.pdl_release}, engine early release "
+             f"{'on' if args.engine_release_early else 'off: every release at the exits'})"
              if args.pdl else "")
           + (" (simulator: no CUDA graphs, wall-clock times)" if simulator_active() else ""))
     print(format_table(ar_points, trees, bandwidth, profile.name))
@@ -431,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "budget", "block", "accuracy", "entropy", "seed",
                                                       "temperature", "odd_tiles", "row_products", "decode_split", "quads", "ring", "absorbs",
                                                       "attention_split", "products", "pdl",
-                                                      "pdl_release", "programmatic_launches")}
+                                                      "pdl_release", "engine_release_early",
+                                                      "programmatic_launches")}
         ds = build_dataset(ar_points, trees, {
             "config": json.dumps(config_attrs), "profile": profile.name, "bandwidth_Bps": bandwidth,
             "targets": json.dumps({"ar_fraction_batch1": FRACTION_TARGET, "ddtree_ratio": RATIO_TARGET}),

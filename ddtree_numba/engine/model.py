@@ -160,8 +160,8 @@ ROW_PRODUCTS = True
 # ``/pdlx`` off). Off: run "pdl early timed" (H200, 128f022, small, graph replays, two passes) timed
 # the early release at 891.9 / 892.0 us a 1-row forward against 882.1 / 882.3 without PDL and
 # 874.0 / 874.3 with every release at the exits (33 rows: 2115.9 / 2114.2, 2121.0 / 2122.1,
-# 2112.0 / 2113.4): the early grids' blocks slow the grid they wait on more than their first
-# weight round gains.
+# 2112.0 / 2113.4): in gemv's SASS the wait comes before its first weight loads, so the early
+# grids' blocks wait idle beside the grid they wait on, as with run pdl timed's release at the start.
 PDL_RELEASE_EARLY = False
 
 

@@ -208,7 +208,8 @@ def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
         col = col0 + quad * VEC
         n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
         # The first segment's first weights before the wait (no kernel of a step writes them:
-        # pdl's WEIGHTS_BEFORE_WAIT), so under PDL they stream while the previous kernel runs.
+        # pdl's WEIGHTS_BEFORE_WAIT), so that under PDL they stream while the previous kernel runs
+        # (so the PTX; whether ptxas keeps them above the wait is unchecked: pdl.RELEASE_EARLY).
         if WEIGHTS_FIRST and col < n_cols and lane < n_segs:
             load_batch(w_kn, wv, g, col, n_cols, k_dim, lane << SEG_SHIFT,
                        min(SEGMENT, k_dim - (lane << SEG_SHIFT)), 0)

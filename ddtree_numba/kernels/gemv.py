@@ -169,8 +169,9 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
             wbase[c] = int64(min(col0 + c, n_cols - 1)) * k_dim + VEC * lane
             acc[c] = ZERO
         # The first round's weights before the wait (no kernel of a step writes them: pdl's
-        # WEIGHTS_BEFORE_WAIT), so under PDL they stream while the previous kernel runs, and
-        # before the rms: their latency covers its loads and sums.
+        # WEIGHTS_BEFORE_WAIT), so that under PDL they stream while the previous kernel runs (so
+        # the PTX; the sm_90 SASS has the wait first: pdl.RELEASE_EARLY), and before the rms:
+        # their latency covers its loads and sums.
         n = min(U, j_end - j)
         load_round(w, wbase, wv, j, n)
         pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x, residual); release the next?

@@ -28,7 +28,8 @@ Device side (call from kernels; inlined, no registers):
 Weights before the wait: the kernels named in :data:`WEIGHTS_BEFORE_WAIT` (``gemv``, the split
 absorb at one row) load their first round of weights, then call :func:`pdl_begin_early`: so in
 the PTX; in gemv's sm_90 SASS ptxas scheduled the wait (``ACQBULK``) above those loads
-(PERFORMANCE run pdl early timed), so they gain nothing there as built. The weights are
+(PERFORMANCE run pdl early timed; the split absorb's SASS unchecked), so gemv gains nothing there
+as built (tests/test_pdl.py's SASS test, a strict xfail). The weights are
 written by no kernel of a step (only by the host, before any step), so the early reads see their
 final values (a caller that writes a weight array in a kernel must not launch these right after it
 inside ``programmatic_launches``). ``tests/test_pdl.py`` checks that nothing before that call names
@@ -71,7 +72,7 @@ RELEASE_AT_START = False
 # engine.model.PDL_RELEASE_EARLY on (off by default). Run "pdl early timed" (128f022, H200): the
 # early release made small's 1-row forward 9.8 us slower than no PDL, where the release at the exits
 # saved 8.1 us; in gemv's sm_90 SASS ptxas put the wait (ACQBULK) above the first weight loads, so
-# the early blocks had no work before their wait after all.
+# its early blocks had no loads to issue before their wait (the split absorb's SASS unchecked).
 RELEASE_EARLY = True
 
 # The release policies (set_release_mode): "early" (the defaults: pdl_begin_early releases right
