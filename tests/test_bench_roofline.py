@@ -55,3 +55,72 @@ def test_bound_arrays_nan_where_nothing_moves_or_nothing_was_measured():
     b = rf.bound_arrays(H200, np.array([0.0, 1e9]), np.array([0.0, 0.0]), np.array([5.0, np.nan]))
     assert np.isnan(b["bound_us"][0]) and np.isnan(b["fraction_of_bound"]).all()
     assert b["bound_us"][1] > 0
+
+
+# --- a whole forward (issue 4's targets) ---------------------------------------------------------
+
+from ddtree_numba.bench.decode_step import step_bytes  # noqa: E402
+from ddtree_numba.config import ModelConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "kimi-k2"])
+def test_forward_weight_bytes_at_one_row_are_the_decode_benchs_weights(preset):
+    # One row reads what bench.decode_step counts for an AR step, less what it adds beside the
+    # weights read once (norms, the embedding row, the KV rows) and plus the queries / outputs the
+    # attention model counts.
+    c = ModelConfig.from_name(preset)
+    cost = rf.forward_cost(c, 1, 100)
+    sb = step_bytes(c, 1, 101)
+    weights = sum(v[0] for n, v in cost.items() if n != "attention")
+    assert weights == pytest.approx(sb["attention"] + sb["dense_ffn"] + sb["moe"] + sb["lm_head"], rel=1e-12)
+    assert cost["attention"][0] == c.n_layers * rf.verify_attention_cost(1, 1, 100, heads=c.n_heads)[0]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 257])
+def test_forward_flops_are_two_per_multiply_add_of_every_row(rows):
+    c = ModelConfig.from_name("small")
+    cost = rf.forward_cost(c, rows, 160)
+    one = rf.forward_cost(c, 1, 160)
+    for name in rf.FORWARD_PARTS:
+        if name != "attention":   # the products: linear in rows, from the same weights
+            assert cost[name][1] == rows * one[name][1]
+    # a row's products use every weight it reads once at one row (k routed experts of E), the
+    # routing's bias aside (read, not multiplied)
+    d, e, k, i = c.hidden_size, c.n_routed_experts, c.n_activated_experts, c.moe_intermediate
+    n_moe = c.n_layers - c.n_dense_layers
+    per_row = sum(v[1] for n, v in one.items() if n != "attention")
+    weight_floats = sum(v[0] for n, v in one.items() if n != "attention") / 4 - n_moe * e
+    assert per_row == 2 * weight_floats
+    assert cost["routed_experts"] == (4.0 * n_moe * min(e, rows * k) * 3 * d * i, 2.0 * n_moe * rows * k * 3 * d * i)
+    assert cost["attention"][1] == c.n_layers * 2 * rows * c.n_heads * (160 + rows) * (576 + 512)
+
+
+def test_forward_floor_is_the_sum_of_the_component_bounds_and_the_targets_table_reads_it():
+    c = ModelConfig.from_name("small")
+    one, tree = rf.forward_cost(c, 1, 192), rf.forward_cost(c, 33, 192)
+    f1, f33 = rf.forward_floor_us(H200, one), rf.forward_floor_us(H200, tree)
+    expect = sum(roofline(H200, b, f).t_floor_s for b, f in one.values()) * 1e6
+    assert f1 == pytest.approx(expect, rel=1e-12)
+    assert f33 > f1 > 1e6 * sum(v[0] for v in one.values()) / 4.3e12 * 0.999   # never under the bytes alone
+    table = rf.target_table(c, H200, 192, 32, ar_us=2 * f1, round_us=4 * f1)
+    assert f"step <= {2 * f1:.1f} us" in table
+    assert f"ratio at the floors (AR step / verify forward): {f1 / f33:.3f}" in table
+    assert "ratio AR step / round: 0.500" in table
+
+
+@pytest.mark.parametrize("kwargs,match", [({"rows": 0}, "rows"), ({"rows": True}, "rows"), ({"past": -1}, "past"),
+                                          ({"experts": 17}, "experts"), ({"experts": -1}, "experts")])
+def test_forward_cost_rejects_bad_arguments(kwargs, match):
+    args = {"rows": 1, "past": 0} | kwargs
+    with pytest.raises(ValueError, match=match):
+        rf.forward_cost(ModelConfig.from_name("small"), args.pop("rows"), args.pop("past"), **args)
+
+
+def test_roofline_cli_prints_the_targets_and_rejects_bad_times(capsys):
+    assert rf.main(["--preset", "tiny", "--ar-us", "100", "--round-us", "180"]) == 0
+    out = capsys.readouterr().out
+    assert "AR target" in out and "ratio AR step / round: 0.556" in out
+    with pytest.raises(SystemExit, match="ar-us"):
+        rf.main(["--ar-us", "0"])
+    with pytest.raises(SystemExit, match="preset"):
+        rf.main(["--preset", "nope"])

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ddtree_numba.bench.common import add_pdl_release_argument
+from ddtree_numba.bench.roofline import routed_experts_read
 from ddtree_numba.engine.generate import _positive as positive_arg  # argparse type: an int >= 1
 from ddtree_numba.kernels.pdl import set_release_mode
 
@@ -74,10 +75,7 @@ def step_bytes(config: Any, batch: int, kv_rows: float, *, experts: int | None =
     c = config
     if batch < 1 or kv_rows < 0:
         raise ValueError(f"batch must be >= 1 and kv_rows >= 0, got {batch}, {kv_rows}")
-    k = c.n_activated_experts
-    experts = min(c.n_routed_experts, batch * k) if experts is None else experts
-    if not 0 <= experts <= c.n_routed_experts:
-        raise ValueError(f"experts must lie in [0, {c.n_routed_experts}], got {experts}")
+    experts = routed_experts_read(c, batch, experts)
     h, d = c.n_heads, c.hidden_size
     qk = c.qk_nope_dim + c.qk_rope_dim
     if c.q_lora_rank:

@@ -1,4 +1,6 @@
-"""Bytes, FLOPs and roofline bounds of each kernel, for the sweeps (limits §3).
+"""Bytes, FLOPs and roofline bounds of each kernel, for the sweeps (limits §3), and of a whole
+target forward, for issue 4's two speed targets (:func:`forward_cost`, ``python -m
+ddtree_numba.bench.roofline``).
 
 Every count is the DRAM traffic / arithmetic a kernel cannot avoid at its shape: inputs read once,
 outputs written once. The bound is the slower of moving those bytes at the profile's bandwidth and
@@ -8,7 +10,10 @@ achieved fraction then says how much of the time is not bandwidth or arithmetic.
 """
 from __future__ import annotations
 
+import argparse
 import math
+import sys
+from typing import Any
 
 import numpy as np
 
@@ -85,3 +90,164 @@ def bound_arrays(profile: DeviceProfile, nbytes, flops, median_us, unit: str = "
         fraction = bound / median
     return {"memory_bound_us": memory_us, "compute_bound_us": compute_us, "bound_us": bound,
             "fraction_of_bound": fraction}
+
+
+# --- a whole target forward (issue 4) ----------------------------------------------------------
+
+FORWARD_PARTS = ("w_a", "w_q", "q_absorb", "attention", "v_absorb", "wo", "dense_ffn", "moe_gate",
+                 "routed_experts", "shared_experts", "lm_head")
+
+
+def routed_experts_read(config: Any, rows: int, experts: int | None = None) -> int:
+    """Distinct routed experts a MoE layer reads for ``rows`` routed rows: ``experts`` (checked),
+    default min(E, rows x k) (every routed row a different expert: exact at one row, an upper
+    bound above)."""
+    k = config.n_activated_experts
+    experts = min(config.n_routed_experts, rows * k) if experts is None else experts
+    if not 0 <= experts <= config.n_routed_experts:
+        raise ValueError(f"experts must lie in [0, {config.n_routed_experts}], got {experts}")
+    return experts
+
+
+def forward_cost(config: Any, rows: int, past: int, *, experts: int | None = None) -> dict[str, tuple[float, float]]:
+    """(bytes, FLOPs) by component of one batch-1 target forward of ``rows`` rows over ``past``
+    cached rows (an AR step: 1 row; the verify of a B-node tree: B + 1), FP32 weights.
+
+    Bytes are the weights each component must read once (the routed experts: ``experts`` distinct
+    ones a MoE layer, default min(E, rows x k): every routed row a different expert, an upper
+    bound) and the attention's key rows and queries (:func:`verify_attention_cost`); activations
+    between launches, norms and the embedding row are left out (under 0.1 % of a small forward).
+    FLOPs are 2 per multiply-add: ``rows`` x the weights a row uses (k routed + the shared
+    experts), the attention every row against every cached and new key (what the kernels compute,
+    masked or not), the weight-absorbed MLA's two per-head products (W_UK, W_UV).
+
+    Raises:
+        ValueError: rows < 1, past < 0, or experts outside [0, n_routed_experts].
+    """
+    c = config
+    if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+    if isinstance(past, bool) or not isinstance(past, (int, np.integer)) or past < 0:
+        raise ValueError(f"past must be an int >= 0, got {past!r}")
+    k = c.n_activated_experts
+    experts = routed_experts_read(c, rows, experts)
+    h, d = c.n_heads, c.hidden_size
+    n_moe = sum(c.is_moe_layer(i) for i in range(c.n_layers))
+    n_dense = c.n_layers - n_moe
+
+    def product(n_layers: int, n_out: int, k_in: int, row_uses: float = 1.0,
+                read: float = 1.0) -> tuple[float, float]:
+        """n_layers x an [n_out, k_in] weight: read ``read`` times, used ``row_uses`` times a row."""
+        return (float(F32 * n_layers * read * n_out * k_in), float(2 * n_layers * rows * row_uses * n_out * k_in))
+
+    q_in = c.q_lora_rank or d
+    a_cols = (c.q_lora_rank if c.q_lora_rank else 0) + c.kv_cache_dim
+    attn_bytes, attn_flops = verify_attention_cost(1, rows, past, heads=h)
+    expert = 3 * d * c.moe_intermediate    # gate, up and down: one expert's multiply-adds a row
+    gate_bias = c.n_routed_experts if c.has_gate_bias else 0
+    # the q_b product (w_q); without a q low rank the q product is d -> H * qk (the w_a part is then kv only)
+    cost = {
+        "w_a": product(c.n_layers, a_cols, d),
+        "w_q": product(c.n_layers, h * c.qk_head_dim, q_in),
+        "q_absorb": product(c.n_layers, h * c.kv_lora_rank, c.qk_nope_dim),
+        "attention": (c.n_layers * attn_bytes, c.n_layers * attn_flops),
+        "v_absorb": product(c.n_layers, h * c.v_head_dim, c.kv_lora_rank),
+        "wo": product(c.n_layers, d, h * c.v_head_dim),
+        "dense_ffn": product(n_dense, 3 * c.dense_intermediate, d),
+        "moe_gate": (float(F32 * n_moe * (c.n_routed_experts * d + gate_bias)),
+                     float(2 * n_moe * rows * c.n_routed_experts * d)),
+        "routed_experts": (float(F32 * n_moe * experts * expert), float(2 * n_moe * rows * k * expert)),
+        "shared_experts": (float(F32 * n_moe * c.n_shared_experts * expert),
+                           float(2 * n_moe * rows * c.n_shared_experts * expert)),
+        "lm_head": product(1, c.vocab_size, d),
+    }
+    assert tuple(cost) == FORWARD_PARTS
+    return cost
+
+
+def forward_floor_us(profile: DeviceProfile, cost: dict[str, tuple[float, float]], unit: str = "fp32") -> float:
+    """The forward's roofline floor in us: every component at its own bound (bytes at the
+    bandwidth or FLOPs at the peak, whichever is slower), one after another."""
+    b = bound_arrays(profile, [v[0] for v in cost.values()], [v[1] for v in cost.values()],
+                     np.ones(len(cost)), unit)
+    return float(np.nansum(b["bound_us"]))
+
+
+def target_table(config: Any, profile: DeviceProfile, past: int, budget: int, *,
+                 ar_us: float | None = None, round_us: float | None = None) -> str:
+    """Issue 4's two speed targets against the floors of an AR step (1 row) and of a verify
+    forward (``budget`` + 1 rows): the component table, then what the targets ask of each path
+    (and, given measured times, where each path stands against its floor)."""
+    rows_v = budget + 1
+    one, tree = forward_cost(config, 1, past), forward_cost(config, rows_v, past)
+    b1 = bound_arrays(profile, [v[0] for v in one.values()], [v[1] for v in one.values()], np.ones(len(one)))
+    bv = bound_arrays(profile, [v[0] for v in tree.values()], [v[1] for v in tree.values()], np.ones(len(tree)))
+    bw, peak = ceilings(profile)
+    lines = [f"floors on {profile.describe()}: {bw / 1e12:.2f} TB/s, {peak / 1e12:.1f} TFLOP/s FP32; "
+             f"past {past} rows, verify of B {budget} = {rows_v} rows",
+             f"{'component':<15} {'1 row MB':>9} {'GFLOP':>7} {'floor us':>9} | "
+             f"{rows_v:>2} rows MB {'GFLOP':>7} {'floor us':>9} {'bound':>8}"]
+    for i, name in enumerate(FORWARD_PARTS):
+        bound = "compute" if bv["compute_bound_us"][i] >= bv["memory_bound_us"][i] else "memory"
+        lines.append(f"{name:<15} {one[name][0] / 1e6:9.1f} {one[name][1] / 1e9:7.3f} {b1['bound_us'][i]:9.1f} | "
+                     f"{tree[name][0] / 1e6:10.1f} {tree[name][1] / 1e9:7.2f} {bv['bound_us'][i]:9.1f} {bound:>8}")
+    f1, fv = float(np.nansum(b1["bound_us"])), float(np.nansum(bv["bound_us"]))
+    lines.append(f"{'total':<15} {sum(v[0] for v in one.values()) / 1e6:9.1f} "
+                 f"{sum(v[1] for v in one.values()) / 1e9:7.3f} {f1:9.1f} | "
+                 f"{sum(v[0] for v in tree.values()) / 1e6:10.1f} {sum(v[1] for v in tree.values()) / 1e9:7.2f} "
+                 f"{fv:9.1f}")
+    lines.append(f"AR target (step <= 2 x the weights' read): step <= {2 * f1:.1f} us")
+    lines.append(f"ratio at the floors (AR step / verify forward): {f1 / fv:.3f}; the ratio target "
+                 f"(round <= 2 x AR step) holds where the round reaches >= {fv / (2 * f1):.3f} x the AR "
+                 f"step's fraction of its floor")
+    if ar_us is not None:
+        lines.append(f"measured AR step {ar_us:.1f} us: {f1 / ar_us:.3f} of its floor; a round must take "
+                     f"<= {2 * ar_us:.1f} us ({fv / (2 * ar_us):.3f} of the verify forward's floor)")
+    if round_us is not None:
+        lines.append(f"measured round {round_us:.1f} us: the verify forward's floor is {fv / round_us:.3f} of it")
+        if ar_us is not None:
+            lines.append(f"ratio AR step / round: {ar_us / round_us:.3f} (target >= 0.5)")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ddtree_numba.bench.roofline",
+        description="Roofline floors of a target forward by component: an AR step (1 row) and the verify "
+                    "of a B-node tree (B + 1 rows), against issue 4's two speed targets.",
+        epilog="Bytes are the weights read once (the routed experts each row may route to), FLOPs 2 per "
+               "multiply-add; a component's floor is the slower of its bytes at the measured bandwidth "
+               "and its FLOPs at the FP32 peak (sim.profiles). Example: --preset small --ar-us 870 "
+               "--round-us 2170")
+    p.add_argument("--preset", default="small", help="model preset (default: small)")
+    p.add_argument("--profile", default="h200", help="device profile (sim.profiles; default: h200)")
+    p.add_argument("--past", type=int, default=192, help="cached rows before the forward (default: 192)")
+    p.add_argument("--budget", type=int, default=32, help="tree budget B: the verify has B + 1 rows (default: 32)")
+    p.add_argument("--ar-us", type=float, help="a measured AR step (us), to place it against its floor")
+    p.add_argument("--round-us", type=float, help="a measured DDTree round (us)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ddtree_numba.config import ModelConfig
+    from sim.profiles import get_profile
+
+    args = _parser().parse_args(argv)
+    for name in ("past", "budget"):
+        if getattr(args, name) < (0 if name == "past" else 1):
+            raise SystemExit(f"--{name} must be >= {0 if name == 'past' else 1}")
+    for name in ("ar_us", "round_us"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise SystemExit(f"--{name.replace('_', '-')} must be a time > 0")
+    try:
+        config = ModelConfig.from_name(args.preset)
+        profile = get_profile(args.profile)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
+    print(target_table(config, profile, args.past, args.budget, ar_us=args.ar_us, round_us=args.round_us))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
