@@ -78,6 +78,16 @@ def test_async_ring_variants_parse():
             forward_ab._variants(bad)
 
 
+def test_noprime_variant_parses():
+    """auto-seg-noprime: the segment absorbs with the many-row linears' first ring loads at each
+    column group's start (linear.PRIME_RING off for that variant; on by default)."""
+    import ddtree_numba.kernels.linear as lin
+
+    assert forward_ab._variants("auto/auto-seg,auto/auto-seg-noprime") == [("auto", "auto-seg"),
+                                                                            ("auto", "auto-seg-noprime")]
+    assert lin.PRIME_RING is True
+
+
 def test_launch_merge_variants_parse():
     """auto-merge: the segment merge launched where the plan needs none; auto-unfused: that and the
     RoPE / kv write and the MoE RMSNorm in their own launches; auto-normroute: the RMSNorm inside

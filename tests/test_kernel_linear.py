@@ -705,6 +705,27 @@ def test_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows,
     np.testing.assert_array_equal(ring, plain)
 
 
+@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim", [
+    ("linear", "rmsnorm", 33, 30, 640),  # 11 x 4 tiles, U 2: 5 vector steps, 8 groups a block
+    ("linear", "swiglu", 5, 21, 300),    # 8 x 8 tile: 2 vector steps (no full turn), tail 44
+    ("head", "none", 9, 13, 520),        # 11-row tile (9 rows): 4 vector steps, N off C
+    ("expert", "swiglu", 5, 22, 256),    # 8 x 8: an expert down projection's 2 steps a group
+    ("argmax", "rmsnorm", 6, 70, 400)])  # 8-row tile: 3 vector steps, a part's passes
+def test_ring_priming_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols, k_dim):
+    """A column group's first ring loads issued before the staging / the previous group's
+    butterfly (prime_ring) give the bits of the ring that issues them at the group's start; the
+    simulator's one block loops over every column group, so each group after the first is primed
+    under its predecessor's reduction. Every element written (NaN-poisoned outputs)."""
+    rng = np.random.default_rng(k_dim + m_rows)
+    call = _argmax_case(m_rows, n_cols, k_dim, rng) if kind == "argmax" else \
+        _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng)
+    primed, primed_kernels = _with_options(monkeypatch, {"pipelined": True, "ring_stages": 0, "prime_ring": True}, call)
+    cold, cold_kernels = _with_options(monkeypatch, {"pipelined": True, "ring_stages": 0, "prime_ring": False}, call)
+    assert primed_kernels and cold_kernels and not set(primed_kernels) & set(cold_kernels)
+    assert not np.isnan(primed).any()
+    np.testing.assert_array_equal(primed, cold)
+
+
 def _with_vectors(monkeypatch, on, call):
     """_with_options: the 16-byte x reads and staging ``on`` or off (vector_x / vector_stage)."""
     return _with_options(monkeypatch, {"vector_x": on, "vector_stage": on}, call)
