@@ -1166,6 +1166,25 @@ def test_gpu_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologu
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim", [
+    ("linear", "none", 33, 12288, 768),      # w_q: 11-row tiles, ~9 column groups a warp
+    ("linear", "rmsnorm", 33, 1344, 2048),   # w_a
+    ("linear", "rmsnorm", 33, 11264, 2048),  # the dense gate | up
+    ("argmax", "rmsnorm", 33, 32768, 2048)])  # the lm_head's ranked parts (8-row tiles, C 4)
+def test_gpu_ring_priming_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols, k_dim):
+    """On the GPU: small's 33-row shapes give the same bits with a column group's first ring loads
+    issued under the staging / the previous group's butterfly (PRIME_RING) and at its start."""
+    rng = np.random.default_rng(n_cols + k_dim + m_rows)
+    call = (_argmax_case(m_rows, n_cols, k_dim, rng) if kind == "argmax"
+            else _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng))
+    primed, primed_kernels = _with_options(monkeypatch, {"prime_ring": True}, call)
+    cold, cold_kernels = _with_options(monkeypatch, {"prime_ring": False}, call)
+    assert primed_kernels and not set(primed_kernels) & set(cold_kernels)
+    assert not np.isnan(primed).any()
+    np.testing.assert_array_equal(primed, cold)
+
+
+@pytest.mark.gpu
 def test_gpu_expert_and_head_shapes():
     rng = np.random.default_rng(3)
     experts, n_cols, k_dim, top_k, m_rows = 16, 512, 2048, 4, 1056
