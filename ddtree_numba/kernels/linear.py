@@ -54,7 +54,10 @@ Weight ring (row tiles of at least ``PIPELINE_MIN_ROW_TILE`` rows, :func:`ring_f
     steps come from the ring too, loads past its vector steps clamped to the last one (never out
     of bounds, unused); the 8-row tiles (U = 2) load their last 1-2 steps one at a time
     (registers). Layout, not numerics: the same fma chains in the same order, bit for bit with
-    the load-then-FMA loop (tested both ways), in the same U x C x 4 weight registers.
+    the load-then-FMA loop (tested both ways), in the same U x C x 4 weight registers. Where a
+    block stages its rows once and loops over column groups, a group's first U - 1 steps are
+    loaded before the staging (the first group) or the previous group's butterfly (PRIME_RING;
+    C = 4 tiles only), so no group starts on a cold load.
 
 Async weight ring (off by default: ASYNC_RING_STAGES, :func:`_launch_plan`). The weights'
     vector steps go through D step slots a warp in dynamic shared memory after the staged rows
@@ -600,7 +603,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     the register ring and the load-then-FMA rounds); prime_ring: with the register ring (pipelined)
     and rows staged once, a column group's first weight loads are issued before the staging (the
     first group) or the previous group's butterfly (None: :data:`PRIME_RING`; the same loads, the
-    same bits).
+    same bits; never for C = WIDE_COLUMNS or with the async ring: the kernel's ``primes_ring``
+    says whether it does).
     """
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
@@ -1276,6 +1280,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             tile(x, w, out, out, w, xs, comb, red, src_sh, dst_sh, comb, 0, expert * n_cols,
                  n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0, ZERO)
 
+    kernel.primes_ring = PRIME    # (for tests: whether this specialisation primes its ring)
     return kernel
 
 
