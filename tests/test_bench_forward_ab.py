@@ -80,11 +80,12 @@ def test_async_ring_variants_parse():
 
 def test_noprime_variant_parses():
     """auto-seg-noprime: the segment absorbs with the many-row linears' first ring loads at each
-    column group's start (linear.PRIME_RING off for that variant; on by default)."""
+    column group's start (linear.PRIME_RING off for that variant; on by default); auto-seg-narrow:
+    the 8 x 4 tiles where sm_90 takes 8 x 8."""
     import ddtree_numba.kernels.linear as lin
 
-    assert forward_ab._variants("auto/auto-seg,auto/auto-seg-noprime") == [("auto", "auto-seg"),
-                                                                            ("auto", "auto-seg-noprime")]
+    assert forward_ab._variants("auto/auto-seg,auto/auto-seg-noprime,auto/auto-seg-narrow") == [
+        ("auto", "auto-seg"), ("auto", "auto-seg-noprime"), ("auto", "auto-seg-narrow")]
     assert lin.PRIME_RING is True
 
 

@@ -51,7 +51,8 @@ runs them in ``head_linear``, the earlier path) with ``-cN`` (tile blocks of N c
 ``absorb.TILE_COL_QUADS`` = (N,)), ``-mt4`` / ``-mt8`` (4 / 8 rows a tile thread), ``-l1`` / ``-l2``
 (at most 1 / 2 segment lanes a tile block, ``absorb.TILE_LANES``), ``-noprime`` (a column group's
 first ring loads of the many-row linears at its start, not under the staging or the previous
-group's butterfly: ``linear.PRIME_RING`` off) or ``-split`` (the split kernel at
+group's butterfly: ``linear.PRIME_RING`` off), ``-narrow`` (the 8 x 4 tiles where sm_90 takes
+8 x 8, ``linear.WIDE_ARCHS`` empty: the many-row experts, primed then) or ``-split`` (the split kernel at
 every row count, ``absorb.FEW_ROWS`` past any launch), or ``auto-sx`` (the linears' staged rows
 read with four scalar shared loads a lane and staged one float a load, as before run "quads":
 ``linear.VECTOR_X_LOADS`` and ``linear.VECTOR_STAGING`` off), ``auto-sstage`` (the scalar staging
@@ -105,7 +106,7 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
-                 "auto-seg-l1", "auto-seg-l2", "auto-seg-noprime", "auto-sx", "auto-sstage", "auto-tc", "auto-tc-ring1", "auto-tc-ring",
+                 "auto-seg-l1", "auto-seg-l2", "auto-seg-noprime", "auto-seg-narrow", "auto-sx", "auto-sstage", "auto-tc", "auto-tc-ring1", "auto-tc-ring",
                  *(f"auto-seg-async{n}" for n in range(2, 9)))
 
 
@@ -207,7 +208,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             elif tile == "h8":
                 em.DECODE_TILE = 8
             em.FEW_NODES_MERGE = _merge_tile(tile) or saved[9]
-            lin.WIDE_ARCHS = () if cols.startswith("4") else wide
+            lin.WIDE_ARCHS = () if cols.startswith("4") or cols == "auto-seg-narrow" else wide
             lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
             lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
             lin.SERIAL_HEADS = "-serial" in cols
