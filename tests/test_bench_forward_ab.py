@@ -78,17 +78,6 @@ def test_async_ring_variants_parse():
             forward_ab._variants(bad)
 
 
-def test_noprime_variant_parses():
-    """auto-seg-noprime: the segment absorbs with the many-row linears' first ring loads at each
-    column group's start (linear.PRIME_RING off for that variant; on by default); auto-seg-narrow:
-    the 8 x 4 tiles where sm_90 takes 8 x 8."""
-    import ddtree_numba.kernels.linear as lin
-
-    assert forward_ab._variants("auto/auto-seg,auto/auto-seg-noprime,auto/auto-seg-narrow") == [
-        ("auto", "auto-seg"), ("auto", "auto-seg-noprime"), ("auto", "auto-seg-narrow")]
-    assert lin.PRIME_RING is True
-
-
 def test_launch_merge_variants_parse():
     """auto-merge: the segment merge launched where the plan needs none; auto-unfused: that and the
     RoPE / kv write and the MoE RMSNorm in their own launches; auto-normroute: the RMSNorm inside

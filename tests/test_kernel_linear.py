@@ -705,59 +705,6 @@ def test_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows,
     np.testing.assert_array_equal(ring, plain)
 
 
-def _none_argmax_case(m_rows, n_cols, k_dim, rng):
-    """linear_argmax() without a prologue: its parts' values and ids, side by side."""
-    x, w = _dev(_rand(m_rows, k_dim, rng=rng)), _dev(_rand(n_cols, k_dim, rng=rng))
-    parts = lin.argmax_parts(n_cols)
-
-    def call():
-        val = cuda.to_device(np.full((m_rows, parts), np.nan, np.float32))
-        idx = cuda.to_device(np.full((m_rows, parts), -7, np.int32))
-        lin.linear_argmax(x, w, val, idx)
-        return np.concatenate([val.copy_to_host(), idx.copy_to_host().astype(np.float32)], axis=1)
-    return call
-
-
-@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim", [
-    ("linear", "rmsnorm", 33, 30, 640),  # 11 x 4 tiles, U 2: 5 vector steps, 8 groups a block
-    ("head", "none", 9, 13, 520),        # 11-row tile (9 rows): 4 vector steps, N off C
-    ("argmax", "rmsnorm", 6, 70, 400),   # 8 x 4 tile: 3 vector steps, a part's passes
-    ("linear", "none", 3, 21, 700),      # 4 x 4, U 4 (the ring's tail): 5 vector steps, a scalar tail
-    ("linear", "swiglu", 4, 13, 4200),   # 4 x 4, k_split 4: segments of 9, 9, 9 and 5 steps + a tail
-    ("expert", "swiglu", 4, 22, 640),    # the expert kind's 4 x 4, U 4
-    ("expert", "none", 3, 10, 2100),     # k_split 2 (9 + 8 steps, the last with the tail)
-    ("argmax", "none", 3, 70, 300)])     # 4 x 4, U 4: 2 vector steps and a tail
-def test_ring_priming_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols, k_dim):
-    """A column group's first ring loads issued before the staging / the previous group's
-    butterfly (prime_ring) give the bits of the ring that issues them at the group's start and of
-    the load-then-FMA rounds; the simulator's one block loops over every column group, so each
-    group after the first is primed under its predecessor's reduction. Every element written
-    (NaN-poisoned outputs); every case's kernels prime (C = 4 tiles: not the 8 x 8, which never do)."""
-    rng = np.random.default_rng(k_dim + m_rows)
-    call = (_argmax_case if prologue == "rmsnorm" else _none_argmax_case)(m_rows, n_cols, k_dim, rng) \
-        if kind == "argmax" else _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng)
-    primed, primed_kernels = _with_options(monkeypatch, {"pipelined": True, "ring_stages": 0, "prime_ring": True}, call)
-    cold, cold_kernels = _with_options(monkeypatch, {"pipelined": True, "ring_stages": 0, "prime_ring": False}, call)
-    plain, _ = _with_options(monkeypatch, {"pipelined": False, "ring_stages": 0}, call)
-    assert primed_kernels and all(k.primes_ring for k in primed_kernels)
-    assert cold_kernels and not any(k.primes_ring for k in cold_kernels)
-    assert not np.isnan(primed).any()
-    np.testing.assert_array_equal(primed, cold)
-    np.testing.assert_array_equal(primed, plain)
-
-
-def test_ring_priming_is_off_for_the_wide_tiles_and_the_async_ring():
-    """prime_ring is honoured for the register ring of C = 4 tiles only (the 8 x 8 tiles spilled
-    with it on sm_90; the async ring has its own first copies)."""
-    assert lin.get_kernel("linear", "none", False, 11, pipelined=True, prime_ring=True).primes_ring
-    assert not lin.get_kernel("linear", "none", False, 8, columns=lin.WIDE_COLUMNS, pipelined=True,
-                              prime_ring=True).primes_ring
-    assert not lin.get_kernel("linear", "none", False, 11, pipelined=True, ring_stages=4,
-                              prime_ring=True).primes_ring
-    assert not lin.get_kernel("linear", "none", False, 1, pipelined=False, prime_ring=True).primes_ring
-    assert lin.get_kernel("linear", "none", False, 11).primes_ring is lin.PRIME_RING
-
-
 def _with_vectors(monkeypatch, on, call):
     """_with_options: the 16-byte x reads and staging ``on`` or off (vector_x / vector_stage)."""
     return _with_options(monkeypatch, {"vector_x": on, "vector_stage": on}, call)
@@ -1195,26 +1142,6 @@ def test_gpu_async_weight_ring_is_layout_not_numerics(monkeypatch, kind, prologu
     assert set(ring_kernels) != set(plain_kernels)   # the ring ran (the expert case included)
     assert not np.isnan(ring).any()
     np.testing.assert_array_equal(ring, plain)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind,prologue,m_rows,n_cols,k_dim", [
-    ("linear", "none", 33, 12288, 768),      # w_q: 11-row tiles, ~9 column groups a warp
-    ("linear", "rmsnorm", 33, 1344, 2048),   # w_a
-    ("linear", "rmsnorm", 33, 11264, 2048),  # the dense gate | up
-    ("argmax", "rmsnorm", 33, 32768, 2048)])  # the lm_head's ranked parts (8-row tiles, C 4)
-def test_gpu_ring_priming_is_layout_not_numerics(monkeypatch, kind, prologue, m_rows, n_cols, k_dim):
-    """On the GPU: small's 33-row shapes give the same bits with a column group's first ring loads
-    issued under the staging / the previous group's butterfly (PRIME_RING) and at its start."""
-    rng = np.random.default_rng(n_cols + k_dim + m_rows)
-    call = (_argmax_case(m_rows, n_cols, k_dim, rng) if kind == "argmax"
-            else _ring_case(kind, prologue, m_rows, n_cols, k_dim, rng))
-    primed, primed_kernels = _with_options(monkeypatch, {"ring_stages": 0, "prime_ring": True}, call)
-    cold, cold_kernels = _with_options(monkeypatch, {"ring_stages": 0, "prime_ring": False}, call)
-    assert primed_kernels and all(k.primes_ring for k in primed_kernels)
-    assert cold_kernels and not any(k.primes_ring for k in cold_kernels)
-    assert not np.isnan(primed).any()
-    np.testing.assert_array_equal(primed, cold)
 
 
 @pytest.mark.gpu

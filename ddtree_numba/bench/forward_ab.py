@@ -49,10 +49,7 @@ off: a 33-row tree in 3 x 11 or 5 x 8; every other COLS keeps the default, on; r
 segment order, ``engine.model.SEGMENT_ABSORBS`` on, the default since it was timed; every other COLS
 runs them in ``head_linear``, the earlier path) with ``-cN`` (tile blocks of N column quads,
 ``absorb.TILE_COL_QUADS`` = (N,)), ``-mt4`` / ``-mt8`` (4 / 8 rows a tile thread), ``-l1`` / ``-l2``
-(at most 1 / 2 segment lanes a tile block, ``absorb.TILE_LANES``), ``-noprime`` (a column group's
-first ring loads of the many-row linears at its start, not under the staging or the previous
-group's butterfly: ``linear.PRIME_RING`` off), ``-narrow`` (the 8 x 4 tiles where sm_90 takes
-8 x 8, ``linear.WIDE_ARCHS`` empty: the many-row experts, primed then) or ``-split`` (the split kernel at
+(at most 1 / 2 segment lanes a tile block, ``absorb.TILE_LANES``) or ``-split`` (the split kernel at
 every row count, ``absorb.FEW_ROWS`` past any launch), or ``auto-sx`` (the linears' staged rows
 read with four scalar shared loads a lane and staged one float a load, as before run "quads":
 ``linear.VECTOR_X_LOADS`` and ``linear.VECTOR_STAGING`` off), ``auto-sstage`` (the scalar staging
@@ -106,7 +103,7 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
                  "auto-serial-mt1", "auto-serial-mt2", "auto-serial-mt3",
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
-                 "auto-seg-l1", "auto-seg-l2", "auto-seg-noprime", "auto-seg-narrow", "auto-sx", "auto-sstage", "auto-tc", "auto-tc-ring1", "auto-tc-ring",
+                 "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage", "auto-tc", "auto-tc-ring1", "auto-tc-ring",
                  *(f"auto-seg-async{n}" for n in range(2, 9)))
 
 
@@ -167,7 +164,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     saved = (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
              em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
              lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
-             lin.ODD_TILES, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING, lin.PRIME_RING)
+             lin.ODD_TILES, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING)
     async_ring = (lin.ASYNC_RING_STAGES, lin.ASYNC_RING_MIN_ROW_TILE)
     merge_free = va.MERGE_FREE_SHORT_CACHES
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
@@ -208,7 +205,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             elif tile == "h8":
                 em.DECODE_TILE = 8
             em.FEW_NODES_MERGE = _merge_tile(tile) or saved[9]
-            lin.WIDE_ARCHS = () if cols.startswith("4") or cols == "auto-seg-narrow" else wide
+            lin.WIDE_ARCHS = () if cols.startswith("4") else wide
             lin.PIPELINE_WEIGHTS = not cols.endswith("-plain")
             lin.PIPELINE_MIN_ROW_TILE = 1 if cols.endswith("-ring1") else saved[7]
             lin.SERIAL_HEADS = "-serial" in cols
@@ -223,7 +220,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.serial_plan.cache_clear()
             lin.VECTOR_X_LOADS = saved[13] and cols != "auto-sx"
             lin.VECTOR_STAGING = saved[14] and cols not in ("auto-sx", "auto-sstage")
-            lin.PRIME_RING = saved[15] and cols != "auto-seg-noprime"   # read by _setup: cleared below
             lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
             lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
             products = "tensor-core" if cols.startswith("auto-tc") else "cuda-core"
@@ -275,7 +271,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         (em.FEW_NODES_PER_SM, lin.WIDE_ARCHS, em.ATTENTION_PREFETCH_L2, em.ATTENTION_PREFETCH_CHUNKS,
          em.DECODE_TILE, em.FEW_NODES_TILE, lin.PIPELINE_WEIGHTS, lin.PIPELINE_MIN_ROW_TILE,
          lin.SERIAL_HEADS, em.FEW_NODES_MERGE, lin.SERIAL_ROW_TILES, lin.SERIAL_LEAF_SPLITS,
-         odd, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING, lin.PRIME_RING) = saved
+         odd, lin.VECTOR_X_LOADS, lin.VECTOR_STAGING) = saved
         em.SEGMENT_ABSORBS = segment
         em.ATTENTION_SKIP_DEAD_KEYS = skip
         ltc.set_async_ring(tc_ring)

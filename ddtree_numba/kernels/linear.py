@@ -54,10 +54,7 @@ Weight ring (row tiles of at least ``PIPELINE_MIN_ROW_TILE`` rows, :func:`ring_f
     steps come from the ring too, loads past its vector steps clamped to the last one (never out
     of bounds, unused); the 8-row tiles (U = 2) load their last 1-2 steps one at a time
     (registers). Layout, not numerics: the same fma chains in the same order, bit for bit with
-    the load-then-FMA loop (tested both ways), in the same U x C x 4 weight registers. Where a
-    block stages its rows once and loops over column groups, a group's first U - 1 steps are
-    loaded before the staging (the first group) or the previous group's butterfly (PRIME_RING;
-    C = 4 tiles only), so no group starts on a cold load.
+    the load-then-FMA loop (tested both ways), in the same U x C x 4 weight registers.
 
 Async weight ring (off by default: ASYNC_RING_STAGES, :func:`_launch_plan`). The weights'
     vector steps go through D step slots a warp in dynamic shared memory after the staged rows
@@ -235,14 +232,6 @@ XS_ALIGN = None if SIM_TREE else 4 * VEC
 # PIPELINE_WEIGHTS off: load-then-FMA everywhere. Layout only: the same bits either way.
 PIPELINE_WEIGHTS = True
 PIPELINE_MIN_ROW_TILE = 4
-# The ring's first loads of a column group (get_kernel's prime_ring; layout only, the same bits):
-# where a block stages its rows once and loops over column groups, a group's first AHEAD steps of
-# weights are issued before the work that precedes its FMAs and does not need them (the rows'
-# staging for the first group, the previous group's butterfly and stores for the next), so a
-# group no longer starts on a cold load (its weight latency with nothing of its warp in flight:
-# once a group: ~9 groups a warp for a 33-row w_q). Not the 8 x 8 tiles (sm_90's many-row experts
-# among them), which it spilled. Read per launch shape (_setup), so that a bench can switch it.
-PRIME_RING = True
 # The staged rows' traffic (layout only, the same values; get_kernel's vector_x / vector_stage,
 # read per launch shape by _setup so that a bench can switch them). The FMA loop's reads of a
 # lane's 4 staged floats were four scalar shared loads until run "quads": 4 lanes on each bank,
@@ -578,8 +567,7 @@ def _device_arch() -> str:
 @functools.cache
 def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: int = COLUMNS,
                shuffles: bool = not SIM_TREE, pipelined: bool | None = None,
-               vector_x: bool = True, vector_stage: bool = True, ring_stages: int = 0,
-               prime_ring: bool | None = None) -> Any:
+               vector_x: bool = True, vector_stage: bool = True, ring_stages: int = 0) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
     kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
@@ -600,11 +588,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     weights' vector steps stream through a ring of D step slots a warp in shared memory, after
     the staged rows, filled by ``cp.async`` copies D - 1 steps ahead of the FMAs (no weight
     registers in flight; :data:`ASYNC_RING_STAGES`; same values, so the same bits; it replaces
-    the register ring and the load-then-FMA rounds); prime_ring: with the register ring (pipelined)
-    and rows staged once, a column group's first weight loads are issued before the staging (the
-    first group) or the previous group's butterfly (None: :data:`PRIME_RING`; the same loads, the
-    same bits; never for C = WIDE_COLUMNS or with the async ring: the kernel's ``primes_ring``
-    says whether it does).
+    the register ring and the load-then-FMA rounds).
     """
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
@@ -621,9 +605,6 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     MTC = MT * C
     PIPELINED = ring_for(mt) if pipelined is None else bool(pipelined)
     check_ring_stages(ring_stages, "ring_stages")
-    # (not the 8 x 8 tiles: at 255 registers already, the primed loads spilled them on sm_90)
-    PRIME = (PRIME_RING if prime_ring is None else bool(prime_ring)) and PIPELINED and ring_stages < 2 and \
-        columns == COLUMNS
     ASYNC = ring_stages >= 2
     D = max(2, ring_stages)        # the async ring's slots a warp (D - 1 steps in flight)
     RING_FLOATS = D * C * STEP     # one warp's ring: [D, C, 128] floats after the staged rows
@@ -808,13 +789,6 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             wv[u, c, 3] = v3
 
     @cuda.jit(device=True, inline="always")
-    def prime_steps(w, wbase, wv, j, jl):
-        """The register ring's first AHEAD steps j .. j + AHEAD - 1 (clamped to step jl) into
-        slots 0 .. AHEAD - 1."""
-        for u in range(AHEAD):
-            load_step(w, wbase, min(j + u, jl), wv, u)
-
-    @cuda.jit(device=True, inline="always")
     def ring_prologue(w, wbase, xs, ring0, j, jv):
         """The async ring's first D - 1 steps j .. j + D - 2 (those < jv), one group each, into
         slots 0 .. D - 2."""
@@ -850,9 +824,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     @cuda.jit(device=True, inline="always")
     def accumulate(xs, w, wbase, acc, wv, lane, warp, seg, j0, j1, vec_steps, k_dim, k_split_,
                    phase_steps, primed):
-        """Steps [j0, j1) of this warp's segment (staged from step j0 on) into acc. primed: the
-        first loads were issued already (the async ring: :func:`ring_prologue`'s copies; the
-        register ring: :func:`prime_steps`' loads of steps j0 .. into slots 0 ..)."""
+        """Steps [j0, j1) of this warp's segment (staged from step j0 on) into acc. primed (the
+        async ring): :func:`ring_prologue` already issued these steps' first copies."""
         kcw = phase_steps * STEP
         row_floats = k_split_ * kcw
         xo0 = seg * kcw + VEC * lane - j0 * STEP   # xs offset of step j is xo0 + j * STEP
@@ -890,8 +863,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 # A ring of U slots: slot u holds step j + u at the top of the loop; step
                 # j + u + AHEAD goes into the slot step j + u - 1 freed, before step j + u's FMAs.
                 jl = jv - 1
-                if not primed:      # (else prime_steps issued them: PRIME)
-                    prime_steps(w, wbase, wv, j, jl)
+                for u in range(AHEAD):
+                    load_step(w, wbase, min(j + u, jl), wv, u)
                 # Every load in range: unclamped, so the steps' addresses share one base (the
                 # loop's pointers plus immediate offsets, as the plain loop's; clamped ones
                 # each took a register pair and spilled the 8 x 8 tile).
@@ -1030,17 +1003,6 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         n_phases = (seg_steps + phase_steps - 1) // phase_steps
         j_seg = min(seg * seg_steps, total_steps)
         j_seg_end = min(j_seg + seg_steps, total_steps)
-        # The register ring, rows staged once (PRIME): a group's first weight loads go out before
-        # the staging (the first group: below) or the previous group's butterfly (the next ones).
-        prime_reg = False
-        if PRIME:           # (a compile-time branch: the other kernels keep their code as it was)
-            jv_prime = min(j_seg_end, max(j_seg, vec_steps))
-            prime_reg = n_phases == 1 and j_seg < jv_prime
-            n_prime = (((n_cols + C - 1) // C) + groups_per_block - 1) // groups_per_block
-            gb_prime = cuda.blockIdx.y * (part_cols // (groups_per_block * C)) if ARGMAX else cuda.blockIdx.y
-            if prime_reg and gb_prime < n_prime:
-                column_bases(wbase, w_group, gb_prime * groups_per_block + group, n_cols, k_dim, lane)
-                prime_steps(w, wbase, wv, j_seg, jv_prime - 1)
         if not ASYNC:       # (this order: the head kind's 8 x 8 tile spilled with the ring's)
             if n_phases == 1:   # the whole segment fits: stage once for every column group
                 stage(x, xs, src_sh, inv_sh, norm_w, g, 0, k_dim, k_split_, seg_steps, phase_steps)
@@ -1086,14 +1048,11 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                           phase_steps)
                     cuda.syncthreads()  # this phase's rows staged
                 accumulate(xs, w, wbase, acc, wv, lane, warp, seg, j0, j1, vec_steps, k_dim,
-                           k_split_, phase_steps, prime or prime_reg)
-            if (prime or prime_reg) and gb + gb_step < gb_end:    # the next group's first loads (above)
+                           k_split_, phase_steps, prime)
+            if prime and gb + gb_step < gb_end:    # the next group's first copies (above)
                 column_bases(wbase, w_group, (gb + gb_step) * groups_per_block + group, n_cols,
                              k_dim, lane)
-                if prime:
-                    ring_prologue(w, wbase, xs, ring0, j_seg, jv_first)
-                else:
-                    prime_steps(w, wbase, wv, j_seg, jv_first - 1)
+                ring_prologue(w, wbase, xs, ring0, j_seg, jv_first)
             if TREE:        # the butterfly's tree through shared memory (simulated shuffles are slow)
                 red_base = warp * MTC * RED_ROW
                 for a in range(MTC):
@@ -1280,7 +1239,6 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             tile(x, w, out, out, w, xs, comb, red, src_sh, dst_sh, comb, 0, expert * n_cols,
                  n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, 0, ZERO)
 
-    kernel.primes_ring = PRIME    # (for tests: whether this specialisation primes its ring)
     return kernel
 
 
@@ -1606,8 +1564,7 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     # switch PIPELINE_WEIGHTS / PIPELINE_MIN_ROW_TILE and clear this cache.
     return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns,
                        pipelined=ring_for(plan.mt), vector_x=VECTOR_X_LOADS,
-                       vector_stage=VECTOR_STAGING, ring_stages=plan.ring_stages,
-                       prime_ring=PRIME_RING), grid, plan.threads,
+                       vector_stage=VECTOR_STAGING, ring_stages=plan.ring_stages), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
 
