@@ -64,16 +64,14 @@ from ddtree_numba.config import ModelConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "kimi-k2"])
-def test_forward_weight_bytes_at_one_row_are_the_decode_benchs_weights(preset):
-    # One row reads what bench.decode_step counts for an AR step, less what it adds beside the
-    # weights read once (norms, the embedding row, the KV rows) and plus the queries / outputs the
-    # attention model counts.
+def test_forward_bytes_at_one_row_are_the_decode_benchs_less_norms_and_embedding(preset):
+    # bench.decode_step counts an AR step's reads independently: the same weights and KV rows, plus
+    # the norms' weights and the embedding row, which the forward's floor leaves out.
     c = ModelConfig.from_name(preset)
     cost = rf.forward_cost(c, 1, 100)
     sb = step_bytes(c, 1, 101)
-    weights = sum(v[0] for n, v in cost.items() if n != "attention")
-    assert weights == pytest.approx(sb["attention"] + sb["dense_ffn"] + sb["moe"] + sb["lm_head"], rel=1e-12)
-    assert cost["attention"][0] == c.n_layers * rf.verify_attention_cost(1, 1, 100, heads=c.n_heads)[0]
+    assert sum(v[0] for v in cost.values()) == pytest.approx(sb["total"] - sb["norms"] - sb["embedding"], rel=1e-12)
+    assert cost["attention"][0] == sb["kv"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 33, 257])
@@ -92,35 +90,55 @@ def test_forward_flops_are_two_per_multiply_add_of_every_row(rows):
     weight_floats = sum(v[0] for n, v in one.items() if n != "attention") / 4 - n_moe * e
     assert per_row == 2 * weight_floats
     assert cost["routed_experts"] == (4.0 * n_moe * min(e, rows * k) * 3 * d * i, 2.0 * n_moe * rows * k * 3 * d * i)
-    assert cost["attention"][1] == c.n_layers * 2 * rows * c.n_heads * (160 + rows) * (576 + 512)
 
 
-def test_forward_floor_is_the_sum_of_the_component_bounds_and_the_targets_table_reads_it():
+@pytest.mark.parametrize("rows,past", [(1, 0), (1, 4096), (33, 160), (9, 7)])
+def test_forward_attention_counts_the_keys_each_node_stages(rows, past):
+    # A chain of new rows: node i (1-based) sees the cached rows and i new ones (its ancestors and
+    # itself), the default; every node seeing all rows is the sweeps' dense count.
+    c = ModelConfig.from_name("small")
+    per_key = 2 * c.n_heads * (c.kv_cache_dim + c.kv_lora_rank) * c.n_layers
+    chain = rf.forward_cost(c, rows, past)["attention"][1]
+    assert chain == per_key * sum(past + i for i in range(1, rows + 1))
+    dense = rf.forward_cost(c, rows, past, tree_keys=rows)["attention"][1]
+    assert dense == c.n_layers * rf.verify_attention_cost(1, rows, past, heads=c.n_heads)[1]
+    star = rf.forward_cost(c, rows, past, tree_keys=1 + (rows - 1) / rows)["attention"][1]  # root + leaves
+    assert star == pytest.approx(per_key * (past + 1 + (rows - 1) * (past + 2)), rel=1e-12)
+
+
+def test_forward_floor_is_the_sum_of_the_component_bounds_and_the_parity_reads_it():
     c = ModelConfig.from_name("small")
     one, tree = rf.forward_cost(c, 1, 192), rf.forward_cost(c, 33, 192)
     f1, f33 = rf.forward_floor_us(H200, one), rf.forward_floor_us(H200, tree)
     expect = sum(roofline(H200, b, f).t_floor_s for b, f in one.values()) * 1e6
     assert f1 == pytest.approx(expect, rel=1e-12)
     assert f33 > f1 > 1e6 * sum(v[0] for v in one.values()) / 4.3e12 * 0.999   # never under the bytes alone
+    # a round of exactly twice the AR step sits exactly at the parity, whatever the AR step
+    threshold = rf.parity(f1, f33)
+    for ar in (f1, 2 * f1, 5 * f1):
+        assert (f33 / (2 * ar)) / (f1 / ar) == pytest.approx(threshold, rel=1e-12)
     table = rf.target_table(c, H200, 192, 32, ar_us=2 * f1, round_us=4 * f1)
-    assert f"step <= {2 * f1:.1f} us" in table
-    assert f"ratio at the floors (AR step / verify forward): {f1 / f33:.3f}" in table
-    assert "ratio AR step / round: 0.500" in table
+    assert f"2 x its floor: {2 * f1:.1f} us" in table
+    assert f">= {threshold:.3f} x (AR floor / AR step)" in table
+    assert f"ratio AR step / round: 0.500 (target >= 0.5); the round at {threshold:.3f} x" in table
 
 
 @pytest.mark.parametrize("kwargs,match", [({"rows": 0}, "rows"), ({"rows": True}, "rows"), ({"past": -1}, "past"),
-                                          ({"experts": 17}, "experts"), ({"experts": -1}, "experts")])
+                                          ({"experts": 17}, "experts"), ({"experts": -1}, "experts"),
+                                          ({"tree_keys": 0.5}, "tree_keys"), ({"tree_keys": 2}, "tree_keys")])
 def test_forward_cost_rejects_bad_arguments(kwargs, match):
     args = {"rows": 1, "past": 0} | kwargs
     with pytest.raises(ValueError, match=match):
         rf.forward_cost(ModelConfig.from_name("small"), args.pop("rows"), args.pop("past"), **args)
 
 
-def test_roofline_cli_prints_the_targets_and_rejects_bad_times(capsys):
+def test_roofline_cli_prints_the_targets_and_rejects_bad_arguments(capsys):
     assert rf.main(["--preset", "tiny", "--ar-us", "100", "--round-us", "180"]) == 0
     out = capsys.readouterr().out
-    assert "AR target" in out and "ratio AR step / round: 0.556" in out
-    with pytest.raises(SystemExit, match="ar-us"):
-        rf.main(["--ar-us", "0"])
-    with pytest.raises(SystemExit, match="preset"):
-        rf.main(["--preset", "nope"])
+    assert "2 x its floor" in out and "ratio AR step / round: 0.556" in out and "verify floor / round = " in out
+    for argv, match in ((["--ar-us", "0"], "--ar-us"), (["--round-us", "nan"], "--round-us"),
+                        (["--preset", "nope"], "--preset"), (["--profile", "nope"], "--profile"),
+                        (["--past", "-1"], "--past"), (["--budget", "0"], "--budget"), (["--budget", "1025"], "--budget")):
+        with pytest.raises(SystemExit) as exc:
+            rf.main(argv)
+        assert exc.value.code == 2 and match in capsys.readouterr().err
