@@ -174,12 +174,17 @@ def forward_cost(config: Any, rows: int, past: int, *, experts: int | None = Non
     return cost
 
 
+def component_bounds(profile: DeviceProfile, cost: dict[str, tuple[float, float]],
+                     unit: str = "fp32") -> dict[str, np.ndarray]:
+    """:func:`bound_arrays` of a :func:`forward_cost`'s components, in its order (nothing measured)."""
+    return bound_arrays(profile, [v[0] for v in cost.values()], [v[1] for v in cost.values()],
+                        np.ones(len(cost)), unit)
+
+
 def forward_floor_us(profile: DeviceProfile, cost: dict[str, tuple[float, float]], unit: str = "fp32") -> float:
     """The forward's roofline floor in us: every component at its own bound (bytes at the
     bandwidth or FLOPs at the peak, whichever is slower), one after another."""
-    b = bound_arrays(profile, [v[0] for v in cost.values()], [v[1] for v in cost.values()],
-                     np.ones(len(cost)), unit)
-    return float(np.nansum(b["bound_us"]))
+    return float(np.nansum(component_bounds(profile, cost, unit)["bound_us"]))
 
 
 def parity(f_ar: float, f_verify: float) -> float:
@@ -198,8 +203,7 @@ def target_table(config: Any, profile: DeviceProfile, past: int, budget: int, *,
     compaction's floors are ~1-2 us at small's sizes; a DFlash drafter's forward would add its own)."""
     rows_v = budget + 1
     one, tree = forward_cost(config, 1, past), forward_cost(config, rows_v, past)
-    b1 = bound_arrays(profile, [v[0] for v in one.values()], [v[1] for v in one.values()], np.ones(len(one)))
-    bv = bound_arrays(profile, [v[0] for v in tree.values()], [v[1] for v in tree.values()], np.ones(len(tree)))
+    b1, bv = component_bounds(profile, one), component_bounds(profile, tree)
     bw, peak = ceilings(profile)
     lines = [f"floors on {profile.describe()}: {bw / 1e12:.2f} TB/s, {peak / 1e12:.1f} TFLOP/s FP32 (CUDA cores); "
              f"past {past} rows, verify of B {budget} = {rows_v} rows",
