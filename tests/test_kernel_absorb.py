@@ -194,49 +194,6 @@ def test_pair_lanes_and_block_counts_keep_the_bits(mt, col_quads, row_groups, la
         ab.tile_block_plan(4, 8, 2, 1, 33, 2, 36, 5)
 
 
-@pytest.mark.parametrize("mt, col_groups, row_groups, m_rows, k_dim, n_cols", [
-    (4, 8, 2, 5, 72, 36),      # one row block with rows past M, K past a segment, a partial column slab
-    (4, 8, 3, 33, 100, 20),    # three row blocks of 12 rows, a partial last segment (K 100)
-    (8, 8, 1, 9, 4, 68),       # K inside one segment, two row blocks, two column blocks
-    (4, 16, 1, 4, 64, 128),    # one block exactly, whole segments
-])
-def test_wide_tiles_keep_the_order(mt, col_groups, row_groups, m_rows, k_dim, n_cols):
-    """The wide tile kernel (8 columns a thread, a 2-D warp tile) is layout: the split kernel's bits
-    and, under the simulator, the emulated order, over two heads; signed zeros (a zero row, -0.0
-    entries) included; within the float64 bound."""
-    x, w = _rand(m_rows, 2, k_dim), _rand(2, k_dim, n_cols)
-    x[min(1, m_rows - 1)] = -0.0
-    w[:, :, 3] = -0.0
-    plan = ab.wide_block_plan(mt, col_groups, row_groups, m_rows, 2, n_cols)
-    assert plan.kind == "wide" and ab._fits(plan, m_rows, 2, n_cols, k_dim, True)
-    got = _run(x, w, plan=plan)
-    _same_bits(got, _run(x, w, plan=_split(x, w)))
-    if SIMULATED:
-        _same_bits(got, _emulate(x, w))
-    _assert_close(got, x, w)
-
-
-def test_wide_and_split_plans_take_a_k_past_max_k_when_asked():
-    """K past MAX_K (a dense product's): refused without a plan, taken with a wide plan or with a
-    split plan whose partials fit, the same bits."""
-    k_dim = ab.MAX_K + 64
-    x, w = _rand(3, 1, k_dim), _rand(1, k_dim, 8)
-    out = np.zeros((3, 1, 8), np.float32)
-    with pytest.raises(ValueError, match="^w_kn"):
-        ab.absorb(x, w, out)
-    split = _run(x, w, plan=_split(x, w))
-    _same_bits(_run(x, w, plan=ab.wide_block_plan(4, 8, 1, 3, 1, 8)), split)
-    _assert_close(split, x, w)
-
-
-def test_wide_block_plan_refuses_blocks_without_a_kernel():
-    for bad in ((3, 8, 1), (4, 12, 1), (4, 32, 9), (8, 32, 5)):   # 3 rows; 12 groups; 288 threads; 77 KiB
-        with pytest.raises(ValueError, match="no wide absorb kernel"):
-            ab.wide_block_plan(*bad, 33, 1, 1024)
-    plan = ab.wide_block_plan(4, 16, 9, 33, 1, 12288, 3)
-    assert plan.grid == (96, 1, 1) and plan.threads == 144 and plan.shared_bytes == ab.wide_shared_bytes(4, 16, 9)
-
-
 def test_tile_plan_runs_a_tree_verify_in_one_wave():
     """The H200's (132 SMs) 33-row absorbs of ``small`` / Kimi K2 (64 heads): the q absorb (K 128,
     N 512) in 16 x 9 blocks (36 rows, not 32 x 5's 40) at 4 blocks an SM, 512 blocks in one wave;

@@ -433,183 +433,6 @@ def get_tile_kernel(mt: int, col_quads: int, row_groups: int, seg_lanes: int = 1
     return kernel
 
 
-# --- many rows, wide thread tiles: MT rows x 8 columns a thread, lanes in a 2-D warp tile --------------
-#
-# The tile kernel's thread keeps MT x 4 outputs and its warp's lanes are 32 column quads (a warp
-# reads 512 distinct weight bytes a k from shared memory for 4 * MT fmas a lane): at the dense
-# products' shapes the shared-memory data path, not the FMA pipe, bounds it. A wide thread keeps
-# MT rows x 8 columns (two quads NB / 2 apart, so 8 lanes of a quarter warp read 128 contiguous
-# bytes: no bank conflict) and a warp's lanes are 32 / CG row groups x CG column groups, so the
-# lanes of one row group share (broadcast) an x float4 and those of one column group a weight
-# float4: per k a lane issues 2 + MT / 4 shared loads for 8 * MT fmas. The same order as the
-# split kernel (segments of SEGMENT k, each an fma chain from +0.0, added left to right from
-# -0.0): layout, never the order. One segment a round, double-buffered as the tile kernel.
-
-WIDE_COLS = 2 * VEC              # columns a wide thread keeps (two quads)
-WIDE_ROW_TILES = (4, 8)          # rows a wide thread keeps (multiples of 4: 16-byte x reads)
-WIDE_COL_GROUPS = (8, 16, 32)    # column groups a wide block has (its lanes' columns: CG x 8)
-WIDE_MAX_THREADS = 256
-WIDE_K_BATCH = 4                 # k whose shared loads a wide thread issues before their fmas (divides SEGMENT)
-
-
-def wide_shared_bytes(mt: int, col_groups: int, row_groups: int) -> int:
-    """A wide block's dynamic shared memory: two stages of weights [SEGMENT, NB] and x [SEGMENT, RB + pad]."""
-    return 2 * 4 * SEGMENT * (col_groups * WIDE_COLS + row_groups * mt + TILE_X_PAD)
-
-
-def _wide_layout_ok(mt: int, col_groups: int, row_groups: int, blocks_per_sm: int) -> bool:
-    return mt in WIDE_ROW_TILES and col_groups in WIDE_COL_GROUPS and row_groups >= 1 and \
-        col_groups * row_groups <= WIDE_MAX_THREADS and blocks_per_sm in TILE_MIN_BLOCKS and \
-        wide_shared_bytes(mt, col_groups, row_groups) <= TILE_SMEM
-
-
-@functools.cache
-def get_wide_kernel(mt: int, col_groups: int, row_groups: int, blocks_per_sm: int = TILE_BLOCKS_PER_SM) -> Any:
-    """The wide tile kernel (compiled lazily, cached): ``col_groups`` x ``row_groups`` threads a
-    block, each MT rows x 8 columns (column group c: quads c and CG + c of the block's 2 CG quads);
-    column groups fastest, so a warp holds 32 / CG row groups of CG column groups. ``blocks_per_sm``
-    is the launch bounds' block count (registers)."""
-    if not _wide_layout_ok(mt, col_groups, row_groups, blocks_per_sm):
-        raise ValueError(f"no wide absorb kernel for mt={mt!r}, col_groups={col_groups!r}, "
-                         f"row_groups={row_groups!r}, blocks_per_sm={blocks_per_sm!r}")
-    MT, CG, RW = mt, col_groups, row_groups
-    THREADS = CG * RW
-    CG_SHIFT = CG.bit_length() - 1
-    NB = CG * WIDE_COLS                 # columns a block
-    HALF = NB // 2                      # a thread's second quad, this many columns on
-    NQ = NB // VEC                      # weight quads a staged k-row
-    NQ_SHIFT = NQ.bit_length() - 1
-    RB = RW * MT                        # rows a block
-    XR = RB + TILE_X_PAD                # a staged k-row of x: RB rows, padded
-    W_TILE = SEGMENT * NB
-    BUF = W_TILE + SEGMENT * XR         # one stage: weights [SEGMENT, NB] | x [SEGMENT, XR]
-    W_CHUNKS = W_TILE // VEC            # 16-byte weight chunks a stage
-    W_LOADS = -(-W_CHUNKS // THREADS)
-    X_CHUNKS = RB * (SEGMENT // VEC)    # 16-byte x chunks a stage
-    X_LOADS = -(-X_CHUNKS // THREADS)
-    KB = WIDE_K_BATCH
-
-    @cuda.jit(device=True, inline="always")
-    def fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, seg):
-        """Segment seg's weights and rows into registers (zeros past K, N and M)."""
-        tid = int32(cuda.threadIdx.x)
-        k0 = seg * SEGMENT
-        for i in range(W_LOADS):
-            idx = tid + i * THREADS
-            v0 = v1 = v2 = v3 = ZERO
-            if idx < W_CHUNKS:
-                kk = idx >> NQ_SHIFT
-                col = col0 + (idx - (kk << NQ_SHIFT)) * VEC
-                if k0 + kk < k_dim and col < n_cols:
-                    v0, v1, v2, v3 = load_f32x4(w_kn, (int64(g) * k_dim + k0 + kk) * n_cols + col)
-            wpre[i, 0] = v0
-            wpre[i, 1] = v1
-            wpre[i, 2] = v2
-            wpre[i, 3] = v3
-        for i in range(X_LOADS):
-            idx = tid + i * THREADS
-            v0 = v1 = v2 = v3 = ZERO
-            if idx < X_CHUNKS:
-                kc = idx // RB                 # rows fastest: the transposed stores spread banks
-                r = idx - kc * RB
-                k = k0 + kc * VEC
-                if k < k_dim and row0 + r < m_rows:   # K % 4 == 0: a chunk is whole or past K
-                    v0, v1, v2, v3 = load_x4(x, row0 + r, g, k)
-            xpre[i, 0] = v0
-            xpre[i, 1] = v1
-            xpre[i, 2] = v2
-            xpre[i, 3] = v3
-
-    @cuda.jit(device=True, inline="always")
-    def put(sh, wpre, xpre, base):
-        """The registers of fetch() into the stage at ``base``."""
-        tid = int32(cuda.threadIdx.x)
-        for i in range(W_LOADS):
-            idx = tid + i * THREADS
-            if idx < W_CHUNKS:
-                shared_put4(sh, base + idx * VEC, wpre[i, 0], wpre[i, 1], wpre[i, 2], wpre[i, 3])
-        for i in range(X_LOADS):
-            idx = tid + i * THREADS
-            if idx < X_CHUNKS:
-                kc = idx // RB
-                r = idx - kc * RB
-                at = base + W_TILE + kc * VEC * XR + r
-                sh[at] = xpre[i, 0]
-                sh[at + XR] = xpre[i, 1]
-                sh[at + 2 * XR] = xpre[i, 2]
-                sh[at + 3 * XR] = xpre[i, 3]
-
-    @cuda.jit(**launch_bounds(THREADS, blocks_per_sm))
-    def kernel(x, w_kn, out, n_cols, k_dim):
-        """x [M, G, K] (16-byte aligned rows, K % 4 == 0), w_kn [G, K, N] (flat under the
-        simulator; N % 4 == 0), out [M, G, N]. Grid (ceil(N / NB), ceil(M / RB), G); dynamic shared
-        memory: two stages, wide_shared_bytes(MT, CG, RW) (its base 16-byte aligned)."""
-        sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [2, SEGMENT, NB | SEGMENT, XR] stages
-        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
-        wpre = cuda.local.array((W_LOADS, VEC), float32)
-        xpre = cuda.local.array((X_LOADS, VEC), float32)
-        acc = cuda.local.array((MT, WIDE_COLS), float32)
-        total = cuda.local.array((MT, WIDE_COLS), float32)
-        xv = cuda.local.array((KB, MT), float32)
-        wa = cuda.local.array((KB, VEC), float32)
-        wb = cuda.local.array((KB, VEC), float32)
-        tid = int32(cuda.threadIdx.x)
-        cg = tid & (CG - 1)
-        rg = tid >> CG_SHIFT
-        g = int32(cuda.blockIdx.z)
-        row0 = int32(cuda.blockIdx.y) * RB
-        col0 = int32(cuda.blockIdx.x) * NB
-        m_rows = x.shape[0]
-        n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
-        for r in range(MT):
-            for c in range(WIDE_COLS):
-                total[r, c] = NEG_ZERO
-        fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, 0)
-        put(sh, wpre, xpre, 0)
-        cuda.syncthreads()                     # stage 0 visible to every thread
-        for seg in range(n_segs):
-            if seg + 1 < n_segs:               # the next segment's loads fly while this one computes
-                fetch(x, w_kn, wpre, xpre, g, row0, col0, m_rows, n_cols, k_dim, seg + 1)
-            base = int32((seg & 1) * BUF)
-            for r in range(MT):
-                for c in range(WIDE_COLS):
-                    acc[r, c] = ZERO
-            w_at = int32(base + cg * VEC)
-            x_at = int32(base + W_TILE + rg * MT)
-            kk = int32(0)
-            while kk < SEGMENT:                # k ascending, KB k a step: their shared loads first, then their fmas
-                for u in range(KB):
-                    wa[u, 0], wa[u, 1], wa[u, 2], wa[u, 3] = shared_x4(sh, w_at + u * NB)
-                    wb[u, 0], wb[u, 1], wb[u, 2], wb[u, 3] = shared_x4(sh, w_at + u * NB + HALF)
-                    for r4 in range(MT // VEC):
-                        xv[u, 4 * r4], xv[u, 4 * r4 + 1], xv[u, 4 * r4 + 2], xv[u, 4 * r4 + 3] = \
-                            shared_x4(sh, x_at + u * XR + 4 * r4)
-                for u in range(KB):
-                    for r in range(MT):
-                        for c in range(VEC):
-                            acc[r, c] = cuda.fma(xv[u, r], wa[u, c], acc[r, c])
-                            acc[r, VEC + c] = cuda.fma(xv[u, r], wb[u, c], acc[r, VEC + c])
-                w_at += int32(KB * NB)
-                x_at += int32(KB * XR)
-                kk += int32(KB)
-            if seg + 1 < n_segs:
-                put(sh, wpre, xpre, BUF - base)
-            cuda.syncthreads()                 # next stage visible; this stage read by every thread
-            for r in range(MT):                # the order: segment partials left to right
-                for c in range(WIDE_COLS):
-                    total[r, c] += acc[r, c]
-        for r in range(MT):
-            row = row0 + rg * MT + r
-            if row < m_rows:
-                for h in range(2):
-                    col = col0 + h * HALF + cg * VEC
-                    if col < n_cols:
-                        for c in range(VEC):
-                            out[row, g, col + c] = total[r, h * VEC + c]
-
-    return kernel
-
-
 # --- plans and the host wrapper ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -617,13 +440,11 @@ class AbsorbPlan:
     """One absorb launch (a function of the shapes: layout, never the order).
 
     Attributes:
-        kind: ``"split"`` (few rows), ``"tile"`` (many rows) or ``"wide"`` (many rows, 8 columns a
-            thread: :func:`get_wide_kernel`; not planned yet, built with :func:`wide_block_plan`).
+        kind: ``"split"`` (few rows) or ``"tile"`` (many rows).
         mt: rows a thread keeps.
         lanes: segment lanes (split: the threads sharing an output's segments; tile: the lanes a
             round's segments are dealt to, 1 = a thread runs every segment).
-        col_quads / row_groups: the tile kernel's block (0 for a split launch); a wide launch's
-            column groups (8 columns each) and row groups.
+        col_quads / row_groups: the tile kernel's block (0 for a split launch).
         blocks_per_sm / pairs: the tile kernel's launch bounds and lane layout (get_tile_kernel).
         grid, threads, shared_bytes: the launch (dynamic shared bytes: the split's partials).
     """
@@ -642,8 +463,6 @@ class AbsorbPlan:
     def kernel(self) -> Any:
         if self.kind == "split":
             return get_split_kernel(self.mt, self.lanes, self.threads)
-        if self.kind == "wide":
-            return get_wide_kernel(self.mt, self.col_quads, self.row_groups, self.blocks_per_sm)
         return get_tile_kernel(self.mt, self.col_quads, self.row_groups, self.lanes, self.blocks_per_sm, self.pairs)
 
 
@@ -679,22 +498,6 @@ def tile_block_plan(mt: int, col_quads: int, row_groups: int, seg_lanes: int, ro
     grid = (-(-n_cols // (col_quads * VEC)), -(-rows // (row_groups * mt)), groups)
     return AbsorbPlan("tile", mt, seg_lanes, col_quads, row_groups, grid, col_quads * row_groups * seg_lanes,
                       tile_shared_bytes(mt, col_quads, row_groups, seg_lanes), blocks_per_sm, bool(pairs))
-
-
-def wide_block_plan(mt: int, col_groups: int, row_groups: int, rows: int, groups: int, n_cols: int,
-                    blocks_per_sm: int = TILE_BLOCKS_PER_SM) -> AbsorbPlan:
-    """The wide launch of one block shape (:func:`get_wide_kernel`) for these rows, heads and
-    columns (the grid follows).
-
-    Raises:
-        ValueError: no wide kernel for the block, or its stages pass TILE_SMEM.
-    """
-    if not _wide_layout_ok(mt, col_groups, row_groups, blocks_per_sm):
-        raise ValueError(f"no wide absorb kernel for mt={mt}, col_groups={col_groups}, row_groups={row_groups}, "
-                         f"blocks_per_sm={blocks_per_sm} within {TILE_SMEM} bytes of shared memory")
-    grid = (-(-n_cols // (col_groups * WIDE_COLS)), -(-rows // (row_groups * mt)), groups)
-    return AbsorbPlan("wide", mt, 1, col_groups, row_groups, grid, col_groups * row_groups,
-                      wide_shared_bytes(mt, col_groups, row_groups), blocks_per_sm)
 
 
 def _tile_block_ok(mt: int, col_quads: int, row_groups: int, seg_lanes: int,
@@ -790,13 +593,6 @@ def _fits(plan: AbsorbPlan, m_rows: int, groups: int, n_cols: int, k_dim: int, a
         cols, rows = plan.col_quads * VEC, plan.row_groups * plan.mt
         staged = aligned and k_dim % VEC == 0 and \
             plan.shared_bytes == tile_shared_bytes(plan.mt, plan.col_quads, plan.row_groups, plan.lanes)
-    elif plan.kind == "wide":
-        if not _wide_layout_ok(plan.mt, plan.col_quads, plan.row_groups, plan.blocks_per_sm) or plan.lanes != 1 or \
-                plan.threads != plan.col_quads * plan.row_groups:
-            return False
-        cols, rows = plan.col_quads * WIDE_COLS, plan.row_groups * plan.mt
-        staged = aligned and k_dim % VEC == 0 and \
-            plan.shared_bytes == wide_shared_bytes(plan.mt, plan.col_quads, plan.row_groups)
     else:
         return False
     if not (staged and len(plan.grid) == 3 and plan.grid[2] == groups and plan.grid[0] * cols >= n_cols
@@ -820,9 +616,7 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
     Args:
         x: float32 [M, G, K], unit inner stride (a view such as q[:, :, :nope] is fine).
         w_kn: float32 [G, K, N], C-contiguous, N % 4 == 0, 1 <= K <= MAX_K (the k-major absorb
-            weight: ``DeviceWeights.k_major``); a larger K with a ``plan`` that takes it (a split
-            plan whose partials fit its shared memory, or a tile or wide plan: they stage a
-            segment a round).
+            weight: ``DeviceWeights.k_major``).
         out: float32 [M, G, N], unit inner stride.
         stream: 0, a numba stream, or a cuda.core Stream / GraphBuilder.
         plan: a plan from :func:`plan_absorb` for these shapes (e.g. the split kernel at any row
@@ -841,10 +635,9 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
     if not is_c_contiguous(w_kn):
         raise ValueError("w_kn must be C-contiguous")
     groups, k_dim, n_cols = (int(d) for d in w_kn.shape)
-    k_ok = supported(k_dim, n_cols) if plan is None else (k_dim >= 1 and n_cols >= 1 and n_cols % VEC == 0)
-    if not k_ok or groups > MAX_GRID_Z:
-        raise ValueError(f"w_kn must have shape (G, K, N) with G <= {MAX_GRID_Z}, 1 <= K <= {MAX_K} (without a "
-                         f"plan) and N a multiple of {VEC} (16-byte weight loads), got {tuple(w_kn.shape)}")
+    if not supported(k_dim, n_cols) or groups > MAX_GRID_Z:
+        raise ValueError(f"w_kn must have shape (G, K, N) with G <= {MAX_GRID_Z}, 1 <= K <= {MAX_K} and N a "
+                         f"multiple of {VEC} (16-byte weight loads), got {tuple(w_kn.shape)}")
     if data_address(w_kn) % 16:
         raise ValueError("w_kn must start on 16 bytes (16-byte weight loads)")
     m_rows = int(x.shape[0])
@@ -891,9 +684,3 @@ for _mt, _cq, _rw, _sl, _bps, _pairs in ((4, 16, 9, 1, 4, False), (4, 8, 10, 2, 
              get_tile_kernel(_mt, _cq, _rw, _sl, _bps, _pairs), _sigs(),
              f"MLA absorb in segment order, {_mt} x 4 outputs a thread, {_sl} segment lane(s), "
              f"{'2 x 2 lane squares, ' if _pairs else ''}double-buffered tiles, launch bounds for {_bps} blocks an SM", block_threads=_cq * _rw * _sl)
-# The wide tiles a 33-row dense product would take (not planned yet: timed by the session's
-# experiment, PERFORMANCE.md run "wide tiles"): 36 rows in 9 row groups of 4 at 16 and 8 column groups.
-for _mt, _cg, _rw, _bps in ((4, 16, 9, 2), (4, 8, 9, 4), (8, 16, 5, 2)):
-    register(f"absorb_wide_mt{_mt}_g{_cg}_r{_rw}_b{_bps}", get_wide_kernel(_mt, _cg, _rw, _bps), _sigs(),
-             f"MLA absorb / dense product in segment order, {_mt} x 8 outputs a thread in a 2-D warp tile, "
-             f"double-buffered tiles, launch bounds for {_bps} blocks an SM", block_threads=_cg * _rw)
