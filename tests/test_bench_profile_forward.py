@@ -21,8 +21,8 @@ def test_table_of_the_committed_h200_profile():
     ar, tree = forwards
     assert sum(r[3] for r in ar) == 99 and sum(r[3] for r in tree) == 99
     # Before the merge was spread over heads, attention + merge of an AR step ran as one block each.
-    name, grid, _, calls, total = ar[0]
-    assert name.endswith("attention") and grid == "(1, 1, 1)" and calls == 6 and total > 1000
+    name, grid, _, calls, total, read = ar[0]
+    assert name.endswith("attention") and grid == "(1, 1, 1)" and calls == 6 and total > 1000 and read is None
     text = pf.format_table(forwards)
     assert "forward 1: 99 kernels" in text and "verify_attention::merge" in text
 
@@ -33,3 +33,42 @@ def test_main_prints_the_table(capsys):
     assert pf.main(["--rows", "0"]) == 2
     assert pf.main(["--ddtree", "8", "--rows", "1"]) == 2      # a tree needs a budget >= 1
     assert pf.main(["--ddtree", "-1"]) == 2
+
+
+METRICS = PROFILE.parent / "ncu_small_forward_metrics_9618a94.csv"   # durations and DRAM bytes, among others
+
+
+def test_table_reads_dram_bytes_where_the_profile_has_them():
+    """The MB read a kernel (sum over its calls) and their rate: from ``dram__bytes_read.sum`` in
+    bytes (``--print-units base``); None where a profile has only durations."""
+    ar, tree = pf.read_table(METRICS)
+    assert sum(r[3] for r in ar) == 99 and sum(r[3] for r in tree) == 107
+    assert all(r[5] is not None and r[5] >= 0 for r in ar + tree)
+    # The AR step streams the weights once: ~1.46 GB (bench.roofline's 1463 MB) within 5 %
+    assert 0.95 * 1463 <= sum(r[5] for r in ar) <= 1.05 * 1463
+    assert all(r[5] is None for r in pf.read_table(PROFILE)[0])
+    text = pf.format_table([ar])
+    assert "MB read" in text and "GB/s" in text and "MB read from DRAM" in text.splitlines()[0]
+    assert "MB read" not in pf.format_table(pf.read_table(PROFILE))
+
+
+def test_table_converts_units(tmp_path):
+    """Durations and bytes in other units than the base ones convert (us, Kbyte); the launches of a
+    forward are ordered by ncu's launch ID, whatever the CSV's row order."""
+    head = '"ID","Kernel Name","Grid Size","Block Size","Metric Name","Metric Unit","Metric Value"\n'
+    rows = [
+        ("1", "engine::_prepare_rows_kernel", "gpu__time_duration.sum", "usecond", "2"),
+        ("2", "mod::k", "dram__bytes_read.sum", "Kbyte", "3,000"),
+        ("2", "mod::k", "gpu__time_duration.sum", "nsecond", "4,000"),
+        ("0", "engine::_prepare_rows_kernel", "gpu__time_duration.sum", "nsecond", "1,000"),
+        ("0", "engine::_prepare_rows_kernel", "dram__bytes_read.sum", "byte", "1,000,000"),
+        ("1", "engine::_prepare_rows_kernel", "dram__bytes_read.sum", "Mbyte", "1"),
+    ]
+    path = tmp_path / "p.csv"
+    path.write_text("==PROF== noise\n" + head + "".join(
+        f'"{i}","{k}[v1]","(1, 1, 1)","(32, 1, 1)","{m}","{u}","{v}"\n' for i, k, m, u, v in rows))
+    first, second = pf.read_table(path)
+    assert first == [("engine::_prepare_rows_kernel", "(1, 1, 1)", "(32, 1, 1)", 1, 1.0, 1.0)]
+    assert second == [("mod::k", "(1, 1, 1)", "(32, 1, 1)", 1, 4.0, 3.0),
+                      ("engine::_prepare_rows_kernel", "(1, 1, 1)", "(32, 1, 1)", 1, 2.0, 1.0)]
+    assert "750" in pf.format_table([second])   # 3 MB in 4 us

@@ -3,10 +3,11 @@
 The program runs each forward three times (compile, warm-up) and then once more between
 ``cuda.profile_start()`` and ``cuda.profile_stop()``, so ``ncu --profile-from-start off`` records
 exactly one forward per row count. ``--table`` turns ncu's CSV into a per-kernel table (kernel,
-grid, block, calls, total and mean microseconds), one per profiled forward, slowest first.
+grid, block, calls, total and mean microseconds, and the MB read from DRAM and their rate where the
+profile has ``dram__bytes_read.sum``), one per profiled forward, slowest first.
 
-    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \\
-        --print-units base python3 -m ddtree_numba.bench.profile_forward --preset small > prof.csv
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
+        --csv --print-units base python3 -m ddtree_numba.bench.profile_forward --preset small > prof.csv
     python3 -m ddtree_numba.bench.profile_forward --table prof.csv
 
 ncu serialises the kernels and, by default, flushes the caches before each one, so small kernels
@@ -118,31 +119,60 @@ def run_ddtree(preset: str, budget: int, new_tokens: int, block: int = 16, seed:
     cuda.profile_stop()
 
 
-def read_table(path: Path) -> list[list[tuple[str, str, str, int, float]]]:
-    """ncu CSV -> per forward, rows (kernel, grid, block, calls, total us), slowest first."""
+_TIME_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+_BYTES_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+Row = tuple  # (kernel, grid, block, calls, total us, MB read from DRAM or None)
+
+
+def read_table(path: Path) -> list[list[Row]]:
+    """ncu CSV -> per forward, rows (kernel, grid, block, calls, total us, MB read from DRAM),
+    slowest first. The MB are the sum of ``dram__bytes_read.sum`` over the calls where the
+    profile has that metric (``--metrics gpu__time_duration.sum,dram__bytes_read.sum``), else None."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(line for line in f if line.startswith('"')))
-    kernels = [(r["Kernel Name"].split("[")[0].split("(")[0], r["Grid Size"], r["Block Size"],
-                float(r["Metric Value"].replace(",", "")) / 1000.0) for r in rows
-               if r.get("Metric Name") == "gpu__time_duration.sum"]
+    launches: dict[str, dict[str, Any]] = {}   # ncu's launch ID -> its name, grid, block and metrics
+    for r in rows:
+        metric, unit = r.get("Metric Name"), r.get("Metric Unit", "")
+        if metric not in ("gpu__time_duration.sum", "dram__bytes_read.sum"):
+            continue
+        launch = launches.setdefault(r["ID"], {"name": r["Kernel Name"].split("[")[0].split("(")[0],
+                                               "grid": r["Grid Size"], "block": r["Block Size"]})
+        value = float(r["Metric Value"].replace(",", ""))
+        if metric == "gpu__time_duration.sum":
+            launch["us"] = value * _TIME_US.get(unit, 1e-3)   # base units (ns) when the CSV names none
+        else:
+            launch["mb"] = value * _BYTES_MB.get(unit, 1e-6)
+    kernels = [(k["name"], k["grid"], k["block"], k["us"], k.get("mb"))
+               for _, k in sorted(launches.items(), key=lambda item: int(item[0])) if "us" in k]
     starts = [i for i, k in enumerate(kernels) if k[0].endswith(FIRST_KERNEL)] + [len(kernels)]
     forwards = []
     for a, b in zip(starts, starts[1:]):
-        agg: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
-        for name, grid, block, us in kernels[a:b]:
-            agg[(name, grid, block)].append(us)
-        forwards.append(sorted(((n, g, bl, len(v), sum(v)) for (n, g, bl), v in agg.items()), key=lambda r: -r[4]))
+        agg: dict[tuple[str, str, str], list[tuple[float, float | None]]] = collections.defaultdict(list)
+        for name, grid, block, us, mb in kernels[a:b]:
+            agg[(name, grid, block)].append((us, mb))
+        forwards.append(sorted(((n, g, bl, len(v), sum(us for us, _ in v),
+                                 None if any(mb is None for _, mb in v) else sum(mb for _, mb in v))
+                                for (n, g, bl), v in agg.items()), key=lambda r: -r[4]))
     return forwards
 
 
-def format_table(forwards: list[list[tuple[str, str, str, int, float]]]) -> str:
+def format_table(forwards: list[list[Row]]) -> str:
+    """One table a forward: total and mean us, share, calls, and where the profile read DRAM
+    bytes, the MB read and their rate (GB/s over the kernels' own time)."""
     lines = []
     for i, rows in enumerate(forwards):
         total = sum(r[4] for r in rows)
-        lines.append(f"forward {i}: {sum(r[3] for r in rows)} kernels, {total:.1f} us in all (ncu, serialised)")
-        lines.append(f"{'total us':>9} {'share':>6} {'calls':>5} {'mean us':>8}  kernel (grid, block)")
-        for name, grid, block, calls, us in rows:
-            lines.append(f"{us:9.1f} {us / total:6.1%} {calls:5d} {us / calls:8.1f}  {name} {grid} {block}")
+        has_mb = any(r[5] is not None for r in rows)
+        read = sum(r[5] or 0.0 for r in rows)
+        lines.append(f"forward {i}: {sum(r[3] for r in rows)} kernels, {total:.1f} us in all (ncu, serialised)"
+                     + (f", {read:.1f} MB read from DRAM ({read / total:.2f} TB/s)" if has_mb and total else ""))
+        lines.append(f"{'total us':>9} {'share':>6} {'calls':>5} {'mean us':>8}" +
+                     (f" {'MB read':>8} {'GB/s':>7}" if has_mb else "") + "  kernel (grid, block)")
+        for name, grid, block, calls, us, mb in rows:
+            extra = ""
+            if has_mb:
+                extra = f" {mb:8.1f} {mb / us * 1e3:7.0f}" if mb is not None and us > 0 else f" {'':>8} {'':>7}"
+            lines.append(f"{us:9.1f} {us / total:6.1%} {calls:5d} {us / calls:8.1f}{extra}  {name} {grid} {block}")
     return "\n".join(lines)
 
 
