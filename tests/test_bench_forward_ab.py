@@ -92,6 +92,13 @@ def test_launch_merge_variants_parse():
         ("auto-unfold-bound", "auto-seg")]
 
 
+def test_occupancy_variant_parses():
+    """auto-occ3: the small tree's attention kernel compiled for 3 blocks an SM."""
+    assert forward_ab._variants("auto-occ3/auto-seg,auto/auto-seg") == [("auto-occ3", "auto-seg"), ("auto", "auto-seg")]
+    with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+        forward_ab._variants("auto-occ4/auto-seg")
+
+
 def test_tensor_core_variant_parses():
     """auto-tc: the dense products on the tensor cores (TargetModel's products, numerics: its own
     cache), the absorbs as auto-seg."""

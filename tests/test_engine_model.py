@@ -622,6 +622,20 @@ def test_few_nodes_merge_sets_only_the_small_tree_merge(monkeypatch) -> None:
         assert cfg == base
 
 
+def test_few_nodes_min_blocks_sets_only_the_small_tree_launch_bounds(monkeypatch) -> None:
+    """engine.model.FEW_NODES_MIN_BLOCKS (bench.forward_ab's auto-occ3) sets the launch bounds'
+    block count of the small-tree tile only (0 by default: none): layout, every other field and
+    every other launch size stay."""
+    import ddtree_numba.engine.model as em
+    kimi = ModelConfig.from_name("small")
+    plain = {rows: attention_tile_config(kimi, rows) for rows in (1, 33, 264)}
+    assert all(cfg.min_blocks == 0 for cfg in plain.values())
+    monkeypatch.setattr(em, "FEW_NODES_MIN_BLOCKS", 3)
+    for rows, base in plain.items():
+        cfg = attention_tile_config(kimi, rows)
+        assert cfg == (dataclasses.replace(base, min_blocks=3) if rows == 33 else base)
+
+
 def test_attention_prefetch_switch_changes_only_the_prefetch(monkeypatch) -> None:
     """engine.model.ATTENTION_PREFETCH_L2 (bench.forward_ab's auto-pf) sets the tiles' L2 prefetch,
     layout only: every other field of the tiling stays."""

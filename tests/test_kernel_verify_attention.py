@@ -407,6 +407,18 @@ def test_score_first_kimi_dims():
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
+def test_min_blocks_is_not_numerics():
+    """TileConfig.min_blocks only asks ptxas for registers that fit that many blocks an SM: a
+    score-first and a chunk-layout tile give the bits of the same tile without it (the simulator
+    ignores launch bounds; the GPU test of the engine's tiles compiles them)."""
+    rng = np.random.default_rng(41)
+    for cfg in (dataclasses.replace(KIMI_DIMS_H2, score_keys=32), TILED):
+        inputs, _ = _batch(rng, cfg, 2, [40, 7], [3, 2], 3, 48)
+        want = _run(inputs, 0.3, cfg, 32)
+        got = _run(inputs, 0.3, dataclasses.replace(cfg, min_blocks=3), 32)
+        assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
 # Score-first tiles with 4 keys a score thread (qk_keys 4: a thread's key tiles j = 0..3 go dead
 # one by one as a pass's live keys fall) over 4 k-groups; its numerics are qk_keys 4's.
 SKIP_BASE = dataclasses.replace(TILED, qk_rows=1, qk_keys=4, score_keys=32)
@@ -591,6 +603,7 @@ def test_plan_errors(kwargs, exc, word):
     dict(heads=4, pv_rows=2), dict(chunk=0), dict(merge_threads=48), dict(k_groups=64, k_slice=64),
     dict(prefetch_l2=1), dict(prefetch_chunks=0), dict(max_path=12000),
     dict(skip_dead_keys=True),                  # the chunk layout has no dead-key passes
+    dict(min_blocks=-1), dict(min_blocks=33), dict(min_blocks=True), dict(min_blocks=2.0),
 ])
 def test_config_errors(change):
     fields = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
@@ -815,12 +828,13 @@ def test_gpu_kimi_matches_reference():
                                            va.default_config(512, 64, 64, tile_heads=16, score_keys=128, score_rows=4),
                                            va.KIMI_K2_SCORE_FIRST_SKIP_CONFIG,
                                            va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG,
-                                           va.KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG])
+                                           va.KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG,
+                                           dataclasses.replace(va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, min_blocks=3)])
 def test_gpu_kimi_tree_equals_decode_bitwise(decode_config):
     """64-head tree tiles vs decode steps with the chunk layout's 64-, 16- and 8-head tiles (the
     last with the L2 prefetch too) and the score-first 2-, 4-, 8- and 16-head tiles (the engine's AR
     model: 2 heads, 256 keys a pass; 8 and 16 with 2 or 4 heads a score thread, 16 with 32-dim key
-    slices; the engine's two with skip_dead_keys)."""
+    slices; the engine's two with skip_dead_keys; the tree's compiled for 3 blocks an SM)."""
     rng = np.random.default_rng(11)
     inputs, parents = _kimi_case(rng, [4093, 2047], [33, 9])
     split = va.DEFAULT_SPLIT_SIZE

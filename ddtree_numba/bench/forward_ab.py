@@ -27,7 +27,9 @@ in the row tile of its entries, ``engine.model.EXPERT_TILE_BY_ROWS`` off; by def
 ``auto-nogemv`` (the 1-row products in ``linear``'s tile, ``engine.model.ROW_PRODUCTS`` off; by
 default ``kernels.gemv`` where it has a layout), ``auto-onelaunch`` (an AR step's attention in the
 score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default scores and P·V
-in two wide launches), ``h8``
+in two wide launches), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
+``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
+blocks an SM by default), ``h8``
 (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
@@ -95,7 +97,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-onelaunch", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-onelaunch", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -172,6 +174,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     row_products = em.ROW_PRODUCTS
     release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
+    occupancy = em.FEW_NODES_MIN_BLOCKS
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
@@ -195,6 +198,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
+            em.FEW_NODES_MIN_BLOCKS = 3 if tile == "auto-occ3" else occupancy
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
                 em.FEW_NODES_TILE = variant.score_first
@@ -286,6 +290,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.ROW_PRODUCTS = row_products
         em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split
+        em.FEW_NODES_MIN_BLOCKS = occupancy
     return results
 
 

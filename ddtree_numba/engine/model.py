@@ -113,6 +113,10 @@ ATTENTION_SKIP_DEAD_KEYS = True
 # The segment merge of FEW_NODES_TILE launches: (threads per block, heads per block), va.TileConfig's
 # merge_threads / merge_heads (layout, not numerics); the other launches keep the config's default.
 FEW_NODES_MERGE: tuple[int, int] = (128, 1)
+# The FEW_NODES_TILE attention kernel's launch bounds: blocks an SM (va.TileConfig.min_blocks; 0:
+# none). Layout, not numerics. 0: the 8-head tile then takes 232 registers, two blocks an SM; 3
+# holds it to 168 with a 16-byte spill on sm_90 (bench.forward_ab's ``auto-occ3``, not yet timed).
+FEW_NODES_MIN_BLOCKS = 0
 ATTENTION_PREFETCH_CHUNKS = 1  # how far ahead (va.TileConfig.prefetch_chunks); the split / chunk: all at once
 STATIC_SMEM_LIMIT = va.STATIC_SHARED_LIMIT  # static shared memory per block: bounds the attention path table
 PATH_ENTRY_BYTES = 4  # one int32 per tree node of a query's path (TileConfig.max_path)
@@ -274,7 +278,8 @@ def attention_tile_config(config: ModelConfig, max_rows: int, batch_size: int = 
         base = va.default_config(dl, dr, h, tile_heads=tile_heads, score_keys=score_keys,
                                  score_rows=score_rows)
         if few:
-            base = dataclasses.replace(base, merge_threads=FEW_NODES_MERGE[0], merge_heads=FEW_NODES_MERGE[1])
+            base = dataclasses.replace(base, merge_threads=FEW_NODES_MERGE[0], merge_heads=FEW_NODES_MERGE[1],
+                                       min_blocks=FEW_NODES_MIN_BLOCKS)
     else:   # other numerics than the preset's: every launch size must use this one tiling
         base = _small_tile_config(dl, dr, h)
     try:

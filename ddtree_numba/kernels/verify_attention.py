@@ -178,6 +178,14 @@ class TileConfig:
             keep their order. ``qk_keys`` <= 4: the score loop is compiled for 1, 2 and 3 live
             tiles besides all (no dynamic index into the register tiles). On in the engine since it
             was timed (``engine.model.ATTENTION_SKIP_DEAD_KEYS``).
+        min_blocks: blocks an SM the attention kernel's launch bounds ask for (0: none, so
+            ptxas may use up to 255 registers a thread, the block size allowing). The 33-node
+            tile (8 heads, 128 threads) compiles to 232 registers without it, two blocks an SM
+            (8 warps: latency-bound, 49 % issue, PERFORMANCE run "in-bounds loads"); at 3 ptxas
+            holds it to 168 registers with a 16-byte spill (sm_90; the compile check refuses
+            spills, so no such kernel is registered). Layout, not numerics: the same operations.
+            The engine's ``FEW_NODES_MIN_BLOCKS`` (0) sets it; bench.forward_ab's ``auto-occ3``
+            times 3, not yet run on a GPU.
     """
 
     latent_dim: int
@@ -198,6 +206,7 @@ class TileConfig:
     prefetch_chunks: int = 1
     score_keys: int = 0
     skip_dead_keys: bool = False
+    min_blocks: int = 0
 
     @property
     def threads(self) -> int:
@@ -260,6 +269,8 @@ class TileConfig:
             (all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields),
              "every field must be a positive int"),
             (isinstance(self.prefetch_l2, bool), "prefetch_l2 must be a bool"),
+            (isinstance(self.min_blocks, int) and not isinstance(self.min_blocks, bool)
+             and 0 <= self.min_blocks <= 32, "min_blocks must be an int from 0 to 32"),
             (isinstance(self.skip_dead_keys, bool)
              and (not self.skip_dead_keys or (score_first and self.qk_keys <= 4)),
              "skip_dead_keys must be a bool, and True only with score_keys and qk_keys <= 4"),
@@ -545,6 +556,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     CS = config.v_slice
     MAX_PATH = config.max_path
     THREADS = config.threads
+    MIN_BLOCKS = config.min_blocks or None   # launch bounds: a block count where the config asks for one
     KEY_TILES = CHUNK // RC             # thread tiles along the keys of a chunk
     DIM_THREADS = DL // PD              # threads along the latent dims in P·V
     N_KSLICES = (DL + DR) // KS
@@ -840,7 +852,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             else:
                 _prefetch_l2(k_rope, uint64(row * DR + (part - DL_LINES) * LINE_FLOATS))
 
-    @cuda.jit(**launch_bounds(THREADS))
+    @cuda.jit(**launch_bounds(THREADS, MIN_BLOCKS))
     def attention(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, visibility,
                   tree_capacity, num_heads, kv_rows, vis_words, scale, split, workspace, out, lse):
         """One (node, head group, segment): the segment's partial (acc, m, l) -> workspace, or,
@@ -1083,7 +1095,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             if d == 0:
                 lse[out_row + h] = m_max + math.log(total)
 
-    @cuda.jit(**launch_bounds(THREADS))
+    @cuda.jit(**launch_bounds(THREADS, MIN_BLOCKS))
     def attention_score_first(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes,
                               visibility, tree_capacity, num_heads, kv_rows, vis_words, scale,
                               split, workspace, out, lse):
