@@ -53,14 +53,15 @@ def test_table_reads_dram_bytes_where_the_profile_has_them():
 
 
 def test_table_converts_units(tmp_path):
-    """Durations and bytes in other units than the base ones convert (us, Kbyte); the launches of a
-    forward are ordered by ncu's launch ID, whatever the CSV's row order."""
+    """Durations and bytes in other units than the base ones convert (ncu's short names: us, ns;
+    Kbyte, Mbyte); the launches of a forward are ordered by ncu's launch ID, whatever the CSV's row
+    order."""
     head = '"ID","Kernel Name","Grid Size","Block Size","Metric Name","Metric Unit","Metric Value"\n'
     rows = [
-        ("1", "engine::_prepare_rows_kernel", "gpu__time_duration.sum", "usecond", "2"),
+        ("1", "engine::_prepare_rows_kernel", "gpu__time_duration.sum", "us", "2"),
         ("2", "mod::k", "dram__bytes_read.sum", "Kbyte", "3,000"),
-        ("2", "mod::k", "gpu__time_duration.sum", "nsecond", "4,000"),
-        ("0", "engine::_prepare_rows_kernel", "gpu__time_duration.sum", "nsecond", "1,000"),
+        ("2", "mod::k", "gpu__time_duration.sum", "ns", "4,000"),
+        ("0", "engine::_prepare_rows_kernel", "gpu__time_duration.sum", "msecond", "0.001"),
         ("0", "engine::_prepare_rows_kernel", "dram__bytes_read.sum", "byte", "1,000,000"),
         ("1", "engine::_prepare_rows_kernel", "dram__bytes_read.sum", "Mbyte", "1"),
     ]
@@ -72,3 +73,29 @@ def test_table_converts_units(tmp_path):
     assert second == [("mod::k", "(1, 1, 1)", "(32, 1, 1)", 1, 4.0, 3.0),
                       ("engine::_prepare_rows_kernel", "(1, 1, 1)", "(32, 1, 1)", 1, 2.0, 1.0)]
     assert "750" in pf.format_table([second])   # 3 MB in 4 us
+
+
+def _csv(tmp_path, unit="ns", header='"ID","Kernel Name","Grid Size","Block Size","Metric Name","Metric Unit","Metric Value"'):
+    path = tmp_path / "q.csv"
+    path.write_text(header + "\n" + '"0","engine::_prepare_rows_kernel[v1]","(1, 1, 1)","(32, 1, 1)",'
+                    f'"gpu__time_duration.sum","{unit}","0"\n')
+    return path
+
+
+def test_table_refuses_unknown_units_and_other_csvs(tmp_path):
+    """A unit the table does not know, or a CSV without ncu's columns: ValueError naming the path,
+    never a silent misreading; a zero duration prints (share 0)."""
+    import pytest
+
+    with pytest.raises(ValueError, match="^path: .*furlong"):
+        pf.read_table(_csv(tmp_path, unit="furlong"))
+    with pytest.raises(ValueError, match="^path: .*not an ncu"):
+        pf.read_table(_csv(tmp_path, header='"Kernel Name","Metric Name","Metric Unit","Metric Value"'))
+    assert "0.0%" in pf.format_table(pf.read_table(_csv(tmp_path)))
+
+
+def test_forward_total_only_where_every_kernel_has_its_bytes():
+    ar, _ = pf.read_table(METRICS)
+    mixed = [ar[0], (*ar[1][:5], None)]
+    text = pf.format_table([mixed])
+    assert "MB read from DRAM" not in text.splitlines()[0] and "GB/s" in text

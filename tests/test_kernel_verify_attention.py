@@ -603,7 +603,7 @@ def test_plan_errors(kwargs, exc, word):
     dict(heads=4, pv_rows=2), dict(chunk=0), dict(merge_threads=48), dict(k_groups=64, k_slice=64),
     dict(prefetch_l2=1), dict(prefetch_chunks=0), dict(max_path=12000),
     dict(skip_dead_keys=True),                  # the chunk layout has no dead-key passes
-    dict(min_blocks=-1), dict(min_blocks=33), dict(min_blocks=True), dict(min_blocks=2.0),
+    dict(min_blocks=-1), dict(min_blocks=2048), dict(min_blocks=True), dict(min_blocks=2.0),
 ])
 def test_config_errors(change):
     fields = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}

@@ -29,7 +29,8 @@ default ``kernels.gemv`` where it has a layout), ``auto-onelaunch`` (an AR step'
 score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default scores and P·V
 in two wide launches), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
 ``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
-blocks an SM by default), ``h8``
+blocks an SM by default; more warps only where the tree's blocks pass 2 an SM: rows past 33 at
+batch 1), ``h8``
 (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,

@@ -119,29 +119,39 @@ def run_ddtree(preset: str, budget: int, new_tokens: int, block: int = 16, seed:
     cuda.profile_stop()
 
 
-_TIME_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
-_BYTES_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+# ncu's unit names (short in current versions, long in older ones; --print-units base writes ns, byte)
+_TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6, "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+_BYTES_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "Tbyte": 1e6}
 Row = tuple  # (kernel, grid, block, calls, total us, MB read from DRAM or None)
 
 
 def read_table(path: Path) -> list[list[Row]]:
     """ncu CSV -> per forward, rows (kernel, grid, block, calls, total us, MB read from DRAM),
     slowest first. The MB are the sum of ``dram__bytes_read.sum`` over the calls where the
-    profile has that metric (``--metrics gpu__time_duration.sum,dram__bytes_read.sum``), else None."""
+    profile has that metric for every call (``--metrics gpu__time_duration.sum,dram__bytes_read.sum``),
+    else None.
+
+    Raises:
+        ValueError naming ``path``: a CSV without ncu's columns, or a unit it does not know.
+    """
     with open(path, newline="") as f:
         rows = list(csv.DictReader(line for line in f if line.startswith('"')))
+    need = {"ID", "Kernel Name", "Grid Size", "Block Size", "Metric Name", "Metric Value"}
+    if rows and not need <= set(rows[0]):
+        raise ValueError(f"path: {path} is not an ncu --csv profile (columns {sorted(need - set(rows[0]))} missing)")
     launches: dict[str, dict[str, Any]] = {}   # ncu's launch ID -> its name, grid, block and metrics
     for r in rows:
-        metric, unit = r.get("Metric Name"), r.get("Metric Unit", "")
+        metric, unit = r.get("Metric Name"), r.get("Metric Unit") or ""
         if metric not in ("gpu__time_duration.sum", "dram__bytes_read.sum"):
             continue
+        scale = (_TIME_US if metric == "gpu__time_duration.sum" else _BYTES_MB).get(unit)
+        if scale is None:
+            raise ValueError(f"path: {path}: {metric} in unit {unit!r}, not one of "
+                             f"{sorted(_TIME_US if metric == 'gpu__time_duration.sum' else _BYTES_MB)}")
         launch = launches.setdefault(r["ID"], {"name": r["Kernel Name"].split("[")[0].split("(")[0],
                                                "grid": r["Grid Size"], "block": r["Block Size"]})
-        value = float(r["Metric Value"].replace(",", ""))
-        if metric == "gpu__time_duration.sum":
-            launch["us"] = value * _TIME_US.get(unit, 1e-3)   # base units (ns) when the CSV names none
-        else:
-            launch["mb"] = value * _BYTES_MB.get(unit, 1e-6)
+        value = float(r["Metric Value"].replace(",", "")) * scale
+        launch["us" if metric == "gpu__time_duration.sum" else "mb"] = value
     kernels = [(k["name"], k["grid"], k["block"], k["us"], k.get("mb"))
                for _, k in sorted(launches.items(), key=lambda item: int(item[0])) if "us" in k]
     starts = [i for i, k in enumerate(kernels) if k[0].endswith(FIRST_KERNEL)] + [len(kernels)]
@@ -164,15 +174,17 @@ def format_table(forwards: list[list[Row]]) -> str:
         total = sum(r[4] for r in rows)
         has_mb = any(r[5] is not None for r in rows)
         read = sum(r[5] or 0.0 for r in rows)
+        every = all(r[5] is not None for r in rows)   # a forward total only where every kernel has its bytes
         lines.append(f"forward {i}: {sum(r[3] for r in rows)} kernels, {total:.1f} us in all (ncu, serialised)"
-                     + (f", {read:.1f} MB read from DRAM ({read / total:.2f} TB/s)" if has_mb and total else ""))
+                     + (f", {read:.1f} MB read from DRAM ({read / total:.2f} TB/s)" if every and has_mb and total else ""))
         lines.append(f"{'total us':>9} {'share':>6} {'calls':>5} {'mean us':>8}" +
                      (f" {'MB read':>8} {'GB/s':>7}" if has_mb else "") + "  kernel (grid, block)")
         for name, grid, block, calls, us, mb in rows:
             extra = ""
             if has_mb:
                 extra = f" {mb:8.1f} {mb / us * 1e3:7.0f}" if mb is not None and us > 0 else f" {'':>8} {'':>7}"
-            lines.append(f"{us:9.1f} {us / total:6.1%} {calls:5d} {us / calls:8.1f}{extra}  {name} {grid} {block}")
+            share = us / total if total else 0.0
+            lines.append(f"{us:9.1f} {share:6.1%} {calls:5d} {us / calls:8.1f}{extra}  {name} {grid} {block}")
     return "\n".join(lines)
 
 

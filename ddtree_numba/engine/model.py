@@ -116,6 +116,8 @@ FEW_NODES_MERGE: tuple[int, int] = (128, 1)
 # The FEW_NODES_TILE attention kernel's launch bounds: blocks an SM (va.TileConfig.min_blocks; 0:
 # none). Layout, not numerics. 0: the 8-head tile then takes 232 registers, two blocks an SM; 3
 # holds it to 168 with a 16-byte spill on sm_90 (bench.forward_ab's ``auto-occ3``, not yet timed).
+# It adds warps only to launches of more blocks than 2 an SM hold (trees past 33 nodes, batches):
+# a batch-1 B 32 tree's 264 blocks fit 2 an SM already.
 FEW_NODES_MIN_BLOCKS = 0
 ATTENTION_PREFETCH_CHUNKS = 1  # how far ahead (va.TileConfig.prefetch_chunks); the split / chunk: all at once
 STATIC_SMEM_LIMIT = va.STATIC_SHARED_LIMIT  # static shared memory per block: bounds the attention path table

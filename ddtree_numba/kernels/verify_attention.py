@@ -117,6 +117,7 @@ NEG_INF = -math.inf
 DEFAULT_SPLIT_SIZE = 2048
 STATIC_SHARED_LIMIT = 48 * 1024  # static shared memory of a kernel (limits §4)
 GRID_Y_LIMIT = 65535  # grid y and z dimensions (segments; requests) (limits §4)
+SM_THREADS = 2048  # resident threads an SM holds (sim.profiles: 2048 on sm_90, 1536 on sm_120): bounds min_blocks x threads
 # A plan whose keys all lie in segment 0 (kv_capacity < split_size) launches no merge
 # (VerifyPlan.merge_free): its attention blocks write every output the merge would (one_segment,
 # or write_fill for a node with no keys), so the merge would only rewrite the same values. Its
@@ -183,9 +184,12 @@ class TileConfig:
             tile (8 heads, 128 threads) compiles to 232 registers without it, two blocks an SM
             (8 warps: latency-bound, 49 % issue, PERFORMANCE run "in-bounds loads"); at 3 ptxas
             holds it to 168 registers with a 16-byte spill (sm_90; the compile check refuses
-            spills, so no such kernel is registered). Layout, not numerics: the same operations.
-            The engine's ``FEW_NODES_MIN_BLOCKS`` (0) sets it; bench.forward_ab's ``auto-occ3``
-            times 3, not yet run on a GPU.
+            spills, so no such kernel is registered). More warps an SM only where the launch has
+            more blocks than 2 an SM hold: a batch-1 B 32 tree's 264 working blocks already fit 2
+            an SM on 132 SMs, while larger trees and batches (up to 263 nodes take this tile:
+            ``engine.model.FEW_NODES_PER_SM``) run several waves. Layout, not numerics: the same
+            operations. The engine's ``FEW_NODES_MIN_BLOCKS`` (0) sets it; bench.forward_ab's
+            ``auto-occ3`` times 3, not yet run on a GPU.
     """
 
     latent_dim: int
@@ -270,7 +274,8 @@ class TileConfig:
              "every field must be a positive int"),
             (isinstance(self.prefetch_l2, bool), "prefetch_l2 must be a bool"),
             (isinstance(self.min_blocks, int) and not isinstance(self.min_blocks, bool)
-             and 0 <= self.min_blocks <= 32, "min_blocks must be an int from 0 to 32"),
+             and 0 <= self.min_blocks * max(1, self.threads) <= SM_THREADS,
+             f"min_blocks must be an int >= 0 whose blocks fit an SM's {SM_THREADS} threads"),
             (isinstance(self.skip_dead_keys, bool)
              and (not self.skip_dead_keys or (score_first and self.qk_keys <= 4)),
              "skip_dead_keys must be a bool, and True only with score_keys and qk_keys <= 4"),
