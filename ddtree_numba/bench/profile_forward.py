@@ -144,13 +144,12 @@ def read_table(path: Path) -> list[list[Row]]:
         metric, unit = r.get("Metric Name"), r.get("Metric Unit") or ""
         if metric not in ("gpu__time_duration.sum", "dram__bytes_read.sum"):
             continue
-        scale = (_TIME_US if metric == "gpu__time_duration.sum" else _BYTES_MB).get(unit)
-        if scale is None:
-            raise ValueError(f"path: {path}: {metric} in unit {unit!r}, not one of "
-                             f"{sorted(_TIME_US if metric == 'gpu__time_duration.sum' else _BYTES_MB)}")
+        units = _TIME_US if metric == "gpu__time_duration.sum" else _BYTES_MB
+        if unit not in units:
+            raise ValueError(f"path: {path}: {metric} in unit {unit!r}, not one of {sorted(units)}")
         launch = launches.setdefault(r["ID"], {"name": r["Kernel Name"].split("[")[0].split("(")[0],
                                                "grid": r["Grid Size"], "block": r["Block Size"]})
-        value = float(r["Metric Value"].replace(",", "")) * scale
+        value = float(r["Metric Value"].replace(",", "")) * units[unit]
         launch["us" if metric == "gpu__time_duration.sum" else "mb"] = value
     kernels = [(k["name"], k["grid"], k["block"], k["us"], k.get("mb"))
                for _, k in sorted(launches.items(), key=lambda item: int(item[0])) if "us" in k]

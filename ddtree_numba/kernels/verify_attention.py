@@ -94,6 +94,7 @@ from ddtree_numba.kernels.pdl import pdl_begin, pdl_begin_early
 from ddtree_numba.kernels.registry import register
 from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
+from sim.profiles import PROFILES
 
 __all__ = [
     "DEFAULT_SPLIT_SIZE",
@@ -117,7 +118,8 @@ NEG_INF = -math.inf
 DEFAULT_SPLIT_SIZE = 2048
 STATIC_SHARED_LIMIT = 48 * 1024  # static shared memory of a kernel (limits §4)
 GRID_Y_LIMIT = 65535  # grid y and z dimensions (segments; requests) (limits §4)
-SM_THREADS = 2048  # resident threads an SM holds (sim.profiles: 2048 on sm_90, 1536 on sm_120): bounds min_blocks x threads
+# resident threads an SM holds on the most generous profile (2048 on sm_90, 1536 on sm_120): bounds min_blocks x threads
+SM_THREADS = max(p.max_threads_per_sm for p in PROFILES.values())
 # A plan whose keys all lie in segment 0 (kv_capacity < split_size) launches no merge
 # (VerifyPlan.merge_free): its attention blocks write every output the merge would (one_segment,
 # or write_fill for a node with no keys), so the merge would only rewrite the same values. Its
