@@ -693,7 +693,7 @@ def test_decode_tile_switch_picks_the_score_first_layout(monkeypatch) -> None:
 # The wrappers a forward calls, in model.py's namespace (va.run as "attention"); with a release flag.
 _RELEASING = ("embed", "gemv", "absorb", "mla_rope_kv_write", "moe_combine", "attention")
 _LAUNCHING = _RELEASING + ("linear", "head_linear", "mla_q_rope", "mla_kv_write", "moe_route", "expert_linear",
-                           "rms_norm", "linear_split_k", "swiglu_rows", "launch")
+                           "rms_norm", "linear_split_k", "swiglu_rows", "launch", "expert_gemv")
 
 
 def _record_launches(mp: pytest.MonkeyPatch, seen: list) -> None:

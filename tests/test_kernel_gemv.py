@@ -193,19 +193,24 @@ def test_gpu_gemv_chain_with_early_release_under_pdl():
 
 
 def test_engine_ar_step_runs_gemv_with_linears_bits(monkeypatch):
-    """tiny's AR forward (1 row over 5 cached rows) launches gemv for the products it has a layout
-    for (tiny's dense down projection, K 128), and its logits are the bits of the same forward with
-    ROW_PRODUCTS off (every product in linear's tile)."""
+    """tiny widened (hidden, q_lora, heads x v and the expert widths 128: K whole steps) as an AR
+    step (1 row over 5 cached rows) launches gemv for its dense products and expert_gemv for the
+    MoE layer's two expert launches, and its logits are the bits of the same forward with
+    ROW_PRODUCTS off (every product in linear's tile, the experts in expert_linear's)."""
+    import dataclasses
+
     import ddtree_numba.engine.model as em
     from ddtree_numba.bench.profile_forward import forward_inputs
     from ddtree_numba.config import ModelConfig
     from reference.weights import init_weights
 
-    config = ModelConfig.from_name("tiny")
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), hidden_size=128, q_lora_rank=128,
+                                 v_head_dim=32, moe_intermediate=128)
     weights = init_weights(config, 0)
-    calls = []
-    real = em.gemv
-    monkeypatch.setattr(em, "gemv", lambda *a, **k: (calls.append(a[1].shape), real(*a, **k))[1])
+    calls = {"gemv": [], "expert_gemv": [], "expert_linear": []}
+    for name in calls:
+        real = getattr(em, name)
+        monkeypatch.setattr(em, name, lambda *a, _n=name, _r=real, **k: (calls[_n].append(tuple(a[1].shape)), _r(*a, **k))[1])
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(em, "ROW_PRODUCTS", on)
@@ -213,7 +218,126 @@ def test_engine_ar_step_runs_gemv_with_linears_bits(monkeypatch):
         model.advance(cuda.to_device(np.array([5], np.int32)))
         logits[on] = model.forward(*forward_inputs(1, 5)).logits.copy_to_host()
         if on:
-            assert calls and all(k % 128 == 0 for _, k in calls), calls
-            count = len(calls)
-    assert len(calls) == count   # none with the switch off
+            assert calls["gemv"] and all(shape[-1] % 128 == 0 for shape in calls["gemv"]), calls
+            assert len(calls["expert_gemv"]) == 2 * (config.n_layers - config.n_dense_layers) and not calls["expert_linear"]
+            count = {name: len(c) for name, c in calls.items()}
+    assert len(calls["gemv"]) == count["gemv"] and len(calls["expert_gemv"]) == count["expert_gemv"]   # none off
+    assert len(calls["expert_linear"]) == count["expert_gemv"]
     assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
+
+
+# --- expert_gemv: expert_linear's bits, a block row per CSR entry --------------------------------
+
+def _routing(kind, experts, entries, rows, rng):
+    """(row_offsets int32 [E + 1], row_index int32 [J]): "random" counts, "one" every entry on the
+    last expert, "short" fewer routed entries than J (the rest unwritten), "bad" one source row
+    outside x (a NaN row)."""
+    routed = entries - 2 if kind == "short" else entries
+    if kind == "one":
+        counts = np.zeros(experts, np.int64)
+        counts[-1] = routed
+    else:
+        counts = rng.multinomial(routed, np.full(experts, 1.0 / experts))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    index = rng.integers(0, rows, entries).astype(np.int32)
+    if kind == "bad":
+        index[entries // 2] = rows
+    return offsets, index
+
+
+def _expert_both(x, w, offsets, index, swiglu, layout=None):
+    """(expert_linear's output, expert_gemv's) for the same inputs, both from NaN-free fills."""
+    outs = []
+    for fn in (lin.expert_linear, gv.expert_gemv):
+        out = cuda.to_device(np.full((len(index), w.shape[1]), 7.0, np.float32))
+        extra = {"layout": layout} if fn is gv.expert_gemv and layout is not None else {}
+        # (device routing: expert_linear checks host values, and the "bad" row is device data)
+        fn(_dev(x), _dev(w), out, _dev(offsets), _dev(index), swiglu=swiglu, **extra)
+        outs.append(out.copy_to_host())
+    return outs
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("experts,n,k,rows,entries,kind,values", [
+    (5, 12, 256, 1, 5, "random", "random"),     # an AR step's shape: k + 1 entries of one row
+    (3, 7, 384, 2, 4, "one", "ties"),           # N not a multiple of the columns, 2 K segments
+    (6, 9, 640, 3, 6, "short", "zeros"),        # entries past row_offsets[E] stay unwritten
+    (4, 8, 128, 2, 5, "bad", "random")])        # a source row outside x: a NaN row
+def test_expert_gemv_matches_expert_linear_bit_for_bit(swiglu, experts, n, k, rows, entries, kind, values):
+    rng = np.random.default_rng(hash((swiglu, experts, n, k, kind)) % 2**32)
+    kx = 2 * k if swiglu else k
+    x = np.concatenate([_inputs(n, k, "swiglu" if swiglu else "none", False, values, rng)[0]
+                        for _ in range(rows)])[:, :kx]
+    w = np.stack([_inputs(n, k, "none", False, values, rng)[1] for _ in range(experts)])
+    offsets, index = _routing(kind, experts, entries, rows, rng)
+    ref, got = _expert_both(x, w, offsets, index, swiglu)
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+    if kind == "short":
+        assert np.all(got[offsets[-1]:] == 7.0)
+    if kind == "bad":
+        assert np.isnan(got[entries // 2]).all() and np.isfinite(np.delete(got, entries // 2, 0)).all()
+
+
+def test_expert_gemv_every_layout_and_an_entry_equals_a_dense_gemv():
+    """Both layouts give expert_linear's bits; an entry's row is gemv's row of x @ w[e].T (linear's
+    invariance: the same bits whichever kernel and launch run the row)."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    w = rng.standard_normal((3, 10, 512)).astype(np.float32)
+    offsets = np.array([0, 1, 1, 3], np.int32)
+    index = np.array([1, 0, 1], np.int32)
+    for layout in gv.LAYOUTS.values():
+        ref, got = _expert_both(x, w, offsets, index, False, layout)
+        assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+    one = cuda.to_device(np.zeros((1, 10), np.float32))
+    gv.gemv(_dev(x[1:2]), _dev(w[2]), one)
+    assert np.array_equal(got[2].view(np.uint32), one.copy_to_host()[0].view(np.uint32))
+
+
+def test_expert_takes_rule_and_bad_input_before_launch():
+    x = _dev(np.ones((1, 256), np.float32))
+    w = _dev(np.ones((4, 8, 256), np.float32))
+    offsets = _dev(np.array([0, 1, 2, 3, 3], np.int32))
+    index = _dev(np.zeros(3, np.int32))
+    out = cuda.to_device(np.full((3, 8), np.nan, np.float32))
+    assert gv.expert_takes(x, w, out)
+    assert not gv.expert_takes(x, w, cuda.device_array((gv.MAX_EXPERT_ENTRIES + 1, 8), np.float32))
+    assert not gv.expert_takes(_dev(np.ones((1, 100), np.float32)), _dev(np.ones((4, 8, 100), np.float32)), out)
+    with pytest.raises(ValueError, match="out"):     # too many entries for a block row each
+        big = gv.MAX_EXPERT_ENTRIES + 1
+        gv.expert_gemv(x, w, cuda.device_array((big, 8), np.float32), offsets, _dev(np.zeros(big, np.int32)))
+    with pytest.raises(ValueError, match="w"):       # K not a multiple of 128
+        gv.expert_gemv(_dev(np.ones((1, 100), np.float32)), _dev(np.ones((4, 8, 100), np.float32)), out,
+                       offsets, index)
+    with pytest.raises(ValueError, match="x"):       # swiglu needs 2K columns
+        gv.expert_gemv(x, w, out, offsets, index, swiglu=True)
+    with pytest.raises(ValueError, match="row_offsets"):
+        gv.expert_gemv(x, w, out, _dev(np.array([0, 1, 2, 3], np.int32)), index)
+    with pytest.raises(ValueError, match="row_offsets"):   # host values are checked
+        gv.expert_gemv(x, w, out, np.array([0, 2, 1, 3, 3], np.int32), index)
+    with pytest.raises(TypeError, match="row_index"):
+        gv.expert_gemv(x, w, out, offsets, _dev(np.zeros(3, np.int64)))
+    with pytest.raises(TypeError, match="layout"):
+        gv.expert_gemv(x, w, out, offsets, index, layout=(2, 4, 4, 4))
+    with pytest.raises(ValueError, match="layout"):  # 4 segments, 2 warps a block
+        gv.expert_gemv(_dev(np.ones((1, 8192), np.float32)), _dev(np.ones((2, 4, 8192), np.float32)),
+                       cuda.device_array((2, 4), np.float32), _dev(np.array([0, 1, 2], np.int32)),
+                       _dev(np.zeros(2, np.int32)), layout=gv.GemvLayout(2, 4, 2, 4))
+    assert np.isnan(out.copy_to_host()).all()        # nothing written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_gpu_expert_gemv_matches_expert_linear_at_small_shapes(kind):
+    """small's AR-step MoE on the GPU: 17 experts (the shared one folded in), 5 entries of one row,
+    the gate | up (2048 -> 512) and the SwiGLU down projection (256 -> 2048), bit for bit."""
+    rng = np.random.default_rng(5)
+    offsets = np.array([0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 5], np.int32)   # 4 routed + shared
+    x = _inputs(512, 2048, "none", False, kind, rng)[0]
+    w13 = np.stack([_inputs(512, 2048, "none", False, kind, rng)[1] for _ in range(17)])
+    ref, got = _expert_both(x, w13, offsets, np.zeros(5, np.int32), False)
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+    w2 = np.stack([_inputs(2048, 256, "none", False, kind, rng)[1] for _ in range(17)])
+    ref2, got2 = _expert_both(ref, w2, offsets, np.arange(5, dtype=np.int32), True)
+    assert np.array_equal(ref2.view(np.uint32), got2.view(np.uint32))
+

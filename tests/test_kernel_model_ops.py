@@ -556,6 +556,10 @@ def test_moe_route_batch_and_launch_shape_invariant(monkeypatch, case):
     for a, b in zip(batch, simulated):
         assert a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert np.array_equal(alone[0], batch[0][1:2]) and _same_bits(alone[1], batch[1][1:2])
+    for loads in (7, 32):   # the gate partials' loads in flight (DOT_LOADS): layout, not numerics
+        monkeypatch.setattr(mo, "DOT_LOADS", loads)
+        for a, b in zip(_route(config, xn, gate_w, None), simulated):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), loads
 
 
 def _route_outputs(config, m: int) -> tuple:

@@ -25,7 +25,10 @@ by default for the tiles a uniform routing fills), ``auto-entrytile`` (the exper
 in the row tile of its entries, ``engine.model.EXPERT_TILE_BY_ROWS`` off; by default of M rows),
 ``auto-unfold-bound`` (all three off: the MoE launches of ``4d403ab``, before run "fold"),
 ``auto-nogemv`` (the 1-row products in ``linear``'s tile, ``engine.model.ROW_PRODUCTS`` off; by
-default ``kernels.gemv`` where it has a layout), ``auto-onelaunch`` (an AR step's attention in the
+default ``kernels.gemv`` where it has a layout), ``auto-noexgemv`` (an AR step's MoE expert
+products in ``expert_linear``'s one-row tiles, ``engine.model.EXPERT_ROW_PRODUCTS`` off; by default
+``gemv.expert_gemv``, a block row an entry), ``auto-dotN`` (the routing kernel's gate partials
+with N loads in flight, ``model_ops.DOT_LOADS`` = N, N in 24, 32; by default 16), ``auto-onelaunch`` (an AR step's attention in the
 score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default scores and P·V
 in two wide launches), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
 ``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
@@ -98,7 +101,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-onelaunch", "auto-occ3", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-onelaunch", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -150,6 +153,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     import ddtree_numba.kernels.absorb as ab
     import ddtree_numba.kernels.linear as lin
     import ddtree_numba.kernels.linear_tc as ltc
+    import ddtree_numba.kernels.model_ops as mo
     from ddtree_numba.kernels import verify_attention as va
     from ddtree_numba.bench.profile_forward import forward_inputs
     from ddtree_numba.config import ModelConfig
@@ -172,7 +176,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     merge_free = va.MERGE_FREE_SHORT_CACHES
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
-    row_products = em.ROW_PRODUCTS
+    row_products, expert_rows = em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS
+    dot_loads = mo.DOT_LOADS
     release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
     occupancy = em.FEW_NODES_MIN_BLOCKS
@@ -197,6 +202,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.EXPERT_TYPICAL_WAVES = typical_waves and tile not in ("auto-bound", "auto-unfold-bound")   # read per call
             em.EXPERT_TILE_BY_ROWS = tile_by_rows and tile not in ("auto-entrytile", "auto-unfold-bound")
             em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
+            em.EXPERT_ROW_PRODUCTS = expert_rows and tile != "auto-noexgemv"
+            mo.DOT_LOADS = int(tile[len("auto-dot"):]) if tile.startswith("auto-dot") else dot_loads
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             em.FEW_NODES_MIN_BLOCKS = 3 if tile == "auto-occ3" else occupancy
@@ -288,7 +295,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         va.MERGE_FREE_SHORT_CACHES = merge_free
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
-        em.ROW_PRODUCTS = row_products
+        em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS = row_products, expert_rows
+        mo.DOT_LOADS = dot_loads
         em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split
         em.FEW_NODES_MIN_BLOCKS = occupancy

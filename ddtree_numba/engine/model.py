@@ -51,7 +51,7 @@ from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels.absorb import absorb, reads_weights_first as absorb_reads_weights_first, \
     supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
-from ddtree_numba.kernels.gemv import gemv, takes as gemv_takes
+from ddtree_numba.kernels.gemv import expert_gemv, expert_takes, gemv, takes as gemv_takes
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
@@ -169,6 +169,13 @@ ROW_PRODUCTS = True
 # 2112.0 / 2113.4): in gemv's SASS the wait comes before its first weight loads, so the early
 # grids' blocks wait idle beside the grid they wait on, as with run pdl timed's release at the start.
 PDL_RELEASE_EARLY = False
+# An AR step's MoE expert products (k + 1 entries at batch 1, the shared expert folded in) through
+# kernels.gemv.expert_gemv: a block row per entry streaming its expert's weights as gemv streams a
+# dense product, where expert_linear runs one-row tiles of 8 warps a block (H100, run "expert rows"'
+# ncu profile at f865d0e: the gate | up 15.7 us for 21 MB, the down projection 14.6 us for 10.5 MB,
+# 40 % and 22 % of the H100's HBM bandwidth). The same bits; layout, not numerics (only with
+# ROW_PRODUCTS; bench.forward_ab's ``auto-noexgemv`` switches it off).
+EXPERT_ROW_PRODUCTS = True
 
 
 class ForwardOut(NamedTuple):
@@ -655,6 +662,12 @@ class TargetModel:
         return self._tc is None and ROW_PRODUCTS and gemv_takes(x, w, norm_weight=prologue.get("norm_weight"),
                                                                 swiglu=bool(prologue.get("swiglu")))
 
+    def _expert_gemv_runs(self, x13: Any, w13: Any, out13: Any, x2: Any, w2: Any, out2: Any) -> bool:
+        """Whether the MoE's two expert launches run through ``expert_gemv`` (EXPERT_ROW_PRODUCTS
+        and both take it: an AR step's few entries); else ``expert_linear``. The same bits."""
+        return (ROW_PRODUCTS and EXPERT_ROW_PRODUCTS and self.batch_size * self.max_rows == 1
+                and expert_takes(x13, w13, out13) and expert_takes(x2, w2, out2, swiglu=True))
+
     def _release_before_gemv(self, x: Any, w: Any, **prologue: Any) -> bool:
         """release_next for the launch before this product: it runs through ``gemv`` and
         PDL_RELEASE_EARLY is on."""
@@ -848,9 +861,13 @@ class TargetModel:
                       stream=stream)
         # folded: the shared expert is expert E, entries [J, J + M) (b.s_out = e_out[J:]); Jx = J + M, else J
         w13, w2 = (f.w13_all, f.w2_all) if self._fold_shared else (f.w13, f.w2)
-        expert_linear(b.xn, w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [Jx, 2I]
-        expert_linear(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, max_rows=m,
-                      stream=stream)  # [Jx, D]
+        if self._expert_gemv_runs(b.xn, w13, b.e13, b.e13, w2, b.e_out):  # an AR step: a block row an entry
+            expert_gemv(b.xn, w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [Jx, 2I]
+            expert_gemv(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, stream=stream)  # [Jx, D]
+        else:
+            expert_linear(b.xn, w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [Jx, 2I]
+            expert_linear(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, max_rows=m,
+                          stream=stream)  # [Jx, D]
         if f.shared_w13 is not None and not self._fold_shared:
             self._product(b.xn, f.shared_w13, b.s13, stream,
                           release_next=self._release_before_gemv(b.s13, f.shared_w2, swiglu=True))  # [M, 2Is]

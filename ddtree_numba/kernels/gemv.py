@@ -46,12 +46,13 @@ from sim.launch import check_launch, launch_bounds
 from ._args import data_address
 from .linear import (ONE, STEP, VEC, WARP, ZERO, _kernel_weight, _row_inv_rms, _rows_aligned, _silu_mul, _stream,
                      check_linear_args, k_split, load_f32x4, load_x4, warp_place)
-from .linear import _norm_sig
-from .pdl import pdl_begin_early
+from .linear import _norm_sig, check_expert_args
+from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
 from .warp import warp_sum_f32
 
-__all__ = ["GemvLayout", "LAYOUTS", "MAX_WEIGHT_BYTES", "supported", "takes", "plan_gemv", "gemv", "get_gemv_kernel"]
+__all__ = ["GemvLayout", "LAYOUTS", "MAX_WEIGHT_BYTES", "MAX_EXPERT_ENTRIES", "supported", "takes", "plan_gemv", "gemv",
+           "get_gemv_kernel", "expert_takes", "expert_gemv"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class GemvLayout:
 LAYOUTS = {"narrow": GemvLayout(columns=2, unroll=4, warps=4, min_blocks=4),
            "swiglu": GemvLayout(columns=4, unroll=4, warps=8, min_blocks=2)}
 MAX_WEIGHT_BYTES = 80 * 1024 * 1024
+# expert_gemv's grid has a block row per CSR entry (grid y): it is for the few entries of an AR
+# step (k + 1 at batch 1 with the shared expert folded in); past this many, expert_linear's tiles
+# read each expert's weights once for all its entries.
+MAX_EXPERT_ENTRIES = 16
 
 
 def supported(rows: int, k_dim: int, w: Any, x: Any, norm_weight: Any = None) -> bool:
@@ -103,14 +108,19 @@ def plan_gemv(prologue: str, n_cols: int, k_dim: int) -> GemvLayout | None:
 
 
 @functools.cache
-def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS["narrow"]) -> Any:
-    """The kernel for one prologue ("none", "rmsnorm", "swiglu"), residual epilogue and layout."""
-    if prologue not in ("none", "rmsnorm", "swiglu") or not isinstance(layout, GemvLayout):
-        raise ValueError(f"no gemv kernel for prologue={prologue!r}, layout={layout!r}")
+def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS["narrow"], expert: bool = False) -> Any:
+    """The kernel for one prologue ("none", "rmsnorm", "swiglu"), residual epilogue and layout;
+    ``expert``: :func:`expert_gemv`'s (prologue none or swiglu, no residual)."""
+    if prologue not in ("none", "rmsnorm", "swiglu") or not isinstance(layout, GemvLayout) or \
+            (expert and (prologue == "rmsnorm" or residual)):
+        raise ValueError(f"no gemv kernel for prologue={prologue!r}, residual={residual!r}, layout={layout!r}, "
+                         f"expert={expert!r}")
     columns, unroll, warps, min_blocks = layout.columns, layout.unroll, layout.warps, layout.min_blocks
     RMS = prologue == "rmsnorm"
     SWIGLU = prologue == "swiglu"
     RESIDUAL = residual
+    EXPERT = expert
+    NAN = float32(np.nan)
     U = unroll
     CW = columns
     COMB = warps * CW
@@ -128,14 +138,14 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                     wv[u, c, 3] = v3
 
     @cuda.jit(device=True, inline="always")
-    def fma_round(x, norm_w, inv, k_dim, lane, wv, acc, j, n):
-        """acc[c] += x[k] * w[c, k] over steps j .. j + n - 1, k = 128 j + 4 lane + e ascending."""
+    def fma_round(x, row, norm_w, inv, k_dim, lane, wv, acc, j, n):
+        """acc[c] += x[row, k] * w[c, k] over steps j .. j + n - 1, k = 128 j + 4 lane + e ascending."""
         for u in range(U):
             if u < n:
                 k = (j + u) * STEP + VEC * lane
-                x0, x1, x2, x3 = load_x4(x, 0, 0, k)
+                x0, x1, x2, x3 = load_x4(x, row, 0, k)
                 if SWIGLU:
-                    g0, g1, g2, g3 = load_x4(x, 0, 0, k_dim + k)
+                    g0, g1, g2, g3 = load_x4(x, row, 0, k_dim + k)
                     x0 = _silu_mul(x0, g0)
                     x1 = _silu_mul(x1, g1)
                     x2 = _silu_mul(x2, g2)
@@ -152,11 +162,11 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                     a = cuda.fma(x2, wv[u, c, 2], a)
                     acc[c] = cuda.fma(x3, wv[u, c, 3], a)
 
-    @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
-    def kernel(x, w, out, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps, release_next):
-        """out[0] = (residual[0] +) prologue(x[0]) @ w.T; w [N, K] C-contiguous (flat indices);
-        release_next: 1 where the next kernel reads weights before its PDL wait (pdl_begin_early)."""
-        comb = cuda.shared.array(COMB, float32)
+    @cuda.jit(device=True, inline="always")
+    def row_product(x, row, w, w_row0, out, out_row, residual_arr, norm_w, eps, n_cols, k_dim, k_split_,
+                    seg_steps, release_next, comb, nan_row):
+        """out[out_row, col] = (residual +) prologue(x[row]) @ w[w_row0 + col].T for this warp's
+        columns; nan_row: a NaN row instead (an expert entry's invalid source row, as expert_linear)."""
         wv = cuda.local.array((U, CW, VEC), float32)
         acc = cuda.local.array(CW, float32)
         wbase = cuda.local.array(CW, int64)
@@ -166,20 +176,22 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         j = min(seg * seg_steps, total_steps)
         j_end = min(j + seg_steps, total_steps)
         for c in range(CW):
-            wbase[c] = int64(min(col0 + c, n_cols - 1)) * k_dim + VEC * lane
+            wbase[c] = (int64(w_row0) + min(col0 + c, n_cols - 1)) * k_dim + VEC * lane
             acc[c] = ZERO
         # The first round's weights before the wait (no kernel of a step writes them: pdl's
         # WEIGHTS_BEFORE_WAIT), so that under PDL they stream while the previous kernel runs (so
         # the PTX; the sm_90 SASS has the wait first: pdl.RELEASE_EARLY), and before the rms:
-        # their latency covers its loads and sums.
+        # their latency covers its loads and sums. (The expert kernel has waited already: its
+        # weights depend on the routing.)
         n = min(U, j_end - j)
         load_round(w, wbase, wv, j, n)
-        pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x, residual); release the next?
+        if not EXPERT:
+            pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x, residual); release the next?
         inv = ONE
         if RMS:
-            inv = _row_inv_rms(x, 0, k_dim, eps, lane)
+            inv = _row_inv_rms(x, row, k_dim, eps, lane)
         while True:
-            fma_round(x, norm_w, inv, k_dim, lane, wv, acc, j, n)
+            fma_round(x, row, norm_w, inv, k_dim, lane, wv, acc, j, n)
             j += n
             if j >= j_end:
                 break
@@ -192,8 +204,8 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                 if lane == c and col0 + c < n_cols:
                     value = acc[c]
                     if RESIDUAL:
-                        value = residual_arr[0, col0 + c] + value
-                    out[0, col0 + c] = value
+                        value = residual_arr[out_row, col0 + c] + value
+                    out[out_row, col0 + c] = NAN if nan_row else value
         else:
             for c in range(CW):
                 if lane == c:
@@ -206,8 +218,40 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                         for s in range(1, k_split_):    # segment order
                             total += comb[(warp + s) * CW + c]
                         if RESIDUAL:
-                            total = residual_arr[0, col0 + c] + total
-                        out[0, col0 + c] = total
+                            total = residual_arr[out_row, col0 + c] + total
+                        out[out_row, col0 + c] = NAN if nan_row else total
+
+    if not EXPERT:
+        @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
+        def kernel(x, w, out, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps, release_next):
+            """out[0] = (residual[0] +) prologue(x[0]) @ w.T; w [N, K] C-contiguous (flat indices);
+            release_next: 1 where the next kernel reads weights before its PDL wait (pdl_begin_early)."""
+            comb = cuda.shared.array(COMB, float32)
+            row_product(x, 0, w, 0, out, 0, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps,
+                        release_next, comb, False)
+    else:
+        @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
+        def kernel(x, w, out, row_offsets, row_index, n_cols, k_dim, k_split_, seg_steps):
+            """out[j] = prologue(x[row_index[j]]) @ w[e].T for CSR entry j = blockIdx.y of expert e
+            (row_offsets[e] <= j < row_offsets[e + 1], offsets clamped to [0, J]); entries past
+            row_offsets[E] exit; a source row outside x gives a NaN row. w flat [E * N * K]."""
+            comb = cuda.shared.array(COMB, float32)
+            pdl_begin()  # PDL: wait for the routing (the expert and the row depend on it)
+            entry = cuda.blockIdx.y
+            n_entries = out.shape[0]
+            expert = -1
+            lo = min(max(row_offsets[0], 0), n_entries)
+            for e in range(row_offsets.shape[0] - 1):   # block-uniform: the first expert holding it
+                hi = min(max(row_offsets[e + 1], 0), n_entries)
+                if expert < 0 and lo <= entry and entry < hi:
+                    expert = e
+                lo = hi
+            if expert < 0:   # past the routed entries: the whole block leaves together
+                return
+            src = row_index[entry]
+            bad = src < 0 or src >= x.shape[0]
+            row_product(x, 0 if bad else src, w, expert * n_cols, out, entry, out, x, ONE, n_cols, k_dim,
+                        k_split_, seg_steps, 0, comb, bad)
 
     return kernel
 
@@ -225,6 +269,16 @@ def _register_all() -> None:
         register(f"gemv_{prologue}{'_residual' if residual else ''}", get_gemv_kernel(prologue, residual, layout),
                  (sig,), f"1-row x @ w.T with linear's bits, {prologue} prologue"
                  f"{', residual epilogue' if residual else ''}, layout {name}", block_threads=layout.warps * WARP)
+
+
+    x2, i1 = float32[:, :], int32[::1]
+    for prologue in ("none", "swiglu"):
+        name = "swiglu" if prologue == "swiglu" else "narrow"
+        layout = LAYOUTS[name]
+        sig = (x2, float32[:, :, ::1], x2, i1, i1, int32, int32, int32, int32)
+        register(f"expert_gemv_{prologue}", get_gemv_kernel(prologue, False, layout, expert=True), (sig,),
+                 f"MoE expert products, a CSR entry a block row, with linear's bits, {prologue} prologue, "
+                 f"layout {name}", block_threads=layout.warps * WARP)
 
 
 _register_all()
@@ -278,4 +332,71 @@ def gemv(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6
     kernel[blocks, threads, _stream(stream), 0](x, w_k, out, out if residual is None else residual,
                                                 w_k if norm is None else norm, eps32, *geometry,
                                                 np.int32(1 if release_next else 0))
+    return out
+
+
+# --- MoE experts: a block row per CSR entry --------------------------------------------------------
+
+def expert_takes(x: Any, w: Any, out: Any, *, swiglu: bool = False) -> bool:
+    """Whether :func:`expert_gemv` runs this grouped product (the engine's rule for an AR step's
+    expert launches): at most MAX_EXPERT_ENTRIES entries, whole 128-value steps, 16-byte rows, and
+    a layout whose warps hold K's segments."""
+    experts, n_cols, k_dim = w.shape
+    layout = LAYOUTS["swiglu" if swiglu else "narrow"]
+    return (0 < out.shape[0] <= MAX_EXPERT_ENTRIES and k_dim % STEP == 0 and data_address(w) % 16 == 0
+            and _rows_aligned(x) and k_split(k_dim) <= layout.warps)
+
+
+@functools.lru_cache(maxsize=256)
+def _expert_setup(prologue: str, n_cols: int, k_dim: int, entries: int, layout: GemvLayout) -> tuple:
+    """(kernel, grid, threads, geometry) of one expert launch shape, checked once (sim.launch)."""
+    split = k_split(k_dim)
+    seg_steps = -(-(k_dim // STEP) // split)
+    groups = layout.warps // split
+    blocks = -(-(-(-n_cols // layout.columns)) // groups)
+    check_launch((blocks, entries, 1), layout.warps * WARP, 0)
+    return (get_gemv_kernel(prologue, False, layout, expert=True), (blocks, entries, 1), layout.warps * WARP,
+            (n_cols, k_dim, split, seg_steps))
+
+
+def expert_gemv(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *, swiglu: bool = False,
+                stream: Any = 0, layout: GemvLayout | None = None) -> Any:
+    """``expert_linear(x, w, out, row_offsets, row_index, swiglu=...)`` for a few entries: the
+    same arguments and the same bits (each entry's row is linear's row, whichever kernel runs it).
+
+    Grid (column blocks, J): block row j finds entry j's expert in ``row_offsets`` (clamped to
+    [0, J], as expert_linear) and streams that expert's weights as :func:`gemv` streams a dense
+    product's, so an AR step's k + 1 entries read their experts with gemv's many small blocks
+    instead of expert_linear's one-row tiles. Entries past row_offsets[E] exit unwritten; a source
+    row outside x gives a NaN row. The routing is read after the PDL wait (the weights depend on it).
+
+    Args:
+        x, w, out, row_offsets, row_index, swiglu, stream: as :func:`.linear.expert_linear`.
+        layout: a :class:`GemvLayout` (default: LAYOUTS["swiglu"] with swiglu, else "narrow").
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch (as expert_linear's, and
+        ``out``: more than MAX_EXPERT_ENTRIES entries; ``w``: K not a multiple of 128 or rows
+        not 16-byte aligned; ``x``: rows not 16-byte aligned; ``layout``: too few warps for K).
+    """
+    x, w, out, row_offsets, row_index, prologue = check_expert_args(x, w, out, row_offsets, row_index, swiglu)
+    n_cols, k_dim = w.shape[1], w.shape[2]
+    entries = out.shape[0]
+    if entries > MAX_EXPERT_ENTRIES:
+        raise ValueError(f"out: expert_gemv takes at most {MAX_EXPERT_ENTRIES} entries, got {entries} "
+                         f"(use expert_linear)")
+    if k_dim % STEP or data_address(w) % 16:
+        raise ValueError(f"w: expert_gemv needs K % {STEP} == 0 and 16-byte aligned rows, got K {k_dim}")
+    if not _rows_aligned(x):
+        raise ValueError("x: expert_gemv needs 16-byte aligned rows")
+    if layout is None:
+        layout = LAYOUTS["swiglu" if swiglu else "narrow"]
+    if not isinstance(layout, GemvLayout):
+        raise TypeError(f"layout must be a GemvLayout, got {type(layout).__name__}")
+    if k_split(k_dim) > layout.warps:
+        raise ValueError(f"layout: {layout.warps} warps a block, fewer than K {k_dim}'s {k_split(k_dim)} segments")
+    if entries == 0 or x.shape[0] == 0:
+        return out
+    kernel, grid, threads, geometry = _expert_setup(prologue, n_cols, k_dim, entries, layout)
+    kernel[grid, threads, _stream(stream), 0](x, _kernel_weight(w), out, row_offsets, row_index, *geometry)
     return out

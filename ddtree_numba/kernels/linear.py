@@ -141,6 +141,7 @@ __all__ = [
     "expert_slots",
     "linear",
     "head_linear",
+    "check_expert_args",
     "expert_linear",
     "argmax_part_cols",
     "argmax_parts",
@@ -2451,6 +2452,22 @@ def _check_routing(row_offsets: Any, row_index: Any, experts: int, entries: int,
     return row_offsets, row_index
 
 
+def check_expert_args(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, swiglu: Any) -> tuple:
+    """:func:`expert_linear`'s argument checks (shared with ``gemv.expert_gemv``): (x, w, out,
+    row_offsets, row_index, prologue), TypeError / ValueError naming the argument."""
+    x = _f32(x, "x", 2)
+    w = _weight(w, 3)
+    experts, n_cols, k_dim = w.shape
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"w has {experts} experts, at most {MAX_EXPERTS} are supported")
+    prologue, _ = _check_prologue_args(x, k_dim, swiglu, None)
+    out = _f32(out, "out", 2)
+    if out.shape[1] != n_cols:
+        raise ValueError(f"out must have shape (J, {n_cols}) (N from w), got {tuple(out.shape)}")
+    row_offsets, row_index = _check_routing(row_offsets, row_index, experts, out.shape[0], x.shape[0])
+    return x, w, out, row_offsets, row_index, prologue
+
+
 def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
                   swiglu: bool = False, max_rows: int | None = None, stream: Any = 0) -> Any:
     """Grouped (MoE) products over a CSR routing, batch-invariant.
@@ -2477,17 +2494,9 @@ def expert_linear(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *,
     Returns:
         ``out``. The grid is fixed by (J, E, R, max_rows): blocks past the last non-empty tile exit.
     """
-    x = _f32(x, "x", 2)
-    w = _weight(w, 3)
+    x, w, out, row_offsets, row_index, prologue = check_expert_args(x, w, out, row_offsets, row_index, swiglu)
     experts, n_cols, k_dim = w.shape
-    if experts > MAX_EXPERTS:
-        raise ValueError(f"w has {experts} experts, at most {MAX_EXPERTS} are supported")
-    prologue, _ = _check_prologue_args(x, k_dim, swiglu, None)
-    out = _f32(out, "out", 2)
-    if out.shape[1] != n_cols:
-        raise ValueError(f"out must have shape (J, {n_cols}) (N from w), got {tuple(out.shape)}")
     entries = out.shape[0]
-    row_offsets, row_index = _check_routing(row_offsets, row_index, experts, entries, x.shape[0])
     rows = min(x.shape[0], entries)
     if max_rows is not None:
         rows = min(rows, int_arg(max_rows, "max_rows", 1))

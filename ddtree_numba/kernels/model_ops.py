@@ -137,6 +137,7 @@ def _make_strided_dot(loads: int) -> Any:
 
 
 _strided_dot = _make_strided_dot(DOT_LOADS)   # the routing kernel's gate partials
+DOT_LOADS_BUILT = DOT_LOADS   # _strided_dot's (DOT_LOADS may be set later: bench.forward_ab's auto-dotN)
 _row_dot = _make_strided_dot(ROW_LOADS)
 
 
@@ -364,11 +365,18 @@ def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, si
                        layout, s_part, cuda.blockIdx.x - q_blocks, cuda.gridDim.x - q_blocks)
 
 
-@functools.lru_cache(maxsize=None)
-def moe_route_kernel(norm: bool, biased: bool) -> Any:
+def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None) -> Any:
     """The routing kernel specialised on whether it normalises its rows first (``norm``) and adds
     a selection bias (``biased``). Compile-time flags, not None arguments: numba-cuda launches no
-    None argument on a GPU (the simulator does), so an absent array is a float32 placeholder."""
+    None argument on a GPU (the simulator does), so an absent array is a float32 placeholder.
+    ``dot_loads``: the gate partials' loads in flight (default DOT_LOADS, read at the call: layout,
+    not numerics)."""
+    return _moe_route_kernel(norm, biased, DOT_LOADS if dot_loads is None else int(dot_loads))
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int) -> Any:
+    strided_dot = _strided_dot if dot_loads == DOT_LOADS_BUILT else _make_strided_dot(dot_loads)
     # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
     # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
     # the H200).
@@ -416,7 +424,7 @@ def moe_route_kernel(norm: bool, biased: bool) -> Any:
                 cuda.syncthreads()  # the row's normed values (global, this block's) before the gate reads them
             for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
                 e = q // ROUTE_SPLIT
-                s_part[q] = _strided_dot(xn, row, gate_w, e, q - e * ROUTE_SPLIT, ROUTE_SPLIT, xn.shape[1])
+                s_part[q] = strided_dot(xn, row, gate_w, e, q - e * ROUTE_SPLIT, ROUTE_SPLIT, xn.shape[1])
             cuda.syncthreads()  # every partial logit is in shared memory before they are summed
             for e in range(tid, n_experts, cuda.blockDim.x):
                 logit = float32(0.0)
