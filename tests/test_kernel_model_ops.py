@@ -562,6 +562,35 @@ def test_moe_route_batch_and_launch_shape_invariant(monkeypatch, case):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), loads
 
 
+@pytest.mark.parametrize("case", sorted(ROUTING_CASES))
+def test_moe_route_one_row_writes_the_csr_launch_s_values(monkeypatch, case):
+    """One row (an AR step): the routing block's inline CSR (ROUTE_CSR_INLINE) writes every value
+    the CSR launch writes, the same integers, on random, tie-heavy and NaN-score rows."""
+    config = _routing_config(**ROUTING_CASES[case])
+    rng = np.random.default_rng(17)
+    e, d = config.n_routed_experts, config.hidden_size
+    gate_w = (rng.standard_normal((e, d)) / 8).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(e)).astype(np.float32)
+    rows = [rng.standard_normal((1, d)).astype(np.float32),
+            rng.integers(-1, 2, (1, d)).astype(np.float32),      # ties: small integers
+            np.zeros((1, d), np.float32)]                        # every logit equal
+    tie_gate = rng.integers(-1, 2, (e, d)).astype(np.float32)
+    nan_gate = gate_w.copy()
+    nan_gate[1] = np.nan                                         # a NaN score ranks last
+    for xn, gw in zip(rows + rows[:1], [gate_w, tie_gate, gate_w, nan_gate]):
+        got = {}
+        for inline in (True, False):
+            monkeypatch.setattr(mo, "ROUTE_CSR_INLINE", inline)
+            outs = tuple(cuda.to_device(np.full(o.shape, -7, o.dtype)) for o in _route_outputs(config, 1))
+            mo.moe_route(_dev(xn), _dev(gw), _dev(bias), config, *outs)
+            got[inline] = [o.copy_to_host() for o in outs]
+        for a, b in zip(got[True], got[False]):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert not np.any(got[True][2] == -7) and not np.any(got[True][3] == -7)   # every value written
+    with pytest.raises(ValueError, match="csr"):   # not with the RMSNorm (its 128-register bound)
+        mo.moe_route_kernel(True, True, csr=True)
+
+
 def _route_outputs(config, m: int) -> tuple:
     k, e = config.n_activated_experts, config.n_routed_experts
     return (cuda.device_array((m, k), np.int32), cuda.device_array((m, k), np.float32),

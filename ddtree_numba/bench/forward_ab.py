@@ -28,7 +28,9 @@ in the row tile of its entries, ``engine.model.EXPERT_TILE_BY_ROWS`` off; by def
 default ``kernels.gemv`` where it has a layout), ``auto-noexgemv`` (an AR step's MoE expert
 products in ``expert_linear``'s one-row tiles, ``engine.model.EXPERT_ROW_PRODUCTS`` off; by default
 ``gemv.expert_gemv``, a block row an entry), ``auto-dotN`` (the routing kernel's gate partials
-with N loads in flight, ``model_ops.DOT_LOADS`` = N, N in 24, 32; by default 16), ``auto-onelaunch`` (an AR step's attention in the
+with N loads in flight, ``model_ops.DOT_LOADS`` = N, N in 24, 32; by default 16), ``auto-csr2`` (an
+AR step's MoE CSR in a launch of its own, ``model_ops.ROUTE_CSR_INLINE`` off; by default the
+routing block writes it), ``auto-onelaunch`` (an AR step's attention in the
 score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default scores and P·V
 in two wide launches), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
 ``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
@@ -101,7 +103,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-onelaunch", "auto-occ3", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-onelaunch", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -177,7 +179,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
     row_products, expert_rows = em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS
-    dot_loads = mo.DOT_LOADS
+    dot_loads, csr_inline = mo.DOT_LOADS, mo.ROUTE_CSR_INLINE
     release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
     occupancy = em.FEW_NODES_MIN_BLOCKS
@@ -204,6 +206,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
             em.EXPERT_ROW_PRODUCTS = expert_rows and tile != "auto-noexgemv"
             mo.DOT_LOADS = int(tile[len("auto-dot"):]) if tile.startswith("auto-dot") else dot_loads
+            mo.ROUTE_CSR_INLINE = csr_inline and tile != "auto-csr2"
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             em.FEW_NODES_MIN_BLOCKS = 3 if tile == "auto-occ3" else occupancy
@@ -296,7 +299,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
         em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS = row_products, expert_rows
-        mo.DOT_LOADS = dot_loads
+        mo.DOT_LOADS, mo.ROUTE_CSR_INLINE = dot_loads, csr_inline
         em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split
         em.FEW_NODES_MIN_BLOCKS = occupancy

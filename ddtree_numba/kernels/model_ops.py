@@ -84,6 +84,10 @@ ROUTE_SPLIT = 16  # partial sums per gate logit (16 consecutive threads read 64 
 ROUTE_PART_FLOATS = MAX_EXPERTS * ROUTE_SPLIT  # 32 KiB of shared partials
 MAX_ROUTE_THREADS = 512
 CSR_THREADS = 128  # the single CSR block
+# One row (an AR step at batch 1) without the RMSNorm in the routing launch: the routing block
+# writes the CSR itself, one launch instead of two (the same integers; bench.forward_ab's
+# ``auto-csr2`` switches it off).
+ROUTE_CSR_INLINE = True
 CSR_WORDS = 8  # row-mask words per expert and chunk: 256 rows per chunk
 CSR_CHUNK_ROWS = CSR_WORDS * WARP_SIZE
 CSR_MASK_WORDS = CSR_WORDS * MAX_EXPERTS
@@ -365,24 +369,27 @@ def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, si
                        layout, s_part, cuda.blockIdx.x - q_blocks, cuda.gridDim.x - q_blocks)
 
 
-def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None) -> Any:
+def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None, csr: bool = False) -> Any:
     """The routing kernel specialised on whether it normalises its rows first (``norm``) and adds
     a selection bias (``biased``). Compile-time flags, not None arguments: numba-cuda launches no
     None argument on a GPU (the simulator does), so an absent array is a float32 placeholder.
     ``dot_loads``: the gate partials' loads in flight (default DOT_LOADS, read at the call: layout,
-    not numerics)."""
-    return _moe_route_kernel(norm, biased, DOT_LOADS if dot_loads is None else int(dot_loads))
+    not numerics). ``csr``: the block writes the CSR of its one row (step 4 below; not with
+    ``norm``: those specialisations sit at the 128-register bound and spill with it on sm_90)."""
+    if csr and norm:
+        raise ValueError("csr: the routing kernel with its RMSNorm writes no CSR (128-register bound)")
+    return _moe_route_kernel(norm, biased, DOT_LOADS if dot_loads is None else int(dot_loads), bool(csr))
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int) -> Any:
+def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> Any:
     strided_dot = _strided_dot if dot_loads == DOT_LOADS_BUILT else _make_strided_dot(dot_loads)
     # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
     # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
     # the H200).
     @cuda.jit(**launch_bounds(MAX_ROUTE_THREADS, 1))
     def moe_route_kernel(x, norm_w, eps, xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
-                         route_scale, topk_ids, topk_w):
+                         route_scale, topk_ids, topk_w, row_offsets, row_index, slot_of):
         """reference.model.moe_gate, rows blockIdx.x, + gridDim.x, ...; picks in ascending expert id.
 
         xn [M, D], gate_w [E, D], bias float32 [E] (biased; else a placeholder), topk_ids int32
@@ -402,6 +409,10 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int) -> Any:
            same picks as an insertion list fed in ascending index). Pick thread p sums the k
            unbiased scores in pick (rank) order, renormalises its own, times route_scale, and
            writes it at its place in ascending expert id.
+        4. ``csr`` (compile time; launched for one row, one block: an AR step at batch 1):
+           the block writes the CSR too, :func:`moe_csr_kernel`'s result for one row (the k picks
+           are distinct experts in ascending id: pick s is entry s, and expert e's entries start
+           at the number of picks below e), so the CSR launch is left out.
         """
         s_part = cuda.shared.array(ROUTE_PART_FLOATS, float32)  # [E, ROUTE_SPLIT] partial logits
         s_logit = cuda.shared.array(MAX_EXPERTS, float32)
@@ -487,6 +498,16 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int) -> Any:
                     weight = weight / (total + GATE_NORM_EPS_F32)
                 topk_ids[row, place] = e
                 topk_w[row, place] = weight * route_scale
+                if csr:  # compile-time; one row (row 0): pick p is entry `place`
+                    row_index[place] = 0
+                    slot_of[0, place] = place
+            if csr:  # expert e's entries start at the number of picks below e
+                for e in range(tid, n_experts + 1, cuda.blockDim.x):
+                    below = 0
+                    for p in range(k):
+                        if s_pick[p] < e:
+                            below += 1
+                    row_offsets[e] = below
             cuda.syncthreads()  # the picks and scores are read before the next row rewrites them
 
     return moe_route_kernel
@@ -615,15 +636,16 @@ register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),
 register("mla_rope_kv_write", mla_rope_kv_write_kernel,
          ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32, int32),),
          "the query RoPE and the kv cache write in one launch (the engine's)", block_threads=ELEM_THREADS)
-for _norm in (False, True):
+for _norm, _csr in ((False, False), (True, False), (False, True)):
     for _biased in (True, False):
-        register("moe_route" + ("_norm" if _norm else "") + ("" if _biased else "_nobias"),
-                 moe_route_kernel(_norm, _biased),
+        register("moe_route" + ("_norm" if _norm else "") + ("" if _biased else "_nobias") + ("_csr1" if _csr else ""),
+                 moe_route_kernel(_norm, _biased, csr=_csr),
                  (((_F2A, _F1) if _norm else (float32, float32)) + (float32, _F2A, _F2C, _F1 if _biased else float32,
-                                                                  int32, int32, int32, int32, float32, _I2, _F2C),),
+                                                                  int32, int32, int32, int32, float32, _I2, _F2C,
+                                                                  _I1, _I1, _I2),),
                  "MoE gate (" + ("after the RMSNorm of its rows" if _norm else "on normed rows")
                  + (", selection bias" if _biased else ", no bias") + "): scores, grouped top-k, weights; "
-                 "one block per row", block_threads=MAX_ROUTE_THREADS)
+                 + ("one row, its CSR written too" if _csr else "one block per row"), block_threads=MAX_ROUTE_THREADS)
 register("moe_route_csr", moe_csr_kernel, ((_I2, _I1, _I1, _I2),),
          "MoE routing CSR (entries per expert in ascending row order), one block",
          block_threads=CSR_THREADS)
@@ -959,7 +981,8 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
         stream: as :func:`embed`.
 
     Two launches: one block per row (the RMSNorm when asked, then the routing), then one block
-    (the CSR).
+    (the CSR); one row without the RMSNorm (an AR step at batch 1, ROUTE_CSR_INLINE): one launch,
+    the routing block writes the CSR too (the same values).
     """
     _check_routing_config(config)
     xn = _check_rows(xn, "xn", 2)
@@ -992,14 +1015,16 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
     slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
     check_shape(slot_of, "slot_of", (m, k))
     norm, biased = x is not None, bias is not None
-    launch(moe_route_kernel(norm, biased), *_shape(m, 1, route_threads(n_experts)), stream, 0,
+    inline = ROUTE_CSR_INLINE and m == 1 and not norm   # one row: the routing block writes the CSR
+    launch(moe_route_kernel(norm, biased, csr=inline), *_shape(m, 1, route_threads(n_experts)), stream, 0,
            x if norm else PLACEHOLDER, norm_weight if norm else PLACEHOLDER, eps32, xn, gate_w,
            bias if biased else PLACEHOLDER,
            np.int32(config.n_expert_groups), np.int32(config.n_limited_groups),
            np.int32(config.score_func == "softmax"), np.int32(config.norm_topk_prob),
-           np.float32(config.route_scale), topk_ids, topk_w)
-    csr_threads = SIM_THREADS if simulator_active() else CSR_THREADS
-    launch(moe_csr_kernel, 1, csr_threads, stream, 0, topk_ids, row_offsets, row_index, slot_of)
+           np.float32(config.route_scale), topk_ids, topk_w, row_offsets, row_index, slot_of)
+    if not inline:
+        csr_threads = SIM_THREADS if simulator_active() else CSR_THREADS
+        launch(moe_csr_kernel, 1, csr_threads, stream, 0, topk_ids, row_offsets, row_index, slot_of)
 
 
 def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: Any, out: Any, *,
