@@ -86,6 +86,17 @@ def test_decode_launches_ties_batch_padding_and_bad_requests(config):
     assert np.isfinite(out2[[0, 1]]).all()
 
 
+@pytest.mark.parametrize("threads,batch", [(256, 3), (256, 16), (128, 24)])
+def test_decode_score_layouts_keep_the_bits(monkeypatch, threads, batch):
+    """The score kernel's block size and dim runs in flight (DECODE_SCORE_THREADS / _BATCH: layout)
+    give the one launch's bits: a batch past the lane's dims (16, 24 runs: one partial round), one
+    that does not divide them (3), and half the threads a block (twice the key blocks)."""
+    monkeypatch.setattr(va, "DECODE_SCORE_THREADS", threads)
+    monkeypatch.setattr(va, "DECODE_SCORE_BATCH", batch)
+    (out2, lse2), (out1, lse1) = _both(TWO_GROUPS, 4, [47, 3], [1, 1], 48)
+    assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
+
+
 def test_plan_decode_split_and_its_workspace(monkeypatch):
     """One node a request, every key in segment 0 and few requests: the two launches, with room
     for the scores."""

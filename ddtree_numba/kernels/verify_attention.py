@@ -1313,25 +1313,41 @@ DECODE_SPLIT = True
 DECODE_SPLIT_MAX_BATCH = 1
 DECODE_SCORE_THREADS = 256   # score kernel: (heads x keys) pairs x k-groups a block
 DECODE_SCORE_HEADS = 16      # heads of a score block (its keys: the threads left)
+# A score lane's dim runs (VEC floats each of q and of k) loaded before their fmas: layout, not
+# numerics (the fma chain runs the same dims in the same order). small's AR step: 288 dims a lane
+# (576 / 2 k-groups) in 288 / (4 x batch) rounds of L1 / L2 loads. Read at get_decode_kernels' call
+# (bench.forward_ab's ``auto-dsbN`` / ``auto-dstT`` set it and the block size).
+DECODE_SCORE_BATCH = 8
 DECODE_PV_DIMS = 64          # latent dims of a P·V block (a thread a dim)
 DECODE_PASS = 256            # keys of a P·V block's probabilities in shared memory at once
 
 
-def decode_geometry(config: TileConfig, num_heads: int) -> tuple[int, int, int, int, int]:
+def decode_geometry(config: TileConfig, num_heads: int, score_threads: int | None = None,
+                    score_heads: int | None = None) -> tuple[int, int, int, int, int]:
     """(score heads, score keys, P·V heads, P·V dims, P·V threads) of the two decode launches: a
-    score block holds SH heads x SK keys x k_groups threads; a P·V block SPH heads (the softmax
-    lanes of every head in whole warps: 32 // lanes heads a warp) x SPD dims."""
+    score block holds SH heads x SK keys x k_groups threads (about ``score_threads``, default
+    DECODE_SCORE_THREADS; SH divides ``score_heads``, default DECODE_SCORE_HEADS); a P·V block SPH
+    heads (the softmax lanes of every head in whole warps: 32 // lanes heads a warp) x SPD dims."""
+    score_threads = DECODE_SCORE_THREADS if score_threads is None else score_threads
+    score_heads = DECODE_SCORE_HEADS if score_heads is None else score_heads
     lanes = config.k_groups * (config.chunk // config.qk_keys)
-    sh = math.gcd(num_heads, DECODE_SCORE_HEADS)
-    sk = max(1, DECODE_SCORE_THREADS // (sh * config.k_groups))
+    sh = math.gcd(num_heads, score_heads)
+    sk = max(1, score_threads // (sh * config.k_groups))
     sph = math.gcd(num_heads, max(1, WARP // lanes))
     spd = math.gcd(config.latent_dim, DECODE_PV_DIMS)
     threads = max(-(-sph * lanes // WARP) * WARP, -(-spd // WARP) * WARP)
     return sh, sk, sph, spd, threads
 
 
-@functools.cache
 def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
+    """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit
+    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS and _BATCH)."""
+    return _decode_kernels(config, num_heads, DECODE_SCORE_THREADS, DECODE_SCORE_HEADS, DECODE_SCORE_BATCH)
+
+
+@functools.cache
+def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, score_heads: int,
+                    score_batch: int) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit.
 
     The numerics (module docstring; :func:`get_kernels`): a score is lane kg's fma chain over the
@@ -1366,13 +1382,13 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     KT_LEVELS = KEY_TILES.bit_length() - 1
     BUTTERFLY = KG.bit_length() - 1
     MAX_PATH = config.max_path
-    SH, SK, SPH, SPD, PV_THREADS = decode_geometry(config, num_heads)
+    SH, SK, SPH, SPD, PV_THREADS = decode_geometry(config, num_heads, score_threads, score_heads)
     S_THREADS = SH * SK * KG
     PASS = max(CHUNK, DECODE_PASS // CHUNK * CHUNK)
     PASS_CHUNKS = PASS // CHUNK
     SOFTMAX_THREADS = SPH * LANES
     F4 = VEC == 4                       # 16-byte q / k loads (run() checks the alignment)
-    BATCH = 8                           # a lane's dim runs loaded before their fmas
+    BATCH = score_batch                 # a lane's dim runs loaded before their fmas
     RUN_REGS = BATCH * VEC              # (array sizes: compile-time names, not expressions)
     PROBS_N = PASS * SPH
     ALPHAS_N = PASS_CHUNKS * SPH
