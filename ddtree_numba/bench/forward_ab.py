@@ -31,9 +31,9 @@ products in ``expert_linear``'s one-row tiles, ``engine.model.EXPERT_ROW_PRODUCT
 with N loads in flight, ``model_ops.DOT_LOADS`` = N, N in 24, 32; by default 16), ``auto-csr2`` (an
 AR step's MoE CSR in a launch of its own, ``model_ops.ROUTE_CSR_INLINE`` off; by default the
 routing block writes it), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
-loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N in 16, 24; by
-default 8), ``auto-dst128`` / ``auto-dst128b16`` (score blocks of 128 threads, twice the blocks,
-``verify_attention.DECODE_SCORE_THREADS``; the latter with 16 runs), ``auto-onelaunch`` (an AR step's attention in the
+loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N in 8, 24; by
+default 16), ``auto-dst128`` / ``auto-dst128b8`` (score blocks of 128 threads, twice the blocks,
+``verify_attention.DECODE_SCORE_THREADS``; the latter with 8 runs), ``auto-onelaunch`` (an AR step's attention in the
 score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default scores and P·V
 in two wide launches), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
 ``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
@@ -106,7 +106,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsb16", "auto-dsb24", "auto-dst128", "auto-dst128b16", "auto-onelaunch", "auto-occ3", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -211,7 +211,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.EXPERT_ROW_PRODUCTS = expert_rows and tile != "auto-noexgemv"
             mo.DOT_LOADS = int(tile[len("auto-dot"):]) if tile.startswith("auto-dot") else dot_loads
             mo.ROUTE_CSR_INLINE = csr_inline and tile != "auto-csr2"
-            va.DECODE_SCORE_BATCH = {"auto-dsb16": 16, "auto-dsb24": 24, "auto-dst128b16": 16}.get(tile, score_batch)
+            va.DECODE_SCORE_BATCH = {"auto-dsb8": 8, "auto-dsb24": 24, "auto-dst128b8": 8}.get(tile, score_batch)
             va.DECODE_SCORE_THREADS = 128 if tile.startswith("auto-dst128") else score_threads
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"

@@ -171,10 +171,12 @@ ROW_PRODUCTS = True
 PDL_RELEASE_EARLY = False
 # An AR step's MoE expert products (k + 1 entries at batch 1, the shared expert folded in) through
 # kernels.gemv.expert_gemv: a block row per entry streaming its expert's weights as gemv streams a
-# dense product, where expert_linear runs one-row tiles of 8 warps a block (H100, run "expert rows"'
-# ncu profile at f865d0e: the gate | up 15.7 us for 21 MB, the down projection 14.6 us for 10.5 MB,
-# 40 % and 22 % of the H100's HBM bandwidth). The same bits; layout, not numerics (only with
-# ROW_PRODUCTS; bench.forward_ab's ``auto-noexgemv`` switches it off).
+# dense product, where expert_linear runs one-row tiles of 8 warps a block (H100, run "expert rows",
+# Nsight Compute at f865d0e: the gate | up 15.7 us for 21 MB, the down projection 14.6 us for 10.5
+# MB, 40 % and 22 % of the H100's HBM bandwidth). The same bits; layout, not numerics (only with
+# ROW_PRODUCTS; bench.forward_ab's ``auto-noexgemv`` switches it off). H100, one process, two
+# passes, us an AR forward: 973.9 / 974.0 against 1004.3 / 1006.7 off (call 2, f2a4f51), 970.8 /
+# 969.0 against 993.0 / 993.4 (call 3, 5937ead); the 33-row forward does not run it.
 EXPERT_ROW_PRODUCTS = True
 
 

@@ -76,7 +76,10 @@ SIM_THREADS = WARP_SIZE  # every launch under the simulator: one block of one wa
 # the sum and 8 more for the normed write (~12 us an AR launch on the H200); the kv write's 512 are
 # one batch now. The order of the sums does not depend on these.
 ROW_LOADS = 32  # RMSNorm rows: the sum of squares and the normed write
-DOT_LOADS = 16  # the routing kernel's gate partials (one (expert, partial) pair a thread)
+# The routing kernel's gate partials (one (expert, partial) pair a thread), read at the call
+# (moe_route_kernel). 24 or 32 did not pay: H100, run "expert rows" call 2 (f2a4f51, two passes,
+# us an AR forward): 16 973.9 / 974.0, 24 973.2 / 978.1, 32 965.5 / 973.2 (forward_ab's auto-dotN).
+DOT_LOADS = 16
 MAX_EXPERTS = 512  # routed experts (DeepSeek-V3 256, Kimi K2 384): shared logits and CSR cursors
 MAX_TOPK = 32  # picks: the routing kernel's shared pick list
 MAX_GROUPS = 32  # groups: the routing kernel's shared group scores and kept flags
@@ -86,7 +89,8 @@ MAX_ROUTE_THREADS = 512
 CSR_THREADS = 128  # the single CSR block
 # One row (an AR step at batch 1) without the RMSNorm in the routing launch: the routing block
 # writes the CSR itself, one launch instead of two (the same integers; bench.forward_ab's
-# ``auto-csr2`` switches it off).
+# ``auto-csr2`` switches it off). H100, run "expert rows" call 3 (5937ead, one process, two
+# passes): an AR forward 970.8 / 969.0 us against 982.1 / 979.1 with the CSR launch.
 ROUTE_CSR_INLINE = True
 CSR_WORDS = 8  # row-mask words per expert and chunk: 256 rows per chunk
 CSR_CHUNK_ROWS = CSR_WORDS * WARP_SIZE

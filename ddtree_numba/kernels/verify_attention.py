@@ -1315,9 +1315,14 @@ DECODE_SCORE_THREADS = 256   # score kernel: (heads x keys) pairs x k-groups a b
 DECODE_SCORE_HEADS = 16      # heads of a score block (its keys: the threads left)
 # A score lane's dim runs (VEC floats each of q and of k) loaded before their fmas: layout, not
 # numerics (the fma chain runs the same dims in the same order). small's AR step: 288 dims a lane
-# (576 / 2 k-groups) in 288 / (4 x batch) rounds of L1 / L2 loads. Read at get_decode_kernels' call
-# (bench.forward_ab's ``auto-dsbN`` / ``auto-dstT`` set it and the block size).
-DECODE_SCORE_BATCH = 8
+# (576 / 2 k-groups) in 288 / (4 x batch) rounds of L1 / L2 loads (Nsight Compute, H100, f865d0e:
+# the score launch 14.5 us at 8 runs, 9 rounds, for 0.3 MB of q and keys). Read at
+# get_decode_kernels' call (bench.forward_ab's ``auto-dsbN`` / ``auto-dst128*`` set it and the
+# block size). 16: H100, run "expert rows" call 4 (5f780c1, one process, two passes, us an AR
+# forward): 8 runs 972.0 / 967.0, 16 runs 956.7 / 956.3 (172 registers, no spill), 24 runs 954.6 /
+# 958.1 (246), 128-thread blocks 965.0 / 962.5, with 16 runs 967.4 / 968.2; the 33-row forward
+# does not run it.
+DECODE_SCORE_BATCH = 16
 DECODE_PV_DIMS = 64          # latent dims of a P·V block (a thread a dim)
 DECODE_PASS = 256            # keys of a P·V block's probabilities in shared memory at once
 
