@@ -582,7 +582,11 @@ def test_moe_route_one_row_writes_the_csr_launch_s_values(monkeypatch, case):
         for inline in (True, False):
             monkeypatch.setattr(mo, "ROUTE_CSR_INLINE", inline)
             outs = tuple(cuda.to_device(np.full(o.shape, -7, o.dtype)) for o in _route_outputs(config, 1))
-            mo.moe_route(_dev(xn), _dev(gw), _dev(bias), config, *outs)
+            launched = []
+            with monkeypatch.context() as mp:   # count the launches: one with the CSR inline
+                mp.setattr(mo, "launch", lambda kernel, *a, _l=mo.launch: (launched.append(kernel), _l(kernel, *a))[1])
+                mo.moe_route(_dev(xn), _dev(gw), _dev(bias), config, *outs)
+            assert len(launched) == (1 if inline else 2) and (mo.moe_csr_kernel in launched) is not inline
             got[inline] = [o.copy_to_host() for o in outs]
         for a, b in zip(got[True], got[False]):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -138,8 +138,9 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                     wv[u, c, 3] = v3
 
     @cuda.jit(device=True, inline="always")
-    def fma_round(x, row, norm_w, inv, k_dim, lane, wv, acc, j, n):
-        """acc[c] += x[row, k] * w[c, k] over steps j .. j + n - 1, k = 128 j + 4 lane + e ascending."""
+    def fma_round(x, row, norm_w, inv, k_dim, lane, wv, acc, j, n, nan_row):
+        """acc[c] += x[row, k] * w[c, k] over steps j .. j + n - 1, k = 128 j + 4 lane + e ascending
+        (x as NaN where ``nan_row``: the expert kernel's invalid source row)."""
         for u in range(U):
             if u < n:
                 k = (j + u) * STEP + VEC * lane
@@ -156,6 +157,11 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                     x1 = x1 * inv * n1
                     x2 = x2 * inv * n2
                     x3 = x3 * inv * n3
+                if EXPERT and nan_row:   # as expert_linear's staged NaN (after any prologue)
+                    x0 = NAN
+                    x1 = NAN
+                    x2 = NAN
+                    x3 = NAN
                 for c in range(CW):
                     a = cuda.fma(x0, wv[u, c, 0], acc[c])
                     a = cuda.fma(x1, wv[u, c, 1], a)
@@ -163,13 +169,11 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                     acc[c] = cuda.fma(x3, wv[u, c, 3], a)
 
     @cuda.jit(device=True, inline="always")
-    def row_product(x, row, w, w_row0, out, out_row, residual_arr, norm_w, eps, n_cols, k_dim, k_split_,
-                    seg_steps, release_next, comb, nan_row):
-        """out[out_row, col] = (residual +) prologue(x[row]) @ w[w_row0 + col].T for this warp's
-        columns; nan_row: a NaN row instead (an expert entry's invalid source row, as expert_linear)."""
-        wv = cuda.local.array((U, CW, VEC), float32)
-        acc = cuda.local.array(CW, float32)
-        wbase = cuda.local.array(CW, int64)
+    def first_round(w, w_row0, n_cols, k_dim, k_split_, seg_steps, wv, acc, wbase):
+        """This warp's columns of weight rows w_row0 + col: their flat bases into wbase, acc
+        zeroed, the first round's weights loaded into wv; returns (lane, warp, seg, col0, j, j_end,
+        n): the warp's place, its first column, its steps and the round's. Reads only weights (no kernel of a step writes them: pdl's
+        WEIGHTS_BEFORE_WAIT), so the dense kernel calls it before its PDL wait."""
         lane, warp, seg, group, groups_per_block = warp_place(k_split_)
         col0 = (cuda.blockIdx.x * groups_per_block + group) * CW
         total_steps = k_dim // STEP
@@ -178,20 +182,22 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         for c in range(CW):
             wbase[c] = (int64(w_row0) + min(col0 + c, n_cols - 1)) * k_dim + VEC * lane
             acc[c] = ZERO
-        # The first round's weights before the wait (no kernel of a step writes them: pdl's
-        # WEIGHTS_BEFORE_WAIT), so that under PDL they stream while the previous kernel runs (so
-        # the PTX; the sm_90 SASS has the wait first: pdl.RELEASE_EARLY), and before the rms:
-        # their latency covers its loads and sums. (The expert kernel has waited already: its
-        # weights depend on the routing.)
         n = min(U, j_end - j)
         load_round(w, wbase, wv, j, n)
-        if not EXPERT:
-            pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x, residual); release the next?
+        return lane, warp, seg, col0, j, j_end, n
+
+    @cuda.jit(device=True, inline="always")
+    def finish(x, row, w, out, out_row, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, wv, acc, wbase,
+               lane, warp, seg, col0, j, j_end, n, comb, nan_row):
+        """The rest of the product after :func:`first_round`: out[out_row, col] = (residual +)
+        prologue(x[row]) @ w[row of col].T for this warp's columns. nan_row: x read as NaN
+        (an expert entry's invalid source row), so the row is NaN through the same fmas as
+        expert_linear's staged NaN rows (the same NaN bits)."""
         inv = ONE
         if RMS:
             inv = _row_inv_rms(x, row, k_dim, eps, lane)
         while True:
-            fma_round(x, row, norm_w, inv, k_dim, lane, wv, acc, j, n)
+            fma_round(x, row, norm_w, inv, k_dim, lane, wv, acc, j, n, nan_row)
             j += n
             if j >= j_end:
                 break
@@ -205,7 +211,7 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                     value = acc[c]
                     if RESIDUAL:
                         value = residual_arr[out_row, col0 + c] + value
-                    out[out_row, col0 + c] = NAN if nan_row else value
+                    out[out_row, col0 + c] = value
         else:
             for c in range(CW):
                 if lane == c:
@@ -219,7 +225,7 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                             total += comb[(warp + s) * CW + c]
                         if RESIDUAL:
                             total = residual_arr[out_row, col0 + c] + total
-                        out[out_row, col0 + c] = NAN if nan_row else total
+                        out[out_row, col0 + c] = total
 
     if not EXPERT:
         @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
@@ -227,33 +233,48 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
             """out[0] = (residual[0] +) prologue(x[0]) @ w.T; w [N, K] C-contiguous (flat indices);
             release_next: 1 where the next kernel reads weights before its PDL wait (pdl_begin_early)."""
             comb = cuda.shared.array(COMB, float32)
-            row_product(x, 0, w, 0, out, 0, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, seg_steps,
-                        release_next, comb, False)
-    else:
-        @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
-        def kernel(x, w, out, row_offsets, row_index, n_cols, k_dim, k_split_, seg_steps):
-            """out[j] = prologue(x[row_index[j]]) @ w[e].T for CSR entry j = blockIdx.y of expert e
-            (row_offsets[e] <= j < row_offsets[e + 1], offsets clamped to [0, J]); entries past
-            row_offsets[E] exit; a source row outside x gives a NaN row. w flat [E * N * K]."""
-            comb = cuda.shared.array(COMB, float32)
-            pdl_begin()  # PDL: wait for the routing (the expert and the row depend on it)
-            entry = cuda.blockIdx.y
-            n_entries = out.shape[0]
-            expert = -1
-            lo = min(max(row_offsets[0], 0), n_entries)
-            for e in range(row_offsets.shape[0] - 1):   # block-uniform: the first expert holding it
-                hi = min(max(row_offsets[e + 1], 0), n_entries)
-                if expert < 0 and lo <= entry and entry < hi:
-                    expert = e
-                lo = hi
-            if expert < 0:   # past the routed entries: the whole block leaves together
-                return
-            src = row_index[entry]
-            bad = src < 0 or src >= x.shape[0]
-            row_product(x, 0 if bad else src, w, expert * n_cols, out, entry, out, x, ONE, n_cols, k_dim,
-                        k_split_, seg_steps, 0, comb, bad)
+            wv = cuda.local.array((U, CW, VEC), float32)
+            acc = cuda.local.array(CW, float32)
+            wbase = cuda.local.array(CW, int64)
+            # The first round's weights before the wait, so that under PDL they stream while the
+            # previous kernel runs (so the PTX; the sm_90 SASS has the wait first: pdl.RELEASE_EARLY),
+            # and before the rms: their latency covers its loads and sums.
+            lane, warp, seg, col0, j, j_end, n = first_round(w, 0, n_cols, k_dim, k_split_, seg_steps, wv, acc,
+                                                             wbase)
+            pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x, residual); release the next?
+            finish(x, 0, w, out, 0, residual_arr, norm_w, eps, n_cols, k_dim, k_split_, wv, acc, wbase,
+                   lane, warp, seg, col0, j, j_end, n, comb, False)
+        return kernel
 
-    return kernel
+    @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
+    def expert_kernel(x, w, out, row_offsets, row_index, n_cols, k_dim, k_split_, seg_steps):
+        """out[j] = prologue(x[row_index[j]]) @ w[e].T for CSR entry j = blockIdx.y of expert e
+        (row_offsets[e] <= j < row_offsets[e + 1], offsets clamped to [0, J]); entries past
+        row_offsets[E] exit; a source row outside x gives a NaN row. w flat [E * N * K]."""
+        comb = cuda.shared.array(COMB, float32)
+        pdl_begin()  # PDL: wait for the routing (the expert and the row depend on it)
+        wv = cuda.local.array((U, CW, VEC), float32)
+        acc = cuda.local.array(CW, float32)
+        wbase = cuda.local.array(CW, int64)
+        entry = cuda.blockIdx.y
+        n_entries = out.shape[0]
+        expert = -1
+        lo = min(max(row_offsets[0], 0), n_entries)
+        for e in range(row_offsets.shape[0] - 1):   # block-uniform: the first expert holding it
+            hi = min(max(row_offsets[e + 1], 0), n_entries)
+            if expert < 0 and lo <= entry and entry < hi:
+                expert = e
+            lo = hi
+        if expert < 0:   # past the routed entries: the whole block leaves together
+            return
+        src = row_index[entry]
+        bad = src < 0 or src >= x.shape[0]
+        lane, warp, seg, col0, j, j_end, n = first_round(w, expert * n_cols, n_cols, k_dim, k_split_, seg_steps,
+                                                         wv, acc, wbase)
+        finish(x, 0 if bad else src, w, out, entry, out, x, ONE, n_cols, k_dim, k_split_, wv, acc, wbase,
+               lane, warp, seg, col0, j, j_end, n, comb, bad)
+
+    return expert_kernel
 
 
 def _register_all() -> None:

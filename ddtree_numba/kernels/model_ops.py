@@ -77,8 +77,9 @@ SIM_THREADS = WARP_SIZE  # every launch under the simulator: one block of one wa
 # one batch now. The order of the sums does not depend on these.
 ROW_LOADS = 32  # RMSNorm rows: the sum of squares and the normed write
 # The routing kernel's gate partials (one (expert, partial) pair a thread), read at the call
-# (moe_route_kernel). 24 or 32 did not pay: H100, run "expert rows" call 2 (f2a4f51, two passes,
-# us an AR forward): 16 973.9 / 974.0, 24 973.2 / 978.1, 32 965.5 / 973.2 (forward_ab's auto-dotN).
+# (moe_route_kernel). 24 or 32 inconclusive, so 16 stays: H100, run "expert rows" call 2 (f2a4f51,
+# two passes, us an AR forward): 16 973.9 / 974.0, 24 973.2 / 978.1, 32 965.5 / 973.2
+# (forward_ab's auto-dotN).
 DOT_LOADS = 16
 MAX_EXPERTS = 512  # routed experts (DeepSeek-V3 256, Kimi K2 384): shared logits and CSR cursors
 MAX_TOPK = 32  # picks: the routing kernel's shared pick list
