@@ -330,7 +330,8 @@ def test_expert_takes_rule_and_bad_input_before_launch():
 @pytest.mark.parametrize("kind", ["random", "ties"])
 def test_gpu_expert_gemv_matches_expert_linear_at_small_shapes(kind):
     """small's AR-step MoE on the GPU: 17 experts (the shared one folded in), 5 entries of one row,
-    the gate | up (2048 -> 512) and the SwiGLU down projection (256 -> 2048), bit for bit."""
+    the gate | up (2048 -> 512) and the SwiGLU down projection (256 -> 2048), bit for bit; an entry
+    whose source row is outside x gives expert_linear's NaN bits (the GPU's canonical NaN)."""
     rng = np.random.default_rng(5)
     offsets = np.array([0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 5], np.int32)   # 4 routed + shared
     x = _inputs(512, 2048, "none", False, kind, rng)[0]
@@ -340,4 +341,7 @@ def test_gpu_expert_gemv_matches_expert_linear_at_small_shapes(kind):
     w2 = np.stack([_inputs(2048, 256, "none", False, kind, rng)[1] for _ in range(17)])
     ref2, got2 = _expert_both(ref, w2, offsets, np.arange(5, dtype=np.int32), True)
     assert np.array_equal(ref2.view(np.uint32), got2.view(np.uint32))
+    bad = np.array([0, 1, 0, 0, 0], np.int32)   # entry 1's source row outside x: a NaN row
+    ref3, got3 = _expert_both(x, w13, offsets, bad, False)
+    assert np.isnan(got3[1]).all() and np.array_equal(ref3.view(np.uint32), got3.view(np.uint32))   # the NaN bits too
 
