@@ -591,8 +591,6 @@ def test_moe_route_one_row_writes_the_csr_launch_s_values(monkeypatch, case):
         for a, b in zip(got[True], got[False]):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
         assert not np.any(got[True][2] == -7) and not np.any(got[True][3] == -7)   # every value written
-    with pytest.raises(ValueError, match="csr"):   # not with the RMSNorm (its 128-register bound)
-        mo.moe_route_kernel(True, True, csr=True)
 
 
 def _route_outputs(config, m: int) -> tuple:
@@ -603,27 +601,34 @@ def _route_outputs(config, m: int) -> tuple:
 
 
 @pytest.mark.parametrize("case", ["softmax", "wide"])
-def test_moe_route_with_its_rmsnorm_is_the_two_launches(monkeypatch, case):
+@pytest.mark.parametrize("rows", [3, 1])
+def test_moe_route_with_its_rmsnorm_is_the_two_launches(monkeypatch, case, rows):
     """x and norm_weight given: the routing launch writes xn = rms_norm(x) before its gate reads
     it. xn and every routing output are the bits of rms_norm then moe_route, at the simulator's
-    launch shape and at the GPU's (a block a row: its first warp normalises, the rest wait)."""
+    launch shape and at the GPU's (a block a row: its first warp normalises, the rest wait); one
+    row (an AR step) in one launch, its CSR written by the routing block (ROUTE_CSR_NORM_LOADS
+    loads a lane in its RMSNorm: the same bits)."""
     config = _routing_config(**ROUTING_CASES[case])
     rng = np.random.default_rng(14)
     d = config.hidden_size
-    x = rng.standard_normal((3, d)).astype(np.float32)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
     norm_w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     gate_w = (rng.standard_normal((8, d)) / 8).astype(np.float32)
     bias = (0.01 * rng.standard_normal(8)).astype(np.float32)
     for gpu_shape in (False, True):
         if gpu_shape:
             monkeypatch.setattr(mo, "simulator_active", lambda: False)
-        xn = cuda.device_array((3, d), np.float32)
+        xn = cuda.device_array((rows, d), np.float32)
         mo.rms_norm(_dev(x), _dev(norm_w), 1e-6, xn)
         want = [xn.copy_to_host(), *_route(config, xn.copy_to_host(), gate_w, bias)]
-        fused_xn = _dev(np.full((3, d), SENTINEL, np.float32))
-        outs = _route_outputs(config, 3)
-        mo.moe_route(fused_xn, _dev(gate_w), _dev(bias), config, *outs, x=_dev(x), norm_weight=_dev(norm_w),
-                     eps=1e-6)
+        fused_xn = _dev(np.full((rows, d), SENTINEL, np.float32))
+        outs = _route_outputs(config, rows)
+        launched = []
+        with monkeypatch.context() as mp:
+            mp.setattr(mo, "launch", lambda kernel, *a, _l=mo.launch: (launched.append(kernel), _l(kernel, *a))[1])
+            mo.moe_route(fused_xn, _dev(gate_w), _dev(bias), config, *outs, x=_dev(x), norm_weight=_dev(norm_w),
+                         eps=1e-6)
+        assert len(launched) == (1 if rows == 1 else 2)
         got = [fused_xn.copy_to_host(), *(o.copy_to_host() for o in outs)]
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32))

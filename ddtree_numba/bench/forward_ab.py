@@ -17,7 +17,8 @@ an AR step's attention then takes the one launch too, as ``auto-onelaunch``: the
 needs a merge-free plan),
 ``auto-unfused`` (that, with the query RoPE and the kv write in two launches and the MoE RMSNorm
 in its own, ``engine.model.FUSED_ROPE_KV_WRITE`` and ``FUSED_MOE_NORM`` off: the launches before the
-three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on),
+three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on; at one row
+the routing block writes the CSR too, so the AR step's MoE starts with one launch, not two),
 ``auto-unfold`` (the shared expert in two launches of its own, ``engine.model.FOLD_SHARED_EXPERT``
 off; by default it runs inside the routed experts' launches), ``auto-bound`` (the expert launches'
 grid y chosen for every slot of ``linear.expert_slots``' bound, ``linear.EXPERT_TYPICAL_WAVES`` off;

@@ -136,6 +136,9 @@ SEGMENT_ABSORBS = True
 # ``auto-normroute`` switch them): the fused RoPE launch with the merge-free attention took 23.6 us
 # off an AR forward (1083.2 -> 1059.6) and 23.5 off a 33-row one; the norm inside the routing added
 # 17.5 / 12.9 us (that specialisation sits at the kernel's 128-register launch bound), so it stays off.
+# Since run "expert rows" an AR step's routing launch writes its CSR too (model_ops.ROUTE_CSR_INLINE),
+# also with the RMSNorm inside (its norm then at model_ops.ROUTE_CSR_NORM_LOADS loads a lane, no
+# spill): with FUSED_MOE_NORM the AR step's MoE would start with one launch instead of two. Untimed.
 FUSED_ROPE_KV_WRITE = True
 FUSED_MOE_NORM = False
 # One shared expert (its width the routed experts' I) runs as expert E of the routed experts' two

@@ -88,11 +88,14 @@ ROUTE_SPLIT = 16  # partial sums per gate logit (16 consecutive threads read 64 
 ROUTE_PART_FLOATS = MAX_EXPERTS * ROUTE_SPLIT  # 32 KiB of shared partials
 MAX_ROUTE_THREADS = 512
 CSR_THREADS = 128  # the single CSR block
-# One row (an AR step at batch 1) without the RMSNorm in the routing launch: the routing block
-# writes the CSR itself, one launch instead of two (the same integers; bench.forward_ab's
-# ``auto-csr2`` switches it off). H100, run "expert rows" call 3 (5937ead, one process, two
-# passes): an AR forward 970.8 / 969.0 us against 982.1 / 979.1 with the CSR launch.
+# One row (an AR step at batch 1): the routing block writes the CSR itself, one launch instead of
+# two (the same integers; bench.forward_ab's ``auto-csr2`` switches it off). H100, run "expert
+# rows" call 3 (5937ead, one process, two passes, the routing without its RMSNorm, as the engine
+# runs it): an AR forward 970.8 / 969.0 us against 982.1 / 979.1 with the CSR launch. With the
+# RMSNorm in the routing launch too (engine.model.FUSED_MOE_NORM, forward_ab's auto-normroute: one
+# launch for the MoE's norm, routing and CSR) it is untimed.
 ROUTE_CSR_INLINE = True
+ROUTE_CSR_NORM_LOADS = 16  # the RMSNorm's loads a lane in a routing launch that writes its CSR too
 CSR_WORDS = 8  # row-mask words per expert and chunk: 256 rows per chunk
 CSR_CHUNK_ROWS = CSR_WORDS * WARP_SIZE
 CSR_MASK_WORDS = CSR_WORDS * MAX_EXPERTS
@@ -150,50 +153,54 @@ DOT_LOADS_BUILT = DOT_LOADS   # _strided_dot's (DOT_LOADS may be set later: benc
 _row_dot = _make_strided_dot(ROW_LOADS)
 
 
-@cuda.jit(device=True)
-def _strided_sumsq(x, row, first, stride, n):
-    """Σ x[row, j]² over j = first, first + stride, ... < n in ascending order: the row's dot
-    with itself (the same products in the same order; the repeated load is the same address)."""
-    return _row_dot(x, row, x, row, first, stride, n)
+def _make_row_norm(loads: int) -> tuple[Any, Any]:
+    """(warp_row_rms, write_normed) with ``loads`` loads a lane in flight (their number does not
+    change a result: the same sums in the same order, the same products per element)."""
+    row_dot = _row_dot if loads == ROW_LOADS else _make_strided_dot(loads)
+    LOADS = loads
+
+    @cuda.jit(device=True)
+    def warp_row_rms(x, row, n, eps, s_part):
+        """sqrt(mean(x[row, :n]²) + eps) on every lane of the calling warp.
+
+        Lane l sums elements l, l + 32, ... (coalesced: the row's dot with itself, the same
+        products in the same order); the 32 partials meet in the warp's slice of s_part (float32
+        [blockDim]) and every lane adds them in lane order: one warp barrier instead of a shuffle
+        butterfly (5 meetings; the simulator pays per meeting), and a fixed order.
+        """
+        lane = cuda.threadIdx.x % WARP_SIZE
+        base = cuda.threadIdx.x - lane
+        s_part[cuda.threadIdx.x] = row_dot(x, row, x, row, lane, WARP_SIZE, n)
+        cuda.syncwarp()  # the warp's 32 partials are in shared memory before any lane adds them
+        total = float32(0.0)
+        for other in range(WARP_SIZE):
+            total += s_part[base + other]
+        return math.sqrt(total / float32(n) + eps)
+
+    @cuda.jit(device=True)
+    def write_normed(x, row, col0, n, rms, weight, out, out_row):
+        """out[out_row, j] = x[row, col0 + j] / rms · weight[j] for the lane's j < n (lane-strided).
+        Each lane reads its elements before writing them, so out may be x itself."""
+        staged = cuda.local.array(LOADS, float32)
+        staged_w = cuda.local.array(LOADS, float32)
+        j = uint64(cuda.threadIdx.x % WARP_SIZE)   # unsigned indices, as the strided dot
+        base = uint64(col0)
+        end = uint64(n)
+        lanes = uint64(WARP_SIZE)
+        while j < end:   # batches of LOADS a lane, the last one guarded
+            for u in range(LOADS):  # all loads first
+                if j + uint64(u) * lanes < end:
+                    staged[u] = x[row, base + j + uint64(u) * lanes]
+                    staged_w[u] = weight[j + uint64(u) * lanes]
+            for u in range(LOADS):
+                if j + uint64(u) * lanes < end:
+                    out[out_row, j + uint64(u) * lanes] = staged[u] / rms * staged_w[u]
+            j += uint64(LOADS) * lanes
+
+    return warp_row_rms, write_normed
 
 
-@cuda.jit(device=True)
-def _warp_row_rms(x, row, n, eps, s_part):
-    """sqrt(mean(x[row, :n]²) + eps) on every lane of the calling warp.
-
-    Lane l sums elements l, l + 32, ... (coalesced); the 32 partials meet in the warp's slice of
-    s_part (float32 [blockDim]) and every lane adds them in lane order: one warp barrier instead
-    of a shuffle butterfly (5 meetings; the simulator pays per meeting), and a fixed order.
-    """
-    lane = cuda.threadIdx.x % WARP_SIZE
-    base = cuda.threadIdx.x - lane
-    s_part[cuda.threadIdx.x] = _strided_sumsq(x, row, lane, WARP_SIZE, n)
-    cuda.syncwarp()  # the warp's 32 partials are in shared memory before any lane adds them
-    total = float32(0.0)
-    for other in range(WARP_SIZE):
-        total += s_part[base + other]
-    return math.sqrt(total / float32(n) + eps)
-
-
-@cuda.jit(device=True)
-def _write_normed(x, row, col0, n, rms, weight, out, out_row):
-    """out[out_row, j] = x[row, col0 + j] / rms · weight[j] for the lane's j < n (lane-strided).
-    Each lane reads its elements before writing them, so out may be x itself."""
-    staged = cuda.local.array(ROW_LOADS, float32)
-    staged_w = cuda.local.array(ROW_LOADS, float32)
-    j = uint64(cuda.threadIdx.x % WARP_SIZE)   # unsigned indices, as _strided_sumsq
-    base = uint64(col0)
-    end = uint64(n)
-    lanes = uint64(WARP_SIZE)
-    while j < end:   # batches of ROW_LOADS a lane, the last one guarded
-        for u in range(ROW_LOADS):  # all loads first
-            if j + uint64(u) * lanes < end:
-                staged[u] = x[row, base + j + uint64(u) * lanes]
-                staged_w[u] = weight[j + uint64(u) * lanes]
-        for u in range(ROW_LOADS):
-            if j + uint64(u) * lanes < end:
-                out[out_row, j + uint64(u) * lanes] = staged[u] / rms * staged_w[u]
-        j += uint64(ROW_LOADS) * lanes
+_warp_row_rms, _write_normed = _make_row_norm(ROW_LOADS)
 
 
 @cuda.jit(device=True)
@@ -379,16 +386,17 @@ def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None, csr
     a selection bias (``biased``). Compile-time flags, not None arguments: numba-cuda launches no
     None argument on a GPU (the simulator does), so an absent array is a float32 placeholder.
     ``dot_loads``: the gate partials' loads in flight (default DOT_LOADS, read at the call: layout,
-    not numerics). ``csr``: the block writes the CSR of its one row (step 4 below; not with
-    ``norm``: those specialisations sit at the 128-register bound and spill with it on sm_90)."""
-    if csr and norm:
-        raise ValueError("csr: the routing kernel with its RMSNorm writes no CSR (128-register bound)")
+    not numerics). ``csr``: the block writes the CSR of its one row (step 4 below; with ``norm``
+    its RMSNorm keeps ROUTE_CSR_NORM_LOADS loads a lane in flight, not ROW_LOADS: at the kernel's
+    128-register bound the norm and the CSR together spilled 8 bytes on sm_90 with 32)."""
     return _moe_route_kernel(norm, biased, DOT_LOADS if dot_loads is None else int(dot_loads), bool(csr))
 
 
 @functools.lru_cache(maxsize=None)
 def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> Any:
     strided_dot = _strided_dot if dot_loads == DOT_LOADS_BUILT else _make_strided_dot(dot_loads)
+    warp_row_rms, write_normed = _make_row_norm(ROUTE_CSR_NORM_LOADS) if csr and norm else \
+        (_warp_row_rms, _write_normed)
     # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
     # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
     # the H200).
@@ -435,8 +443,8 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> An
         for row in range(cuda.blockIdx.x, xn.shape[0], cuda.gridDim.x):  # uniform over the block
             if norm:  # compile-time
                 if tid < WARP_SIZE:   # s_part[0:32] holds the warp's partial sums of squares here
-                    rms = _warp_row_rms(x, row, x.shape[1], eps, s_part)
-                    _write_normed(x, row, 0, x.shape[1], rms, norm_w, xn, row)
+                    rms = warp_row_rms(x, row, x.shape[1], eps, s_part)
+                    write_normed(x, row, 0, x.shape[1], rms, norm_w, xn, row)
                 cuda.syncthreads()  # the row's normed values (global, this block's) before the gate reads them
             for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
                 e = q // ROUTE_SPLIT
@@ -641,7 +649,7 @@ register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),
 register("mla_rope_kv_write", mla_rope_kv_write_kernel,
          ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32, int32),),
          "the query RoPE and the kv cache write in one launch (the engine's)", block_threads=ELEM_THREADS)
-for _norm, _csr in ((False, False), (True, False), (False, True)):
+for _norm, _csr in ((False, False), (True, False), (False, True), (True, True)):
     for _biased in (True, False):
         register("moe_route" + ("_norm" if _norm else "") + ("" if _biased else "_nobias") + ("_csr1" if _csr else ""),
                  moe_route_kernel(_norm, _biased, csr=_csr),
@@ -986,8 +994,8 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
         stream: as :func:`embed`.
 
     Two launches: one block per row (the RMSNorm when asked, then the routing), then one block
-    (the CSR); one row without the RMSNorm (an AR step at batch 1, ROUTE_CSR_INLINE): one launch,
-    the routing block writes the CSR too (the same values).
+    (the CSR); one row (an AR step at batch 1, ROUTE_CSR_INLINE): one launch, the routing block
+    writes the CSR too (the same values).
     """
     _check_routing_config(config)
     xn = _check_rows(xn, "xn", 2)
@@ -1020,7 +1028,7 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
     slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
     check_shape(slot_of, "slot_of", (m, k))
     norm, biased = x is not None, bias is not None
-    inline = ROUTE_CSR_INLINE and m == 1 and not norm   # one row: the routing block writes the CSR
+    inline = ROUTE_CSR_INLINE and m == 1   # one row: the routing block writes the CSR
     launch(moe_route_kernel(norm, biased, csr=inline), *_shape(m, 1, route_threads(n_experts)), stream, 0,
            x if norm else PLACEHOLDER, norm_weight if norm else PLACEHOLDER, eps32, xn, gate_w,
            bias if biased else PLACEHOLDER,
