@@ -31,6 +31,12 @@ weight row and are not stored.
 
 Limits (checked by :func:`supported`): one row, K a multiple of 128 (whole vector steps), 16-byte
 aligned weight rows and input row. Otherwise use ``linear``.
+
+MoE experts (:func:`expert_gemv`): ``expert_linear``'s grouped products for a few CSR entries (an AR
+step's k + 1 at batch 1, the shared expert folded in), a block row (grid y) per entry: the block
+finds its entry's expert in the offsets after its PDL wait, then runs the same warp code on that
+expert's weights and the entry's source row, so each entry gets linear's row, the bits of
+``expert_linear`` (``engine.model.EXPERT_ROW_PRODUCTS``).
 """
 from __future__ import annotations
 
