@@ -745,6 +745,9 @@ def test_forward_flags_every_weights_first_pair_of_a_wide_model(monkeypatch) -> 
     config, weights = _wide_tiny()
     monkeypatch.setattr(em, "FOLD_SHARED_EXPERT", False)
     monkeypatch.setattr(em, "PDL_RELEASE_EARLY", True)   # (off by default: bench.forward_ab's /pdl)
+    # the experts in expert_linear: expert_gemv's 128-thread blocks cost the simulator ~30 s here, and
+    # neither reads weights before its wait (tests/test_kernel_gemv.py runs expert_gemv in the engine)
+    monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", False)
     model = TargetModel(config, weights, batch_size=1, kv_capacity=KV_CAPACITY, max_rows=1, capture_layers=(1,))
     seen: list = []
     _record_launches(monkeypatch, seen)

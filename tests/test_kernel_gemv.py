@@ -193,24 +193,19 @@ def test_gpu_gemv_chain_with_early_release_under_pdl():
 
 
 def test_engine_ar_step_runs_gemv_with_linears_bits(monkeypatch):
-    """tiny widened (hidden, q_lora, heads x v and the expert widths 128: K whole steps) as an AR
-    step (1 row over 5 cached rows) launches gemv for its dense products and expert_gemv for the
-    MoE layer's two expert launches, and its logits are the bits of the same forward with
-    ROW_PRODUCTS off (every product in linear's tile, the experts in expert_linear's)."""
-    import dataclasses
-
+    """tiny's AR forward (1 row over 5 cached rows) launches gemv for the products it has a layout
+    for (tiny's dense down projection, K 128), and its logits are the bits of the same forward with
+    ROW_PRODUCTS off (every product in linear's tile)."""
     import ddtree_numba.engine.model as em
     from ddtree_numba.bench.profile_forward import forward_inputs
     from ddtree_numba.config import ModelConfig
     from reference.weights import init_weights
 
-    config = dataclasses.replace(ModelConfig.from_name("tiny"), hidden_size=128, q_lora_rank=128,
-                                 v_head_dim=32, moe_intermediate=128)
+    config = ModelConfig.from_name("tiny")
     weights = init_weights(config, 0)
-    calls = {"gemv": [], "expert_gemv": [], "expert_linear": []}
-    for name in calls:
-        real = getattr(em, name)
-        monkeypatch.setattr(em, name, lambda *a, _n=name, _r=real, **k: (calls[_n].append(tuple(a[1].shape)), _r(*a, **k))[1])
+    calls = []
+    real = em.gemv
+    monkeypatch.setattr(em, "gemv", lambda *a, **k: (calls.append(a[1].shape), real(*a, **k))[1])
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(em, "ROW_PRODUCTS", on)
@@ -218,11 +213,9 @@ def test_engine_ar_step_runs_gemv_with_linears_bits(monkeypatch):
         model.advance(cuda.to_device(np.array([5], np.int32)))
         logits[on] = model.forward(*forward_inputs(1, 5)).logits.copy_to_host()
         if on:
-            assert calls["gemv"] and all(shape[-1] % 128 == 0 for shape in calls["gemv"]), calls
-            assert len(calls["expert_gemv"]) == 2 * (config.n_layers - config.n_dense_layers) and not calls["expert_linear"]
-            count = {name: len(c) for name, c in calls.items()}
-    assert len(calls["gemv"]) == count["gemv"] and len(calls["expert_gemv"]) == count["expert_gemv"]   # none off
-    assert len(calls["expert_linear"]) == count["expert_gemv"]
+            assert calls and all(k % 128 == 0 for _, k in calls), calls
+            count = len(calls)
+    assert len(calls) == count   # none with the switch off
     assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
 
 
@@ -345,3 +338,36 @@ def test_gpu_expert_gemv_matches_expert_linear_at_small_shapes(kind):
     ref3, got3 = _expert_both(x, w13, offsets, bad, False)
     assert np.isnan(got3[1]).all() and np.array_equal(ref3.view(np.uint32), got3.view(np.uint32))   # the NaN bits too
 
+
+def test_engine_ar_step_runs_expert_gemv_with_expert_linears_bits(monkeypatch):
+    """tiny with hidden and expert widths 128 (the experts' K whole steps) as an AR step: the MoE
+    layer's two expert launches go through expert_gemv and the logits are the bits of the same
+    forward with EXPERT_ROW_PRODUCTS off (expert_linear). The dense products stay in linear's tile
+    here (gemv_takes patched off: the simulator runs gemv's 128-thread blocks slowly); a 3-row
+    forward keeps expert_linear."""
+    import dataclasses
+
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.bench.profile_forward import forward_inputs
+    from ddtree_numba.config import ModelConfig
+    from reference.weights import init_weights
+
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), hidden_size=128, moe_intermediate=128)
+    weights = init_weights(config, 0)
+    monkeypatch.setattr(em, "gemv_takes", lambda *a, **k: False)
+    calls = {"expert_gemv": 0, "expert_linear": 0}
+    for name in calls:
+        monkeypatch.setattr(em, name, lambda *a, _n=name, _r=getattr(em, name), **k:
+                            (calls.__setitem__(_n, calls[_n] + 1), _r(*a, **k))[1])
+    moe_layers = config.n_layers - config.n_dense_layers
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", on)
+        model = em.TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)
+        model.advance(cuda.to_device(np.array([5], np.int32)))
+        logits[on] = model.forward(*forward_inputs(1, 5)).logits.copy_to_host()
+        assert calls == {"expert_gemv": 2 * moe_layers, "expert_linear": 0 if on else 2 * moe_layers}, (on, calls)
+    assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
+    monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", True)   # more rows: expert_linear (the rule's first test)
+    three = em.TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=3)
+    assert not three._expert_gemv_runs(None, None, None, None, None, None)
