@@ -192,12 +192,22 @@ def test_gpu_gemv_chain_with_early_release_under_pdl():
         graph.close()
 
 
+def _ar_step_logits(config, weights):
+    """The logits of one AR step (1 row over 5 cached rows) of a fresh batch-1 model, at the
+    engine's current switches."""
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.bench.profile_forward import forward_inputs
+
+    model = em.TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)
+    model.advance(cuda.to_device(np.array([5], np.int32)))
+    return model.forward(*forward_inputs(1, 5)).logits.copy_to_host()
+
+
 def test_engine_ar_step_runs_gemv_with_linears_bits(monkeypatch):
     """tiny's AR forward (1 row over 5 cached rows) launches gemv for the products it has a layout
     for (tiny's dense down projection, K 128), and its logits are the bits of the same forward with
     ROW_PRODUCTS off (every product in linear's tile)."""
     import ddtree_numba.engine.model as em
-    from ddtree_numba.bench.profile_forward import forward_inputs
     from ddtree_numba.config import ModelConfig
     from reference.weights import init_weights
 
@@ -209,9 +219,7 @@ def test_engine_ar_step_runs_gemv_with_linears_bits(monkeypatch):
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(em, "ROW_PRODUCTS", on)
-        model = em.TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)
-        model.advance(cuda.to_device(np.array([5], np.int32)))
-        logits[on] = model.forward(*forward_inputs(1, 5)).logits.copy_to_host()
+        logits[on] = _ar_step_logits(config, weights)
         if on:
             assert calls and all(k % 128 == 0 for _, k in calls), calls
             count = len(calls)
@@ -348,7 +356,6 @@ def test_engine_ar_step_runs_expert_gemv_with_expert_linears_bits(monkeypatch):
     import dataclasses
 
     import ddtree_numba.engine.model as em
-    from ddtree_numba.bench.profile_forward import forward_inputs
     from ddtree_numba.config import ModelConfig
     from reference.weights import init_weights
 
@@ -363,9 +370,7 @@ def test_engine_ar_step_runs_expert_gemv_with_expert_linears_bits(monkeypatch):
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", on)
-        model = em.TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=1)
-        model.advance(cuda.to_device(np.array([5], np.int32)))
-        logits[on] = model.forward(*forward_inputs(1, 5)).logits.copy_to_host()
+        logits[on] = _ar_step_logits(config, weights)
         assert calls == {"expert_gemv": 2 * moe_layers, "expert_linear": 0 if on else 2 * moe_layers}, (on, calls)
     assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
     monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", True)   # more rows: expert_linear (the rule's first test)
