@@ -311,16 +311,21 @@ def _register_all() -> None:
 _register_all()
 
 
+def _column_blocks(n_cols: int, k_dim: int, layout: GemvLayout) -> tuple[int, tuple]:
+    """(blocks over the N columns, the kernels' geometry arguments (n_cols, k_dim, k_split,
+    seg_steps)) of one product shape and layout."""
+    split = k_split(k_dim)
+    seg_steps = -(-(k_dim // STEP) // split)
+    groups = layout.warps // split          # column groups a block (the callers check split <= warps)
+    return -(-(-(-n_cols // layout.columns)) // groups), (n_cols, k_dim, split, seg_steps)
+
+
 @functools.lru_cache(maxsize=1024)
 def _setup(prologue: str, residual: bool, n_cols: int, k_dim: int, layout: GemvLayout) -> tuple:
     """(kernel, blocks, threads, geometry) of one launch shape, checked once (sim.launch)."""
-    split = k_split(k_dim)
-    seg_steps = -(-(k_dim // STEP) // split)
-    groups = layout.warps // split          # column groups a block (plan_gemv: split <= warps)
-    blocks = -(-(-(-n_cols // layout.columns)) // groups)
+    blocks, geometry = _column_blocks(n_cols, k_dim, layout)
     check_launch((blocks, 1, 1), layout.warps * WARP, 0)
-    return (get_gemv_kernel(prologue, residual, layout), blocks, layout.warps * WARP,
-            (n_cols, k_dim, split, seg_steps))
+    return get_gemv_kernel(prologue, residual, layout), blocks, layout.warps * WARP, geometry
 
 
 def gemv(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6, swiglu: bool = False,
@@ -377,13 +382,9 @@ def expert_takes(x: Any, w: Any, out: Any, *, swiglu: bool = False) -> bool:
 @functools.lru_cache(maxsize=256)
 def _expert_setup(prologue: str, n_cols: int, k_dim: int, entries: int, layout: GemvLayout) -> tuple:
     """(kernel, grid, threads, geometry) of one expert launch shape, checked once (sim.launch)."""
-    split = k_split(k_dim)
-    seg_steps = -(-(k_dim // STEP) // split)
-    groups = layout.warps // split
-    blocks = -(-(-(-n_cols // layout.columns)) // groups)
+    blocks, geometry = _column_blocks(n_cols, k_dim, layout)
     check_launch((blocks, entries, 1), layout.warps * WARP, 0)
-    return (get_gemv_kernel(prologue, False, layout, expert=True), (blocks, entries, 1), layout.warps * WARP,
-            (n_cols, k_dim, split, seg_steps))
+    return get_gemv_kernel(prologue, False, layout, expert=True), (blocks, entries, 1), layout.warps * WARP, geometry
 
 
 def expert_gemv(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *, swiglu: bool = False,

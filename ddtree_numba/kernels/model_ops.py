@@ -111,6 +111,7 @@ GATE_NORM_EPS_F32 = np.float32(1e-20)  # reference.model.GATE_NORM_EPS (HF noaux
 
 # --- device functions ------------------------------------------------------------------------
 
+@functools.cache
 def _make_strided_dot(loads: int) -> Any:
     """A device function Σ x[row, j] · w[e, j] over j = first, first + stride, ... < n in
     ascending order, ``loads`` loads of each operand in flight ahead of the products (their
@@ -148,15 +149,11 @@ def _make_strided_dot(loads: int) -> Any:
     return strided_dot
 
 
-_strided_dot = _make_strided_dot(DOT_LOADS)   # the routing kernel's gate partials
-DOT_LOADS_BUILT = DOT_LOADS   # _strided_dot's (DOT_LOADS may be set later: bench.forward_ab's auto-dotN)
-_row_dot = _make_strided_dot(ROW_LOADS)
-
-
+@functools.cache
 def _make_row_norm(loads: int) -> tuple[Any, Any]:
     """(warp_row_rms, write_normed) with ``loads`` loads a lane in flight (their number does not
     change a result: the same sums in the same order, the same products per element)."""
-    row_dot = _row_dot if loads == ROW_LOADS else _make_strided_dot(loads)
+    row_dot = _make_strided_dot(loads)
     LOADS = loads
 
     @cuda.jit(device=True)
@@ -394,9 +391,8 @@ def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None, csr
 
 @functools.lru_cache(maxsize=None)
 def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> Any:
-    strided_dot = _strided_dot if dot_loads == DOT_LOADS_BUILT else _make_strided_dot(dot_loads)
-    warp_row_rms, write_normed = _make_row_norm(ROUTE_CSR_NORM_LOADS) if csr and norm else \
-        (_warp_row_rms, _write_normed)
+    strided_dot = _make_strided_dot(dot_loads)   # the gate partials
+    warp_row_rms, write_normed = _make_row_norm(ROUTE_CSR_NORM_LOADS if csr and norm else ROW_LOADS)
     # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
     # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
     # the H200).
