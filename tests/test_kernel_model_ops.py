@@ -332,6 +332,109 @@ def test_mla_rope_kv_write_checks_before_launching(name, change):
     assert np.all(q_out == SENTINEL) and np.all(latent == SENTINEL) and np.all(k_rope == SENTINEL)
 
 
+def _absorb_rope_case(rng, m: int, h: int, k: int, n: int, c: int, r: int):
+    """mla_absorb_rope_kv_write's inputs: an absorb of x [M, H, K] by w_kn [H, K, N] beside the
+    RoPE step of q [M, H, K + R] (its nope part is x, as in the engine) and kv_a [M, C + R]."""
+    case = _rope_case(rng, m, h, k, c, r)
+    case["w_kn"] = rng.standard_normal((h, k, n)).astype(np.float32)
+    case["n"] = n
+    return case
+
+
+def _absorb_rope_outputs(case, layout, cache_rows, one_launch):
+    """(out, q_out, kv_latent, k_rope, fused) of one call: the one-launch wrapper, or absorb and
+    mla_rope_kv_write as two calls."""
+    from ddtree_numba.kernels import absorb as ab
+
+    m, h, _ = case["q"].shape
+    r = case["cos"].shape[1] * 2
+    k = case["w_kn"].shape[1]
+    c = case["kv"].shape[1] - r
+    d_q = _dev(case["q"])
+    out = _dev(np.full((m, h, case["n"]), SENTINEL, np.float32))
+    q_out = _dev(np.full((m, h, r), SENTINEL, np.float32))
+    latent = _dev(np.full((2 * m + 2, c), SENTINEL, np.float32))
+    k_rope = _dev(np.full((2 * m + 2, r), SENTINEL, np.float32))
+    rope_args = (_dev(case["kv"]), _dev(case["norm_w"]), 1e-6, _dev(case["cos"]), _dev(case["sin"]),
+                 _dev(case["positions"]), _dev(cache_rows), latent, k_rope)
+    fused = None
+    if one_launch:
+        fused = mo.mla_absorb_rope_kv_write(d_q[:, :, :k], _dev(case["w_kn"]), out, d_q, q_out, *rope_args,
+                                            layout=layout)
+    else:
+        ab.absorb(d_q[:, :, :k], _dev(case["w_kn"]), out)
+        mo.mla_rope_kv_write(d_q, q_out, *rope_args, layout=layout)
+    return [a.copy_to_host() for a in (out, q_out, latent, k_rope)] + [fused]
+
+
+@pytest.mark.parametrize("layout, m, h, k, expect_one", [
+    ("interleaved", 1, 8, 40, True),     # an AR step: one launch (a partial second segment)
+    ("neox", 1, 8, 40, True),
+    ("neox", 3, 8, 32, True),            # a split launch of 4-row tiles, 3 rows written
+    ("interleaved", 1, 1, 40, True),     # one head: the RoPE slice is one block
+    ("interleaved", 12, 8, 40, False),   # many rows: the tile absorb, two launches
+])
+def test_mla_absorb_rope_kv_write_is_the_two_launches(layout, m, h, k, expect_one):
+    """The absorb and the RoPE step in one launch (an extra column of the split grid) give the
+    bits of absorb + mla_rope_kv_write, where that launch takes the shapes, and fall back to the
+    two launches elsewhere; padding rows (cache row -1) are skipped, other cache rows kept."""
+    rng = np.random.default_rng(31 + m + h)
+    case = _absorb_rope_case(rng, m, h, k, 64, 16, 8)
+    cache_rows = rng.permutation(2 * m + 2)[:m].astype(np.int32)
+    cache_rows[m // 2] = -1
+    want = _absorb_rope_outputs(case, layout, cache_rows, False)
+    got = _absorb_rope_outputs(case, layout, cache_rows, True)
+    assert got[4] is expect_one
+    for a, b in zip(got[:4], want[:4]):
+        assert _same_bits(a, b)
+    out, q_out, latent, _ = got[:4]
+    np.testing.assert_allclose(out, np.einsum("mhk,hkn->mhn", case["q"][:, :, :k].astype(np.float64),
+                                              case["w_kn"].astype(np.float64)), rtol=1e-5, atol=1e-4)
+    assert not np.any(q_out == SENTINEL)
+    untouched = np.setdiff1d(np.arange(2 * m + 2), cache_rows[cache_rows >= 0])
+    assert np.all(latent[untouched] == SENTINEL)
+
+
+def test_absorb_rope_fits_split_plans_of_whole_warps():
+    """The one launch takes split plans of whole warps whose partials hold a float a thread, not
+    tile plans; tiny's AR steps at batch 2 under the simulator (the wrapper's 32-thread split plan)
+    are taken: tests/test_engine_model.py's scenario, whose tree nodes equal its AR replay bit for
+    bit, runs them."""
+    from ddtree_numba.kernels import absorb as ab
+    from ddtree_numba.kernels.absorb import AbsorbPlan
+
+    split = AbsorbPlan("split", 1, 4, 0, 0, (4, 1, 64), 128, 2048)   # small's AR step
+    assert mo.absorb_rope_fits(split)
+    assert not mo.absorb_rope_fits(dataclasses.replace(split, threads=16))          # not whole warps
+    assert not mo.absorb_rope_fits(dataclasses.replace(split, shared_bytes=256))    # < a float a thread
+    assert not mo.absorb_rope_fits(dataclasses.replace(split, grid=(4, 1, ab.MAX_GRID_Z)))   # no slice left
+    assert not mo.absorb_rope_fits(AbsorbPlan("tile", 4, 1, 16, 9, (4, 9, 64), 144, 0))
+    assert not mo.absorb_rope_fits(None)
+    assert mo.absorb_rope_fits(ab._split_plan(2, 4, 32, 16, min_threads=32))
+
+
+@pytest.mark.parametrize("name, change", [
+    ("q_out", lambda a: dict(a, q_out=np.zeros((1, 8, 6), np.float32))),    # rope width differs from k_rope's
+    ("positions", lambda a: dict(a, positions=np.full(1, 40, np.int32))),
+    ("w_kn", lambda a: dict(a, w_kn=a["w_kn"][:, :, :62])),                 # N not a multiple of 4
+    ("x", lambda a: dict(a, x=a["x"][:, :4])),                              # heads differ from w_kn's
+])
+def test_mla_absorb_rope_kv_write_checks_before_launching(name, change):
+    """Both parts' checks run before any launch: a bad argument names itself and leaves every
+    output as it was."""
+    rng = np.random.default_rng(37)
+    case = _absorb_rope_case(rng, 1, 8, 40, 64, 16, 8)
+    outs = dict(out=np.full((1, 8, 64), SENTINEL, np.float32), q_out=np.full((1, 8, 8), SENTINEL, np.float32),
+                kv_latent=np.full((4, 16), SENTINEL, np.float32), k_rope=np.full((4, 8), SENTINEL, np.float32))
+    args = dict(x=np.ascontiguousarray(case["q"][:, :, :40]), w_kn=case["w_kn"], q=case["q"], kv_a=case["kv"],
+                kv_norm_weight=case["norm_w"], eps=1e-6, cos=case["cos"], sin=case["sin"],
+                positions=case["positions"], cache_rows=np.array([2], np.int32), **outs)
+    args = change(args)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        mo.mla_absorb_rope_kv_write(**args, layout="interleaved")
+    assert all(np.all(a == SENTINEL) for a in outs.values())
+
+
 # --- MoE routing -------------------------------------------------------------------------------
 
 def _routing_config(**changes) -> ModelConfig:
@@ -883,3 +986,25 @@ def test_gpu_real_shapes(preset):
     mo.moe_combine(_dev(x), _dev(expert_out), _dev(slot_of), _dev(weights_k), _dev(shared), combined)
     expected = x + (np.einsum("ms,msd->md", weights_k.astype(np.float64), expert_out[slot_of]) + shared)
     _close(combined.copy_to_host(), expected, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["interleaved", "neox"])
+def test_gpu_absorb_rope_at_small_shapes(layout):
+    """small's AR step on the GPU: the q absorb (64 heads, K 128 -> N 512) with the RoPE step in
+    one launch gives the bits of absorb + mla_rope_kv_write."""
+    config = ModelConfig.from_name("small")
+    rng = np.random.default_rng(41)
+    h, k, c, r = config.n_heads, config.qk_nope_dim, config.kv_lora_rank, config.qk_rope_dim
+    cos, sin = mo.rope_tables(config, 4096)
+    case = dict(q=rng.standard_normal((1, h, k + r)).astype(np.float32),
+                kv=rng.standard_normal((1, c + r)).astype(np.float32),
+                norm_w=(1.0 + 0.1 * rng.standard_normal(c)).astype(np.float32), cos=cos, sin=sin,
+                positions=np.array([1234], np.int32),
+                w_kn=(rng.standard_normal((h, k, c)) / np.sqrt(k)).astype(np.float32), n=c)
+    cache_rows = np.array([3], np.int32)
+    want = _absorb_rope_outputs(case, layout, cache_rows, False)
+    got = _absorb_rope_outputs(case, layout, cache_rows, True)
+    assert got[4] is True
+    for a, b in zip(got[:4], want[:4]):
+        assert _same_bits(a, b)
