@@ -93,8 +93,7 @@ BEGINS = ("pdl_begin()", "pdl_begin_early(release_next)")
 # The parameters the kernels of pdl.WEIGHTS_BEFORE_WAIT may name before their wait: the weights and
 # scalars (every other parameter is an array another kernel writes).
 BEFORE_WAIT_PARAMS = {"gemv.py:kernel": {"w", "eps", "n_cols", "k_dim", "k_split_", "seg_steps", "release_next"},
-                      "absorb.py:split_kernel": {"w_kn", "n_cols", "k_dim", "release_next"},
-                      "model_ops.py:absorb_rope_kernel": {"w_kn", "n_cols", "k_dim", "release_next"}}
+                      "absorb.py:split_kernel": {"w_kn", "n_cols", "k_dim", "release_next"}}
 
 
 def test_every_engine_kernel_begins_with_pdl_begin():
@@ -399,7 +398,7 @@ PTX_ORDER_KERNELS = ("rms_norm_rows", "mla_rope_kv_write", "moe_route", "moe_com
                      "verify_attention_mla_score_first", "verify_attention_merge", "linear_none_mt1",
                      "linear_tc_rmsnorm_mt1", "segment_sum", "absorb_split_mt1_l4", "accept_walk",
                      "posterior_argmax", "compact_u32", "decode_commit", "draft_norm_rope", "gemv_rmsnorm",
-                     "verify_attention_decode_values", "mla_absorb_rope_mt1_l4",
+                     "verify_attention_decode_values",
                      "engine_prepare_rows", "oracle_logits")
 
 
@@ -407,9 +406,8 @@ PTX_ORDER_KERNELS = ("rms_norm_rows", "mla_rope_kv_write", "moe_route", "moe_com
 # wait (pdl.WEIGHTS_BEFORE_WAIT: gemv's narrow layout 4 steps x 2 columns; the split absorb's first
 # batch, SPLIT_BATCH[1] = 32 k), and those that may release the next grid right after it
 # (pdl_begin_early(release_next), pdl.RELEASE_EARLY on by default).
-PTX_WEIGHTS_FIRST = {"gemv_rmsnorm": 8, "absorb_split_mt1_l4": 32, "mla_absorb_rope_mt1_l4": 32}
+PTX_WEIGHTS_FIRST = {"gemv_rmsnorm": 8, "absorb_split_mt1_l4": 32}
 PTX_RELEASE_EARLY = ("gemv_rmsnorm", "moe_combine", "embed_rows", "absorb_split_mt1_l4", "mla_rope_kv_write",
-                     "mla_absorb_rope_mt1_l4",
                      "verify_attention_decode_values")
 
 

@@ -31,9 +31,7 @@ products in ``expert_linear``'s one-row tiles, ``engine.model.EXPERT_ROW_PRODUCT
 ``gemv.expert_gemv``, a block row an entry), ``auto-dotN`` (the routing kernel's gate partials
 with N loads in flight, ``model_ops.DOT_LOADS`` = N, N in 24, 32; by default 16), ``auto-csr2`` (an
 AR step's MoE CSR in a launch of its own, ``model_ops.ROUTE_CSR_INLINE`` off; by default the
-routing block writes it), ``auto-ropeapart`` (an AR step's RoPE step in a launch of its own before
-its q absorb, ``engine.model.ROPE_IN_ABSORB`` off; by default one more column of the absorb's
-split launch), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
+routing block writes it), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
 loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N in 8, 24; by
 default 16), ``auto-dst128`` / ``auto-dst128b8`` (score blocks of 128 threads, twice the blocks,
 ``verify_attention.DECODE_SCORE_THREADS``; the latter with 8 runs), ``auto-onelaunch`` (an AR step's attention in the
@@ -109,7 +107,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-ropeapart", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -185,7 +183,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
     row_products, expert_rows = em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS
-    dot_loads, csr_inline, rope_in_absorb = mo.DOT_LOADS, mo.ROUTE_CSR_INLINE, em.ROPE_IN_ABSORB
+    dot_loads, csr_inline = mo.DOT_LOADS, mo.ROUTE_CSR_INLINE
     score_batch, score_threads = va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS
     release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
@@ -214,7 +212,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.EXPERT_ROW_PRODUCTS = expert_rows and tile != "auto-noexgemv"
             mo.DOT_LOADS = int(tile[len("auto-dot"):]) if tile.startswith("auto-dot") else dot_loads
             mo.ROUTE_CSR_INLINE = csr_inline and tile != "auto-csr2"
-            em.ROPE_IN_ABSORB = rope_in_absorb and tile != "auto-ropeapart"
             va.DECODE_SCORE_BATCH = {"auto-dsb8": 8, "auto-dsb24": 24, "auto-dst128b8": 8}.get(tile, score_batch)
             va.DECODE_SCORE_THREADS = 128 if tile.startswith("auto-dst128") else score_threads
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
@@ -309,7 +306,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
         em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS = row_products, expert_rows
-        mo.DOT_LOADS, mo.ROUTE_CSR_INLINE, em.ROPE_IN_ABSORB = dot_loads, csr_inline, rope_in_absorb
+        mo.DOT_LOADS, mo.ROUTE_CSR_INLINE = dot_loads, csr_inline
         va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS = score_batch, score_threads
         em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split

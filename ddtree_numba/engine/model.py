@@ -55,8 +55,8 @@ from ddtree_numba.kernels.gemv import expert_gemv, expert_takes, gemv, takes as 
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
-from ddtree_numba.kernels.model_ops import (embed, mla_absorb_rope_kv_write, mla_kv_write, mla_q_rope,
-                                            mla_rope_kv_write, moe_combine, moe_route, rms_norm, rope_tables)
+from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, mla_rope_kv_write, moe_combine,
+                                            moe_route, rms_norm, rope_tables)
 from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from reference.tree import pack_visibility, unpack_visibility
@@ -181,15 +181,6 @@ PDL_RELEASE_EARLY = False
 # passes, us an AR forward: 973.9 / 974.0 against 1004.3 / 1006.7 off (call 2, f2a4f51), 970.8 /
 # 969.0 against 993.0 / 993.4 (call 3, 5937ead); the 33-row forward does not run it.
 EXPERT_ROW_PRODUCTS = True
-# An AR step's RoPE step (the fused one above) inside its q absorb's split launch, as one more
-# column of blocks (model_ops.mla_absorb_rope_kv_write): both read the q_b output and write
-# different arrays, so they need not run back to back. One launch fewer a layer; the same device
-# functions, the same bits. Layout, not numerics (with SEGMENT_ABSORBS and FUSED_ROPE_KV_WRITE;
-# where the absorb runs its tile kernel, a tree verify, the two launches stay; bench.forward_ab's
-# ``auto-ropeapart`` switches it off). H100, one process: slower, 956.1-962.1 us an AR forward
-# against 946.3-948.1 apart (three passes; the first layout, a column of 64 blocks more, 956.5 /
-# 958.6 against 946.2 / 947.5): reverted after this commit.
-ROPE_IN_ABSORB = True
 
 
 class ForwardOut(NamedTuple):
@@ -821,23 +812,16 @@ class TargetModel:
                       release_next=self._release_before_gemv(q_in, w.w_q, norm_weight=q_norm))  # [M, Qa + C + R]
         self._product(q_in, w.w_q, v.q2, stream, norm_weight=q_norm, eps=eps)  # [M, H * (nope + R)]
         latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
-        if FUSED_ROPE_KV_WRITE and ROPE_IN_ABSORB and self._segment_absorbs:
-            # [M, H, C] absorbed queries, [M, H, R] RoPE'd ones and the new cache rows: one launch
-            # where the absorb is a split launch (an AR step), else the two below
-            mla_absorb_rope_kv_write(v.q_nope, uk_kn, v.q_latent, b.q, v.q_rope, v.a_kv, w.kv_norm, eps,
-                                     self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows, latent_rows,
-                                     rope_rows, layout=c.rope_layout, stream=stream)
+        if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
+            mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
+                              b.row_positions, b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout,
+                              stream=stream, release_next=self._release_before_absorb(v.q_nope, uk_kn))
         else:
-            if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
-                mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
-                                  b.row_positions, b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout,
-                                  stream=stream, release_next=self._release_before_absorb(v.q_nope, uk_kn))
-            else:
-                mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
-                           stream=stream)  # [M, H, R]
-                mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions,
-                             b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
-            self._absorb(v.q_nope, w.w_uk_t, uk_kn, v.q_latent, stream)  # [M, H, C]
+            mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
+                       stream=stream)  # [M, H, R]
+            mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
+                         latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
+        self._absorb(v.q_nope, w.w_uk_t, uk_kn, v.q_latent, stream)  # [M, H, C]
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream,
                release_next=self._release_before_absorb(v.attn, uv_kn))  # [bs, Tc, H, C]

@@ -62,8 +62,6 @@ __all__ = [
     "tile_block_plan",
     "absorb",
     "get_split_kernel",
-    "get_split_block",
-    "prepare",
     "get_tile_kernel",
     "reads_weights_first",
 ]
@@ -146,15 +144,9 @@ def split_shared_bytes(k_dim: int, mt: int, lanes: int, threads: int) -> int:
 # --- few rows: a segment a thread, partials met in shared memory -------------------------------------
 
 @functools.cache
-def get_split_block(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> tuple[Any, Any]:
-    """A split block's work as two device functions (compiled lazily, cached), split at the PDL
-    wait: ``first(w_kn, wv, bx, bz, n_cols, k_dim)`` loads the first weights (one row: before
-    the wait; else nothing) and ``finish(x, w_kn, out, n_cols, k_dim, part, wv, bx, by, bz)`` runs
-    block ``(bx, by, bz)`` of the grid (ceil(N / NB), ceil(M / MT), G). The kernel calls
-    ``pdl_begin_early`` itself between them (``sim.launch`` finds PDL kernels by the calls in
-    their own body), as :func:`get_split_kernel` and ``model_ops``' absorb + RoPE kernel do.
-    ``mt`` rows, ``lanes`` segment lanes x threads / lanes column quads a block; lane l runs
-    segments l, l + lanes, ..."""
+def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
+    """The split kernel (compiled lazily, cached): ``mt`` rows, ``lanes`` segment lanes x
+    threads / lanes column quads a block; lane l runs segments l, l + lanes, ..."""
     if not _split_layout_ok(mt, lanes, threads):
         raise ValueError(f"no split absorb kernel for mt={mt!r}, lanes={lanes!r}, threads={threads!r}")
     MT, SB, THREADS = mt, lanes, threads
@@ -199,32 +191,29 @@ def get_split_block(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> tuple[
                     p[r, 2] = cuda.fma(xv[kb, r], wv[kb, 2], p[r, 2])
                     p[r, 3] = cuda.fma(xv[kb, r], wv[kb, 3], p[r, 3])
 
-    @cuda.jit(device=True, inline="always")
-    def first(w_kn, wv, bx, bz, n_cols, k_dim):
-        """The first segment's first weights before the wait (no kernel of a step writes them:
-        pdl's WEIGHTS_BEFORE_WAIT), so that under PDL they stream while the previous kernel runs
-        (so the PTX; whether ptxas keeps them above the wait is unchecked: pdl.RELEASE_EARLY)."""
-        tid = int32(cuda.threadIdx.x)
-        lane = tid // QB
-        col = int32(bx) * NB + (tid % QB) * VEC
-        n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
-        if WEIGHTS_FIRST and col < n_cols and lane < n_segs:
-            load_batch(w_kn, wv, int32(bz), col, n_cols, k_dim, lane << SEG_SHIFT,
-                       min(SEGMENT, k_dim - (lane << SEG_SHIFT)), 0)
-
-    @cuda.jit(device=True, inline="always")
-    def finish(x, w_kn, out, n_cols, k_dim, part, wv, bx, by, bz):
-        """Block (bx, by, bz)'s outputs, after the wait; part: the [S, MT, NB] partials."""
+    @cuda.jit(**launch_bounds(THREADS))
+    def split_kernel(x, w_kn, out, n_cols, k_dim, release_next):
+        """x [M, G, K], w_kn [G, K, N] (flat under the simulator; N % 4 == 0), out [M, G, N]. Grid
+        (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
+        part = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [S, MT, NB] segment partials
         p = cuda.local.array((MT, VEC), float32)
+        wv = cuda.local.array((BATCH, VEC), float32)
         xv = cuda.local.array((BATCH, MT), float32)
         tid = int32(cuda.threadIdx.x)
         quad = tid % QB
         lane = tid // QB
-        g = int32(bz)
-        row0 = int32(by) * MT
-        col0 = int32(bx) * NB
+        g = int32(cuda.blockIdx.z)
+        row0 = int32(cuda.blockIdx.y) * MT
+        col0 = int32(cuda.blockIdx.x) * NB
         col = col0 + quad * VEC
         n_segs = (k_dim + SEGMENT - 1) >> SEG_SHIFT
+        # The first segment's first weights before the wait (no kernel of a step writes them:
+        # pdl's WEIGHTS_BEFORE_WAIT), so that under PDL they stream while the previous kernel runs
+        # (so the PTX; whether ptxas keeps them above the wait is unchecked: pdl.RELEASE_EARLY).
+        if WEIGHTS_FIRST and col < n_cols and lane < n_segs:
+            load_batch(w_kn, wv, g, col, n_cols, k_dim, lane << SEG_SHIFT,
+                       min(SEGMENT, k_dim - (lane << SEG_SHIFT)), 0)
+        pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x); release the next?
         m_rows = x.shape[0]
         rows = min(MT, m_rows - row0)
         if col < n_cols:
@@ -251,26 +240,6 @@ def get_split_block(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> tuple[
                 for s in range(n_segs):        # the order: segment partials left to right
                     total += part[(s * MT + r) * NB + c]
                 out[row0 + r, g, col0 + c] = total
-
-    return first, finish
-
-
-@functools.cache
-def get_split_kernel(mt: int, lanes: int, threads: int = SPLIT_THREADS) -> Any:
-    """The split kernel (compiled lazily, cached): :func:`get_split_block`'s block on each block
-    of its grid."""
-    first, finish = get_split_block(mt, lanes, threads)
-    BATCH = SPLIT_BATCH[mt]
-
-    @cuda.jit(**launch_bounds(threads))
-    def split_kernel(x, w_kn, out, n_cols, k_dim, release_next):
-        """x [M, G, K], w_kn [G, K, N] (flat under the simulator; N % 4 == 0), out [M, G, N]. Grid
-        (ceil(N / NB), ceil(M / MT), G); dynamic shared memory: the partials [S, MT, NB] floats."""
-        part = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)   # [S, MT, NB] segment partials
-        wv = cuda.local.array((BATCH, VEC), float32)
-        first(w_kn, wv, cuda.blockIdx.x, cuda.blockIdx.z, n_cols, k_dim)   # weights only
-        pdl_begin_early(release_next)  # PDL: wait for the previous kernel (x); release the next?
-        finish(x, w_kn, out, n_cols, k_dim, part, wv, cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z)
 
     return split_kernel
 
@@ -497,15 +466,12 @@ class AbsorbPlan:
         return get_tile_kernel(self.mt, self.col_quads, self.row_groups, self.lanes, self.blocks_per_sm, self.pairs)
 
 
-def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int, min_threads: int = 1) -> AbsorbPlan:
-    """The split launch for these shapes; ``min_threads`` (a power of two <= SPLIT_THREADS): the
-    fewest threads a block under the simulator (a caller whose blocks need whole warps)."""
+def _split_plan(rows: int, groups: int, n_cols: int, k_dim: int) -> AbsorbPlan:
     mt = next((t for t in SPLIT_ROW_TILES if t >= rows), SPLIT_ROW_TILES[-1])
     segs = _segments(k_dim)
     lanes = min(SPLIT_MAX_LANES, _pow2_at_least(segs))
     # The simulator's threads are Python threads: no more column quads than N has (tiny: 8).
-    threads = max(min_threads, min(SPLIT_THREADS, lanes * _pow2_at_least(-(-n_cols // VEC)))) if SIM_TREE \
-        else SPLIT_THREADS
+    threads = min(SPLIT_THREADS, lanes * _pow2_at_least(-(-n_cols // VEC))) if SIM_TREE else SPLIT_THREADS
     nb = threads // lanes * VEC
     grid = (-(-n_cols // nb), -(-rows // mt), groups)
     return AbsorbPlan("split", mt, lanes, 0, 0, grid, threads, split_shared_bytes(k_dim, mt, lanes, threads))
@@ -664,20 +630,6 @@ def absorb(x: Any, w_kn: Any, out: Any, *, stream: Any = 0, plan: AbsorbPlan | N
     Raises:
         TypeError / ValueError naming ``x``, ``w_kn``, ``out`` or ``plan``, before any launch.
     """
-    plan, args = prepare(x, w_kn, out, plan)
-    if plan is None:
-        return args[2]
-    # Both kernels stay within the default 48 KiB (split: <= 32 KiB of partials; tile: TILE_SMEM):
-    # no opt-in call before the launch.
-    flag = (np.int32(1 if release_next else 0),) if plan.kind == "split" else ()   # the split kernel's
-    plan.kernel()[plan.grid, plan.threads, _stream(stream), plan.shared_bytes](*args, *flag)
-    return args[2]
-
-
-def prepare(x: Any, w_kn: Any, out: Any, plan: AbsorbPlan | None = None) -> tuple[AbsorbPlan | None, tuple]:
-    """:func:`absorb`'s checks, without a launch: ``(plan, (x, w_kn, out, n_cols, k_dim))`` as
-    the kernels take them (``plan``: the one given, else plan_absorb's; None where there is nothing
-    to compute, M or G 0). Raises as :func:`absorb`."""
     x = _f32(x, "x", 3)
     w_kn = _f32(w_kn, "w_kn", 3)
     if not is_c_contiguous(w_kn):
@@ -697,14 +649,19 @@ def prepare(x: Any, w_kn: Any, out: Any, plan: AbsorbPlan | None = None) -> tupl
     aligned = _rows_aligned(x)
     if plan is None:
         if m_rows == 0 or groups == 0:
-            return None, (x, w_kn, out, n_cols, k_dim)
+            return out
         plan = plan_absorb(m_rows, groups, n_cols, k_dim, rows_aligned=aligned)
     elif not isinstance(plan, AbsorbPlan):
         raise TypeError(f"plan must be an AbsorbPlan, got {type(plan).__name__}")
     elif not _fits(plan, m_rows, groups, n_cols, k_dim, aligned):
         raise ValueError(f"plan does not fit these shapes (x {tuple(x.shape)}, w_kn {tuple(w_kn.shape)}): "
                          "make it with plan_absorb (or _split_plan) for them")
-    return plan, (x, _kernel_weight(w_kn), out, n_cols, k_dim)
+    # Both kernels stay within the default 48 KiB (split: <= 32 KiB of partials; tile: TILE_SMEM):
+    # no opt-in call before the launch.
+    flag = (np.int32(1 if release_next else 0),) if plan.kind == "split" else ()   # the split kernel's
+    plan.kernel()[plan.grid, plan.threads, _stream(stream), plan.shared_bytes](
+        x, _kernel_weight(w_kn), out, n_cols, k_dim, *flag)
+    return out
 
 
 def _sigs(split: bool = False) -> tuple:

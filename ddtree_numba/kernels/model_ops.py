@@ -56,14 +56,13 @@ from sim.launch import launch, launch_bounds
 
 from ._args import as_kernel_array, check_array, check_shape, host_values
 from .pdl import pdl_begin, pdl_begin_early
-from . import absorb
 from .registry import register
 from .warp import warp_inclusive_scan_i32
 
 __all__ = [
     "MAX_EXPERTS", "MAX_GROUPS", "MAX_TOPK", "ROW_THREADS", "ELEM_THREADS", "CSR_THREADS",
     "MAX_ROUTE_THREADS", "embed", "rms_norm", "rope_tables", "mla_kv_write", "mla_q_rope", "mla_rope_kv_write",
-    "mla_absorb_rope_kv_write", "absorb_rope_fits", "moe_route", "moe_combine", "route_threads",
+    "moe_route", "moe_combine", "route_threads",
 ]
 
 WARP_SIZE = 32
@@ -379,48 +378,6 @@ def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, si
                        layout, s_part, cuda.blockIdx.x - q_blocks, cuda.gridDim.x - q_blocks)
 
 
-@functools.cache
-def get_absorb_rope_kernel(mt: int, lanes: int, threads: int) -> Any:
-    """:func:`mla_rope_kv_write_kernel` inside a split absorb launch (``absorb.get_split_block``):
-    the blocks of the absorb's grid run the absorb, one more slice of blocks runs the RoPE steps.
-    The q absorb and the RoPE step read the same q_b output and write different arrays, so an AR
-    step's q absorb and RoPE go side by side in one launch instead of two back to back (the same
-    device functions per element and per row: the same bits as the two launches).
-
-    Grid (X, Y, G + 1): blocks z < G as the split kernel's grid (X, Y, G); the X * Y blocks of
-    slice z = G, numbered x + X * y, each run their share of the query RoPE pairs, then of the kv
-    rows (one warp a row; their per-lane partials in the absorb's partials array, at least
-    blockDim floats), both grid-stride over that slice. A slice, not a column of G blocks more:
-    small's AR step keeps one wave of blocks (256 + 4 at 2 an SM on 132 SMs; a column of 64 more
-    timed +10 us a forward on an H100)."""
-    first, finish = absorb.get_split_block(mt, lanes, threads)
-    BATCH = absorb.SPLIT_BATCH[mt]
-    VEC = absorb.VEC
-    ALIGN = absorb.SHARED_ALIGN
-
-    @cuda.jit(**launch_bounds(threads))
-    def absorb_rope_kernel(x, w_kn, out, n_cols, k_dim, q, q_out, kv_a, norm_weight, eps, cos, sin, positions,
-                           cache_rows, kv_latent, k_rope, layout, release_next):
-        """The absorb's arguments (x, w_kn, out, n_cols, k_dim), then
-        :func:`mla_rope_kv_write_kernel`'s less q_blocks; release_next as the split kernel's."""
-        part = cuda.shared.array(0, float32, alignment=ALIGN)  # the split's partials; the kv rows' sums
-        wv = cuda.local.array((BATCH, VEC), float32)
-        absorbing = cuda.blockIdx.z < cuda.gridDim.z - 1   # block-uniform
-        if absorbing:
-            first(w_kn, wv, cuda.blockIdx.x, cuda.blockIdx.z, n_cols, k_dim)   # weights only
-        pdl_begin_early(release_next)  # PDL: wait for the previous kernel (q, kv_a); release the next?
-        if absorbing:
-            finish(x, w_kn, out, n_cols, k_dim, part, wv, cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z)
-        else:
-            block = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.y
-            blocks = cuda.gridDim.x * cuda.gridDim.y
-            _q_rope_pairs(q, cos, sin, positions, q_out, layout, block, blocks)
-            _kv_write_rows(kv_a, norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope,
-                           layout, part, block, blocks)
-
-    return absorb_rope_kernel
-
-
 def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None, csr: bool = False) -> Any:
     """The routing kernel specialised on whether it normalises its rows first (``norm``) and adds
     a selection bias (``biased``). Compile-time flags, not None arguments: numba-cuda launches no
@@ -688,12 +645,6 @@ register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),
 register("mla_rope_kv_write", mla_rope_kv_write_kernel,
          ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32, int32),),
          "the query RoPE and the kv cache write in one launch (the engine's)", block_threads=ELEM_THREADS)
-# The AR step's q absorb of small (K 128: 4 segment lanes) with the RoPE step in one launch.
-register("mla_absorb_rope_mt1_l4", get_absorb_rope_kernel(1, 4, absorb.SPLIT_THREADS),
-         ((_F3A, float32[:, :, ::1], _F3A, int32, int32, _F3A, _F3A, _F2A, _F1, float32, _F2C, _F2C,
-           _I1, _I1, _F2A, _F2A, int32, int32),),
-         "the one-row split q absorb with the query RoPE and the kv cache write in one launch (the AR step's)",
-         block_threads=absorb.SPLIT_THREADS)
 for _norm, _csr in ((False, False), (True, False), (False, True), (True, True)):
     for _biased in (True, False):
         register("moe_route" + ("_norm" if _norm else "") + ("" if _biased else "_nobias") + ("_csr1" if _csr else ""),
@@ -976,20 +927,6 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     is checked before the launch. ``release_next``: as :func:`embed`'s (the next kernel a split
     absorb). Returns ``q_out``.
     """
-    (q, cos, sin, positions, q_out, layout_code), kv_args, pairs = _rope_kv_write_args(
-        q, q_out, kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
-    q_blocks, threads = _shape(pairs, ELEM_THREADS, ELEM_THREADS)
-    kv_blocks, kv_threads = _shape(kv_args[0].shape[0], ROW_WARPS, ROW_THREADS)
-    assert threads == kv_threads   # one block size for both parts: ELEM_THREADS == ROW_THREADS
-    launch(mla_rope_kv_write_kernel, q_blocks + kv_blocks, threads, stream, 0, q, q_out, np.int32(q_blocks),
-           *kv_args, np.int32(1 if release_next else 0))
-    return q_out
-
-
-def _rope_kv_write_args(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any,
-                       positions: Any, cache_rows: Any, kv_latent: Any, k_rope: Any, layout: str) -> tuple:
-    """:func:`mla_rope_kv_write`'s checks: ``(q args, kv args, pairs)``, ``q args`` = (q, cos, sin,
-    positions, q_out, layout code) and ``kv args`` as :func:`mla_kv_write_kernel` takes them."""
     kv_args = _kv_write_args(kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
     q = _check_rows(q, "q", 3)
     if q.shape[0] != kv_args[0].shape[0]:
@@ -997,50 +934,14 @@ def _rope_kv_write_args(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps:
     q_out = _check_matrix(q_out, "q_out", 3)
     if q_out.shape[2] != kv_args[8].shape[1]:
         raise ValueError(f"q_out must have the rope width of k_rope ({kv_args[8].shape[1]}), got {q_out.shape[2]}")
-    q_args = _q_rope_args(q, cos, sin, positions, q_out, layout, "q_out")
-    return q_args, kv_args, q.shape[0] * q.shape[1] * (q_out.shape[2] // 2)
-
-
-def absorb_rope_fits(plan: Any) -> bool:
-    """Whether :func:`mla_absorb_rope_kv_write`'s one launch takes an absorb ``plan``
-    (``absorb.prepare``'s): a split plan of whole warps (the kv rows are warp-per-row) whose
-    partials hold a float a thread (the kv rows' sums) and whose G + 1 slices fit the grid."""
-    return (plan is not None and plan.kind == "split" and plan.threads % WARP_SIZE == 0
-            and plan.shared_bytes >= 4 * plan.threads and plan.grid[2] + 1 <= absorb.MAX_GRID_Z)
-
-
-def mla_absorb_rope_kv_write(x: Any, w_kn: Any, out: Any, q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any,
-                             eps: float, cos: Any, sin: Any, positions: Any, cache_rows: Any, kv_latent: Any,
-                             k_rope: Any, *, layout: str, stream: Any = 0, release_next: bool = False) -> bool:
-    """``absorb.absorb(x, w_kn, out)`` and :func:`mla_rope_kv_write` ``(q, q_out, kv_a, ...)``:
-    in one launch where the absorb runs its split kernel (:func:`absorb_rope_fits`: an AR step's
-    q absorb), else the two launches. The same bits
-    either way.
-
-    Args: as those two functions. The two parts run at once: ``out`` must not overlap ``q``,
-    ``q_out``, ``kv_a`` or the cache rows, nor ``x`` the arrays the RoPE step writes (the
-    engine's q absorb reads ``q[:, :, :nope]`` and the RoPE step ``q[:, :, nope:]``). Every
-    argument is checked before any launch. ``release_next``: as the split absorb's (the kernel
-    after it reads weights before its PDL wait).
-
-    Returns:
-        True where one launch ran both.
-    """
-    q_args, kv_args, _ = _rope_kv_write_args(q, q_out, kv_a, kv_norm_weight, eps, cos, sin, positions,
-                                             cache_rows, kv_latent, k_rope, layout)
-    plan, args = absorb.prepare(x, w_kn, out)
-    if plan is not None and plan.kind == "split" and plan.threads < WARP_SIZE:   # the simulator's narrow blocks
-        plan = absorb._split_plan(args[0].shape[0], args[0].shape[1], args[3], args[4], min_threads=WARP_SIZE)
-    if not absorb_rope_fits(plan):
-        mla_rope_kv_write(q, q_out, kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent,
-                          k_rope, layout=layout, stream=stream)
-        absorb.absorb(x, w_kn, out, stream=stream, release_next=release_next)
-        return False
-    q, cos, sin, positions, q_out, layout_code = q_args
-    grid = (plan.grid[0], plan.grid[1], plan.grid[2] + 1)
-    launch(get_absorb_rope_kernel(plan.mt, plan.lanes, plan.threads), grid, plan.threads, stream,
-           plan.shared_bytes, *args, q, q_out, *kv_args, np.int32(1 if release_next else 0))
-    return True
+    q, cos, sin, positions, q_out, layout_code = _q_rope_args(q, cos, sin, positions, q_out, layout, "q_out")
+    pairs = q.shape[0] * q.shape[1] * (q_out.shape[2] // 2)
+    q_blocks, threads = _shape(pairs, ELEM_THREADS, ELEM_THREADS)
+    kv_blocks, kv_threads = _shape(kv_args[0].shape[0], ROW_WARPS, ROW_THREADS)
+    assert threads == kv_threads   # one block size for both parts: ELEM_THREADS == ROW_THREADS
+    launch(mla_rope_kv_write_kernel, q_blocks + kv_blocks, threads, stream, 0, q, q_out, np.int32(q_blocks),
+           *kv_args, np.int32(1 if release_next else 0))
+    return q_out
 
 
 def route_threads(n_experts: int) -> int:

@@ -26,7 +26,7 @@ Device side (call from kernels; inlined, no registers):
   blocks' exits (releasing at the start before kernels with nothing to do timed slower).
 
 Weights before the wait: the kernels named in :data:`WEIGHTS_BEFORE_WAIT` (``gemv``, the split
-absorb at one row, alone or with the RoPE step) load their first round of weights, then call :func:`pdl_begin_early`: so in
+absorb at one row) load their first round of weights, then call :func:`pdl_begin_early`: so in
 the PTX; in gemv's sm_90 SASS ptxas scheduled the wait (``ACQBULK``) above those loads
 (PERFORMANCE run pdl early timed; the split absorb's SASS unchecked), so gemv gains nothing there
 as built (tests/test_pdl.py's SASS test, a strict xfail). The weights are
@@ -100,7 +100,7 @@ def set_release_mode(mode: str) -> None:
 # Kernels (module file: kernel function) that read weights before their wait (the split absorb
 # at one row only); every other engine kernel begins with pdl_begin / pdl_begin_early
 # (tests/test_pdl.py checks both rules).
-WEIGHTS_BEFORE_WAIT = ("gemv.py:kernel", "absorb.py:split_kernel", "model_ops.py:absorb_rope_kernel")
+WEIGHTS_BEFORE_WAIT = ("gemv.py:kernel", "absorb.py:split_kernel")
 
 # The device functions whose call makes a kernel take programmatic launches (sim.launch's
 # takes_programmatic_launch reads this tuple; a kernel must call one of them before any access
