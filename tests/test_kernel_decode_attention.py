@@ -86,13 +86,20 @@ def test_decode_launches_ties_batch_padding_and_bad_requests(config):
     assert np.isfinite(out2[[0, 1]]).all()
 
 
-@pytest.mark.parametrize("threads,batch", [(256, 3), (256, 16), (128, 24)])
-def test_decode_score_layouts_keep_the_bits(monkeypatch, threads, batch):
-    """The score kernel's block size and dim runs in flight (DECODE_SCORE_THREADS / _BATCH: layout)
-    give the one launch's bits: a batch past the lane's dims (16, 24 runs: one partial round), one
-    that does not divide them (3), and half the threads a block (twice the key blocks)."""
+@pytest.mark.parametrize("threads,batch,heads,pv_dims", [(256, 3, 16, 64), (256, 16, 16, 64), (128, 24, 16, 64),
+                                                      (256, 16, 2, 4), (256, 16, 1, 8)])
+def test_decode_score_layouts_keep_the_bits(monkeypatch, threads, batch, heads, pv_dims):
+    """The score kernel's block size and dim runs in flight (DECODE_SCORE_THREADS / _BATCH), its
+    heads a block (DECODE_SCORE_HEADS) and the P·V blocks' dims (DECODE_PV_DIMS), all layout, give
+    the one launch's bits: a batch past the lane's dims (16, 24 runs: one partial round), one that
+    does not divide them (3), half the threads a block (twice the key blocks), score blocks of 2
+    heads and of 1, P·V blocks of 4 and 8 of TWO_GROUPS' 64 latent dims."""
     monkeypatch.setattr(va, "DECODE_SCORE_THREADS", threads)
     monkeypatch.setattr(va, "DECODE_SCORE_BATCH", batch)
+    monkeypatch.setattr(va, "DECODE_SCORE_HEADS", heads)
+    monkeypatch.setattr(va, "DECODE_PV_DIMS", pv_dims)
+    assert va.decode_geometry(TWO_GROUPS, 4)[0] == min(heads, 4) and va.decode_geometry(TWO_GROUPS, 4)[3] == \
+        min(pv_dims, TWO_GROUPS.latent_dim)
     (out2, lse2), (out1, lse1) = _both(TWO_GROUPS, 4, [47, 3], [1, 1], 48)
     assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
 

@@ -31,7 +31,9 @@ products in ``expert_linear``'s one-row tiles, ``engine.model.EXPERT_ROW_PRODUCT
 ``gemv.expert_gemv``, a block row an entry), ``auto-dotN`` (the routing kernel's gate partials
 with N loads in flight, ``model_ops.DOT_LOADS`` = N, N in 24, 32; by default 16), ``auto-csr2`` (an
 AR step's MoE CSR in a launch of its own, ``model_ops.ROUTE_CSR_INLINE`` off; by default the
-routing block writes it), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
+routing block writes it), ``auto-dshN`` (an AR step's score blocks of N heads,
+``verify_attention.DECODE_SCORE_HEADS`` = N, N in 8, 32; by default 16), ``auto-pvdN`` (its P·V
+blocks of N latent dims, ``verify_attention.DECODE_PV_DIMS`` = N, N in 32, 128; by default 64), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
 loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N in 8, 24; by
 default 16), ``auto-dst128`` / ``auto-dst128b8`` (score blocks of 128 threads, twice the blocks,
 ``verify_attention.DECODE_SCORE_THREADS``; the latter with 8 runs), ``auto-onelaunch`` (an AR step's attention in the
@@ -107,7 +109,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -185,6 +187,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     row_products, expert_rows = em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS
     dot_loads, csr_inline = mo.DOT_LOADS, mo.ROUTE_CSR_INLINE
     score_batch, score_threads = va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS
+    score_heads, pv_dims = va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS
     release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
     occupancy = em.FEW_NODES_MIN_BLOCKS
@@ -214,6 +217,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             mo.ROUTE_CSR_INLINE = csr_inline and tile != "auto-csr2"
             va.DECODE_SCORE_BATCH = {"auto-dsb8": 8, "auto-dsb24": 24, "auto-dst128b8": 8}.get(tile, score_batch)
             va.DECODE_SCORE_THREADS = 128 if tile.startswith("auto-dst128") else score_threads
+            va.DECODE_SCORE_HEADS = int(tile[len("auto-dsh"):]) if tile.startswith("auto-dsh") else score_heads
+            va.DECODE_PV_DIMS = int(tile[len("auto-pvd"):]) if tile.startswith("auto-pvd") else pv_dims
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             em.FEW_NODES_MIN_BLOCKS = 3 if tile == "auto-occ3" else occupancy
@@ -308,6 +313,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS = row_products, expert_rows
         mo.DOT_LOADS, mo.ROUTE_CSR_INLINE = dot_loads, csr_inline
         va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS = score_batch, score_threads
+        va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS = score_heads, pv_dims
         em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split
         em.FEW_NODES_MIN_BLOCKS = occupancy

@@ -1324,35 +1324,44 @@ DECODE_SCORE_HEADS = 16      # heads of a score block (its keys: the threads lef
 # does not run it.
 DECODE_SCORE_BATCH = 16
 DECODE_PV_DIMS = 64          # latent dims of a P·V block (a thread a dim)
+# DECODE_SCORE_HEADS and DECODE_PV_DIMS are read at get_decode_kernels' call too (layout;
+# bench.forward_ab's ``auto-dshN`` / ``auto-pvdN``). H100, run "rope slice" call 5 (one process,
+# two passes, us an AR forward): 16 heads / 64 dims 950.4 / 947.7; score blocks of 8 heads 947.0
+# / 946.6, of 32 947.8 / 950.0; P·V blocks of 32 dims 946.3 / 949.1, of 128 948.1 / 951.7: within
+# the noise, the defaults kept.
 DECODE_PASS = 256            # keys of a P·V block's probabilities in shared memory at once
 
 
 def decode_geometry(config: TileConfig, num_heads: int, score_threads: int | None = None,
-                    score_heads: int | None = None) -> tuple[int, int, int, int, int]:
+                    score_heads: int | None = None, pv_dims: int | None = None) -> tuple[int, int, int, int, int]:
     """(score heads, score keys, P·V heads, P·V dims, P·V threads) of the two decode launches: a
     score block holds SH heads x SK keys x k_groups threads (about ``score_threads``, default
     DECODE_SCORE_THREADS; SH divides ``score_heads``, default DECODE_SCORE_HEADS); a P·V block SPH
-    heads (the softmax lanes of every head in whole warps: 32 // lanes heads a warp) x SPD dims."""
+    heads (the softmax lanes of every head in whole warps: 32 // lanes heads a warp) x SPD dims
+    (SPD divides ``pv_dims``, default DECODE_PV_DIMS)."""
     score_threads = DECODE_SCORE_THREADS if score_threads is None else score_threads
     score_heads = DECODE_SCORE_HEADS if score_heads is None else score_heads
+    pv_dims = DECODE_PV_DIMS if pv_dims is None else pv_dims
     lanes = config.k_groups * (config.chunk // config.qk_keys)
     sh = math.gcd(num_heads, score_heads)
     sk = max(1, score_threads // (sh * config.k_groups))
     sph = math.gcd(num_heads, max(1, WARP // lanes))
-    spd = math.gcd(config.latent_dim, DECODE_PV_DIMS)
+    spd = math.gcd(config.latent_dim, pv_dims)
     threads = max(-(-sph * lanes // WARP) * WARP, -(-spd // WARP) * WARP)
     return sh, sk, sph, spd, threads
 
 
 def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit
-    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS and _BATCH)."""
-    return _decode_kernels(config, num_heads, DECODE_SCORE_THREADS, DECODE_SCORE_HEADS, DECODE_SCORE_BATCH)
+    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH and
+    DECODE_PV_DIMS: layout, read at the call)."""
+    return _decode_kernels(config, num_heads, DECODE_SCORE_THREADS, DECODE_SCORE_HEADS, DECODE_SCORE_BATCH,
+                           DECODE_PV_DIMS)
 
 
 @functools.cache
 def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, score_heads: int,
-                    score_batch: int) -> tuple[Any, Any]:
+                    score_batch: int, pv_dims: int = DECODE_PV_DIMS) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit.
 
     The numerics (module docstring; :func:`get_kernels`): a score is lane kg's fma chain over the
@@ -1387,7 +1396,7 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
     KT_LEVELS = KEY_TILES.bit_length() - 1
     BUTTERFLY = KG.bit_length() - 1
     MAX_PATH = config.max_path
-    SH, SK, SPH, SPD, PV_THREADS = decode_geometry(config, num_heads, score_threads, score_heads)
+    SH, SK, SPH, SPD, PV_THREADS = decode_geometry(config, num_heads, score_threads, score_heads, pv_dims)
     S_THREADS = SH * SK * KG
     PASS = max(CHUNK, DECODE_PASS // CHUNK * CHUNK)
     PASS_CHUNKS = PASS // CHUNK
