@@ -98,8 +98,8 @@ def test_decode_score_layouts_keep_the_bits(monkeypatch, threads, batch, heads, 
     monkeypatch.setattr(va, "DECODE_SCORE_BATCH", batch)
     monkeypatch.setattr(va, "DECODE_SCORE_HEADS", heads)
     monkeypatch.setattr(va, "DECODE_PV_DIMS", pv_dims)
-    assert va.decode_geometry(TWO_GROUPS, 4)[0] == min(heads, 4) and va.decode_geometry(TWO_GROUPS, 4)[3] == \
-        min(pv_dims, TWO_GROUPS.latent_dim)
+    sh, _, _, spd, _ = va.decode_geometry(TWO_GROUPS, 4)
+    assert sh == min(heads, 4) and spd == min(pv_dims, TWO_GROUPS.latent_dim)
     (out2, lse2), (out1, lse1) = _both(TWO_GROUPS, 4, [47, 3], [1, 1], 48)
     assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
 

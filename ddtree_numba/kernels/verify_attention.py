@@ -1361,7 +1361,7 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
 
 @functools.cache
 def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, score_heads: int,
-                    score_batch: int, pv_dims: int = DECODE_PV_DIMS) -> tuple[Any, Any]:
+                    score_batch: int, pv_dims: int) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit.
 
     The numerics (module docstring; :func:`get_kernels`): a score is lane kg's fma chain over the
