@@ -1,5 +1,5 @@
 """Install the simulator extensions (warp intrinsics, launch check, thread-safe shared arrays, an
-event-driven block scheduler) when the simulator is on."""
+event-driven block scheduler, plain NumPy arrays inside kernels) when the simulator is on."""
 from __future__ import annotations
 
 _installed = False
@@ -22,11 +22,12 @@ def install() -> bool:
         return True
     if not simulator_active():
         return False
-    from . import launch, scheduler, shared, warp
+    from . import fastpaths, launch, scheduler, shared, warp
 
     warp.install()
     shared.install()
     scheduler.install()
+    fastpaths.install()
     launch.install_simulator_hook()
     _installed = True
     return True
