@@ -53,6 +53,46 @@ def test_help_explains_the_variants(capsys):
     assert "TILE" in text and "COLS" in text and "--variants" in text
 
 
+def test_logits_saved_by_one_process_are_compared_by_another(tmp_path, monkeypatch, capsys):
+    """--save-logits writes the first variant's logits per row count (atomically, no temp file
+    left); --compare-logits reports each row count's bits against them and exits 1 where any
+    differ (another build of the kernels, say). Timing is faked: no GPU here."""
+    import numpy as np
+
+    logits_now = {1: np.arange(6, dtype=np.float32).reshape(1, 6), 33: np.ones((33, 6), np.float32)}
+
+    def fake_time_variants(preset, past, row_counts, variants, same_bits=None, logits=None):
+        for rows in row_counts:
+            logits.setdefault(rows, logits_now[rows].copy())
+            for variant in variants:
+                same_bits.setdefault(variant.name, {})[rows] = True
+        return {variant.name: {rows: 1.0 for rows in row_counts} for variant in variants}
+
+    monkeypatch.setattr(forward_ab, "time_variants", fake_time_variants)
+    saved = tmp_path / "base.npz"
+    assert forward_ab.main(["--rows", "1", "33", "--variants", "auto/auto", "--save-logits", str(saved)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.npz"]
+    with np.load(saved) as data:
+        assert sorted(data.files) == ["rows_1", "rows_33"] and np.array_equal(data["rows_33"], logits_now[33])
+    assert forward_ab.main(["--rows", "1", "33", "--variants", "auto/auto", "--compare-logits", str(saved)]) == 0
+    assert capsys.readouterr().out.count("same bits as") == 2
+    logits_now[33][5, 2] = np.nextafter(np.float32(1), np.float32(2))   # one ulp in one row
+    assert forward_ab.main(["--rows", "1", "33", "--variants", "auto/auto", "--compare-logits", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert "logits at 1 rows: same bits as" in out and "logits at 33 rows: DIFFERENT BITS from" in out
+    # a row count the file does not hold is not the same bits either
+    logits_now[3] = np.zeros((3, 6), np.float32)
+    assert forward_ab.main(["--rows", "3", "--variants", "auto/auto", "--compare-logits", str(saved)]) == 1
+
+
+def test_logits_paths_are_checked_before_any_run(tmp_path, capsys):
+    for argv, message in ((["--compare-logits", str(tmp_path / "none.npz")], "--compare-logits"),
+                          (["--save-logits", str(tmp_path / "no" / "dir.npz")], "--save-logits")):
+        with pytest.raises(SystemExit) as exc:
+            forward_ab.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 def test_gpu_variants_time_one_forward(tmp_path):
     import xarray as xr

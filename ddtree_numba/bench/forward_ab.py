@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -150,10 +151,12 @@ class Variant(tuple):
 
 
 def time_variants(preset: str, past: int, row_counts: list[int], variants: list[Variant],
-                  seed: int = 0, same_bits: dict[str, dict[int, bool]] | None = None) -> dict[str, dict[int, float]]:
+                  seed: int = 0, same_bits: dict[str, dict[int, bool]] | None = None,
+                  logits: dict[int, np.ndarray] | None = None) -> dict[str, dict[int, float]]:
     """Median microseconds per forward, per variant and row count (variants from :func:`_variants`).
     ``same_bits``, if given, is filled per variant and row count: whether the logits equal those
-    of the first variant of the same numerics (products kind, absorb order) at that row count."""
+    of the first variant of the same numerics (products kind, absorb order) at that row count.
+    ``logits``, if given, gets the first variant's logits per row count (``--save-logits``)."""
     from cuda.core import Device, EventOptions
     from numba import cuda
 
@@ -193,6 +196,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     occupancy = em.FEW_NODES_MIN_BLOCKS
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
+    logits_out = logits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
     tc_ring = ltc.ASYNC_RING
     few, wide = saved[0], saved[1]
@@ -282,6 +286,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                     times.append((e1 - e0) * 1e3)
                 per_rows[rows] = round(float(np.median(times)), 1)
                 logits = model.buffers.logits.copy_to_host()   # the replays' (every one the same inputs)
+                if logits_out is not None:
+                    logits_out.setdefault(rows, logits)
                 same = first_logits.setdefault((products, model._segment_absorbs, rows), logits)
                 same_bits.setdefault(variant.name, {})[rows] = bool(np.array_equal(same, logits, equal_nan=True))
                 graph.close()
@@ -374,10 +380,36 @@ def main(argv: list[str] | None = None) -> int:
                              "(off, decode's pdl=True)")
     add_pdl_release_argument(parser, "/pdl and /pdlx variants")
     parser.add_argument("--out", help="append the run to this HDF5 file (bench.common.write_run)")
+    parser.add_argument("--save-logits", metavar="NPZ",
+                        help="write the first variant's logits per row count (rows_N arrays) to this .npz, atomically: "
+                             "another process, say another build of the kernels, then checks its bits with --compare-logits")
+    parser.add_argument("--compare-logits", metavar="NPZ",
+                        help="compare the first variant's logits with a --save-logits file, bit for bit; exit 1 if any "
+                             "row count differs")
     args = parser.parse_args(argv)
+    if args.compare_logits and not os.path.isfile(args.compare_logits):
+        parser.error(f"--compare-logits: {args.compare_logits!r} does not exist")
+    if args.save_logits and not os.path.isdir(os.path.dirname(os.path.abspath(args.save_logits))):
+        parser.error(f"--save-logits: directory of {args.save_logits!r} does not exist")
     set_release_mode(args.pdl_release)   # before the first kernel compiles
     same_bits: dict[str, dict[int, bool]] = {}
-    results = time_variants(args.preset, args.past, args.rows, args.variants, same_bits=same_bits)
+    logits: dict[int, np.ndarray] = {}
+    results = time_variants(args.preset, args.past, args.rows, args.variants, same_bits=same_bits, logits=logits)
+    status = 0
+    if args.save_logits:
+        from ddtree_numba.atomic import atomic_path
+
+        with atomic_path(args.save_logits) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **{f"rows_{rows}": value for rows, value in logits.items()})
+        print("wrote", args.save_logits)
+    if args.compare_logits:
+        with np.load(args.compare_logits) as saved:
+            for rows, value in logits.items():
+                key = f"rows_{rows}"
+                same = key in saved and np.array_equal(saved[key], value, equal_nan=True)
+                print(f"logits at {rows} rows: " + ("same bits as" if same else "DIFFERENT BITS from")
+                      + f" {args.compare_logits}", flush=True)
+                status = status if same else 1
     if args.out:
         import xarray as xr
 
@@ -391,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                         attrs={"benchmark": "forward_ab", "units": "us", "preset": args.preset, "past": args.past,
                                "pdl_release": args.pdl_release})
         print("wrote", write_run(args.out, ds, command=["forward_ab.py", *(sys.argv[1:] if argv is None else argv)]))
-    return 0
+    return status
 
 
 if __name__ == "__main__":
