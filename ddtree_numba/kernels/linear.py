@@ -468,6 +468,17 @@ copy_async16, commit_async, wait_async = _make_async_copy()
 
 # --- device helpers shared by every specialisation ----------------------------------------------
 
+# Inlining. The device functions that only this module's kernels call are inlined by LLVM
+# (forceinline=True: NVVM's alwaysinline) rather than by numba's IR inliner (inline="always"),
+# which was most of a compile of these kernels: every kernel x signature of the compile check for
+# sm_90 and sm_120 took 7m16s with the IR inliner here and 4m45s with LLVM's (2 cores), with the
+# same registers for every kernel outside this module and the same logits bit for bit (H100,
+# PERFORMANCE.md run "inline"). The helpers other modules import (_silu_mul, _row_inv_rms,
+# warp_place, wait_async: gemv's 1-row products, linear_tc) keep the IR inliner, so those kernels'
+# code stays as timed: with LLVM's inliner everywhere an AR forward took ~8 us more on the H100.
+# The simulator's jit takes no forceinline (it runs the Python functions): there, inline="always".
+LOCAL_INLINE = {"inline": "always"} if SIM_TREE else {"forceinline": True}
+
 @cuda.jit(device=True, inline="always")
 def _silu_mul(gate, up):
     """silu(gate) * up in float32 (gate / (1 + exp(-gate)), as reference.model.silu)."""
@@ -516,7 +527,7 @@ def warp_place(k_split_):
     return lane, warp, warp & (k_split_ - 1), warp >> ks_shift, (cuda.blockDim.x // WARP) >> ks_shift
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, **LOCAL_INLINE)
 def _staged_k(pos, row_floats, kcw, seg_steps, phase, phase_steps, total_steps, k_dim):
     """(k, inside) of staged offset ``pos`` of a row: pos = s * kcw + r (segment s, offset r) holds
     k = (s * seg_steps + phase * phase_steps) * STEP + r; inside: within the row's staged floats,
@@ -535,7 +546,7 @@ def _staged_k(pos, row_floats, kcw, seg_steps, phase, phase_steps, total_steps, 
     return k, inside
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, **LOCAL_INLINE)
 def _tree_sum(red, base):
     """Sum of red[base : base + 32] in :func:`.warp.warp_sum_f32`'s butterfly order, as lane 0
     sees it (v_l + v_(l + o) for o = 16, 8, 4, 2, 1; every lane ends with these bits because
@@ -650,22 +661,22 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
 
     # ---- per-kind row access: x value at (src row, group, k); output store ----
     if kind == "head":
-        @cuda.jit(device=True, inline="always")
+        @cuda.jit(device=True, **LOCAL_INLINE)
         def x_value(x, src, g, k, k_dim):
             return x[src, g, k]
 
-        @cuda.jit(device=True, inline="always")
+        @cuda.jit(device=True, **LOCAL_INLINE)
         def store(out, residual_arr, dst, g, col, value):
             out[dst, g, col] = value
     else:
-        @cuda.jit(device=True, inline="always")
+        @cuda.jit(device=True, **LOCAL_INLINE)
         def x_value(x, src, g, k, k_dim):
             if SWIGLU:
                 return _silu_mul(x[src, k], x[src, k_dim + k])
             return x[src, k]
 
         if ARGMAX:
-            @cuda.jit(device=True, inline="always")
+            @cuda.jit(device=True, **LOCAL_INLINE)
             def store(best_v, best_i, dst, g, col, value):
                 """Rank the logit instead of storing it: best_v / best_i [1], this lane's
                 candidate (the same tile element every pass)."""
@@ -673,14 +684,14 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                     best_v[0] = value
                     best_i[0] = int32(col)
         else:
-            @cuda.jit(device=True, inline="always")
+            @cuda.jit(device=True, **LOCAL_INLINE)
             def store(out, residual_arr, dst, g, col, value):
                 if RESIDUAL:
                     out[dst, col] = residual_arr[dst, col] + value
                 else:
                     out[dst, col] = value
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def stage(x, xs, src_sh, inv_sh, norm_w, g, phase, k_dim, k_split_, seg_steps, phase_steps):
         """Input rows of the tile -> xs [MT, k_split, phase_steps * STEP] for one phase: segment s,
         offset kk holds k = (s * seg_steps + phase * phase_steps) * STEP + kk, prologue applied;
@@ -779,7 +790,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                         for i in range(MT):
                             xs[uint64(i * row_floats + pos)] = vals[q * MT + i]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def load_step(w, wbase, j, wv, u):
         """The C float4s of step j for this lane's columns into wv[u]."""
         for c in range(C):
@@ -789,7 +800,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             wv[u, c, 2] = v2
             wv[u, c, 3] = v3
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def ring_prologue(w, wbase, xs, ring0, j, jv):
         """The async ring's first D - 1 steps j .. j + D - 2 (those < jv), one group each, into
         slots 0 .. D - 2."""
@@ -798,13 +809,13 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 copy_step(w, wbase, j + u, xs, ring0 + u * (C * STEP))
             commit_async()
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def copy_step(w, wbase, j, xs, at):
         """The C quads of step j for this lane's columns: cp.async into xs[at + c * STEP]."""
         for c in range(C):
             copy_async16(xs, uint64(at + c * STEP), w, wbase[c] + j * STEP)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def fma_step(xs, xo, row_floats, wv, u, acc):
         """acc[i * C + c] += x[i, 4l + e] * w[c, 4l + e], e ascending (xs offset xo of row 0)."""
         for i in range(MT):
@@ -822,7 +833,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 a = cuda.fma(x2, wv[u, c, 2], a)
                 acc[i * C + c] = cuda.fma(x3, wv[u, c, 3], a)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def accumulate(xs, w, wbase, acc, wv, lane, warp, seg, j0, j1, vec_steps, k_dim, k_split_,
                    phase_steps, primed):
         """Steps [j0, j1) of this warp's segment (staged from step j0 on) into acc. primed (the
@@ -910,7 +921,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                             acc[i * C + c] = cuda.fma(xv, wv[0, c, 0], acc[i * C + c])
             j += 1
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def xpose_stage(acc, lane, half, offset):
         """One butterfly level at xor ``offset`` (compile-time ``half``, see XT above)."""
         if half > 0:
@@ -925,7 +936,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             for r in range(R_SLOTS):
                 acc[r] += cuda.shfl_xor_sync(FULL_MASK, acc[r], offset)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def owned_element(lane):
         """The first tile element a (a = i * C + c) whose reduced sum this lane stores (elements
         a .. a + R_SLOTS - 1), or -1 when another lane stores its copy."""
@@ -936,7 +947,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         return (((lane >> 4) & 1) * H0 + ((lane >> 3) & 1) * H1 + ((lane >> 2) & 1) * H2
                 + ((lane >> 1) & 1) * H3 + (lane & 1) * H4)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def combined_element(lane, r):
         """Tile element r of ``lane`` in the segment combine, or -1: the lane that emitted it
         (the tree: a = lane + 32 r, as its emit loop; the butterfly: owned_element + r)."""
@@ -946,7 +957,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         a0 = owned_element(lane)
         return a0 + r if a0 >= 0 and a0 + r < MTC else -1
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def put(out, residual_arr, dst_sh, g, col0, n_cols, a, total):
         """Store element a = i * C + c of the tile (skipping absent rows and columns past N)."""
         i = a // C
@@ -955,7 +966,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         if dst >= 0 and col0 + c < n_cols:
             store(out, residual_arr, dst, g, col0 + c, total)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def emit(out, residual_arr, comb, dst_sh, g, warp, col0, n_cols, k_split_, a, total):
         """A segment sum: stored when K is one segment, else parked in comb for the combine."""
         if k_split_ == 1:
@@ -963,7 +974,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         else:
             comb[uint64(warp * MTC + a)] = total
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def tile_rows(x, src_sh, dst_sh, inv_sh, k_dim, eps):
         """Rows of tile blockIdx.x: src_sh / dst_sh [MT] (-1: past M) and, for RMSNorm, the
         rows' 1 / rms in inv_sh [MT] (the linear and argmax kinds: their kernel body, or tile()
@@ -982,7 +993,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 if lane == 0:
                     inv_sh[i] = inv
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def column_bases(wbase, w_group, group_index, n_cols, k_dim, lane):
         """wbase[c]: the flat offset of this lane's first quad in the weight row of column
         group_index * C + c (columns past N re-read the last row)."""
@@ -990,7 +1001,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
             col = min(group_index * C + c, n_cols - 1)
             wbase[c] = (w_group + col) * k_dim + VEC * lane
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def tile(x, w, out, residual_arr, norm_w, xs, comb, red, src_sh, dst_sh, inv_sh, g, w_group,
              n_cols, k_dim, k_split_, seg_steps, phase_steps, vec_steps, part_cols, eps):
         """The row tile (src_sh / dst_sh staged) times column blocks blockIdx.y, + gridDim.y, ...
@@ -2031,19 +2042,19 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
     W_CHUNKS = W_FLOATS // VEC
     X_CHUNKS = RB * CHUNKS
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def leaf_lane(i):
         """The lane whose chain is leaf i of the butterfly's tree (5-bit bit reversal)."""
         return (((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def promote(level, t):
         """Level t holds a finished subtree: add it to level t + 1 and restart level t."""
         for a in range(MTC):
             level[t + 1, a] += level[t, a]
             level[t, a] = NEG_ZERO
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def fold(level, i):
         """Leaf i (its chains added to level 0) done: every subtree it finishes moves up a level;
         the root forms in the top level. Constant indices: the levels stay in registers."""
@@ -2056,13 +2067,13 @@ def get_serial_kernel(mt: int, steps: int, phases: int, col_warps: int, row_warp
                     if i & 8:
                         promote(level, 3)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def staged_leaf(ph, li):
         """The leaf (0..31, left to right in the butterfly's tree) in staged slot li of phase ph:
         slot s LPS + l holds leaf l of the phase's share of subset s."""
         return (li // LPS) * LS + ph * LPS + li % LPS
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, **LOCAL_INLINE)
     def stage(x, w_kn, sh, buf, g, ph, row_base, col_base, n_cols, k_dim):
         """Phase ph's staging: weights [CHUNKS * 4 k, NB] (k-row (li * J + j) * 4 + e is k = 128 j +
         4 bitrev(staged_leaf(ph, li)) + e) and x [RB, XS] (chunk li * J + j of a row: its 4 k);
