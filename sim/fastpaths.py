@@ -1,5 +1,5 @@
-"""Two hot paths of the numba-cuda simulator made cheaper, with the same semantics
-(numba-stack.md §2, "Mechanics").
+"""Two hot paths of the numba-cuda simulator made cheaper, with the same results for valid kernel
+code (numba-stack.md §2, "Mechanics").
 
 **Arrays inside kernels.** numba-cuda 0.30.x's simulator hands a kernel each device array as a
 ``FakeWithinKernelCUDAArray`` around a ``FakeCUDAArray`` around the array's NumPy buffer
@@ -7,10 +7,13 @@
 give structured dtypes ``recarray``-like field access (``a.x`` for ``a['x']``). Every element a
 simulated thread reads then costs three Python calls and two ``isinstance`` checks on top of
 NumPy's indexing. :func:`install` makes the simulator pass the NumPy buffer itself for every
-array whose dtype has no fields (all of this package's arrays): indexing, slicing, ``shape`` /
-``size`` / ``ndim`` / ``dtype``, writes (into the device array's own buffer, the same memory) and
-the simulator's atomics (which index and assign) behave as before. Structured arrays keep
-numba-cuda's wrapper.
+array whose dtype has no fields (all of this package's arrays): element reads and writes (into
+the device array's own buffer, the same memory), slices, ``size`` / ``ndim`` / ``dtype`` and the
+simulator's atomics (which index and assign) behave as before. Structured arrays keep
+numba-cuda's wrapper. What a kernel must not do anyway is more permissive now: whole-array
+arithmetic (``a[0:2] * 2``: the wrapper had no operators; a GPU compile rejects it), ``bool(a)``
+and a negative index into ``a.shape`` (the wrapper's ``FakeShape`` refused it; compiled numba
+takes it) run, so the compile check (:mod:`sim.compile_check`) is what catches the first.
 
 **Scalar casts.** Kernels cast with numba's types (``int32(i)``, ``float32(x)``, ``uint64(b)``),
 which the simulator runs as ``numba.core.types.Type.__call__``: an import statement, an ABC

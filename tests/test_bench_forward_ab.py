@@ -80,17 +80,33 @@ def test_logits_saved_by_one_process_are_compared_by_another(tmp_path, monkeypat
     assert forward_ab.main(["--rows", "1", "33", "--variants", "auto/auto", "--compare-logits", str(saved)]) == 1
     out = capsys.readouterr().out
     assert "logits at 1 rows: same bits as" in out and "logits at 33 rows: DIFFERENT BITS from" in out
-    # a row count the file does not hold is not the same bits either
+    # -0.0 against 0.0 is a different bit pattern, though equal as numbers
+    logits_now[33][5, 2] = np.float32(1)
+    logits_now[1][0, 0] = np.float32(-0.0)
+    assert forward_ab.main(["--rows", "1", "33", "--variants", "auto/auto", "--compare-logits", str(saved)]) == 1
+    assert "logits at 1 rows: DIFFERENT BITS from" in capsys.readouterr().out
+    # a row count the file does not hold
     logits_now[3] = np.zeros((3, 6), np.float32)
     assert forward_ab.main(["--rows", "3", "--variants", "auto/auto", "--compare-logits", str(saved)]) == 1
+    assert "logits at 3 rows: MISSING from" in capsys.readouterr().out
 
 
-def test_logits_paths_are_checked_before_any_run(tmp_path, capsys):
-    for argv, message in ((["--compare-logits", str(tmp_path / "none.npz")], "--compare-logits"),
-                          (["--save-logits", str(tmp_path / "no" / "dir.npz")], "--save-logits")):
+def test_logits_paths_are_checked_before_any_run(tmp_path, monkeypatch, capsys):
+    def no_run(*args, **kwargs):
+        raise AssertionError("timed before the paths were checked")
+
+    monkeypatch.setattr(forward_ab, "time_variants", no_run)
+    (tmp_path / "not.npz").write_text("not an npz")
+    (tmp_path / "a_dir").mkdir()
+    same = str(tmp_path / "same.npz")
+    for argv, message in ((["--compare-logits", str(tmp_path / "none.npz")], "does not exist"),
+                          (["--compare-logits", str(tmp_path / "not.npz")], "is not a --save-logits .npz"),
+                          (["--save-logits", str(tmp_path / "no" / "dir.npz")], "--save-logits"),
+                          (["--save-logits", str(tmp_path / "a_dir")], "--save-logits"),
+                          (["--save-logits", same, "--compare-logits", same], "the same file")):
         with pytest.raises(SystemExit) as exc:
             forward_ab.main(argv)
-        assert exc.value.code == 2 and message in capsys.readouterr().err
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
 
 
 @pytest.mark.gpu

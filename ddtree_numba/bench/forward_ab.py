@@ -384,32 +384,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the first variant's logits per row count (rows_N arrays) to this .npz, atomically: "
                              "another process, say another build of the kernels, then checks its bits with --compare-logits")
     parser.add_argument("--compare-logits", metavar="NPZ",
-                        help="compare the first variant's logits with a --save-logits file, bit for bit; exit 1 if any "
-                             "row count differs")
+                        help="compare the first variant's logits with a --save-logits file, bit for bit (dtype, shape "
+                             "and bytes); exit 1 if any row count differs or is missing from the file")
     args = parser.parse_args(argv)
-    if args.compare_logits and not os.path.isfile(args.compare_logits):
-        parser.error(f"--compare-logits: {args.compare_logits!r} does not exist")
-    if args.save_logits and not os.path.isdir(os.path.dirname(os.path.abspath(args.save_logits))):
-        parser.error(f"--save-logits: directory of {args.save_logits!r} does not exist")
+    saved_logits = _check_logits_paths(parser, args.save_logits, args.compare_logits)   # before any run
     set_release_mode(args.pdl_release)   # before the first kernel compiles
     same_bits: dict[str, dict[int, bool]] = {}
     logits: dict[int, np.ndarray] = {}
     results = time_variants(args.preset, args.past, args.rows, args.variants, same_bits=same_bits, logits=logits)
-    status = 0
-    if args.save_logits:
-        from ddtree_numba.atomic import atomic_path
-
-        with atomic_path(args.save_logits) as tmp, open(tmp, "wb") as f:
-            np.savez(f, **{f"rows_{rows}": value for rows, value in logits.items()})
-        print("wrote", args.save_logits)
-    if args.compare_logits:
-        with np.load(args.compare_logits) as saved:
-            for rows, value in logits.items():
-                key = f"rows_{rows}"
-                same = key in saved and np.array_equal(saved[key], value, equal_nan=True)
-                print(f"logits at {rows} rows: " + ("same bits as" if same else "DIFFERENT BITS from")
-                      + f" {args.compare_logits}", flush=True)
-                status = status if same else 1
     if args.out:
         import xarray as xr
 
@@ -423,7 +405,50 @@ def main(argv: list[str] | None = None) -> int:
                         attrs={"benchmark": "forward_ab", "units": "us", "preset": args.preset, "past": args.past,
                                "pdl_release": args.pdl_release})
         print("wrote", write_run(args.out, ds, command=["forward_ab.py", *(sys.argv[1:] if argv is None else argv)]))
+    # the logits after the timings are stored
+    status = 0
+    if args.save_logits:
+        from ddtree_numba.atomic import atomic_path
+
+        with atomic_path(args.save_logits) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **{f"rows_{rows}": value for rows, value in logits.items()})
+        print("wrote", args.save_logits)
+    if saved_logits is not None:
+        for rows, value in logits.items():
+            verdict = _same_bits_verdict(saved_logits.get(f"rows_{rows}"), value)
+            print(f"logits at {rows} rows: {verdict} {args.compare_logits}", flush=True)
+            status = status if verdict == "same bits as" else 1
     return status
+
+
+def _check_logits_paths(parser: argparse.ArgumentParser, save: str | None,
+                        compare: str | None) -> dict[str, np.ndarray] | None:
+    """--save-logits / --compare-logits checked before any run (parser.error, exit 2): the save
+    path a file in an existing, writable directory, not the compare path; the compare file a
+    readable .npz, returned as its arrays."""
+    if save:
+        folder = os.path.dirname(os.path.abspath(save))
+        if os.path.isdir(save) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--save-logits: {save!r} must be a file in an existing, writable directory")
+        if compare and os.path.abspath(save) == os.path.abspath(compare):
+            parser.error("--save-logits and --compare-logits name the same file")
+    if not compare:
+        return None
+    if not os.path.isfile(compare):
+        parser.error(f"--compare-logits: {compare!r} does not exist")
+    try:
+        with np.load(compare) as data:
+            return {key: data[key] for key in data.files}
+    except (OSError, ValueError) as exc:   # not an .npz (np.load raises either)
+        parser.error(f"--compare-logits: {compare!r} is not a --save-logits .npz ({exc})")
+
+
+def _same_bits_verdict(saved: np.ndarray | None, value: np.ndarray) -> str:
+    """Bit for bit: the same dtype, shape and bytes (so -0.0 is not 0.0, NaN payloads count)."""
+    if saved is None:
+        return "MISSING from"
+    same = saved.dtype == value.dtype and saved.shape == value.shape and saved.tobytes() == value.tobytes()
+    return "same bits as" if same else "DIFFERENT BITS from"
 
 
 if __name__ == "__main__":

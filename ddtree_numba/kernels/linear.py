@@ -472,10 +472,11 @@ copy_async16, commit_async, wait_async = _make_async_copy()
 # (forceinline=True: NVVM's alwaysinline) rather than by numba's IR inliner (inline="always"),
 # which was most of a compile of these kernels: every kernel x signature of the compile check for
 # sm_90 and sm_120 took 7m16s with the IR inliner here and 4m45s with LLVM's (2 cores), with the
-# same registers for every kernel outside this module and the same logits bit for bit (H100,
-# PERFORMANCE.md run "inline"). The helpers other modules import (_silu_mul, _row_inv_rms,
-# warp_place, wait_async: gemv's 1-row products, linear_tc) keep the IR inliner, so those kernels'
-# code stays as timed: with LLVM's inliner everywhere an AR forward took ~8 us more on the H100.
+# same registers and cubin sizes for every kernel outside this module. The helpers other modules
+# import (_silu_mul, _row_inv_rms, warp_place, wait_async: gemv's 1-row products, linear_tc) keep
+# the IR inliner, so those kernels' code stays as timed: with LLVM's inliner everywhere (a build
+# not kept) an AR forward on the H100 gave the same logits bit for bit and took ~8 us more
+# (PERFORMANCE.md run "inline"); this split itself has not run on a GPU.
 # The simulator's jit takes no forceinline (it runs the Python functions): there, inline="always".
 LOCAL_INLINE = {"inline": "always"} if SIM_TREE else {"forceinline": True}
 
