@@ -1,5 +1,5 @@
 """sim/fastpaths.py: plain NumPy arrays inside simulated kernels and numba's scalar casts answered
-without numba's type machinery, with the simulator's semantics unchanged."""
+without numba's type machinery, with the same results for valid kernel code."""
 import numpy as np
 import pytest
 from numba import cuda, types

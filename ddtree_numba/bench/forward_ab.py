@@ -196,7 +196,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     occupancy = em.FEW_NODES_MIN_BLOCKS
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
-    logits_out = logits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
     tc_ring = ltc.ASYNC_RING
     few, wide = saved[0], saved[1]
@@ -285,11 +284,11 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                     e1.sync()
                     times.append((e1 - e0) * 1e3)
                 per_rows[rows] = round(float(np.median(times)), 1)
-                logits = model.buffers.logits.copy_to_host()   # the replays' (every one the same inputs)
-                if logits_out is not None:
-                    logits_out.setdefault(rows, logits)
-                same = first_logits.setdefault((products, model._segment_absorbs, rows), logits)
-                same_bits.setdefault(variant.name, {})[rows] = bool(np.array_equal(same, logits, equal_nan=True))
+                host_logits = model.buffers.logits.copy_to_host()   # the replays' (every one the same inputs)
+                if logits is not None:
+                    logits.setdefault(rows, host_logits)
+                same = first_logits.setdefault((products, model._segment_absorbs, rows), host_logits)
+                same_bits.setdefault(variant.name, {})[rows] = bool(np.array_equal(same, host_logits, equal_nan=True))
                 graph.close()
             results[variant.name] = per_rows
             programmatic = programmatic_launch_count() - programmatic_before   # > 0 for a /pdl variant on a GPU
