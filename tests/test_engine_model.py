@@ -25,7 +25,7 @@ from ddtree_numba.config import ModelConfig
 import ddtree_numba.engine.model as model_module
 from ddtree_numba.engine.cache import KVCache
 from ddtree_numba.engine.model import TargetModel, attention_tile_config, prefill_visibility
-from ddtree_numba.engine.weights import DeviceWeights, kernel_layouts
+from ddtree_numba.engine.weights import DeviceWeights, MoeWeights, kernel_layouts
 from ddtree_numba.kernels._args import data_address
 from ddtree_numba.golden import read_all
 from reference import build_tree, pack_visibility
@@ -1045,3 +1045,116 @@ def test_gpu_small_forward_allocates_nothing(monkeypatch) -> None:
     _record_host_args(monkeypatch, host_args)
     result = model.forward(*inputs)
     assert calls == [] and host_args == [] and result.logits is model.buffers.logits
+
+
+class _ForkingBuilder:
+    """A stand-in for a cuda.core GraphBuilder under the simulator (which ignores launch streams):
+    ``split`` / ``join`` as cuda.core's (the origin returned first and as the join's root), each
+    fork and join logged."""
+
+    def __init__(self, log: list, forked: bool = False) -> None:
+        self.log, self.is_join_required = log, forked
+
+    def split(self, count: int) -> tuple:
+        assert count == 2
+        side = _ForkingBuilder(self.log, forked=True)
+        self.log.append(("split", side))
+        return self, side
+
+    @staticmethod
+    def join(*builders: "_ForkingBuilder") -> "_ForkingBuilder":
+        root = next(b for b in builders if not b.is_join_required)
+        root.log.append(("join", builders))
+        return root
+
+
+@pytest.mark.parametrize("windows", [("attention", "moe"), ("q", "attention", "moe")])
+def test_l2_prefetch_windows_fork_ask_for_the_next_weights_and_join(monkeypatch, windows) -> None:
+    """With L2_PREFETCH on, a forward given a capture (a builder that can fork) forks one branch a
+    window, each branch asks for the weights the next launches read (in order, within the
+    window's budget), every branch joins the origin at the end, and the logits are the plain
+    forward's bit for bit; an eager forward (stream 0) forks nothing."""
+    import ddtree_numba.engine.model as em
+
+    config, weights = _tiny()
+    model = TargetModel(config, weights, batch_size=1, kv_capacity=KV_CAPACITY, max_rows=1)
+    inputs = tuple(cuda.to_device(a) for a in (np.array([[5]], np.int32), np.array([[0]], np.int32),
+                                               np.array([1], np.int32), prefill_visibility(np.array([1]), 1)))
+    plain = _host(model.forward(*inputs).logits)
+    asked: list = []
+    real = em.l2_prefetch
+
+    def record(w, nbytes, *, stream, bulk):
+        asked.append((stream, w, nbytes))
+        return real(w, nbytes, stream=0, bulk=bulk)   # (the simulator's range checks run)
+
+    monkeypatch.setattr(em, "l2_prefetch", record)
+    monkeypatch.setattr(em, "L2_PREFETCH", True)
+    monkeypatch.setattr(em, "L2_PREFETCH_WINDOWS", windows)
+    monkeypatch.setattr(em, "L2_PREFETCH_BYTES", {"q": 1 << 30, "attention": 1 << 30, "moe": 1 << 30})
+    model.forward(*inputs)
+    assert asked == []   # eager: nothing forked
+    log: list = []
+    origin = _ForkingBuilder(log)
+    got = _host(model.forward(*inputs, stream=origin).logits)
+    np.testing.assert_array_equal(got, plain)
+    sides = [entry[1] for entry in log if entry[0] == "split"]
+    assert [entry[0] for entry in log] == ["split"] * len(sides) + ["join"]
+    assert log[-1][1] == (origin, *sides)
+    layers = model.weights.layers
+    moe = [lw for lw in layers if isinstance(lw.ffn, MoeWeights)]
+    assert len(moe) == config.n_layers - config.n_dense_layers >= 1
+    per_layer = ("q" in windows) + 1
+    assert len(sides) == per_layer * len(layers) + len(moe)
+    uv, wo = model._absorb_kn[1], [model._wo_weights(lw) for lw in layers]
+    want = []
+    for i, lw in enumerate(layers):
+        if "q" in windows:
+            want.append([model._absorb_kn[0][i]])
+        want.append([uv[i], wo[i]])
+        if lw in moe:
+            nxt = [layers[i + 1].attn.w_a, layers[i + 1].attn.w_q] if i + 1 < len(layers) else [model.weights.lm_head]
+            want.append([lw.ffn.shared_w13, lw.ffn.shared_w2] + nxt)
+    for side, arrays in zip(sides, want):
+        mine = [(w, n) for s, w, n in asked if s is side]
+        assert [w for w, _ in mine] == arrays
+        assert all(n >= w.size * 4 for w, n in mine)   # the budget left covers each whole array here
+    # a budget smaller than every window's first array: one partial request a branch
+    assert min(ws[0].size * 4 for ws in want) > 4096
+    asked.clear()
+    monkeypatch.setattr(em, "L2_PREFETCH_BYTES", {"q": 4096, "attention": 4096, "moe": 4096})
+    model.forward(*inputs, stream=_ForkingBuilder([]))
+    assert asked and all(n == 4096 for _, _, n in asked)
+    assert len({id(s) for s, _, _ in asked}) == len(asked)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 33])
+def test_gpu_small_captured_forward_with_l2_prefetch_branches_gives_the_same_bits(monkeypatch, rows) -> None:
+    """small on the GPU: the forward captured with every L2 prefetch window (bulk requests, then
+    one line a request) replays to the logits of the capture without them, bit for bit."""
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.engine.graphs import StepGraph
+
+    config, weights = _small()
+    model = TargetModel(config, weights, batch_size=1, kv_capacity=256, max_rows=rows)
+    model.advance(cuda.to_device(np.array([100], np.int32)))
+    sizes = np.array([rows], np.int32)
+    vis = prefill_visibility(sizes, rows)
+    inputs = tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
+        np.arange(3, 3 + rows, dtype=np.int32).reshape(1, rows), np.arange(100, 100 + rows, dtype=np.int32).reshape(1, rows),
+        sizes, vis))
+    results = []
+    for on, bulk in ((False, True), (True, True), (True, False)):
+        monkeypatch.setattr(em, "L2_PREFETCH", on)
+        monkeypatch.setattr(em, "L2_PREFETCH_BULK", bulk)
+        monkeypatch.setattr(em, "L2_PREFETCH_WINDOWS", ("q", "attention", "moe"))
+        with StepGraph(lambda s: model.forward(*inputs, stream=s)) as graph:
+            graph.warm_up()
+            for _ in range(3):
+                graph.replay()
+            cuda.synchronize()
+            results.append(_host(model.buffers.logits))
+    np.testing.assert_array_equal(results[1], results[0])
+    np.testing.assert_array_equal(results[2], results[0])
+    assert np.isfinite(results[0][0, :rows]).all()
