@@ -41,11 +41,7 @@ score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default
 in two wide launches), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
 ``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
 blocks an SM by default; more warps only where the tree's blocks pass 2 an SM: rows past 33 at
-batch 1), ``auto-l2pf`` (L2 prefetch branches in the captured forward, ``engine.model.L2_PREFETCH``:
-the attention and MoE windows, bulk requests), ``auto-l2pfl`` (the same, one ``prefetch.global.L2``
-a line, ``L2_PREFETCH_BULK`` off), ``auto-l2pfq`` (the q window too: the q absorb's weights while
-w_q streams), ``auto-l2pfa`` (the attention window only), ``auto-l2pf0`` / ``auto-l2pf8`` (the
-attention and MoE windows asking for 0 bytes, i.e. the branches alone, or 8 MiB a window), ``h8``
+batch 1), ``h8``
 (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
@@ -114,7 +110,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "auto-l2pf", "auto-l2pfl", "auto-l2pfq", "auto-l2pfa", "auto-l2pf0", "auto-l2pf8", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -198,7 +194,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
     occupancy = em.FEW_NODES_MIN_BLOCKS
-    l2pf = (em.L2_PREFETCH, em.L2_PREFETCH_WINDOWS, em.L2_PREFETCH_BULK, em.L2_PREFETCH_BYTES)
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
@@ -230,12 +225,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             em.FEW_NODES_MIN_BLOCKS = 3 if tile == "auto-occ3" else occupancy
-            em.L2_PREFETCH = l2pf[0] or tile.startswith("auto-l2pf")
-            em.L2_PREFETCH_WINDOWS = {"auto-l2pfq": ("q", "attention", "moe"), "auto-l2pfa": ("attention",)}.get(
-                tile, ("attention", "moe") if tile.startswith("auto-l2pf") else l2pf[1])
-            em.L2_PREFETCH_BULK = tile != "auto-l2pfl" and l2pf[2]
-            em.L2_PREFETCH_BYTES = {w: {"auto-l2pf0": 0, "auto-l2pf8": 8 << 20}.get(tile, n)
-                                    for w, n in l2pf[3].items()}
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
                 em.FEW_NODES_TILE = variant.score_first
@@ -333,7 +322,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split
         em.FEW_NODES_MIN_BLOCKS = occupancy
-        em.L2_PREFETCH, em.L2_PREFETCH_WINDOWS, em.L2_PREFETCH_BULK, em.L2_PREFETCH_BYTES = l2pf
     return results
 
 

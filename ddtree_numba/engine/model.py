@@ -46,14 +46,12 @@ from numba import cuda, float32, int32
 
 from ddtree_numba.config import ModelConfig
 from ddtree_numba.engine.cache import KVCache, LayerKV
-from ddtree_numba.engine.graphs import is_graph_builder
 from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
 from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels.absorb import absorb, reads_weights_first as absorb_reads_weights_first, \
     supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.gemv import expert_gemv, expert_takes, gemv, takes as gemv_takes
-from ddtree_numba.kernels.l2_prefetch import l2_prefetch
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
@@ -183,18 +181,6 @@ PDL_RELEASE_EARLY = False
 # passes, us an AR forward: 973.9 / 974.0 against 1004.3 / 1006.7 off (call 2, f2a4f51), 970.8 /
 # 969.0 against 993.0 / 993.4 (call 3, 5937ead); the 33-row forward does not run it.
 EXPERT_ROW_PRODUCTS = True
-# L2 prefetch branches (kernels.l2_prefetch): in a captured forward (the stream a cuda.core
-# GraphBuilder), windows where the launches read almost nothing from HBM get a parallel graph
-# branch that asks for the next products' weights in L2: "attention" forks after the q absorb
-# (the value absorb's weights, then wo's, while the attention runs), "moe" after wo (the shared
-# expert's, then the next layer's w_a and w_q, or the lm_head's, while the RMSNorm and routing
-# run), "q" after w_a (the q absorb's, while w_q streams). A window asks for at most
-# L2_PREFETCH_BYTES[window] bytes, its arrays in that order. Eager calls and the simulator fork
-# nothing. A prefetch writes nothing: the same bits on or off (bench.forward_ab's ``auto-l2pf*``).
-L2_PREFETCH = False
-L2_PREFETCH_WINDOWS = ("attention", "moe")
-L2_PREFETCH_BYTES = {"attention": 40 << 20, "moe": 24 << 20, "q": 16 << 20}
-L2_PREFETCH_BULK = True  # cp.async.bulk.prefetch.L2 pieces, else one prefetch.global.L2 a line
 
 
 class ForwardOut(NamedTuple):
@@ -792,36 +778,15 @@ class TargetModel:
         firsts = [self._release_before_gemv(b.x, lw.attn.w_a, norm_weight=lw.attn.norm) for lw in layers]
         firsts.append(self._release_before_gemv(b.x, self.weights.lm_head, norm_weight=self.weights.final_norm))
         embed(b.row_tokens, self.weights.embed, b.x, stream=stream, release_next=firsts[0])
-        branches: list[Any] = []  # L2 prefetch branches of a capture, joined before the forward ends
         for i, (lw, kv) in enumerate(zip(layers, self.cache.layers)):
-            self._attention(lw, kv, sizes, visibility, stream, branches)
+            self._attention(lw, kv, sizes, visibility, stream)
             captured = lw.index in self._capture_slot
-            after = layers[i + 1].attn if i + 1 < len(layers) else None
-            self._ffn(lw, stream, release_next=not captured and firsts[i + 1], branches=branches,
-                      next_attn=after)
+            self._ffn(lw, stream, release_next=not captured and firsts[i + 1])
             if captured:
                 self._capture(lw.index, stream)
         self._product(b.x, self.weights.lm_head, self._views.logits, stream, norm_weight=self.weights.final_norm,
                       eps=self.config.rms_norm_eps)  # [M, V]
-        if branches:
-            type(stream).join(stream, *branches)  # the capture's origin stays the root (not a forked builder)
         return ForwardOut(logits=b.logits, features=b.features)
-
-    @staticmethod
-    def _prefetch_window(window: str, weights: Sequence[Any], stream: Any, branches: list[Any] | None) -> None:
-        """Fork a graph branch off ``stream`` (a GraphBuilder: a capture) that asks for ``weights``
-        in L2, in order, up to L2_PREFETCH_BYTES[window] bytes (L2_PREFETCH, ``window`` in
-        L2_PREFETCH_WINDOWS); the branch is appended to ``branches`` for the forward's join.
-        Nothing otherwise (``branches`` None: no join to come): eager calls run without it."""
-        if branches is None or not (L2_PREFETCH and window in L2_PREFETCH_WINDOWS and is_graph_builder(stream)):
-            return
-        budget = L2_PREFETCH_BYTES[window]
-        _, side = stream.split(2)
-        branches.append(side)
-        for w in weights:
-            if budget <= 0:
-                break
-            budget -= l2_prefetch(w, budget, stream=side, bulk=L2_PREFETCH_BULK)
 
     def _release_before_absorb(self, x: Any, w_kn: Any) -> bool:
         """release_next for the launch before this absorb: :meth:`_absorb` launches the 1-row split
@@ -837,17 +802,14 @@ class TargetModel:
         else:
             head_linear(x, w, out, w_kn=w_kn, stream=stream)
 
-    def _attention(self, lw: LayerWeights, kv: LayerKV, sizes: Any, visibility: Any, stream: Any,
-                   branches: list[Any] | None = None) -> None:
-        """x += wo(W_UV · verify_attention(absorbed q, cache)) for one layer, its new rows cached first.
-        ``branches``: the forward's L2 prefetch branches (:meth:`_prefetch_window`)."""
+    def _attention(self, lw: LayerWeights, kv: LayerKV, sizes: Any, visibility: Any, stream: Any) -> None:
+        """x += wo(W_UV · verify_attention(absorbed q, cache)) for one layer, its new rows cached first."""
         c, b, v, w = self.config, self.buffers, self._views, lw.attn
         eps = c.rms_norm_eps
         uk_kn, uv_kn = (None, None) if self._absorb_kn is None else (kn[lw.index] for kn in self._absorb_kn)
         q_in, q_norm = (v.a_q, w.q_norm) if v.a_q is not None else (b.x, w.norm)
         self._product(b.x, w.w_a, b.a, stream, norm_weight=w.norm, eps=eps,
                       release_next=self._release_before_gemv(q_in, w.w_q, norm_weight=q_norm))  # [M, Qa + C + R]
-        self._prefetch_window("q", [w.w_uk_t if uk_kn is None else uk_kn], stream, branches)
         self._product(q_in, w.w_q, v.q2, stream, norm_weight=q_norm, eps=eps)  # [M, H * (nope + R)]
         latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
         if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
@@ -860,8 +822,6 @@ class TargetModel:
             mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
                          latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
         self._absorb(v.q_nope, w.w_uk_t, uk_kn, v.q_latent, stream)  # [M, H, C]
-        self._prefetch_window("attention", [w.w_uv if uv_kn is None else uv_kn, self._wo_weights(lw)], stream,
-                              branches)
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream,
                release_next=self._release_before_absorb(v.attn, uv_kn))  # [bs, Tc, H, C]
@@ -876,16 +836,10 @@ class TargetModel:
             w_split, heads, parts = self._wo_split
             linear_split_k(heads, w_split[lw.index], parts, b.x, residual=b.x, stream=stream)  # [M, D]
 
-    def _wo_weights(self, lw: LayerWeights) -> Any:
-        """The array wo's launch reads: w_o, or its split-K copy."""
-        return lw.attn.w_o if self._wo_split is None else self._wo_split[0][lw.index]
-
-    def _ffn(self, lw: LayerWeights, stream: Any, *, release_next: bool = False, branches: list[Any] | None = None,
-             next_attn: Any = None) -> None:
+    def _ffn(self, lw: LayerWeights, stream: Any, *, release_next: bool = False) -> None:
         """x += FFN(rmsnorm(x)): dense SwiGLU, or routed experts + shared expert. ``release_next``:
         the launch after the FFN reads weights before its PDL wait (the next layer's 1-row w_a, or
-        the lm_head's). ``branches``, ``next_attn``: the forward's L2 prefetch branches and the
-        next layer's attention weights (None: the lm_head comes next)."""
+        the lm_head's)."""
         c, b, f = self.config, self.buffers, lw.ffn
         eps = c.rms_norm_eps
         if isinstance(f, DenseFfnWeights):
@@ -902,9 +856,6 @@ class TargetModel:
             return
         assert isinstance(f, MoeWeights)
         v = self._views
-        following = [self.weights.lm_head] if next_attn is None else [next_attn.w_a, next_attn.w_q]
-        shared = [] if f.shared_w13 is None else [f.shared_w13, f.shared_w2]
-        self._prefetch_window("moe", shared + following, stream, branches)
         m = self.batch_size * self.max_rows if EXPERT_TILE_BY_ROWS else None   # the most entries an expert holds
         if FUSED_MOE_NORM:  # xn = rms_norm(x) [M, D], written by the routing launch before its gate reads it
             moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,

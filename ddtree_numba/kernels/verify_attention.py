@@ -84,13 +84,15 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from llvmlite import ir
+from numba import cuda, float32, int32, types, uint32, uint64
+from numba.core.extending import intrinsic
 
 from ddtree_numba.kernels._args import check_array, data_address, int_arg, positive_real
-from ddtree_numba.kernels.l2_prefetch import prefetch_l2_line as _prefetch_l2
 from ddtree_numba.kernels.linear import load_f32x4
 from ddtree_numba.kernels.pdl import pdl_begin, pdl_begin_early
 from ddtree_numba.kernels.registry import register
+from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
 from sim.profiles import PROFILES
 
@@ -507,6 +509,31 @@ def _merged_lse(m, l):
 def _request_ok(past, size, kv_rows, tree_capacity):
     """Whether a request's tree rows fit the cache and the tree capacity."""
     return past >= 0 and size >= 0 and size <= tree_capacity and past + size <= kv_rows
+
+
+if simulator_active():
+    @cuda.jit(device=True, inline="always")
+    def _prefetch_l2(array, index):
+        """No caches to fill: only checks that the line is inside the array."""
+        if index >= array.shape[0]:
+            raise IndexError(f"prefetch_l2 at {index}, past the array's {array.shape[0]} elements")
+else:
+    @intrinsic
+    def _prefetch_l2(typingctx, array, index):
+        """``prefetch.L2`` of the cache line holding ``array[index]`` (a C-contiguous 1-D array):
+        the line comes to L2 without a register waiting for it."""
+        if not (isinstance(array, types.Array) and array.ndim == 1 and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            ptr = builder.gep(ary.data, [context.cast(builder, args[1], signature.args[1], types.intp)])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [ptr])
+            return context.get_dummy_value()
+
+        return types.void(array, index), codegen
 
 
 # ----------------------------------------------------------------------------------------------
