@@ -1045,3 +1045,103 @@ def test_gpu_small_forward_allocates_nothing(monkeypatch) -> None:
     _record_host_args(monkeypatch, host_args)
     result = model.forward(*inputs)
     assert calls == [] and host_args == [] and result.logits is model.buffers.logits
+
+
+class _ForkingBuilder:
+    """A stand-in for a cuda.core GraphBuilder under the simulator (which ignores launch streams):
+    ``split`` / ``join`` as cuda.core's (the origin returned first and as the join's root), each
+    fork and join logged."""
+
+    def __init__(self, log: list, forked: bool = False) -> None:
+        self.log, self.is_join_required = log, forked
+
+    def split(self, count: int) -> tuple:
+        assert count == 2
+        side = _ForkingBuilder(self.log, forked=True)
+        self.log.append(("split", side))
+        return self, side
+
+    @staticmethod
+    def join(*builders: "_ForkingBuilder") -> "_ForkingBuilder":
+        root = next(b for b in builders if not b.is_join_required)
+        assert all(b.is_join_required for b in builders if b is not root)
+        root.log.append(("join", builders[1:]))
+        return root
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_parallel_branches_fork_the_independent_launches_and_keep_the_bits(monkeypatch, shared) -> None:
+    """In a capture (a builder that can fork) each layer's cache write forks before w_q and the
+    query's RoPE after it, both joined before the attention; with PARALLEL_SHARED_EXPERT each MoE
+    layer's shared expert forks after the RMSNorm and joins before the combine. Every branch gets
+    exactly its launches, every fork is joined, and the logits are the eager forward's (the fused
+    RoPE launch, the folded or unfolded shared expert) bit for bit; eager calls fork nothing."""
+    import ddtree_numba.engine.model as em
+
+    monkeypatch.setattr(em, "PARALLEL_ROPE_KV", True)
+    monkeypatch.setattr(em, "PARALLEL_SHARED_EXPERT", shared)
+    config, weights = _tiny()
+    model = TargetModel(config, weights, batch_size=1, kv_capacity=KV_CAPACITY, max_rows=1)
+    assert model._fold_shared is not shared
+    inputs = tuple(cuda.to_device(a) for a in (np.array([[5]], np.int32), np.array([[0]], np.int32),
+                                               np.array([1], np.int32), prefill_visibility(np.array([1]), 1)))
+    launched: list = []
+    for name in ("mla_kv_write", "mla_q_rope", "mla_rope_kv_write"):
+        original = getattr(em, name)
+        monkeypatch.setattr(em, name, lambda *a, _n=name, _o=original, **k: (launched.append((_n, k["stream"])),
+                                                                            _o(*a, **k))[1])
+    shared_expert = TargetModel._shared_expert
+    monkeypatch.setattr(TargetModel, "_shared_expert",
+                        lambda self, f, stream: (launched.append(("shared", stream)), shared_expert(self, f, stream))[1])
+    eager = _host(model.forward(*inputs).logits)
+    n_moe = config.n_layers - config.n_dense_layers
+    assert [n for n, _ in launched] == ["mla_rope_kv_write"] * config.n_layers + ["shared"] * (n_moe if shared else 0)
+    launched.clear()
+    log: list = []
+    origin = _ForkingBuilder(log)
+    got = _host(model.forward(*inputs, stream=origin).logits)
+    np.testing.assert_array_equal(got, eager)
+    sides = [entry[1] for entry in log if entry[0] == "split"]
+    joins = [entry[1] for entry in log if entry[0] == "join"]
+    assert len(sides) == 2 * config.n_layers + (n_moe if shared else 0)
+    assert sorted(id(s) for j in joins for s in j) == sorted(id(s) for s in sides)   # every fork joined once
+    assert all(stream is not origin for _, stream in launched)   # each on a branch
+    assert [n for n, _ in launched if n != "shared"] == ["mla_kv_write", "mla_q_rope"] * config.n_layers
+    assert len({id(s) for _, s in launched}) == len(launched) == len(sides)   # a branch each
+    # under programmatic launches nothing forks
+    log.clear()
+    monkeypatch.setattr(em, "programmatic_launches_active", lambda: True)
+    model.forward(*inputs, stream=_ForkingBuilder(log))
+    assert log == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 33])
+def test_gpu_small_captured_forward_with_parallel_branches_gives_the_same_bits(monkeypatch, rows) -> None:
+    """small on the GPU: the forward captured with its parallel branches (the RoPE / cache write
+    beside w_q and the q absorb; then also the shared expert beside the routing) replays to the
+    logits of the capture without them, bit for bit."""
+    import ddtree_numba.engine.model as em
+    from ddtree_numba.engine.graphs import StepGraph
+
+    config, weights = _small()
+    sizes = np.array([rows], np.int32)
+    inputs = tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
+        np.arange(3, 3 + rows, dtype=np.int32).reshape(1, rows),
+        np.arange(100, 100 + rows, dtype=np.int32).reshape(1, rows), sizes, prefill_visibility(sizes, rows)))
+    results, device_weights = [], None
+    for rope_kv, shared in ((False, False), (True, False), (True, True)):   # (passed on an H100 with True the default)
+        monkeypatch.setattr(em, "PARALLEL_ROPE_KV", rope_kv)
+        monkeypatch.setattr(em, "PARALLEL_SHARED_EXPERT", shared)
+        model = TargetModel(config, device_weights or weights, batch_size=1, kv_capacity=256, max_rows=rows)
+        device_weights = model.weights
+        model.advance(cuda.to_device(np.array([100], np.int32)))   # cached rows 0..99: the cache's zeros
+        with StepGraph(lambda s, m=model: m.forward(*inputs, stream=s)) as graph:
+            graph.warm_up()
+            for _ in range(3):
+                graph.replay()
+            cuda.synchronize()
+            results.append(_host(model.buffers.logits))
+    np.testing.assert_array_equal(results[1], results[0])
+    np.testing.assert_array_equal(results[2], results[0])
+    assert np.isfinite(results[0]).all()
