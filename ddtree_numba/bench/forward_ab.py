@@ -41,10 +41,7 @@ score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default
 in two wide launches), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
 ``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
 blocks an SM by default; more warps only where the tree's blocks pass 2 an SM: rows past 33 at
-batch 1), ``auto-par`` (parallel graph branches: the cache write beside w_q, the query's RoPE
-beside the q absorb, ``engine.model.PARALLEL_ROPE_KV`` on), ``auto-nopar`` (no branches: both
-switches off), ``auto-parshared`` (``auto-par`` and the shared expert on a branch beside the
-routing, ``PARALLEL_SHARED_EXPERT`` on), ``h8``
+batch 1), ``h8``
 (8-head chunk-layout
 decode tiles), ``sfHxK`` (score-first decode tiles of H heads and K keys a pass,
 ``engine.model.DECODE_TILE``; ``sfHxK+`` small trees too; ``tsfHxK`` small trees only,
@@ -113,7 +110,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "auto-par", "auto-nopar", "auto-parshared", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -197,7 +194,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
     occupancy = em.FEW_NODES_MIN_BLOCKS
-    parallel = (em.PARALLEL_ROPE_KV, em.PARALLEL_SHARED_EXPERT)
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
@@ -229,8 +225,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             em.FEW_NODES_MIN_BLOCKS = 3 if tile == "auto-occ3" else occupancy
-            em.PARALLEL_ROPE_KV = tile in ("auto-par", "auto-parshared") or (parallel[0] and tile != "auto-nopar")
-            em.PARALLEL_SHARED_EXPERT = tile == "auto-parshared" or (parallel[1] and tile != "auto-nopar")
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
                 em.FEW_NODES_TILE = variant.score_first
@@ -328,7 +322,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split
         em.FEW_NODES_MIN_BLOCKS = occupancy
-        em.PARALLEL_ROPE_KV, em.PARALLEL_SHARED_EXPERT = parallel
     return results
 
 

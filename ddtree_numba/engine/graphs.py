@@ -30,7 +30,7 @@ from typing import Any
 
 from sim.install import simulator_active
 
-__all__ = ["CAPTURE_MODES", "GraphCaptureError", "StepGraph", "core_stream", "is_graph_builder"]
+__all__ = ["CAPTURE_MODES", "GraphCaptureError", "StepGraph", "core_stream"]
 
 CAPTURE_MODES = ("global", "thread_local", "relaxed")  # cuda.core GraphBuilder.begin_building modes
 DEFAULT_CAPTURE_MODE = "thread_local"  # unsafe calls of this thread fail the capture
@@ -38,13 +38,6 @@ DEFAULT_CAPTURE_MODE = "thread_local"  # unsafe calls of this thread fail the ca
 
 class GraphCaptureError(RuntimeError):
     """A step could not be captured (the cause is chained); nothing was executed by the capture."""
-
-
-def is_graph_builder(stream: Any) -> bool:
-    """Whether ``stream`` is a capture in progress that can fork: a ``cuda.core`` GraphBuilder
-    (``split`` into parallel branches, ``join`` them back), not a stream that runs work."""
-    return callable(getattr(stream, "split", None)) and callable(getattr(type(stream), "join", None)) \
-        and hasattr(stream, "is_join_required")
 
 
 def core_stream(stream: Any) -> Any:

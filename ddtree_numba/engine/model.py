@@ -46,7 +46,6 @@ from numba import cuda, float32, int32
 
 from ddtree_numba.config import ModelConfig
 from ddtree_numba.engine.cache import KVCache, LayerKV
-from ddtree_numba.engine.graphs import is_graph_builder
 from ddtree_numba.engine.weights import DenseFfnWeights, DeviceWeights, LayerWeights, MoeWeights
 from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels.absorb import absorb, reads_weights_first as absorb_reads_weights_first, \
@@ -61,7 +60,7 @@ from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, mla
 from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from reference.tree import pack_visibility, unpack_visibility
-from sim.launch import launch, programmatic_launches_active
+from sim.launch import launch
 from sim.profiles import active_profile
 
 __all__ = [
@@ -182,24 +181,6 @@ PDL_RELEASE_EARLY = False
 # passes, us an AR forward: 973.9 / 974.0 against 1004.3 / 1006.7 off (call 2, f2a4f51), 970.8 /
 # 969.0 against 993.0 / 993.4 (call 3, 5937ead); the 33-row forward does not run it.
 EXPERT_ROW_PRODUCTS = True
-# Independent launches on parallel branches of a captured forward (the stream a cuda.core
-# GraphBuilder, without programmatic launches): the kv norm, RoPE and cache write (mla_kv_write)
-# beside w_q, which does not read them, and the query's RoPE (mla_q_rope) beside the q absorb,
-# both joined before the attention; eager calls run FUSED_ROPE_KV_WRITE's one launch instead. The
-# same bits either way (the fused launch runs the two kernels' device functions). A graph branch
-# alone cost nothing measurable (H100, a97be28's forward_ab ``auto-l2pf0``: eleven empty branches,
-# 953.8 / 952.6 us an AR forward against 954.6 / 953.8). Off: with kernels on them the branches
-# cost time (H100, forward_ab, three passes, us a forward: 986.8 / 986.9 / 982.1 against 953.2 /
-# 955.4 / 952.0 without, at 33 rows 2231.7 / 2228.7 / 2227.2 against 2184.0 / 2179.0 / 2179.5).
-# bench.forward_ab's ``auto-nopar`` switches it off where it is on.
-PARALLEL_ROPE_KV = False
-# The shared expert on a branch of its own beside the routing and the routed experts (its two
-# products, then joined before the combine), instead of inside the routed experts' launches
-# (FOLD_SHARED_EXPERT): in a capture only; the model is then built unfolded, so eager calls run it
-# in its own launches after them. The same bits (layout). bench.forward_ab's ``auto-parshared``
-# (with PARALLEL_ROPE_KV on): 1016.4 / 1016.7 / 1017.4 us an AR forward, 2300.8 / 2290.7 / 2289.0
-# at 33 rows, against the numbers above.
-PARALLEL_SHARED_EXPERT = False
 
 
 class ForwardOut(NamedTuple):
@@ -626,7 +607,7 @@ class TargetModel:
         # The shared expert inside the routed experts' launches where every MoE layer stores it
         # stacked after them (one shared expert) and the products are linear's (the same bits).
         moe = [lw.ffn for lw in self.weights.layers if isinstance(lw.ffn, MoeWeights)]
-        self._fold_shared = FOLD_SHARED_EXPERT and not PARALLEL_SHARED_EXPERT and products == "cuda-core" and bool(moe) \
+        self._fold_shared = FOLD_SHARED_EXPERT and products == "cuda-core" and bool(moe) \
             and all(f.w13_all is not None for f in moe)
         self.buffers = Activations.allocate(config, self.batch_size, self.max_rows, self.plan,
                                             len(self.capture_layers), stream, fold_shared=self._fold_shared)
@@ -807,12 +788,6 @@ class TargetModel:
                       eps=self.config.rms_norm_eps)  # [M, V]
         return ForwardOut(logits=b.logits, features=b.features)
 
-    @staticmethod
-    def _branches_allowed(stream: Any) -> bool:
-        """Whether launches may fork off ``stream``: a capture (a cuda.core GraphBuilder) without
-        programmatic launches (whose edges chain consecutive kernels of one stream)."""
-        return is_graph_builder(stream) and not programmatic_launches_active()
-
     def _release_before_absorb(self, x: Any, w_kn: Any) -> bool:
         """release_next for the launch before this absorb: :meth:`_absorb` launches the 1-row split
         absorb, which reads its first weights before its PDL wait, and PDL_RELEASE_EARLY is on."""
@@ -835,18 +810,9 @@ class TargetModel:
         q_in, q_norm = (v.a_q, w.q_norm) if v.a_q is not None else (b.x, w.norm)
         self._product(b.x, w.w_a, b.a, stream, norm_weight=w.norm, eps=eps,
                       release_next=self._release_before_gemv(q_in, w.w_q, norm_weight=q_norm))  # [M, Qa + C + R]
-        latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
-        parallel = PARALLEL_ROPE_KV and self._branches_allowed(stream)
-        if parallel:  # the new cache rows beside w_q, the query's RoPE beside the q absorb
-            _, kv_side = stream.split(2)
-            mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
-                         latent_rows, rope_rows, layout=c.rope_layout, stream=kv_side)
         self._product(q_in, w.w_q, v.q2, stream, norm_weight=q_norm, eps=eps)  # [M, H * (nope + R)]
-        if parallel:
-            _, q_side = stream.split(2)
-            mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
-                       stream=q_side)  # [M, H, R]
-        elif FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
+        latent_rows, rope_rows = self._kv_rows[lw.index]  # [bs * S, C], [bs * S, R]
+        if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
             mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
                               b.row_positions, b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout,
                               stream=stream, release_next=self._release_before_absorb(v.q_nope, uk_kn))
@@ -856,8 +822,6 @@ class TargetModel:
             mla_kv_write(v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin, b.row_positions, b.cache_rows,
                          latent_rows, rope_rows, layout=c.rope_layout, stream=stream)
         self._absorb(v.q_nope, w.w_uk_t, uk_kn, v.q_latent, stream)  # [M, H, C]
-        if parallel:
-            type(stream).join(stream, kv_side, q_side)  # the attention reads the cache rows and q_rope
         va.run(self.plan, b.q_latent, b.q_rope, kv.latent, kv.k_rope, self.cache.past_lens, sizes, visibility,
                c.softmax_scale, b.attn, b.lse, b.workspace, stream=stream,
                release_next=self._release_before_absorb(v.attn, uv_kn))  # [bs, Tc, H, C]
@@ -893,16 +857,11 @@ class TargetModel:
         assert isinstance(f, MoeWeights)
         v = self._views
         m = self.batch_size * self.max_rows if EXPERT_TILE_BY_ROWS else None   # the most entries an expert holds
-        parallel = f.shared_w13 is not None and not self._fold_shared and PARALLEL_SHARED_EXPERT \
-            and self._branches_allowed(stream)
-        if FUSED_MOE_NORM and not parallel:  # xn = rms_norm(x) [M, D], written by the routing launch before its gate reads it
+        if FUSED_MOE_NORM:  # xn = rms_norm(x) [M, D], written by the routing launch before its gate reads it
             moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,
                       x=b.x, norm_weight=f.norm, eps=eps, stream=stream)
         else:
             rms_norm(b.x, f.norm, eps, b.xn, stream=stream)  # [M, D]
-            if parallel:  # the shared expert beside the routing and the routed experts
-                _, shared_side = stream.split(2)
-                self._shared_expert(f, shared_side)
             moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,
                       stream=stream)
         # folded: the shared expert is expert E, entries [J, J + M) (b.s_out = e_out[J:]); Jx = J + M, else J
@@ -914,19 +873,12 @@ class TargetModel:
             expert_linear(b.xn, w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [Jx, 2I]
             expert_linear(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, max_rows=m,
                           stream=stream)  # [Jx, D]
-        if parallel:
-            type(stream).join(stream, shared_side)  # the combine reads s_out
-        elif f.shared_w13 is not None and not self._fold_shared:
-            self._shared_expert(f, stream)
+        if f.shared_w13 is not None and not self._fold_shared:
+            self._product(b.xn, f.shared_w13, b.s13, stream,
+                          release_next=self._release_before_gemv(b.s13, f.shared_w2, swiglu=True))  # [M, 2Is]
+            self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
         moe_combine(b.x, v.routed_out, b.slot_of, b.topk_w, b.s_out, b.x, stream=stream,
                     release_next=release_next)  # [M, D]
-
-    def _shared_expert(self, f: MoeWeights, stream: Any) -> None:
-        """s_out = shared expert(xn): its own two products (the unfolded layout)."""
-        b = self.buffers
-        self._product(b.xn, f.shared_w13, b.s13, stream,
-                      release_next=self._release_before_gemv(b.s13, f.shared_w2, swiglu=True))  # [M, 2Is]
-        self._product(b.s13, f.shared_w2, b.s_out, stream, swiglu=True)  # [M, D]
 
     def _capture(self, layer: int, stream: Any) -> None:
         """features[..., slot * D:(slot + 1) * D] = x (hidden-state entry layer + 1)."""
