@@ -35,3 +35,21 @@ def test_copy_runs_merges_through_xarray(tmp_path):
     with xr.open_dataset(dst, group=second, engine="h5netcdf") as got:
         np.testing.assert_array_equal(got.median_us.values, [3.0, 5.0])
         assert list(got.case.values) == ["a", "b"] and got.attrs["note"] == "call 1"
+
+
+def test_provenance_names_the_nvjitlink_that_links_the_kernels(monkeypatch) -> None:
+    """The nvJitLink library (version and file) is provenance: its ptxas makes the machine code.
+    Where it cannot be found the attribute says so instead of stopping a benchmark."""
+    import re
+
+    from ddtree_numba.bench import common
+
+    value = common.provenance(["x"])["nvjitlink"]
+    assert value == "unknown" or re.fullmatch(r"\d+\.\d+ \(.+libnvJitLink.+\)", value), value
+    import cuda.pathfinder
+
+    def missing(name):
+        raise RuntimeError(f"no {name}")
+
+    monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", missing)
+    assert common.provenance(["x"])["nvjitlink"] == "unknown"

@@ -178,7 +178,7 @@ def test_run_sweeps_writes_one_group_per_sweep_with_provenance(tmp_path):
         assert sorted(tree.children) == ["sweep_accept_compact", "sweep_tree_build"]
         (name,) = tree["sweep_tree_build"].children
         ds = tree[f"sweep_tree_build/{name}"].to_dataset()
-        for key in ("git_sha", "gpu", "driver", "cuda_driver_api", "packages", "date", "command", "grid"):
+        for key in ("git_sha", "gpu", "driver", "cuda_driver_api", "packages", "nvjitlink", "date", "command", "grid"):
             assert key in ds.attrs, key
         assert ds.attrs["command"] == "ddtree-numba bench sweep --kernel tree_build"
         assert "numpy" in json.loads(ds.attrs["packages"])

@@ -338,8 +338,9 @@ def test_sass_order_reads_nvdisasm_lines():
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="ptxas schedules the wait (ACQBULK) above gemv's first weight loads, which the "
-                          "PTX has before it (PERFORMANCE run pdl early timed): the weights-before-the-wait "
-                          "overlap does not exist in the machine code; strict, so a fix shows up here")
+                          "PTX has before it (PERFORMANCE run pdl early timed, the device image's nvJitLink; "
+                          "nvJitLink 13.5 keeps the loads first: run branches): the weights-before-the-wait "
+                          "overlap does not exist in that machine code; strict, so a fix shows up here")
 def test_gpu_gemv_first_weight_loads_precede_the_wait_in_sass():
     """In the SASS numba builds for this GPU, the 1-row RMSNorm gemv issues its first round of
     weight loads (8 ``LDG.E.128.CONSTANT``: 4 steps x 2 columns) before ``ACQBULK``, as its PTX

@@ -77,12 +77,26 @@ def _gpu() -> dict[str, str]:
     return info
 
 
+def _nvjitlink() -> str:
+    """The nvJitLink library numba links kernels with at launch (LTO): its version and file. Its
+    ptxas decides the machine code, e.g. whether gemv's first weight loads stay before the PDL wait
+    (PERFORMANCE.md, run branches), and it is not a Python package's version."""
+    try:
+        from cuda.bindings import nvjitlink
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        return "%d.%d (%s)" % (*nvjitlink.version(), load_nvidia_dynamic_lib("nvJitLink").abs_path)
+    except Exception:  # noqa: BLE001 - provenance must never stop a benchmark
+        return "unknown"
+
+
 def provenance(command: list[str] | None = None) -> dict[str, str]:
     """Attributes that say where, when and with what a number was measured (strings only)."""
     return {
         "git_sha": git_sha(),
         **_gpu(),
         "packages": json.dumps(_versions(), sort_keys=True),
+        "nvjitlink": _nvjitlink(),
         "python": platform.python_version(),
         "host": platform.node(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
