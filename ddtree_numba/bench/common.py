@@ -4,7 +4,8 @@ A sweep is an xarray Dataset written as one group ``/<benchmark>/<UTC timestamp>
 HDF5 file (engine h5netcdf), so one file accumulates the runs of every benchmark and a reader picks
 one (numba-stack.md §7).
 Each run carries its provenance as attributes: git sha, GPU, compute capability, driver and CUDA
-versions, package versions, date, host and the exact command.
+versions, package versions, the nvJitLink that links the kernels (version and file), date, host and
+the exact command.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from ddtree_numba.atomic import atomic_path
 
-PACKAGES = ("numba", "numba-cuda", "numpy", "cuda-core", "cuda-bindings", "xarray", "h5netcdf",
+PACKAGES = ("numba", "numba-cuda", "numpy", "cuda-core", "cuda-bindings", "nvidia-nvjitlink", "xarray", "h5netcdf",
             "h5py", "llvmlite", "torch")
 
 
@@ -85,9 +86,11 @@ def _nvjitlink() -> str:
         from cuda.bindings import nvjitlink
         from cuda.pathfinder import load_nvidia_dynamic_lib
 
-        return "%d.%d (%s)" % (*nvjitlink.version(), load_nvidia_dynamic_lib("nvJitLink").abs_path)
+        major, minor = nvjitlink.version()
+        path = load_nvidia_dynamic_lib("nvJitLink").abs_path
     except Exception:  # noqa: BLE001 - provenance must never stop a benchmark
         return "unknown"
+    return f"{major}.{minor} ({path or 'path unknown'})"
 
 
 def provenance(command: list[str] | None = None) -> dict[str, str]:

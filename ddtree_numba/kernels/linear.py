@@ -476,8 +476,8 @@ copy_async16, commit_async, wait_async = _make_async_copy()
 # import (_silu_mul, _row_inv_rms, warp_place, wait_async: gemv's 1-row products, linear_tc) keep
 # the IR inliner, so those kernels' code stays as timed: with LLVM's inliner everywhere (a build
 # not kept) an AR forward on the H100 gave the same logits bit for bit and took ~8 us more
-# (PERFORMANCE.md run "inline"); this split gave the IR inliner's logits bit for bit in the same
-# time (H100, run "branches").
+# (PERFORMANCE.md run "inline"); this split gave the IR inliner's logits (values compared) in the
+# same time (H100, run "branches").
 # The simulator's jit takes no forceinline (it runs the Python functions): there, inline="always".
 LOCAL_INLINE = {"inline": "always"} if SIM_TREE else {"forceinline": True}
 
