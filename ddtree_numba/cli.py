@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile every kernel for sm_90 and sm_120 without a GPU; report registers, "
              "shared memory and spills (options: ddtree-numba compile-check --help)")
 
+    sub.add_parser(  # listed for --help; main() hands its options to sim.sass
+        "sass", add_help=False,
+        help="a kernel's SASS without a GPU (nvdisasm), or where its PDL wait falls among its weight loads "
+             "(options: ddtree-numba sass --help)")
+
     bench = sub.add_parser(
         "bench", help="time a kernel at Kimi K2 shapes (ddtree-numba bench NAME --help)",
         description="Benchmarks (not tests): CUDA-event timing after warm-up, many repetitions, "
@@ -164,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         from sim import compile_check
 
         return int(compile_check.main(argv[1:]) or 0)
+    if argv[:1] == ["sass"]:
+        from sim import sass
+
+        return int(sass.main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

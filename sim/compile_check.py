@@ -36,7 +36,7 @@ import time
 import types
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .launch import takes_programmatic_launch
 from .profiles import PROFILES, DeviceProfile
@@ -241,8 +241,6 @@ def compile_kernel_archs(spec: KernelSpec, sig: tuple, ccs: Sequence[tuple[int, 
         CompileCheckError: the simulator is on.
         ValueError: a ``cc`` is not an architecture with a profile, or ``ccs`` is empty.
     """
-    from numba.cuda.compiler import _compile_pyfunc_with_fixup
-
     _require_compiler()
     targets = [_cc_and_arch(cc) for cc in ccs]
     if not targets:
@@ -256,18 +254,7 @@ def compile_kernel_archs(spec: KernelSpec, sig: tuple, ccs: Sequence[tuple[int, 
                              block_threads=spec.block_threads, error=message, programmatic=programmatic)
 
     try:
-        with _device_functions_target(targets[0][0]):
-            library, _ = _compile_pyfunc_with_fixup(  # what cuda.compile(output="ltoir") runs first
-                spec.kernel.py_func,
-                tuple(sig),
-                device=False,
-                abi="numba",
-                cc=targets[0][0],
-                fastmath=options.get("fastmath", False),
-                opt=options.get("opt", True),
-                launch_bounds=options.get("launch_bounds"),
-                lto=True,
-            )
+        library = _lower(spec, sig, targets[0][0])
     except Exception as exc:  # any typing/lowering error is a finding, reported per kernel
         message = f"compile failed: {type(exc).__name__}: {_ANSI_ESCAPE.sub('', str(exc))}"
         return [failed(arch, message) for _, arch in targets]
@@ -277,22 +264,64 @@ def compile_kernel_archs(spec: KernelSpec, sig: tuple, ccs: Sequence[tuple[int, 
                                 pdl_wait=waits) for cc, arch in targets]
 
 
+def _lower(spec: KernelSpec, sig: tuple, cc: tuple[int, int]) -> Any:
+    """numba's library of ``spec.kernel.py_func`` for ``sig`` (typing and lowering, what
+    ``cuda.compile(output="ltoir")`` runs first), with the kernel's launch options."""
+    from numba.cuda.compiler import _compile_pyfunc_with_fixup
+
+    options = getattr(spec.kernel, "targetoptions", {})
+    with _device_functions_target(cc):
+        library, _ = _compile_pyfunc_with_fixup(
+            spec.kernel.py_func,
+            tuple(sig),
+            device=False,
+            abi="numba",
+            cc=cc,
+            fastmath=options.get("fastmath", False),
+            opt=options.get("opt", True),
+            launch_bounds=options.get("launch_bounds"),
+            lto=True,
+        )
+    return library
+
+
+def _linker(ltoir: bytes, arch: str, options: dict) -> Any:
+    """An nvJitLink linker of one kernel's LTO-IR for ``arch``, with ptxas -v and the kernel's
+    register cap, as numba links at launch."""
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+
+    ptxas_options = ["-v"]
+    if options.get("max_registers"):
+        ptxas_options.append(f"-maxrregcount={options['max_registers']}")
+    return Linker(
+        ObjectCode.from_ltoir(ltoir),
+        options=LinkerOptions(arch=arch, link_time_optimization=True, verbose=True, ptxas_options=ptxas_options),
+    )
+
+
+def kernel_cubin(spec: KernelSpec, sig: tuple, cc: tuple[int, int] | str) -> bytes:
+    """The cubin of one kernel x signature x architecture, built as :func:`compile_kernel` builds
+    it (for :mod:`sim.sass`: the machine code that the compile check only measures).
+
+    Raises:
+        CompileCheckError: the simulator is on.
+        ValueError: ``cc`` is not an architecture with a profile.
+        Exception: numba's or nvJitLink's error, as raised.
+    """
+    _require_compiler()
+    cc, arch = _cc_and_arch(cc)
+    library = _lower(spec, sig, cc)
+    return _linker(library.get_ltoir(cc=cc), arch, getattr(spec.kernel, "targetoptions", {})).link("cubin").code
+
+
 def _link(spec: KernelSpec, sig: tuple, library, cc: tuple[int, int], arch: str, options: dict,
           failed) -> CompileResult:
     """NVVM LTO-IR of ``library`` for ``cc``, linked by nvJitLink with ptxas -v: the result."""
-    from cuda.core import Linker, LinkerOptions, ObjectCode
-
     try:
         ltoir = library.get_ltoir(cc=cc)
     except Exception as exc:  # an NVVM error is a finding of this arch
         return failed(arch, f"compile failed: {type(exc).__name__}: {_ANSI_ESCAPE.sub('', str(exc))}")
-    ptxas_options = ["-v"]
-    if options.get("max_registers"):
-        ptxas_options.append(f"-maxrregcount={options['max_registers']}")
-    linker = Linker(
-        ObjectCode.from_ltoir(ltoir),
-        options=LinkerOptions(arch=arch, link_time_optimization=True, verbose=True, ptxas_options=ptxas_options),
-    )
+    linker = _linker(ltoir, arch, options)
     try:
         cubin = linker.link("cubin")
     except Exception as exc:

@@ -25,6 +25,7 @@ from ddtree_numba.kernels.pdl import pdl_begin, pdl_begin_early, pdl_release, pd
 from ddtree_numba.kernels.registry import all_kernels
 from sim import launch as launch_mod
 from sim.launch import programmatic_launches, programmatic_launches_active, takes_programmatic_launch
+from sim.sass import nvjitlink_version
 from tests.compile_helpers import needs_compiler, no_sim_env
 
 # Registered kernels that no engine step launches (the warp building blocks' own test kernels).
@@ -301,51 +302,8 @@ def test_gpu_programmatic_chain_eager_and_replayed():
     assert launch_mod._install_programmatic_hooks()   # installed, idempotent
 
 
-def sass_order(sass: str) -> tuple[int, list[int]]:
-    """(index of the first ``ACQBULK``, indices of the ``LDG.E.128.CONSTANT`` loads) among the
-    instructions of a SASS listing (nvdisasm lines ``/*0b70*/  @P3 LDG.E.128.CONSTANT R28, ...``):
-    on sm_90 ``griddepcontrol.wait`` assembles to ``ACQBULK`` and ``launch_dependents`` to
-    ``PREEXIT`` (inferred: each is the only one in a kernel with one wait and one release). gemv's
-    x loads are ``.CONSTANT`` too (``ld.global.nc``), but only after the wait."""
-    ops = []
-    for line in sass.splitlines():
-        line = line.strip()
-        if line.startswith("/*") and "*/" in line:
-            text = line.split("*/", 1)[1].strip().rstrip(";").strip()
-            words = [w for w in text.split() if not w.startswith("@")]
-            if words and not words[0].startswith(("/*", ".")):   # (not a data section's .byte rows)
-                ops.append(words[0])
-    if "ACQBULK" not in ops:
-        raise ValueError("no ACQBULK in the SASS")
-    return ops.index("ACQBULK"), [i for i, op in enumerate(ops) if op == "LDG.E.128.CONSTANT"]
-
-
-def test_sass_order_reads_nvdisasm_lines():
-    sass = textwrap.dedent("""
-        /*04b0*/                   USHF.R.S64 UR4, UR5, UR4, UR6 ;
-        /*0000*/ 	.byte	0x04, 0x2f
-        /*04c0*/                   ACQBULK ;
-        /*0b70*/               @P3 LDG.E.128.CONSTANT R28, desc[UR6][R66.64+0x600] ;
-                                                                                     /* 0x000000 */
-        /*0c40*/               @P0 PREEXIT ;
-        /*0d40*/                   LDG.E R93, desc[UR6][R44.64] ;
-    """)
-    assert sass_order(sass) == (1, [2])
-    with pytest.raises(ValueError):
-        sass_order("/*0000*/ EXIT ;")
-
-
-def _nvjitlink_version() -> tuple[int, int]:
-    """The nvJitLink numba links with ((0, 0): none found)."""
-    try:
-        from cuda.bindings import nvjitlink
-        return tuple(nvjitlink.version())
-    except Exception:   # noqa: BLE001
-        return (0, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.xfail(_nvjitlink_version() < (13, 5), strict=True, raises=AssertionError,
+@pytest.mark.xfail(nvjitlink_version() < (13, 5), strict=True, raises=AssertionError,
                    reason="ptxas schedules the wait (ACQBULK) above gemv's first weight loads, which the "
                           "PTX has before it (PERFORMANCE run pdl early timed, the device image's nvJitLink, "
                           "version unrecorded); nvJitLink 13.5 keeps the loads first in the compile check's "
@@ -356,6 +314,7 @@ def test_gpu_gemv_first_weight_loads_precede_the_wait_in_sass():
     weight loads (8 ``LDG.E.128.CONSTANT``: 4 steps x 2 columns) before ``ACQBULK``, as its PTX
     does (test_no_global_memory_access_before_the_wait_in_ptx)."""
     from ddtree_numba.kernels import gemv as gv
+    from sim.sass import pdl_order
     from tests.linear_checks import dev
 
     rng = np.random.default_rng(0)
@@ -370,7 +329,7 @@ def test_gpu_gemv_first_weight_loads_precede_the_wait_in_sass():
     except Exception as exc:   # nvdisasm is not part of every CUDA install
         pytest.skip(f"no SASS: {type(exc).__name__}: {exc}")
     sass = "\n".join(map(str, listing.values())) if isinstance(listing, dict) else str(listing)
-    wait, loads = sass_order(sass)
+    wait, loads = pdl_order(sass)
     if len(loads) < 8:   # a listing this test cannot read must fail it, not count as the expected failure
         raise ValueError(f"{len(loads)} LDG.E.128.CONSTANT in gemv's SASS, fewer than its 8 first weight loads")
     assert sum(i < wait for i in loads) == 8, (wait, loads[:10])

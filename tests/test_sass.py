@@ -1,0 +1,73 @@
+"""sim.sass (``ddtree-numba sass``): a kernel's SASS without a GPU and where its PDL wait falls.
+
+The listing parser runs everywhere; the build and disassembly run in a process without the
+simulator where NVVM / nvJitLink and nvdisasm are installed (the ``gpu`` extra: CI has them).
+With nvJitLink 13.5 the 1-row products keep their first weight loads before the wait
+(PERFORMANCE.md, run "branches"); an older nvJitLink's ptxas put the wait first (run "pdl early
+timed"), so the order is only asserted from 13.5 on."""
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sim import sass
+from tests.compile_helpers import needs_compiler, no_sim_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_pdl_order_reads_nvdisasm_lines():
+    listing = textwrap.dedent("""
+        /*04b0*/                   USHF.R.S64 UR4, UR5, UR4, UR6 ;
+        /*0000*/ 	.byte	0x04, 0x2f
+        /*04c0*/                   ACQBULK ;
+        /*0b70*/               @P3 LDG.E.128.CONSTANT R28, desc[UR6][R66.64+0x600] ;
+                                                                                     /* 0x000000 */
+        /*0c40*/               @P0 PREEXIT ;
+        /*0d40*/                   LDG.E R93, desc[UR6][R44.64] ;
+        /*0d50*/               @P1 LDG.E.128.CONSTANT R4, desc[UR6][R2.64] ;
+    """)
+    assert sass.pdl_order(listing) == (1, [2, 5])
+    with pytest.raises(ValueError, match="no ACQBULK"):
+        sass.pdl_order("/*0000*/ EXIT ;")
+
+
+def test_cli_rejects_an_unknown_kernel_and_a_missing_tool(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sass.main(["no_such_kernel"])
+    assert exc.value.code == 2 and "no kernel registered as 'no_such_kernel'" in capsys.readouterr().err
+    monkeypatch.setattr(sass, "nvdisasm_path", lambda: None)
+    assert sass.main(["gemv_rmsnorm", "--pdl-order"]) == 2
+    assert "nvdisasm not found" in capsys.readouterr().err
+    with pytest.raises(IndexError, match="has 1 registered signatures"):
+        sass.kernel_sass("gemv_rmsnorm", signature=3)
+
+
+@needs_compiler
+@pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisasm not installed (the gpu extra brings it)")
+def test_first_weight_loads_precede_the_pdl_wait_in_the_1_row_products():
+    """gemv (the RMSNorm 1-row product) and the 1-row split absorb, built for sm_90 as numba builds
+    them at launch: with nvJitLink >= 13.5 all 8 / 32 first-round weight loads come before
+    ACQBULK, so an early PDL release overlaps them with the previous kernel. A kernel without a
+    weight load before its wait (rms_norm_rows) reports none."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddtree_numba.cli", "sass", "--pdl-order", "gemv_rmsnorm"],
+        cwd=ROOT, env=no_sim_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [proc.stdout.strip()]
+    for kernel in ("absorb_split_mt1_l4", "rms_norm_rows"):
+        more = subprocess.run([sys.executable, "-m", "ddtree_numba.cli", "sass", "--pdl-order", kernel],
+                              cwd=ROOT, env=no_sim_env(), capture_output=True, text=True, timeout=300)
+        assert more.returncode == 0, more.stderr[-3000:]
+        lines.append(more.stdout.strip())
+    found = [re.match(r"(\S+) sm_90: ACQBULK at instruction (\d+); (\d+) of (\d+) LDG\.E\.128\.CONSTANT", line)
+             for line in lines]
+    assert all(found), lines
+    before = {m.group(1): int(m.group(3)) for m in found}
+    assert before["rms_norm_rows"] == 0
+    if sass.nvjitlink_version() >= (13, 5):
+        assert before["gemv_rmsnorm"] == 8 and before["absorb_split_mt1_l4"] == 32, lines
+    assert "nvJitLink" in lines[0]
