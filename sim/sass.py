@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 __all__ = ["nvdisasm_path", "nvjitlink_version", "kernel_sass", "pdl_order", "main"]
 
-WAIT_OP = "ACQBULK"  # griddepcontrol.wait on sm_90 (inferred: the only one in a kernel with one wait)
+WAIT_OP = "ACQBULK"  # griddepcontrol.wait on sm_90 and sm_120 (inferred: the only one in a kernel with one wait)
 WEIGHT_LOAD_OP = "LDG.E.128.CONSTANT"  # a 16-byte ld.global.nc: gemv's and the split absorb's weight loads
 
 
@@ -104,8 +104,9 @@ def pdl_order(sass: str) -> tuple[int, list[int]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``ddtree-numba sass``: print a kernel's SASS, or with ``--pdl-order`` where its wait falls."""
-    parser = argparse.ArgumentParser(prog="ddtree-numba sass", description=__doc__.split("\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
+    doc = __doc__ or "ddtree-numba sass\n\n"
+    parser = argparse.ArgumentParser(prog="ddtree-numba sass", description=doc.split("\n")[0],
+                                     epilog=doc.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kernel", help="a registered kernel's name (ddtree-numba compile-check lists them)")
     parser.add_argument("--arch", choices=("sm_90", "sm_120"), default="sm_90", help="(default: %(default)s)")
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"print only where the PDL wait ({WAIT_OP}) falls among the 16-byte weight loads "
                              f"({WEIGHT_LOAD_OP}), and the nvJitLink that built it")
     args = parser.parse_args(argv)
-    from ddtree_numba.bench.common import provenance   # (the nvJitLink line, as benchmarks record it)
+    from ddtree_numba.bench.common import nvjitlink_info   # (as benchmarks record it)
     from ddtree_numba.kernels import registry
 
     from .compile_check import CompileCheckError
@@ -128,6 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, IndexError, CompileCheckError) as exc:
         print(f"ddtree-numba sass: {exc}", file=sys.stderr)
         return 2
+    except subprocess.CalledProcessError as exc:   # nvdisasm's own message
+        print(f"ddtree-numba sass: nvdisasm failed ({exc.returncode}): {exc.stderr}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - numba's or nvJitLink's error, as the compile check reports it
+        print(f"ddtree-numba sass: compile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if not args.pdl_order:
         sys.stdout.write(sass)
         return 0
@@ -138,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     before = sum(i < wait for i in loads)
     print(f"{args.kernel} {args.arch}: {WAIT_OP} at instruction {wait}; {before} of {len(loads)} {WEIGHT_LOAD_OP} "
-          f"before it (nvJitLink {provenance(['sass'])['nvjitlink']})")
+          f"before it (nvJitLink {nvjitlink_info()})")
     return 0
 
 

@@ -78,7 +78,7 @@ def _gpu() -> dict[str, str]:
     return info
 
 
-def _nvjitlink() -> str:
+def nvjitlink_info() -> str:
     """The nvJitLink library numba links kernels with at launch (LTO): its version and file. Its
     ptxas decides the machine code, e.g. whether gemv's first weight loads stay before the PDL wait
     (PERFORMANCE.md, run branches), and it is not a Python package's version."""
@@ -99,7 +99,7 @@ def provenance(command: list[str] | None = None) -> dict[str, str]:
         "git_sha": git_sha(),
         **_gpu(),
         "packages": json.dumps(_versions(), sort_keys=True),
-        "nvjitlink": _nvjitlink(),
+        "nvjitlink": nvjitlink_info(),
         "python": platform.python_version(),
         "host": platform.node(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
