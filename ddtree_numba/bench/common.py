@@ -82,11 +82,14 @@ def nvjitlink_info() -> str:
     """The nvJitLink library numba links kernels with at launch (LTO): its version and file. Its
     ptxas decides the machine code, e.g. whether gemv's first weight loads stay before the PDL wait
     (PERFORMANCE.md, run branches), and it is not a Python package's version."""
+    from sim.sass import nvjitlink_version
+
+    major, minor = nvjitlink_version()
+    if (major, minor) == (0, 0):   # no nvJitLink loads
+        return "unknown"
     try:
-        from cuda.bindings import nvjitlink
         from cuda.pathfinder import load_nvidia_dynamic_lib
 
-        major, minor = nvjitlink.version()
         path = load_nvidia_dynamic_lib("nvJitLink").abs_path
     except Exception:  # noqa: BLE001 - provenance must never stop a benchmark
         return "unknown"
