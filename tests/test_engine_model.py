@@ -359,6 +359,34 @@ def test_request_alone_equals_request_in_batch_bitwise(scenario) -> None:
     np.testing.assert_array_equal(_host(result.features)[0], scenario["decode"]["features"][1])
 
 
+def test_tree_verify_in_the_small_tree_launches_gives_the_same_bits(monkeypatch, scenario) -> None:
+    """The scenario's tree verify with its attention in the small-tree launches (scores, then softmax
+    and P·V: verify_attention.TREE_SPLIT on, its batch bound lifted to the scenario's 2 requests),
+    from the same prefix cache, gives the scenario's logits and features bit for bit (the one
+    launch's)."""
+    from ddtree_numba.kernels import verify_attention as va
+
+    monkeypatch.setattr(va, "TREE_SPLIT", True)
+    monkeypatch.setattr(va, "TREE_SPLIT_MAX_BATCH", 2)
+    config, weights = _tiny()
+    tree = _golden_built()["tree"]
+    model = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=TREE_ROWS,
+                        capture_layers=(0, 1))
+    assert model.plan.tree_split
+    for kv, (latent, k_rope) in zip(model.cache.layers, scenario["cache_after_prefill"]):
+        kv.latent.copy_to_device(latent)
+        kv.k_rope.copy_to_device(k_rope)
+    model.cache.set_past_lens(scenario["past_after_prefill"])
+    launched, launch = [], va.launch
+    monkeypatch.setattr(va, "launch", lambda kernel, *a, **k: (launched.append(kernel), launch(kernel, *a, **k)))
+    result = model.forward(*_step_inputs(tree.in_tokens.values, tree.in_positions.values, tree.in_sizes.values,
+                                         tree.in_visibility.values, TREE_ROWS))
+    scores, values, _ = va.get_tree_kernels(model.tile_config, config.n_heads)
+    assert launched == [scores, values] * config.n_layers
+    np.testing.assert_array_equal(_host(result.logits), scenario["tree"]["logits"])
+    np.testing.assert_array_equal(_host(result.features), scenario["tree"]["features"])
+
+
 def test_forward_allocates_nothing_and_copies_nothing_to_host(scenario) -> None:
     """The scenario's second AR step (device inputs) ran with every device allocation and host copy
     forbidden and no NumPy array passed to a kernel, and returned the model's own buffers."""

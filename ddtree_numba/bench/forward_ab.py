@@ -38,7 +38,13 @@ loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N 
 default 16), ``auto-dst128`` / ``auto-dst128b8`` (score blocks of 128 threads, twice the blocks,
 ``verify_attention.DECODE_SCORE_THREADS``; the latter with 8 runs), ``auto-onelaunch`` (an AR step's attention in the
 score-first tile's one launch, ``verify_attention.DECODE_SPLIT`` off; by default scores and P·V
-in two wide launches), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
+in two wide launches), ``auto-treeone`` (a small tree's attention in the score-first tile's one
+launch, ``verify_attention.TREE_SPLIT`` off) or ``auto-tree`` (the tree's scores in one GEMM launch
+and its softmax and P·V in another, ``TREE_SPLIT`` on; every other TILE keeps its default, off), ``auto-tskN`` / ``auto-tsrN`` (``auto-tree`` with score blocks of N
+keys, N in 16, 64, / N query rows, N in 32, 128: ``TREE_SCORE_KEYS``, ``TREE_SCORE_ROWS``, by
+default 32 / 64), ``auto-tphN`` / ``auto-tpvdN`` / ``auto-tpassN`` (``auto-tree`` with P·V blocks
+of N heads, 16 or 32 / N latent dims, 32 or 128 / N keys a pass, 32 or 128: ``TREE_PV_HEADS``,
+``TREE_PV_DIMS``, ``TREE_PASS``, by default 64 / 64 / 64), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
 ``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
 blocks an SM by default; more warps only where the tree's blocks pass 2 an SM: rows past 33 at
 batch 1), ``h8``
@@ -110,7 +116,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-occ3", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph32", "auto-tpvd32", "auto-tpvd128", "auto-tpass32", "auto-tpass128", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -193,6 +199,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     score_heads, pv_dims = va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS
     release_early = em.PDL_RELEASE_EARLY
     decode_split = va.DECODE_SPLIT
+    tree = (va.TREE_SPLIT, va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS, va.TREE_PV_HEADS, va.TREE_PV_DIMS, va.TREE_PASS)
     occupancy = em.FEW_NODES_MIN_BLOCKS
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
@@ -224,6 +231,12 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             va.DECODE_PV_DIMS = int(tile[len("auto-pvd"):]) if tile.startswith("auto-pvd") else pv_dims
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
+            knob = lambda prefix, default: int(tile[len(prefix):]) if tile.startswith(prefix) else default  # noqa: E731
+            va.TREE_SPLIT = tile == "auto-tree" or tile.startswith("auto-t") and tile[6:8] in ("sk", "sr", "ph", "pv", "pa") \
+                or (tree[0] and tile != "auto-treeone")
+            va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS = knob("auto-tsk", tree[1]), knob("auto-tsr", tree[2])
+            va.TREE_PV_HEADS, va.TREE_PV_DIMS = knob("auto-tph", tree[3]), knob("auto-tpvd", tree[4])
+            va.TREE_PASS = knob("auto-tpass", tree[5])
             em.FEW_NODES_MIN_BLOCKS = 3 if tile == "auto-occ3" else occupancy
             em.DECODE_TILE, em.FEW_NODES_TILE = saved[4], saved[5]
             if tile.startswith("tsf"):  # tsfHxK[rR]: score-first small-tree tiles only
@@ -321,6 +334,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS = score_heads, pv_dims
         em.PDL_RELEASE_EARLY = release_early
         va.DECODE_SPLIT = decode_split
+        (va.TREE_SPLIT, va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS, va.TREE_PV_HEADS, va.TREE_PV_DIMS,
+         va.TREE_PASS) = tree
         em.FEW_NODES_MIN_BLOCKS = occupancy
     return results
 

@@ -422,6 +422,25 @@ def _path_length(visibility, row_base, words, size):
 
 
 @functools.cache
+def make_fill_path(threads: int) -> Any:
+    """``fill_path`` for blocks of ``threads`` (device function: the attention kernels' and the tree
+    values kernel's table of a node's path)."""
+    @cuda.jit(device=True, inline="always")
+    def fill_path(visibility, vis_base, size, path, tid):
+        """The visible tree nodes in node order: path[rank of j] = j, where the rank of j is the
+        number of visible nodes before it."""
+        for j in range(tid, size, threads):
+            w = j // 32
+            word = _visible_word(visibility, vis_base, w, size)
+            if (word >> (j % 32)) & 1:
+                rank = cuda.popc(word & ((1 << (j % 32)) - 1))
+                for v in range(w):
+                    rank += cuda.popc(_visible_word(visibility, vis_base, v, size))
+                path[uint64(rank)] = j
+    return fill_path
+
+
+@functools.cache
 def make_load_row_f32x4(dl: int, dr: int) -> Any:
     """``load_row_f32x4`` for rows of ``dl`` latent and ``dr`` rope dims (device function; the
     attention kernels' and the one-node scores' 16-byte row loads)."""
@@ -659,18 +678,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 seg_end = min(seg_start + split, past + path_len)
         return node, h0, seg, b, past, size, vis_base, seg_start, seg_end
 
-    @cuda.jit(device=True, inline="always")
-    def fill_path(visibility, vis_base, size, path, tid):
-        """The visible tree nodes in node order: path[rank of j] = j, where the rank of j is the
-        number of visible nodes before it."""
-        for j in range(tid, size, THREADS):
-            w = j // 32
-            word = _visible_word(visibility, vis_base, w, size)
-            if (word >> (j % 32)) & 1:
-                rank = cuda.popc(word & ((1 << (j % 32)) - 1))
-                for v in range(w):
-                    rank += cuda.popc(_visible_word(visibility, vis_base, v, size))
-                path[uint64(rank)] = j
+    fill_path = make_fill_path(THREADS)
 
     @cuda.jit(device=True, inline="always")
     def kv_row(pos, past, path):
@@ -1557,6 +1565,369 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
     return decode_scores, decode_values
 
 
+# Small trees (2 .. TREE_SPLIT_MAX_NODES nodes, few requests): the same bits in two launches
+# ----------------------------------------------------------------------------------------------
+
+# Tree plans whose keys all lie in segment 0 may run the attention as two launches with the same
+# bits (get_tree_kernels; VerifyPlan.tree_split): the score-first tile's blocks each stage every
+# key row of their node for their 8 heads (a B 32 tree over 192 cached rows: 264 blocks, 2 an SM at
+# 224 registers, 54 us a launch on an H100, Nsight Compute at f865d0e), where a request's nodes
+# share every prefix key and MLA's heads share every latent row. Scores: one GEMM of the request's
+# (node, head) query rows against every cache row it may see (the nodes' own rows included, a few
+# scores no node reads), each score the one-launch kernel's fma chain. P·V: a block per node and
+# head group that reruns the softmax over the node's key sequence (prefix, then its path) from the
+# stored scores and stages each latent row once for all its heads. False (the default until it is
+# timed on a GPU; bench.forward_ab's auto-treeone is its A/B partner): the one launch.
+TREE_SPLIT = False
+TREE_SPLIT_MAX_BATCH = 1     # requests (the one launch's blocks fill the GPU sooner with more)
+TREE_SPLIT_MAX_NODES = 64    # tree rows a request (the scores' workspace grows with Tc x S)
+TREE_SCORE_TILE = 4          # a score thread's register tile: 4 query rows x 4 keys a k-group lane
+TREE_SCORE_ROWS = 64         # query rows (node, head) of a score block
+TREE_SCORE_KEYS = 32         # cache rows of a score block
+TREE_SCORE_MIN_BLOCKS = 2    # score blocks an SM its launch bounds ask for (sm_90: 158 registers without, 1 an SM)
+TREE_PV_HEADS = 64           # heads of a P·V block (each latent row staged once for all of them)
+TREE_PV_DIMS = 64            # latent dims of a P·V block
+TREE_PASS = 64               # key positions of a P·V block's probabilities and value rows at once
+
+
+def tree_geometry(config: TileConfig, num_heads: int) -> tuple[int, int, int, int, int]:
+    """(score rows, score keys, score threads, P·V heads, P·V dims) of the two tree launches at the
+    current TREE_SCORE_ROWS, _KEYS, TREE_PV_HEADS and _DIMS (layout, read at the call): a score
+    block holds TQ query rows x TK keys in TREE_SCORE_TILE-square thread tiles, k_groups lanes
+    each; a P·V block TH heads (dividing ``num_heads``) x SPD latent dims of one node."""
+    r = TREE_SCORE_TILE
+    tq = max(r, TREE_SCORE_ROWS // r * r)
+    tk = max(r, TREE_SCORE_KEYS // r * r)
+    th = math.gcd(num_heads, TREE_PV_HEADS)
+    spd = math.gcd(config.latent_dim, TREE_PV_DIMS)
+    return tq, tk, (tq // r) * (tk // r) * config.k_groups, th, spd
+
+
+def get_tree_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any, int]:
+    """(scores, values, values threads) kernels for small trees with ``config``'s numerics, bit for
+    bit (:func:`_tree_kernels` at the current tree geometry, TREE_PASS and TREE_SCORE_MIN_BLOCKS: layout,
+    read at the call)."""
+    tq, tk, _, th, spd = tree_geometry(config, num_heads)
+    return _tree_kernels(config, tq, tk, th, spd, max(config.chunk, TREE_PASS // config.chunk * config.chunk),
+                         TREE_SCORE_MIN_BLOCKS)
+
+
+@functools.cache
+def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads: int, pv_dims: int,
+                  pass_keys: int, score_min_blocks: int) -> tuple[Any, Any, int]:
+    """(scores, values, values threads) for trees with ``config``'s numerics, bit for bit.
+
+    The numerics are the one-node launches' (:func:`_decode_kernels`: a score is lane kg's fma chain
+    over its dims from +0.0, the k-groups' xor butterfly, times ``scale``; the chunk softmax on the
+    same lanes and butterflies; ``acc * alpha`` then one fma a key in key order; one segment's
+    ``merged``), over each node's key sequence of the one-launch kernels (positions ``0 .. past -
+    1`` the cached rows, then the node's path in node order). What differs is only who runs it:
+
+    - scores: grid (query-row tiles, key tiles, requests); a request's query rows (node, head) and
+      every cache row below ``past + size`` staged a dim slice at a time in shared memory, a
+      TREE_SCORE_TILE-square register tile a thread of one k-group, summed over the k-groups by
+      the butterfly; the scaled score stored to the workspace (flat ``[bs, Tc, H, S]``, by cache
+      row, not position: every node's scores of every tree row, read only for its path);
+    - values: grid (node x head groups, dim slices, requests); the block's node's path in shared
+      memory, a pass of TREE_PASS positions' cache rows; every thread one softmax lane of
+      ``LANES`` a head for the block's heads (in rounds of the block's threads), the pass's
+      probabilities and rescales and its value rows' dim slice staged in shared memory; then each
+      thread a square of heads x adjacent dims.
+
+    Guards as :func:`get_kernels`': a padding node (node >= tree_sizes[b]) gets zeros, a node of a
+    request the guards reject or with a path past ``max_path`` NaN (the values kernel writes them;
+    the scores kernel skips a rejected request)."""
+    config.validate()
+    KS = config.k_slice
+    KG = config.k_groups
+    DL = config.latent_dim
+    DR = config.rope_dim
+    DK = DL + DR
+    CHUNK = config.chunk
+    RC = config.qk_keys
+    VEC = math.gcd(KS // KG, 4)         # dims a lane takes at once (the numerics' runs)
+    GROUP = KG * VEC                    # dims between a lane's runs
+    KSP = KS + 4 * KG                   # padded staged row (as TileConfig.k_row)
+    N_KSLICES = DK // KS
+    BUTTERFLY = KG.bit_length() - 1
+    KEY_TILES = CHUNK // RC
+    LANES = KG * KEY_TILES              # softmax lanes of a head
+    KT_LEVELS = KEY_TILES.bit_length() - 1
+    MAX_PATH = config.max_path
+    R = TREE_SCORE_TILE
+    TQ = score_rows
+    TK = score_keys
+    Q_TILES = TQ // R
+    K_TILES = TK // R
+    S_THREADS = Q_TILES * K_TILES * KG
+    LANE = 4 if KS % 4 == 0 else 1      # floats a staging move (16-byte loads: run() checks alignment)
+    ROW_MOVES = KS // LANE
+    SLICE_MOVES = (TQ + TK) * ROW_MOVES
+    STAGE_N = -(-SLICE_MOVES // S_THREADS)
+    STAGE_REGS = STAGE_N * LANE
+    S_BUF = (TQ + TK) * KSP
+    TH = pv_heads
+    SPD = pv_dims
+    RH = math.gcd(TH, 4)                # a P·V thread's heads
+    RD = math.gcd(SPD, 4)               # ... and adjacent dims
+    D_TILES = SPD // RD
+    PV_TILES = (TH // RH) * D_TILES
+    SM_LANES = TH * LANES
+    V_THREADS = max(-(-PV_TILES // WARP) * WARP, WARP)
+    SM_ROUNDS = -(-SM_LANES // V_THREADS)   # whole warps a round: the butterflies need every lane
+    PASS = pass_keys
+    PASS_CHUNKS = PASS // CHUNK
+    V_LANE = 4 if SPD % 4 == 0 else 1
+    V_MOVES = PASS * SPD // V_LANE
+    V_STAGE_N = -(-V_MOVES // V_THREADS)
+    PROBS_N = PASS * TH
+    VALS_N = PASS * SPD
+    ALPHAS_N = TH * PASS_CHUNKS
+    FIN_N = 2 * TH
+    assert TQ % R == 0 and TK % R == 0 and S_THREADS <= 1024 and LANES <= WARP, (TQ, TK, S_THREADS)
+    chunk_softmax = make_chunk_softmax(RC, KT_LEVELS, KG)
+    load_row_f32x4 = make_load_row_f32x4(DL, DR)
+
+    @cuda.jit(device=True, inline="always")
+    def load_move(latent, rope, row, col, live, regs, at):
+        """regs[at : at + LANE] = dims col .. col + LANE - 1 of flat row ``row``; zeros unless live."""
+        if LANE == 4:
+            load_row_f32x4(latent, rope, row, col, col < DL, live, regs, at)
+        else:
+            value = float32(0.0)
+            if live:
+                if col < DL:
+                    value = latent[uint64(row * DL + col)]
+                else:
+                    value = rope[uint64(row * DR + col - DL)]
+            regs[at] = value
+
+    @cuda.jit(device=True, inline="always")
+    def load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, d0, tid, stage):
+        """Global -> registers: this thread's moves of the dim slice at d0 (move m: staged row
+        m // ROW_MOVES, the TQ query rows, then the TK key rows); rows past q_live / k_live zeros."""
+        for n in range(STAGE_N):
+            m = tid + n * S_THREADS
+            r = m // ROW_MOVES
+            col = d0 + (m % ROW_MOVES) * LANE
+            if r < TQ:
+                load_move(q_latent, q_rope, q_base + r, col, r < q_live, stage, n * LANE)
+            else:
+                load_move(kv_latent, k_rope, k_base + r - TQ, col, r - TQ < k_live and m < SLICE_MOVES,
+                          stage, n * LANE)
+
+    @cuda.jit(device=True, inline="always")
+    def store_slice(bufs, tid, stage):
+        """Registers -> shared memory: staged row r at bufs[r * KSP:] (query rows, then key rows)."""
+        for n in range(STAGE_N):
+            m = tid + n * S_THREADS
+            if m < SLICE_MOVES:
+                off = uint64((m // ROW_MOVES) * KSP + (m % ROW_MOVES) * LANE)
+                for e in range(LANE):
+                    bufs[off + uint64(e)] = stage[n * LANE + e]
+
+    @cuda.jit(**launch_bounds(S_THREADS, min(score_min_blocks, 2048 // S_THREADS) or None))
+    def tree_scores(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, tree_capacity, num_heads,
+                    kv_rows, scale, scores):
+        """scores[((b * Tc + node) * H + h) * S + row] = the (node, head) query's score of cache row
+        ``row`` for every live node and row < past + size (blocks past them return at once)."""
+        bufs = cuda.shared.array(S_BUF, float32)   # [TQ, KSP] query rows | [TK, KSP] key rows: a dim slice
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.z
+        past = past_lens[b]
+        size = tree_sizes[b]
+        q0 = cuda.blockIdx.x * TQ
+        k0 = cuda.blockIdx.y * TK
+        if not _request_ok(past, size, kv_rows, tree_capacity):   # block-uniform: the values kernel's NaN
+            return
+        q_live = size * num_heads - q0     # live query rows (node < size) of the block
+        k_live = past + size - k0          # cache rows the request's nodes may see
+        if q_live <= 0 or k_live <= 0:
+            return
+        q_base = b * tree_capacity * num_heads + q0    # flat query row of the block's first
+        k_base = b * kv_rows + k0                      # flat cache row of its first key
+        kg = tid % KG
+        key_tile = (tid // KG) % K_TILES
+        row_tile = tid // (KG * K_TILES)
+        q_off = row_tile * R * KSP + kg * VEC          # keys key_tile + j * K_TILES: conflict-free LDS.128
+        k_off = TQ * KSP + key_tile * KSP + kg * VEC
+        stage = cuda.local.array(STAGE_REGS, float32)
+        s = cuda.local.array((R, R), float32)
+        q_vec = cuda.local.array((R, VEC), float32)
+        k_vec = cuda.local.array((R, VEC), float32)
+        for i in range(R):
+            for j in range(R):
+                s[i, j] = float32(0.0)
+        load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, 0, tid, stage)
+        for ks in range(N_KSLICES):
+            cuda.syncthreads()  # readers of the previous slice are done
+            store_slice(bufs, tid, stage)
+            cuda.syncthreads()  # slice ks staged
+            if ks + 1 < N_KSLICES:   # the next slice's loads in flight during these fmas
+                load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, (ks + 1) * KS,
+                           tid, stage)
+            for g in range(0, KS, GROUP):   # lane kg's runs in ascending dims: the numerics' chain
+                for i in range(R):
+                    for e in range(VEC):
+                        q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
+                for j in range(R):
+                    for e in range(VEC):
+                        k_vec[j, e] = bufs[uint64(k_off + j * K_TILES * KSP + g + e)]
+                for e in range(VEC):
+                    for i in range(R):
+                        for j in range(R):
+                            s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
+        for level in range(BUTTERFLY):   # as sum_k_groups
+            for i in range(R):
+                for j in range(R):
+                    s[i, j] += cuda.shfl_xor_sync(FULL_MASK, s[i, j], KG >> (level + 1))
+        for i in range(R):
+            r = row_tile * R + i
+            for j in range(R):
+                c = key_tile + j * K_TILES
+                if j % KG == kg and r < q_live and c < k_live:
+                    scores[uint64((q_base + r) * kv_rows + k0 + c)] = s[i, j] * scale
+
+    fill_path = make_fill_path(V_THREADS)
+
+    @cuda.jit(**launch_bounds(V_THREADS))
+    def tree_values(kv_latent, past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows,
+                    vis_words, scores, out, lse, release_next):
+        """out[b, node, h, d] and lse[b, node, h] of the block's node, TH heads and SPD dims;
+        release_next: 1 where the next kernel reads weights before its PDL wait."""
+        probs = cuda.shared.array(PROBS_N, float32)    # [PASS, TH] probabilities, key-major
+        vals = cuda.shared.array(VALS_N, float32)      # [PASS, SPD] the pass's value rows' dim slice
+        alpha = cuda.shared.array(ALPHAS_N, float32)   # [TH, PASS_CHUNKS] rescales
+        fin = cuda.shared.array(FIN_N, float32)        # [2, TH] final m, then l
+        path = cuda.shared.array(MAX_PATH, int32)      # tree node at position past + k
+        rows = cuda.shared.array(PASS, int32)          # [PASS] the pass's cache rows (-1: no key)
+        pdl_begin_early(release_next)  # PDL: wait for the previous kernel; release the next one now?
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.z
+        head_groups = num_heads // TH
+        node = cuda.blockIdx.x // head_groups
+        h0 = (cuda.blockIdx.x % head_groups) * TH
+        d0 = cuda.blockIdx.y * SPD
+        past = past_lens[b]
+        size = tree_sizes[b]
+        vis_base = (b * tree_capacity + node) * vis_words
+        n_keys = 0
+        if node < size and _request_ok(past, size, kv_rows, tree_capacity):
+            path_len = _path_length(visibility, vis_base, vis_words, size)
+            if path_len <= MAX_PATH:
+                n_keys = past + path_len
+        out_row = (b * tree_capacity + node) * num_heads + h0   # flat row of (b, node, h0)
+        if n_keys == 0:   # block-uniform: the fill (zeros for a padding node, NaN for a bad one)
+            fill = float32(0.0) if node >= size else float32(math.nan)   # as write_fill
+            for e in range(tid, TH * SPD, V_THREADS):
+                out[uint64((out_row + e // SPD) * DL + d0 + e % SPD)] = fill
+            if cuda.blockIdx.y == 0 and tid < TH:
+                lse[uint64(out_row + tid)] = fill
+            return
+        fill_path(visibility, vis_base, size, path, tid)
+        # P·V: heads ph .. ph + RH - 1 and dims pd .. pd + RD - 1 of the slice (threads past the tiles idle)
+        pv_live = tid < PV_TILES
+        ph = min(tid // D_TILES, TH // RH - 1) * RH
+        pd = (tid % D_TILES) * RD
+        # softmax: lane tid + r * V_THREADS of round r is head (lane // LANES)'s lane (k-group fastest)
+        sm_kg = tid % KG
+        sm_tile = (tid // KG) % KEY_TILES
+        acc = cuda.local.array((RH, RD), float32)
+        p_vec = cuda.local.array(RH, float32)
+        v_vec = cuda.local.array(RD, float32)
+        v_reg = cuda.local.array(4, float32)
+        p_key = cuda.local.array(RC, float32)
+        m_run = cuda.local.array(SM_ROUNDS, float32)
+        l_run = cuda.local.array(SM_ROUNDS, float32)
+        for i in range(RH):
+            for j in range(RD):
+                acc[i, j] = float32(0.0)
+        for r in range(SM_ROUNDS):
+            m_run[r] = float32(NEG_INF)
+            l_run[r] = float32(0.0)
+        kv_base = b * kv_rows
+        for pass_start in range(0, n_keys, PASS):
+            cuda.syncthreads()  # path[] complete; the previous pass's readers of rows[], probs[], vals[] done
+            for c in range(tid, PASS, V_THREADS):
+                pos = pass_start + c
+                row = -1
+                if pos < n_keys:
+                    row = pos if pos < past else past + path[uint64(pos - past)]
+                rows[uint64(c)] = row
+            cuda.syncthreads()  # the pass's cache rows are known
+            for r in range(SM_ROUNDS):
+                lane = tid + r * V_THREADS
+                head = min(lane // LANES, TH - 1)        # lanes past the heads shadow the last
+                s_base = (out_row + head) * kv_rows      # this lane's head's scores, by cache row
+                for ci in range(PASS_CHUNKS):
+                    c0 = ci * CHUNK
+                    if pass_start + c0 < n_keys:         # block-uniform
+                        c_max = float32(NEG_INF)
+                        for j in range(RC):
+                            row = rows[uint64(c0 + sm_tile + j * KEY_TILES)]
+                            score = float32(NEG_INF)
+                            if row >= 0:
+                                score = scores[uint64(s_base + row)]
+                            p_key[j] = score
+                            c_max = max(c_max, score)
+                        m_new, l_new, rescale = chunk_softmax(p_key, c_max, m_run[r], l_run[r])
+                        m_run[r] = m_new
+                        l_run[r] = l_new
+                        if lane < SM_LANES:
+                            if sm_tile == 0 and sm_kg == 0:
+                                alpha[uint64(head * PASS_CHUNKS + ci)] = rescale
+                            for j in range(RC):
+                                if j % KG == sm_kg:
+                                    probs[uint64((c0 + sm_tile + j * KEY_TILES) * TH + head)] = p_key[j]
+            for n in range(V_STAGE_N):   # the pass's value rows, zeros past the keys (0 * NaN would poison acc)
+                e = tid + n * V_THREADS
+                if e < V_MOVES:
+                    c = e // (SPD // V_LANE)
+                    col = (e % (SPD // V_LANE)) * V_LANE
+                    row = rows[uint64(c)]
+                    if V_LANE == 4:
+                        load_row_f32x4(kv_latent, kv_latent, kv_base + row, d0 + col, True, row >= 0, v_reg, 0)
+                        for q in range(4):
+                            vals[uint64(c * SPD + col + q)] = v_reg[q]
+                    else:
+                        value = float32(0.0)
+                        if row >= 0:
+                            value = kv_latent[uint64((kv_base + row) * DL + d0 + col)]
+                        vals[uint64(c * SPD + col)] = value
+            cuda.syncthreads()  # the pass's probabilities, rescales and value rows are in shared memory
+            if pv_live:
+                for ci in range(PASS_CHUNKS):
+                    c0 = ci * CHUNK
+                    if pass_start + c0 < n_keys:
+                        for i in range(RH):
+                            rescale = alpha[uint64((ph + i) * PASS_CHUNKS + ci)]
+                            for j in range(RD):
+                                acc[i, j] = acc[i, j] * rescale
+                        for c in range(c0, c0 + CHUNK):
+                            for i in range(RH):
+                                p_vec[i] = probs[uint64(c * TH + ph + i)]
+                            for j in range(RD):
+                                v_vec[j] = vals[uint64(c * SPD + pd + j)]
+                            for i in range(RH):
+                                for j in range(RD):
+                                    acc[i, j] = cuda.fma(p_vec[i], v_vec[j], acc[i, j])
+        for r in range(SM_ROUNDS):
+            lane = tid + r * V_THREADS
+            if lane < SM_LANES and sm_tile == 0 and sm_kg == 0:
+                fin[lane // LANES] = m_run[r]
+                fin[TH + lane // LANES] = l_run[r]
+        cuda.syncthreads()  # every head's final (m, l) visible to the P·V threads
+        if pv_live:
+            for i in range(RH):
+                for j in range(RD):
+                    out[uint64((out_row + ph + i) * DL + d0 + pd + j)] = _merged(acc[i, j], fin[ph + i],
+                                                                             fin[TH + ph + i])
+        if cuda.blockIdx.y == 0 and tid < TH:
+            lse[uint64(out_row + tid)] = _merged_lse(fin[tid], fin[TH + tid])
+
+    return tree_scores, tree_values, V_THREADS
+
 # ----------------------------------------------------------------------------------------------
 # Host side: plan once per batch shape, run per step
 # ----------------------------------------------------------------------------------------------
@@ -1589,12 +1960,20 @@ class VerifyPlan:
                 and self.merge_free)
 
     @property
+    def tree_split(self) -> bool:
+        """:func:`run` launches the small-tree kernels (:func:`get_tree_kernels`, TREE_SPLIT): 2 ..
+        TREE_SPLIT_MAX_NODES nodes a request, at most TREE_SPLIT_MAX_BATCH requests, and every key
+        in segment 0 (:attr:`merge_free`)."""
+        return (TREE_SPLIT and 1 < self.tree_capacity <= TREE_SPLIT_MAX_NODES
+                and self.batch_size <= TREE_SPLIT_MAX_BATCH and self.merge_free)
+
+    @property
     def workspace_shape(self) -> tuple[int, int, int, int, int]:
         """``[num_splits, bs, Tc, H, Dl + 2]`` float32: segment acc, then m and l; with
-        :attr:`decode_split` at least ``ceil(S / (Dl + 2))`` along the first axis, the room of the
-        scores (flat ``[bs, H, S]``)."""
+        :attr:`decode_split` or :attr:`tree_split` at least ``ceil(S / (Dl + 2))`` along the first
+        axis, the room of the scores (flat ``[bs, Tc, H, S]``)."""
         first = self.num_splits
-        if self.decode_split:
+        if self.decode_split or self.tree_split:
             first = max(first, -(-self.kv_capacity // (self.config.latent_dim + 2)))
         return (first, self.batch_size, self.tree_capacity, self.num_heads, self.config.latent_dim + 2)
 
@@ -1731,7 +2110,7 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
         stream: 0, a numba stream, a cuda.core Stream, or a cuda.core GraphBuilder (a capture:
             the engine's step graphs, ``bench.verify_attention --graph``).
         release_next: the next kernel of the stream reads weights before its PDL wait (an AR
-            step's split value absorb): the two-launch path's values launch lets it launch right
+            step's split value absorb): the two-launch paths' values launch lets it launch right
             after its own wait (``kernels.pdl.pdl_begin_early``); the other launches ignore it.
 
     Raises:
@@ -1766,8 +2145,17 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
     flat = [_flat(a) for a in (q_latent, q_rope, kv_latent, k_rope, visibility, workspace, out,
                                lse)]
     q_lat, q_rp, kv_lat, k_rp, vis, ws, out_flat, lse_flat = flat
-    if p.decode_split and (math.gcd(cfg.k_slice // cfg.k_groups, 4) != 4 or all(
-            data_address(a) % 16 == 0 for a in (q_latent, q_rope, kv_latent, k_rope))):
+    aligned = all(data_address(a) % 16 == 0 for a in (q_latent, q_rope, kv_latent, k_rope))
+    if p.tree_split and aligned:   # (16-byte staging loads; unaligned arrays take the one launch)
+        scores, values, v_threads = get_tree_kernels(cfg, h)
+        tq, tk, s_threads, th, spd = tree_geometry(cfg, h)
+        launch(scores, (-(-(tc * h) // tq), -(-s // tk), bs), s_threads, stream, 0, q_lat, q_rp, kv_lat, k_rp,
+               past_lens, tree_sizes, np.int32(tc), np.int32(h), np.int32(s), scale, ws)
+        launch(values, (tc * (h // th), cfg.latent_dim // spd, bs), v_threads, stream, 0, kv_lat, past_lens,
+               tree_sizes, vis, np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)), ws, out_flat,
+               lse_flat, np.int32(1 if release_next else 0))
+        return
+    if p.decode_split and (math.gcd(cfg.k_slice // cfg.k_groups, 4) != 4 or aligned):
         scores, values = get_decode_kernels(cfg, h)
         sh, sk, sph, spd, pv_threads = decode_geometry(cfg, h)
         words = np.int32(-(-tc // 32))
@@ -1872,6 +2260,17 @@ register("verify_attention_decode_scores", _decode[0], [_DECODE_SCORES_SIG],
 register("verify_attention_decode_values", _decode[1], [_DECODE_VALUES_SIG],
          "one-node MLA attention (an AR step), softmax and P·V over dim slices (Kimi K2 heads and dims)",
          block_threads=_decode_geometry[4])
+_TREE_SCORES_SIG = (float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], int32[::1], int32, int32,
+                    int32, float32, float32[::1])
+_TREE_VALUES_SIG = (float32[::1], int32[::1], int32[::1], uint32[::1], int32, int32, int32, int32, float32[::1],
+                    float32[::1], float32[::1], int32)
+_tree = get_tree_kernels(KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, 64)
+register("verify_attention_tree_scores", _tree[0], [_TREE_SCORES_SIG],
+         "small-tree MLA attention (a B 32 verify), its scores as one GEMM of query rows x cache rows (Kimi K2 "
+         "heads and dims)", block_threads=tree_geometry(KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, 64)[2])
+register("verify_attention_tree_values", _tree[1], [_TREE_VALUES_SIG],
+         "small-tree MLA attention, softmax over a node's keys and P·V, latent rows staged once for its heads "
+         "(Kimi K2 heads and dims)", block_threads=_tree[2])
 register("verify_attention_merge", get_kernels(KIMI_K2_CONFIG)[1], [_MERGE_SIG],
          "tree-verify MLA attention, ordered merge of segment partials (Kimi K2)",
          block_threads=KIMI_K2_CONFIG.merge_threads)

@@ -1,0 +1,186 @@
+"""Small-tree attention launches (verify_attention.get_tree_kernels: a B 32 tree's verify): the same
+bits as the one-launch kernels (which tests/test_kernel_verify_attention.py checks against the
+reference, and a tree node against the AR step of its path), for one, two and four k-groups, random
+trees and chains, tie-heavy inputs, key counts around the chunk and pass edges, padding nodes
+(zeros), a request the guards reject and a path past ``max_path`` (NaN); the layout knobs; the plan's
+choice and its workspace; on the GPU at Kimi K2's heads and dims (the engine's 33-node tile)."""
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.engine.model import _small_tile_config
+from ddtree_numba.kernels import verify_attention as va
+from reference import pack_visibility
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_kernel_verify_attention import TILED, TINY, _batch, _reference, _same_bits  # noqa: E402
+
+ENGINE_TINY = _small_tile_config(32, 8, 4)   # the tiny preset's tiling: 4 heads, chunks of 16, one k-group
+CONFIGS = [TINY, TILED, ENGINE_TINY]
+IDS = ["two-groups", "four-groups", "engine-tiny"]
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    """Score blocks of 8 x 8 (the engine's 64 x 32 is layout: the simulator runs a thread a Python
+    thread) and any batch (TREE_SPLIT_MAX_BATCH is a speed rule: lifted so batches are checked)."""
+    monkeypatch.setattr(va, "TREE_SCORE_ROWS", 8)
+    monkeypatch.setattr(va, "TREE_SCORE_KEYS", 8)
+    monkeypatch.setattr(va, "TREE_SPLIT_MAX_BATCH", 8)
+
+
+def _both(inputs: dict, cfg: va.TileConfig, heads: int, scale: float = 0.3, s: int | None = None,
+          device_lengths: bool = False):
+    """(out, lse) of the two tree launches and of the one launch, on poisoned outputs; the kernels
+    launched by the first."""
+    bs, tc = inputs["q_latent"].shape[:2]
+    s = inputs["kv_latent"].shape[1] if s is None else s
+    packed = dict(inputs, visibility=pack_visibility(inputs["visibility"]))
+    dev = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in packed.items()}
+    results, launched = [], []
+    saved, launch = va.TREE_SPLIT, va.launch
+    try:
+        for on in (True, False):
+            va.TREE_SPLIT = on
+            p = va.plan(bs, tc, heads, s, latent_dim=cfg.latent_dim, rope_dim=cfg.rope_dim, split_size=va.DEFAULT_SPLIT_SIZE,
+                        config=cfg)
+            assert p.tree_split is on and p.merge_free
+            out = cuda.to_device(np.full((bs, tc, heads, cfg.latent_dim), 7.0, np.float32))
+            lse = cuda.to_device(np.full((bs, tc, heads), 7.0, np.float32))
+            ws = cuda.to_device(np.full(p.workspace_shape, 7.0, np.float32))
+            kernels = []
+            va.launch = lambda kernel, *a, **k: (kernels.append(kernel), launch(kernel, *a, **k))  # noqa: E731
+            lengths = (dev["past_lens"], dev["tree_sizes"]) if device_lengths else (
+                packed["past_lens"], packed["tree_sizes"])
+            va.run(p, dev["q_latent"], dev["q_rope"], dev["kv_latent"], dev["k_rope"], *lengths, dev["visibility"],
+                   scale, out, lse, ws)
+            va.launch = launch
+            launched.append(kernels)
+            results.append((out.copy_to_host(), lse.copy_to_host()))
+    finally:
+        va.TREE_SPLIT, va.launch = saved, launch
+    tree_kernels = va.get_tree_kernels(cfg, heads)
+    assert launched[0] == list(tree_kernels[:2]) and launched[1] != launched[0]
+    return results
+
+
+def _clean(inputs: dict) -> dict:
+    """Stale cache rows past each request as zeros (the host checks reject NaN in rows they read)."""
+    return dict(inputs, kv_latent=np.nan_to_num(inputs["kv_latent"]), k_rope=np.nan_to_num(inputs["k_rope"]))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("past, size, tc, chain", [
+    (0, 5, 6, False),      # no cached rows, a padding node
+    (13, 9, 9, False),     # keys across a chunk edge
+    (20, 7, 8, True),      # a chain: paths up to 7
+    (15, 16, 16, False),   # the last prefix key on a chunk's last position
+    (70, 12, 12, True),    # past TREE_PASS positions: two passes of probabilities and value rows
+])
+def test_tree_launches_match_the_one_launch(cfg, past, size, tc, chain):
+    heads = 4 if cfg is ENGINE_TINY else 2
+    rng = np.random.default_rng(past * 100 + size)
+    inputs, _ = _batch(rng, cfg, heads, [past], [size], tc, past + tc + 3, chain)
+    (out2, lse2), (out1, lse1) = _both(_clean(inputs), cfg, heads)
+    assert _same_bits(out2, out1) and _same_bits(lse2, lse1)
+    assert np.isfinite(out2[0, :size]).all() and not out2[0, size:].any() and not lse2[0, size:].any()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_tree_launches_ties_batches_padding_and_bad_requests(cfg):
+    """Tie-heavy scores (equal maxima, exact sums) over four requests of different sizes: an idle
+    slot (size 0: zeros), one whose rows pass the cache (device lengths, past + size > S: NaN for
+    its live nodes, zeros past them) and two live ones; against the reference too."""
+    heads = 4 if cfg is ENGINE_TINY else 2
+    rng = np.random.default_rng(7)
+    s = 40
+    inputs, _ = _batch(rng, cfg, heads, [33, 0, 5, 30], [5, 0, 4, 6], 6, s)
+    for name in ("q_latent", "q_rope", "kv_latent", "k_rope"):
+        inputs[name] = rng.integers(-1, 2, inputs[name].shape).astype(np.float32)
+    inputs["past_lens"][3] = 36        # 36 + 6 > S = 40: the guards reject it
+    (out2, lse2), (out1, lse1) = _both(inputs, cfg, heads, device_lengths=True)
+    assert _same_bits(out2, out1) and _same_bits(lse2, lse1)
+    assert not out2[1].any() and not lse2[1].any()
+    assert np.isnan(out2[3]).all() and np.isnan(lse2[3]).all()
+    assert not out2[2, 4:].any() and not out2[0, 5:].any()
+    live = {k: v[[0, 2]] for k, v in inputs.items()}
+    live["past_lens"] = inputs["past_lens"][[0, 2]]
+    ref_out, ref_lse = _reference(live, 0.3)
+    for i, (b, size) in enumerate(((0, 5), (2, 4))):
+        rel = np.linalg.norm(out2[b, :size] - ref_out[i, :size]) / np.linalg.norm(ref_out[i, :size])
+        assert rel <= 1e-5
+
+
+def test_tree_path_past_max_path_gives_nan():
+    """A chain longer than max_path: its deep nodes NaN (device lengths: no host check), the
+    shallow ones as the one launch."""
+    cfg = dataclasses.replace(TINY, max_path=4)
+    rng = np.random.default_rng(3)
+    inputs, _ = _batch(rng, cfg, 2, [9], [6], 6, 20, chain=True)
+    (out2, lse2), (out1, lse1) = _both(_clean(inputs), cfg, 2, device_lengths=True)
+    assert _same_bits(out2, out1) and _same_bits(lse2, lse1)
+    assert np.isnan(out2[0, 4:]).all() and np.isfinite(out2[0, :4]).all()
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(TREE_SCORE_ROWS=4, TREE_SCORE_KEYS=4),      # one thread tile a k-group lane
+    dict(TREE_SCORE_ROWS=16, TREE_SCORE_KEYS=12),    # 12 keys: 3 key tiles, rows not a power of two
+    dict(TREE_PV_HEADS=1, TREE_PV_DIMS=4),           # one head and 4 dims a P·V block
+    dict(TREE_PV_HEADS=2, TREE_PV_DIMS=2),           # scalar value staging (2 dims)
+    dict(TREE_PASS=8),                               # a pass of one chunk
+])
+def test_tree_layouts_keep_the_bits(monkeypatch, knobs):
+    for name, value in knobs.items():
+        monkeypatch.setattr(va, name, value)
+    rng = np.random.default_rng(11)
+    inputs, _ = _batch(rng, TILED, 2, [23], [7], 7, 33)
+    (out2, lse2), (out1, lse1) = _both(_clean(inputs), TILED, 2)
+    assert _same_bits(out2, out1) and _same_bits(lse2, lse1) and np.isfinite(out2).all()
+
+
+def test_plan_tree_split_and_its_workspace(monkeypatch):
+    """2 .. TREE_SPLIT_MAX_NODES nodes, few requests, every key in segment 0: the two launches,
+    with room for the scores [bs, Tc, H, S]; else the one launch."""
+    monkeypatch.setattr(va, "TREE_SPLIT_MAX_BATCH", 1)
+    monkeypatch.setattr(va, "TREE_SPLIT", True)
+    p = va.plan(1, 33, 64, 1500)
+    assert p.tree_split and not p.decode_split and p.merge_free
+    first = p.workspace_shape[0]
+    assert first * 33 * 64 * 514 >= 33 * 64 * 1500 and first == -(-1500 // 514)
+    assert not va.plan(2, 33, 64, 1500).tree_split            # two requests
+    assert not va.plan(1, 1, 64, 1500).tree_split             # one node: the AR step's launches
+    assert not va.plan(1, va.TREE_SPLIT_MAX_NODES + 1, 64, 1500).tree_split
+    assert not va.plan(1, 33, 64, 3000).tree_split            # keys past segment 0: the merge
+    monkeypatch.setattr(va, "TREE_SPLIT", False)
+    assert va.plan(1, 33, 64, 1500).workspace_shape == (1, 1, 33, 64, 514)
+
+
+def test_tree_geometry():
+    for cfg, heads in ((TINY, 2), (TILED, 2), (va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, 64)):
+        tq, tk, threads, th, spd = va.tree_geometry(cfg, heads)
+        assert tq % va.TREE_SCORE_TILE == 0 and tk % va.TREE_SCORE_TILE == 0
+        assert threads == (tq // 4) * (tk // 4) * cfg.k_groups <= 1024
+        assert heads % th == 0 and cfg.latent_dim % spd == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("past, sizes", [(0, [33]), (192, [33]), (999, [17]), (160, [33, 20, 0])])
+def test_gpu_tree_launches_match_the_one_launch_at_kimi_k2_dims(monkeypatch, past, sizes):
+    """The engine's 33-node tile (64 heads, Dl 512, Dr 64, two k-groups) at the engine's tree
+    geometry, random trees and chains, random and tie-heavy, on the GPU."""
+    monkeypatch.undo()   # the engine's 64 x 32 score blocks
+    monkeypatch.setattr(va, "TREE_SPLIT_MAX_BATCH", 8)
+    cfg = va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG
+    rng = np.random.default_rng(past + len(sizes))
+    for chain in (False, True):
+        for ties in (False, True):
+            inputs, _ = _batch(rng, cfg, 64, [past] * len(sizes), sizes, 33, 1024, chain)
+            if ties:
+                for name in ("q_latent", "q_rope", "kv_latent", "k_rope"):
+                    inputs[name] = rng.integers(-1, 2, inputs[name].shape).astype(np.float32)
+            (out2, lse2), (out1, lse1) = _both(_clean(inputs), cfg, 64, scale=0.1447)
+            assert _same_bits(out2, out1) and _same_bits(lse2, lse1), (past, sizes, chain, ties)
