@@ -310,6 +310,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-split", choices=("on", "off"),
                         help="an AR step's attention in two wide launches (kernels/verify_attention.py "
                              "DECODE_SPLIT; the same bits as the one launch; default: on)")
+    parser.add_argument("--tree-split", choices=("on", "off"),
+                        help="a small tree's attention (a round's verify at batch 1) in two launches, scores "
+                             "then softmax and P·V (kernels/verify_attention.py TREE_SPLIT; the same bits as "
+                             "the one launch; default: off)")
     parser.add_argument("--quads", choices=("on", "off"),
                         help="the linears' staged rows read with 16-byte shared loads and staged in 16-byte "
                              "quads (kernels/linear.py VECTOR_X_LOADS and VECTOR_STAGING, both; the same bits; "
@@ -369,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_split:
         va.DECODE_SPLIT = args.decode_split == "on"
     args.decode_split = "on" if va.DECODE_SPLIT else "off"
+    if args.tree_split:
+        va.TREE_SPLIT = args.tree_split == "on"
+    args.tree_split = "on" if va.TREE_SPLIT else "off"
     set_release_mode(args.pdl_release)   # before the first kernel compiles (recorded in the config attrs)
     if args.quads:
         lin.VECTOR_X_LOADS = lin.VECTOR_STAGING = args.quads == "on"
@@ -429,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
-                                                      "temperature", "odd_tiles", "row_products", "decode_split", "quads", "ring", "absorbs",
+                                                      "temperature", "odd_tiles", "row_products", "decode_split", "tree_split", "quads", "ring", "absorbs",
                                                       "attention_split", "products", "pdl",
                                                       "pdl_release", "engine_release_early",
                                                       "programmatic_launches")}
