@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_kernel_verify_attention import TILED, TINY, _batch, _reference, _same_bits  # noqa: E402
 
 ENGINE_TINY = _small_tile_config(32, 8, 4)   # the tiny preset's tiling: 4 heads, chunks of 16, one k-group
-CONFIGS = [TINY, TILED, ENGINE_TINY]
-IDS = ["two-groups", "four-groups", "engine-tiny"]
+# the one launch in the score-first layout with the dead-key skip (the engine's 33-node tile's kernel)
+SCORE_FIRST = dataclasses.replace(TILED, score_keys=32, skip_dead_keys=True)
+CONFIGS = [TINY, TILED, ENGINE_TINY, SCORE_FIRST]
+IDS = ["two-groups", "four-groups", "engine-tiny", "score-first"]
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +80,7 @@ def _clean(inputs: dict) -> dict:
     (0, 5, 6, False),      # no cached rows, a padding node
     (13, 9, 9, False),     # keys across a chunk edge
     (20, 7, 8, True),      # a chain: paths up to 7
-    (15, 16, 16, False),   # the last prefix key on a chunk's last position
+    (15, 16, 16, False),   # the first tree key on a chunk's last position (position 15)
     (70, 12, 12, True),    # past TREE_PASS positions: two passes of probabilities and value rows
 ])
 def test_tree_launches_match_the_one_launch(cfg, past, size, tc, chain):
@@ -115,6 +117,36 @@ def test_tree_launches_ties_batches_padding_and_bad_requests(cfg):
         assert rel <= 1e-5
 
 
+def test_tree_wider_than_a_visibility_word_and_single_nodes():
+    """Tc = 40 (two visibility words: ranks across word 32 in the path table), a request of one node
+    and one of none, in one batch."""
+    rng = np.random.default_rng(5)
+    inputs, _ = _batch(rng, TINY, 2, [9, 20, 4], [37, 1, 0], 40, 60, chain=False)
+    (out2, lse2), (out1, lse1) = _both(_clean(inputs), TINY, 2)
+    assert _same_bits(out2, out1) and _same_bits(lse2, lse1)
+    assert np.isfinite(out2[0, :37]).all() and np.isfinite(out2[1, :1]).all() and not out2[2].any()
+
+
+def test_tree_root_equals_the_one_node_launches():
+    """A tree's root (it sees the prefix and itself) gives the bits of the AR step's two launches
+    (decode_split) on the same rows."""
+    rng = np.random.default_rng(9)
+    inputs, _ = _batch(rng, TILED, 2, [21], [5], 5, 30)
+    (out2, lse2), _ = _both(_clean(inputs), TILED, 2)
+    root = {k: v[:, :1] if k in ("q_latent", "q_rope") else v for k, v in _clean(inputs).items()}
+    root["tree_sizes"] = np.ones(1, np.int32)
+    root["visibility"] = pack_visibility(np.ones((1, 1, 1), bool))
+    p = va.plan(1, 1, 2, 30, latent_dim=TILED.latent_dim, rope_dim=TILED.rope_dim, config=TILED)
+    assert p.decode_split
+    out = cuda.device_array((1, 1, 2, TILED.latent_dim), np.float32)
+    lse = cuda.device_array((1, 1, 2), np.float32)
+    va.run(p, *(cuda.to_device(np.ascontiguousarray(root[k])) for k in ("q_latent", "q_rope", "kv_latent",
+                                                                       "k_rope", "past_lens", "tree_sizes",
+                                                                       "visibility")),
+           0.3, out, lse, p.allocate_workspace())
+    assert _same_bits(out.copy_to_host()[0, 0], out2[0, 0]) and _same_bits(lse.copy_to_host()[0, 0], lse2[0, 0])
+
+
 def test_tree_path_past_max_path_gives_nan():
     """A chain longer than max_path: its deep nodes NaN (device lengths: no host check), the
     shallow ones as the one launch."""
@@ -132,13 +164,15 @@ def test_tree_path_past_max_path_gives_nan():
     dict(TREE_PV_HEADS=1, TREE_PV_DIMS=4),           # one head and 4 dims a P·V block
     dict(TREE_PV_HEADS=2, TREE_PV_DIMS=2),           # scalar value staging (2 dims)
     dict(TREE_PASS=8),                               # a pass of one chunk
+    dict(TREE_PV_HEADS=64, TREE_PV_DIMS=4),          # 64 heads on 32 threads: lse in a loop (a 2-node tree)
 ])
 def test_tree_layouts_keep_the_bits(monkeypatch, knobs):
     for name, value in knobs.items():
         monkeypatch.setattr(va, name, value)
+    heads, past, size = (2, 23, 7) if knobs.get("TREE_PV_HEADS", 0) < 64 else (64, 3, 2)
     rng = np.random.default_rng(11)
-    inputs, _ = _batch(rng, TILED, 2, [23], [7], 7, 33)
-    (out2, lse2), (out1, lse1) = _both(_clean(inputs), TILED, 2)
+    inputs, _ = _batch(rng, TILED, heads, [past], [size], size, past + size + 3)
+    (out2, lse2), (out1, lse1) = _both(_clean(inputs), TILED, heads)
     assert _same_bits(out2, out1) and _same_bits(lse2, lse1) and np.isfinite(out2).all()
 
 
@@ -165,6 +199,13 @@ def test_tree_geometry():
         assert tq % va.TREE_SCORE_TILE == 0 and tk % va.TREE_SCORE_TILE == 0
         assert threads == (tq // 4) * (tk // 4) * cfg.k_groups <= 1024
         assert heads % th == 0 and cfg.latent_dim % spd == 0
+
+
+def test_tree_geometry_past_the_limits_raises(monkeypatch):
+    """A layout knob whose blocks pass the static shared memory raises ValueError, before a launch."""
+    monkeypatch.setattr(va, "TREE_PASS", 512)
+    with pytest.raises(ValueError, match="tree geometry: static shared memory"):
+        va.get_tree_kernels(va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, 64)
 
 
 @pytest.mark.gpu

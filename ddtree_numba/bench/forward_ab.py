@@ -43,8 +43,9 @@ launch, ``verify_attention.TREE_SPLIT`` off) or ``auto-tree`` (the tree's scores
 and its softmax and P·V in another, ``TREE_SPLIT`` on; every other TILE keeps its default, off), ``auto-tskN`` / ``auto-tsrN`` (``auto-tree`` with score blocks of N
 keys, N in 16, 64, / N query rows, N in 32, 128: ``TREE_SCORE_KEYS``, ``TREE_SCORE_ROWS``, by
 default 32 / 64), ``auto-tphN`` / ``auto-tpvdN`` / ``auto-tpassN`` (``auto-tree`` with P·V blocks
-of N heads, 16 or 32 / N latent dims, 32 or 128 / N keys a pass, 32 or 128: ``TREE_PV_HEADS``,
-``TREE_PV_DIMS``, ``TREE_PASS``, by default 64 / 64 / 64), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
+of N heads, 16 or 64 / N latent dims, 64 or 256 / N keys a pass, 64: ``TREE_PV_HEADS``,
+``TREE_PV_DIMS``, ``TREE_PASS``, by default 32 / 128 / 32; ``auto-tree`` and these time the one
+launch where the plan is not merge-free, ``--past`` + rows past 2047), ``auto-occ3`` (a small tree's attention kernel compiled for 3 blocks an SM,
 ``engine.model.FEW_NODES_MIN_BLOCKS``: 168 registers, a 16-byte spill on sm_90, against 232 and 2
 blocks an SM by default; more warps only where the tree's blocks pass 2 an SM: rows past 33 at
 batch 1), ``h8``
@@ -116,7 +117,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph32", "auto-tpvd32", "auto-tpvd128", "auto-tpass32", "auto-tpass128", "auto-occ3", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)

@@ -1584,10 +1584,11 @@ TREE_SPLIT_MAX_NODES = 64    # tree rows a request (the scores' workspace grows 
 TREE_SCORE_TILE = 4          # a score thread's register tile: 4 query rows x 4 keys a k-group lane
 TREE_SCORE_ROWS = 64         # query rows (node, head) of a score block
 TREE_SCORE_KEYS = 32         # cache rows of a score block
-TREE_SCORE_MIN_BLOCKS = 2    # score blocks an SM its launch bounds ask for (sm_90: 158 registers without, 1 an SM)
-TREE_PV_HEADS = 64           # heads of a P·V block (each latent row staged once for all of them)
-TREE_PV_DIMS = 64            # latent dims of a P·V block
-TREE_PASS = 64               # key positions of a P·V block's probabilities and value rows at once
+TREE_SCORE_MIN_BLOCKS = 2    # blocks an SM both launch bounds ask for, up to 512 threads an SM (sm_90 without: 158
+                             # and 164 registers, 1 block an SM)
+TREE_PV_HEADS = 32           # heads of a P·V block (each latent row staged once for all of them)
+TREE_PV_DIMS = 128           # latent dims of a P·V block (each block reruns its heads' softmax)
+TREE_PASS = 32               # key positions of a P·V block's probabilities and value rows at once
 
 
 def tree_geometry(config: TileConfig, num_heads: int) -> tuple[int, int, int, int, int]:
@@ -1680,11 +1681,20 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
     V_LANE = 4 if SPD % 4 == 0 else 1
     V_MOVES = PASS * SPD // V_LANE
     V_STAGE_N = -(-V_MOVES // V_THREADS)
+    V_REGS = V_STAGE_N * 4
     PROBS_N = PASS * TH
     VALS_N = PASS * SPD
     ALPHAS_N = TH * PASS_CHUNKS
     FIN_N = 2 * TH
-    assert TQ % R == 0 and TK % R == 0 and S_THREADS <= 1024 and LANES <= WARP, (TQ, TK, S_THREADS)
+    V_SHARED = 4 * (PROBS_N + VALS_N + ALPHAS_N + FIN_N + MAX_PATH + PASS)
+    checks = [(TQ % R == 0 and TK % R == 0, "score rows and keys must be multiples of TREE_SCORE_TILE"),
+              (S_THREADS <= 1024 and V_THREADS <= 1024, "at most 1024 threads a block"),
+              (S_THREADS % WARP == 0 or simulator_active(), "score blocks of whole warps (the k-group butterfly)"),
+              (4 * S_BUF <= STATIC_SHARED_LIMIT and V_SHARED <= STATIC_SHARED_LIMIT,
+               f"static shared memory <= {STATIC_SHARED_LIMIT} bytes (scores {4 * S_BUF}, values {V_SHARED})")]
+    for ok, why in checks:
+        if not ok:
+            raise ValueError(f"tree geometry: {why} (rows {TQ}, keys {TK}, heads {TH}, dims {SPD}, pass {PASS})")
     chunk_softmax = make_chunk_softmax(RC, KT_LEVELS, KG)
     load_row_f32x4 = make_load_row_f32x4(DL, DR)
 
@@ -1726,7 +1736,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                 for e in range(LANE):
                     bufs[off + uint64(e)] = stage[n * LANE + e]
 
-    @cuda.jit(**launch_bounds(S_THREADS, min(score_min_blocks, 2048 // S_THREADS) or None))
+    @cuda.jit(**launch_bounds(S_THREADS, min(score_min_blocks, 512 // S_THREADS) or None))
     def tree_scores(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, tree_capacity, num_heads,
                     kv_rows, scale, scores):
         """scores[((b * Tc + node) * H + h) * S + row] = the (node, head) query's score of cache row
@@ -1791,7 +1801,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
 
     fill_path = make_fill_path(V_THREADS)
 
-    @cuda.jit(**launch_bounds(V_THREADS))
+    @cuda.jit(**launch_bounds(V_THREADS, min(score_min_blocks, 512 // V_THREADS) or None))
     def tree_values(kv_latent, past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows,
                     vis_words, scores, out, lse, release_next):
         """out[b, node, h, d] and lse[b, node, h] of the block's node, TH heads and SPD dims;
@@ -1822,8 +1832,9 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
             fill = float32(0.0) if node >= size else float32(math.nan)   # as write_fill
             for e in range(tid, TH * SPD, V_THREADS):
                 out[uint64((out_row + e // SPD) * DL + d0 + e % SPD)] = fill
-            if cuda.blockIdx.y == 0 and tid < TH:
-                lse[uint64(out_row + tid)] = fill
+            if cuda.blockIdx.y == 0:
+                for h in range(tid, TH, V_THREADS):
+                    lse[uint64(out_row + h)] = fill
             return
         fill_path(visibility, vis_base, size, path, tid)
         # P·V: heads ph .. ph + RH - 1 and dims pd .. pd + RD - 1 of the slice (threads past the tiles idle)
@@ -1836,7 +1847,8 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
         acc = cuda.local.array((RH, RD), float32)
         p_vec = cuda.local.array(RH, float32)
         v_vec = cuda.local.array(RD, float32)
-        v_reg = cuda.local.array(4, float32)
+        v_regs = cuda.local.array(V_REGS, float32)
+        pass_scores = cuda.local.array((SM_ROUNDS, PASS_CHUNKS, RC), float32)
         p_key = cuda.local.array(RC, float32)
         m_run = cuda.local.array(SM_ROUNDS, float32)
         l_run = cuda.local.array(SM_ROUNDS, float32)
@@ -1856,21 +1868,40 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                     row = pos if pos < past else past + path[uint64(pos - past)]
                 rows[uint64(c)] = row
             cuda.syncthreads()  # the pass's cache rows are known
+            for n in range(V_STAGE_N):   # the pass's value rows into registers, zeros past the keys
+                e = tid + n * V_THREADS  # (0 * NaN would poison acc); stored after the softmax
+                c = e // (SPD // V_LANE)
+                row = -1
+                if e < V_MOVES:
+                    row = rows[uint64(c)]
+                if V_LANE == 4:
+                    load_row_f32x4(kv_latent, kv_latent, kv_base + row, d0 + (e % (SPD // 4)) * 4, True, row >= 0,
+                                   v_regs, n * 4)
+                else:
+                    value = float32(0.0)
+                    if row >= 0:
+                        value = kv_latent[uint64((kv_base + row) * DL + d0 + e % SPD)]
+                    v_regs[n * 4] = value
+            for r in range(SM_ROUNDS):   # every score of the pass's rounds in flight at once
+                head = min((tid + r * V_THREADS) // LANES, TH - 1)   # lanes past the heads shadow the last
+                s_base = (out_row + head) * kv_rows      # this lane's head's scores, by cache row
+                for ci in range(PASS_CHUNKS):
+                    for j in range(RC):
+                        row = rows[uint64(ci * CHUNK + sm_tile + j * KEY_TILES)]
+                        score = float32(NEG_INF)
+                        if row >= 0:
+                            score = scores[uint64(s_base + row)]
+                        pass_scores[r, ci, j] = score
             for r in range(SM_ROUNDS):
                 lane = tid + r * V_THREADS
-                head = min(lane // LANES, TH - 1)        # lanes past the heads shadow the last
-                s_base = (out_row + head) * kv_rows      # this lane's head's scores, by cache row
+                head = min(lane // LANES, TH - 1)
                 for ci in range(PASS_CHUNKS):
                     c0 = ci * CHUNK
                     if pass_start + c0 < n_keys:         # block-uniform
                         c_max = float32(NEG_INF)
                         for j in range(RC):
-                            row = rows[uint64(c0 + sm_tile + j * KEY_TILES)]
-                            score = float32(NEG_INF)
-                            if row >= 0:
-                                score = scores[uint64(s_base + row)]
-                            p_key[j] = score
-                            c_max = max(c_max, score)
+                            p_key[j] = pass_scores[r, ci, j]
+                            c_max = max(c_max, p_key[j])
                         m_new, l_new, rescale = chunk_softmax(p_key, c_max, m_run[r], l_run[r])
                         m_run[r] = m_new
                         l_run[r] = l_new
@@ -1880,21 +1911,12 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                             for j in range(RC):
                                 if j % KG == sm_kg:
                                     probs[uint64((c0 + sm_tile + j * KEY_TILES) * TH + head)] = p_key[j]
-            for n in range(V_STAGE_N):   # the pass's value rows, zeros past the keys (0 * NaN would poison acc)
+            for n in range(V_STAGE_N):
                 e = tid + n * V_THREADS
                 if e < V_MOVES:
-                    c = e // (SPD // V_LANE)
-                    col = (e % (SPD // V_LANE)) * V_LANE
-                    row = rows[uint64(c)]
-                    if V_LANE == 4:
-                        load_row_f32x4(kv_latent, kv_latent, kv_base + row, d0 + col, True, row >= 0, v_reg, 0)
-                        for q in range(4):
-                            vals[uint64(c * SPD + col + q)] = v_reg[q]
-                    else:
-                        value = float32(0.0)
-                        if row >= 0:
-                            value = kv_latent[uint64((kv_base + row) * DL + d0 + col)]
-                        vals[uint64(c * SPD + col)] = value
+                    at = uint64(e * V_LANE)   # [PASS, SPD] row-major: move e holds floats e * V_LANE ..
+                    for q in range(V_LANE):
+                        vals[at + uint64(q)] = v_regs[n * 4 + q]
             cuda.syncthreads()  # the pass's probabilities, rescales and value rows are in shared memory
             if pv_live:
                 for ci in range(PASS_CHUNKS):
@@ -1923,8 +1945,9 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                 for j in range(RD):
                     out[uint64((out_row + ph + i) * DL + d0 + pd + j)] = _merged(acc[i, j], fin[ph + i],
                                                                              fin[TH + ph + i])
-        if cuda.blockIdx.y == 0 and tid < TH:
-            lse[uint64(out_row + tid)] = _merged_lse(fin[tid], fin[TH + tid])
+        if cuda.blockIdx.y == 0:
+            for h in range(tid, TH, V_THREADS):
+                lse[uint64(out_row + h)] = _merged_lse(fin[h], fin[TH + h])
 
     return tree_scores, tree_values, V_THREADS
 
@@ -1961,9 +1984,9 @@ class VerifyPlan:
 
     @property
     def tree_split(self) -> bool:
-        """:func:`run` launches the small-tree kernels (:func:`get_tree_kernels`, TREE_SPLIT): 2 ..
-        TREE_SPLIT_MAX_NODES nodes a request, at most TREE_SPLIT_MAX_BATCH requests, and every key
-        in segment 0 (:attr:`merge_free`)."""
+        """:func:`run` launches the small-tree kernels (:func:`get_tree_kernels`, TREE_SPLIT): a tree
+        capacity of 2 .. TREE_SPLIT_MAX_NODES rows, at most TREE_SPLIT_MAX_BATCH requests, and every
+        key in segment 0 (:attr:`merge_free`)."""
         return (TREE_SPLIT and 1 < self.tree_capacity <= TREE_SPLIT_MAX_NODES
                 and self.batch_size <= TREE_SPLIT_MAX_BATCH and self.merge_free)
 
