@@ -2,9 +2,11 @@
 
 The listing parser runs everywhere; the build and disassembly run in a process without the
 simulator where NVVM / nvJitLink and nvdisasm are installed (the ``gpu`` extra: CI has them).
-With nvJitLink 13.5 the 1-row products keep their first weight loads before the wait
-(PERFORMANCE.md, run "branches"); an older nvJitLink's ptxas put the wait first (run "pdl early
-timed"), so the order is only asserted from 13.5 on."""
+With nvJitLink 13.5 this build keeps the 1-row products' first weight loads before the wait
+(PERFORMANCE.md, run "branches"), so the order is asserted from 13.5 on. It is this build's order,
+not every GPU's: on the project's GPU machine numba's launch build put the wait first with its
+image's nvJitLink 13.0 (run "pdl early timed") and with 13.5 loaded too (run "tree split";
+tests/test_pdl.py's GPU test reads that build)."""
 import re
 import subprocess
 import sys
