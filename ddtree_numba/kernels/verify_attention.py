@@ -1681,13 +1681,14 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
     V_LANE = 4 if SPD % 4 == 0 else 1
     V_MOVES = PASS * SPD // V_LANE
     V_STAGE_N = -(-V_MOVES // V_THREADS)
-    V_REGS = V_STAGE_N * 4
+    V_REGS = V_STAGE_N * V_LANE
     PROBS_N = PASS * TH
     VALS_N = PASS * SPD
     ALPHAS_N = TH * PASS_CHUNKS
     FIN_N = 2 * TH
     V_SHARED = 4 * (PROBS_N + VALS_N + ALPHAS_N + FIN_N + MAX_PATH + PASS)
     checks = [(TQ % R == 0 and TK % R == 0, "score rows and keys must be multiples of TREE_SCORE_TILE"),
+              (PASS % CHUNK == 0, "a pass must be whole chunks"),
               (S_THREADS <= 1024 and V_THREADS <= 1024, "at most 1024 threads a block"),
               (S_THREADS % WARP == 0 or simulator_active(), "score blocks of whole warps (the k-group butterfly)"),
               (4 * S_BUF <= STATIC_SHARED_LIMIT and V_SHARED <= STATIC_SHARED_LIMIT,
@@ -1876,12 +1877,12 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                     row = rows[uint64(c)]
                 if V_LANE == 4:
                     load_row_f32x4(kv_latent, kv_latent, kv_base + row, d0 + (e % (SPD // 4)) * 4, True, row >= 0,
-                                   v_regs, n * 4)
+                                   v_regs, n * V_LANE)
                 else:
                     value = float32(0.0)
                     if row >= 0:
                         value = kv_latent[uint64((kv_base + row) * DL + d0 + e % SPD)]
-                    v_regs[n * 4] = value
+                    v_regs[n * V_LANE] = value
             for r in range(SM_ROUNDS):   # every score of the pass's rounds in flight at once
                 head = min((tid + r * V_THREADS) // LANES, TH - 1)   # lanes past the heads shadow the last
                 s_base = (out_row + head) * kv_rows      # this lane's head's scores, by cache row
@@ -1916,7 +1917,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                 if e < V_MOVES:
                     at = uint64(e * V_LANE)   # [PASS, SPD] row-major: move e holds floats e * V_LANE ..
                     for q in range(V_LANE):
-                        vals[at + uint64(q)] = v_regs[n * 4 + q]
+                        vals[at + uint64(q)] = v_regs[n * V_LANE + q]
             cuda.syncthreads()  # the pass's probabilities, rescales and value rows are in shared memory
             if pv_live:
                 for ci in range(PASS_CHUNKS):
