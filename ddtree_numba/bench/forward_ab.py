@@ -119,6 +119,7 @@ REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
                  "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
+TREE_KNOBS = ("auto-tsk", "auto-tsr", "auto-tph", "auto-tpvd", "auto-tpass")   # auto-tree with a layout knob
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
 COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", "auto-serial",
@@ -233,8 +234,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             knob = lambda prefix, default: int(tile[len(prefix):]) if tile.startswith(prefix) else default  # noqa: E731
-            va.TREE_SPLIT = tile == "auto-tree" or tile.startswith("auto-t") and tile[6:8] in ("sk", "sr", "ph", "pv", "pa") \
-                or (tree[0] and tile != "auto-treeone")
+            va.TREE_SPLIT = tile == "auto-tree" or tile.startswith(TREE_KNOBS) or (tree[0] and tile != "auto-treeone")
             va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS = knob("auto-tsk", tree[1]), knob("auto-tsr", tree[2])
             va.TREE_PV_HEADS, va.TREE_PV_DIMS = knob("auto-tph", tree[3]), knob("auto-tpvd", tree[4])
             va.TREE_PASS = knob("auto-tpass", tree[5])

@@ -487,6 +487,58 @@ def make_load_row_f32x4(dl: int, dr: int) -> Any:
 
 
 @functools.cache
+def make_score_slice(rows: int, keys: int, k_slice: int, k_groups: int, vec: int, k_row: int) -> Any:
+    """``score_slice`` over a thread's ``rows`` query rows and first ``keys`` key tiles of a staged
+    ``k_slice``-dim slice (rows ``k_row`` floats apart; compile-time counts: a config's ``qk_keys``
+    for every score, fewer for a pass's dead tail, ``skip_dead_keys``) with ``k_groups`` lanes a
+    score taking ``vec`` dims at once (device function: the attention kernels' and the tree scores
+    kernel's score chain, one function, so one order)."""
+    RM = rows
+    KS = k_slice
+    KG = k_groups
+    VEC = vec
+    KSP = k_row
+
+    @cuda.jit(device=True, inline="always")
+    def score_slice(bufs, q_off, k_off, key_stride, q_vec, k_vec, s):
+        """s[i, j] += the staged slice's dims of q row i · key j (key rows key_stride floats
+        apart), j < ``keys``. Lane kg takes dims in groups of VEC at (g * KG + kg) * VEC: the
+        VEC loads of a row are adjacent and 16-byte aligned, so they merge into one vector
+        load (LDS.128: 8 shared loads per 64 FFMA instead of 32), and the constant-trip inner
+        loops unroll to immediate offsets. Each s[i, j] gets its fmas in one order (g, then e)
+        whatever ``keys`` is."""
+        for g in range(0, KS, KG * VEC):
+            for i in range(RM):
+                for e in range(VEC):
+                    q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
+            for j in range(keys):
+                for e in range(VEC):
+                    k_vec[j, e] = bufs[uint64(k_off + j * key_stride + g + e)]
+            for e in range(VEC):
+                for i in range(RM):
+                    for j in range(keys):
+                        s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
+    return score_slice
+
+
+@functools.cache
+def make_sum_k_groups(rows: int, keys: int, k_groups: int) -> Any:
+    """``sum_k_groups`` of a ``rows`` x ``keys`` register tile over ``k_groups`` lanes (device
+    function: the attention kernels' and the tree scores kernel's butterfly)."""
+    BUTTERFLY = k_groups.bit_length() - 1
+
+    @cuda.jit(device=True, inline="always")
+    def sum_k_groups(s):
+        """Sum the k-groups' partial scores; a+b == b+a, so every lane of a group ends with the
+        same bits."""
+        for level in range(BUTTERFLY):
+            for i in range(rows):
+                for j in range(keys):
+                    s[i, j] += cuda.shfl_xor_sync(FULL_MASK, s[i, j], k_groups >> (level + 1))
+    return sum_k_groups
+
+
+@functools.cache
 def make_chunk_softmax(rc: int, kt_levels: int, k_groups: int) -> Any:
     """The online softmax's step for one chunk on a head's lanes (the score-first kernel and the
     one-node launches: one function, so one order; the chunk layout's ``attention`` runs the same
@@ -587,7 +639,6 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
     DIM_THREADS = DL // PD              # threads along the latent dims in P·V
     N_KSLICES = (DL + DR) // KS
     N_VSLICES = CHUNK // CS
-    BUTTERFLY = KG.bit_length() - 1     # xor-butterfly levels over the k-groups
     BUF = config.buffer_floats          # one half of bufs
     TWO_BUFS = 2 * BUF
     PROW = config.probs_row
@@ -789,44 +840,12 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         row_tile = tid // (KG * key_tiles)
         return kg, key_tile, row_tile, row_tile * RM * KSP + kg * VEC, k_buf + key_tile * KSP + kg * VEC
 
-    def make_score_slice(keys):
-        """score_slice over the thread's first ``keys`` key tiles (a compile-time count: RC for
-        every score, fewer for a pass's dead tail, ``skip_dead_keys``)."""
-        @cuda.jit(device=True, inline="always")
-        def score_slice(bufs, q_off, k_off, key_stride, q_vec, k_vec, s):
-            """s[i, j] += the staged slice's dims of q row i · key j (key rows key_stride floats
-            apart), j < ``keys``. Lane kg takes dims in groups of VEC at (g * KG + kg) * VEC: the
-            VEC loads of a row are adjacent and 16-byte aligned, so they merge into one vector
-            load (LDS.128: 8 shared loads per 64 FFMA instead of 32), and the constant-trip inner
-            loops unroll to immediate offsets. Each s[i, j] gets its fmas in one order (g, then e)
-            whatever ``keys`` is."""
-            for g in range(0, KS, KG * VEC):
-                for i in range(RM):
-                    for e in range(VEC):
-                        q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
-                for j in range(keys):
-                    for e in range(VEC):
-                        k_vec[j, e] = bufs[uint64(k_off + j * key_stride + g + e)]
-                for e in range(VEC):
-                    for i in range(RM):
-                        for j in range(keys):
-                            s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
-        return score_slice
-
-    score_slice = make_score_slice(RC)
+    score_slice = make_score_slice(RM, RC, KS, KG, VEC, KSP)
     # skip_dead_keys: the score loop for 1, 2 or 3 live key tiles (RC <= 4, validated)
-    score_slice_1 = make_score_slice(min(1, RC))
-    score_slice_2 = make_score_slice(min(2, RC))
-    score_slice_3 = make_score_slice(min(3, RC))
-
-    @cuda.jit(device=True, inline="always")
-    def sum_k_groups(s):
-        """Sum the k-groups' partial scores; a+b == b+a, so every lane of a group ends with the
-        same bits."""
-        for level in range(BUTTERFLY):
-            for i in range(RM):
-                for j in range(RC):
-                    s[i, j] += cuda.shfl_xor_sync(FULL_MASK, s[i, j], KG >> (level + 1))
+    score_slice_1 = make_score_slice(RM, min(1, RC), KS, KG, VEC, KSP)
+    score_slice_2 = make_score_slice(RM, min(2, RC), KS, KG, VEC, KSP)
+    score_slice_3 = make_score_slice(RM, min(3, RC), KS, KG, VEC, KSP)
+    sum_k_groups = make_sum_k_groups(RM, RC, KG)
 
     @cuda.jit(device=True, inline="always")
     def load_v_slice(kv_latent, rows, rows_off, first, v_row, v_col, v_reg):
@@ -1647,10 +1666,8 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
     CHUNK = config.chunk
     RC = config.qk_keys
     VEC = math.gcd(KS // KG, 4)         # dims a lane takes at once (the numerics' runs)
-    GROUP = KG * VEC                    # dims between a lane's runs
     KSP = KS + 4 * KG                   # padded staged row (as TileConfig.k_row)
     N_KSLICES = DK // KS
-    BUTTERFLY = KG.bit_length() - 1
     KEY_TILES = CHUNK // RC
     LANES = KG * KEY_TILES              # softmax lanes of a head
     KT_LEVELS = KEY_TILES.bit_length() - 1
@@ -1698,6 +1715,8 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
             raise ValueError(f"tree geometry: {why} (rows {TQ}, keys {TK}, heads {TH}, dims {SPD}, pass {PASS})")
     chunk_softmax = make_chunk_softmax(RC, KT_LEVELS, KG)
     load_row_f32x4 = make_load_row_f32x4(DL, DR)
+    score_slice = make_score_slice(R, R, KS, KG, VEC, KSP)
+    sum_k_groups = make_sum_k_groups(R, R, KG)
 
     @cuda.jit(device=True, inline="always")
     def load_move(latent, rope, row, col, live, regs, at):
@@ -1778,21 +1797,8 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
             if ks + 1 < N_KSLICES:   # the next slice's loads in flight during these fmas
                 load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, (ks + 1) * KS,
                            tid, stage)
-            for g in range(0, KS, GROUP):   # lane kg's runs in ascending dims: the numerics' chain
-                for i in range(R):
-                    for e in range(VEC):
-                        q_vec[i, e] = bufs[uint64(q_off + i * KSP + g + e)]
-                for j in range(R):
-                    for e in range(VEC):
-                        k_vec[j, e] = bufs[uint64(k_off + j * K_TILES * KSP + g + e)]
-                for e in range(VEC):
-                    for i in range(R):
-                        for j in range(R):
-                            s[i, j] = cuda.fma(q_vec[i, e], k_vec[j, e], s[i, j])
-        for level in range(BUTTERFLY):   # as sum_k_groups
-            for i in range(R):
-                for j in range(R):
-                    s[i, j] += cuda.shfl_xor_sync(FULL_MASK, s[i, j], KG >> (level + 1))
+            score_slice(bufs, q_off, k_off, K_TILES * KSP, q_vec, k_vec, s)   # the one-launch kernels' chain
+        sum_k_groups(s)
         for i in range(R):
             r = row_tile * R + i
             for j in range(R):
