@@ -191,5 +191,7 @@ def test_sampled_run_end_to_end_in_the_simulator(tmp_path, capsys, monkeypatch, 
         assert config["temperature"] == 0.8 and config["quads"] == "off" and config["ring"] == 2
         assert config["pdl_release"] == "early" and not config["pdl"]   # the default policy, recorded
         assert config["engine_release_early"] is False   # engine.model.PDL_RELEASE_EARLY's default
+        # the attention splits recorded with the batches they run at (the defaults: decode on, tree off)
+        assert config["decode_split"] == "on (batch <= 1)" and config["tree_split"] == "off"
         assert int(back["tree_identical"].values[0]) == 1
     assert not lin.VECTOR_X_LOADS and not lin.VECTOR_STAGING and lin.ASYNC_RING_STAGES == 2

@@ -104,6 +104,18 @@ def test_decode_score_layouts_keep_the_bits(monkeypatch, threads, batch, heads, 
     assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
 
 
+@pytest.mark.parametrize("pass_keys", [16, 40, 64])
+def test_decode_pass_is_layout_and_builds_its_own_kernels(monkeypatch, pass_keys):
+    """DECODE_PASS (the P·V blocks' keys a pass: a chunk, a size that rounds down to whole chunks,
+    four chunks) is read at get_decode_kernels' call, so a new value builds new kernels instead of
+    reusing the cached ones, and every value gives the one launch's bits over several passes."""
+    before = va.get_decode_kernels(TWO_GROUPS, 4)
+    monkeypatch.setattr(va, "DECODE_PASS", pass_keys)
+    assert va.get_decode_kernels(TWO_GROUPS, 4) is not before
+    (out2, lse2), (out1, lse1) = _both(TWO_GROUPS, 4, [130, 9], [1, 1], 131)
+    assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
+
+
 def test_plan_decode_split_and_its_workspace(monkeypatch):
     """One node a request, every key in segment 0 and few requests: the two launches, with room
     for the scores."""

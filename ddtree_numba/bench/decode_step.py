@@ -372,10 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     args.row_products = "on" if em.ROW_PRODUCTS else "off"
     if args.decode_split:
         va.DECODE_SPLIT = args.decode_split == "on"
-    args.decode_split = "on" if va.DECODE_SPLIT else "off"
+    # recorded with the batches they apply to: each split runs only up to its batch bound
+    # (VerifyPlan.decode_split / tree_split), so "on" alone would claim the larger batches too
+    args.decode_split = f"on (batch <= {va.DECODE_SPLIT_MAX_BATCH})" if va.DECODE_SPLIT else "off"
     if args.tree_split:
         va.TREE_SPLIT = args.tree_split == "on"
-    args.tree_split = "on" if va.TREE_SPLIT else "off"
+    args.tree_split = f"on (batch <= {va.TREE_SPLIT_MAX_BATCH})" if va.TREE_SPLIT else "off"
     set_release_mode(args.pdl_release)   # before the first kernel compiles (recorded in the config attrs)
     if args.quads:
         lin.VECTOR_X_LOADS = lin.VECTOR_STAGING = args.quads == "on"

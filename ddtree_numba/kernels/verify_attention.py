@@ -1380,15 +1380,15 @@ def decode_geometry(config: TileConfig, num_heads: int, score_threads: int | Non
 
 def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit
-    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH and
-    DECODE_PV_DIMS: layout, read at the call)."""
+    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH, DECODE_PV_DIMS
+    and DECODE_PASS: layout, read at the call, so a changed setting builds its own kernels)."""
     return _decode_kernels(config, num_heads, DECODE_SCORE_THREADS, DECODE_SCORE_HEADS, DECODE_SCORE_BATCH,
-                           DECODE_PV_DIMS)
+                           DECODE_PV_DIMS, DECODE_PASS)
 
 
 @functools.cache
 def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, score_heads: int,
-                    score_batch: int, pv_dims: int) -> tuple[Any, Any]:
+                    score_batch: int, pv_dims: int, pass_keys: int = DECODE_PASS) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit.
 
     The numerics (module docstring; :func:`get_kernels`): a score is lane kg's fma chain over the
@@ -1403,7 +1403,7 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
       q and k read straight from global memory (L1 / L2: one request's rows), the scaled score
       stored to the workspace (flat ``[bs, H, S]``);
     - values: grid (head groups, dim slices, requests); the block's first warps rerun the softmax
-      of its heads from the stored scores (the same lanes and butterflies), a pass of DECODE_PASS
+      of its heads from the stored scores (the same lanes and butterflies), a pass of ``pass_keys``
       keys' probabilities and rescales at a time in shared memory, then each thread one latent dim
       of every head of the block: a chunk's value loads in flight together, then its fmas.
 
@@ -1425,7 +1425,7 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
     MAX_PATH = config.max_path
     SH, SK, SPH, SPD, PV_THREADS = decode_geometry(config, num_heads, score_threads, score_heads, pv_dims)
     S_THREADS = SH * SK * KG
-    PASS = max(CHUNK, DECODE_PASS // CHUNK * CHUNK)
+    PASS = max(CHUNK, pass_keys // CHUNK * CHUNK)
     PASS_CHUNKS = PASS // CHUNK
     SOFTMAX_THREADS = SPH * LANES
     F4 = VEC == 4                       # 16-byte q / k loads (run() checks the alignment)
