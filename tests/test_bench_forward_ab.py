@@ -189,3 +189,29 @@ def test_pdl_release_choices(capsys):
     with pytest.raises(SystemExit) as exc:
         forward_ab.main(["--pdl-release", "never"])
     assert exc.value.code == 2 and "--pdl-release" in capsys.readouterr().err
+
+
+def test_a_variant_named_twice_keeps_both_passes(tmp_path, monkeypatch):
+    """pass_labels names the n-th pass of a variant ``NAME #n``; the HDF5 group's variant axis holds
+    every pass's median (an A/B timed twice in one process keeps its spread). Timing is faked."""
+    import xarray as xr
+
+    assert forward_ab.pass_labels(["a", "b", "a", "a", "b"]) == ["a", "b", "a #2", "a #3", "b #2"]
+    medians = iter([10.0, 20.0, 11.0, 21.0])
+
+    def fake_time_variants(preset, past, row_counts, variants, same_bits=None, logits=None):
+        results = {}
+        for variant, label in zip(variants, forward_ab.pass_labels([v.name for v in variants])):
+            results[label] = {rows: next(medians) for rows in row_counts}
+            same_bits[label] = {rows: True for rows in row_counts}
+        return results
+
+    monkeypatch.setattr(forward_ab, "time_variants", fake_time_variants)
+    out = tmp_path / "fab.h5"
+    assert forward_ab.main(["--rows", "33", "--variants", "auto/auto,auto-tree/auto,auto/auto,auto-tree/auto",
+                            "--out", str(out)]) == 0
+    group = xr.open_datatree(out, engine="h5netcdf")["forward_ab"].children
+    (name,) = group
+    with xr.open_dataset(out, group=f"forward_ab/{name}", engine="h5netcdf") as back:
+        assert list(back["variant"].values) == ["auto/auto", "auto-tree/auto", "auto/auto #2", "auto-tree/auto #2"]
+        assert back["forward_us"].sel(rows=33).values.tolist() == [10.0, 20.0, 11.0, 21.0]

@@ -87,7 +87,7 @@ drains; the same arithmetic) with ``engine.model.PDL_RELEASE_EARLY`` on (a launc
 weights-first gemv / split absorb releases it right after its own wait, under the default
 ``--pdl-release early``); ``/pdlx`` does too with it off (the engine's default: every release at
 the blocks' exits), so the early release is timed against its absence in one process. A variant named twice is timed twice and printed twice; the HDF5
-group keeps its last run.
+group keeps every pass, the repeats labelled ``NAME #2``, ``NAME #3`` ... (:func:`pass_labels`).
 
 Each variant's logits after its replays are compared bit for bit with those of the first variant
 of the same numerics (products kind and absorb order) and row count: the line printed says
@@ -158,10 +158,22 @@ class Variant(tuple):
         return f"{self[0]}/{self[1]}" + (("/pdlx" if self.exit_release else "/pdl") if self.pdl else "")
 
 
+def pass_labels(names: list[str]) -> list[str]:
+    """A label a timed pass: the variant's name, with `` #n`` for its n-th pass (n >= 2), so a
+    variant named twice keeps both medians (results, same_bits, the HDF5 group's variant axis)."""
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
+    return labels
+
+
 def time_variants(preset: str, past: int, row_counts: list[int], variants: list[Variant],
                   seed: int = 0, same_bits: dict[str, dict[int, bool]] | None = None,
                   logits: dict[int, np.ndarray] | None = None) -> dict[str, dict[int, float]]:
-    """Median microseconds per forward, per variant and row count (variants from :func:`_variants`).
+    """Median microseconds per forward, per pass (:func:`pass_labels`) and row count (variants from
+    :func:`_variants`).
     ``same_bits``, if given, is filled per variant and row count: whether the logits equal those
     of the first variant of the same numerics (products kind, absorb order) at that row count.
     ``logits``, if given, gets the first variant's logits per row count (``--save-logits``)."""
@@ -211,7 +223,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     segment, saved_ab = em.SEGMENT_ABSORBS, (ab.TILE_COL_QUADS, ab.TILE_ROWS, ab.FEW_ROWS, ab.TILE_LANES)
     results: dict[str, dict[int, float]] = {}
     try:
-        for variant in variants:
+        for variant, label in zip(variants, pass_labels([v.name for v in variants])):
             tile, cols = variant
             em.FEW_NODES_PER_SM = 0 if tile == "64" else few
             em.ATTENTION_PREFETCH_L2 = tile in ("auto-pf", "auto-pfs")
@@ -302,12 +314,12 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                 if logits is not None:
                     logits.setdefault(rows, host_logits)
                 same = first_logits.setdefault((products, model._segment_absorbs, rows), host_logits)
-                same_bits.setdefault(variant.name, {})[rows] = bool(np.array_equal(same, host_logits, equal_nan=True))
+                same_bits.setdefault(label, {})[rows] = bool(np.array_equal(same, host_logits, equal_nan=True))
                 graph.close()
-            results[variant.name] = per_rows
+            results[label] = per_rows
             programmatic = programmatic_launch_count() - programmatic_before   # > 0 for a /pdl variant on a GPU
-            bits = "same bits" if all(same_bits[variant.name].values()) else "DIFFERENT BITS " + json.dumps(
-                same_bits[variant.name])
+            bits = "same bits" if all(same_bits[label].values()) else "DIFFERENT BITS " + json.dumps(
+                same_bits[label])
             launch_kind = ("pdlx" if variant.exit_release else "pdl ") if variant.pdl else "    "
             print(f"tile {tile:11s} cols {cols:10s} {launch_kind} " + json.dumps(per_rows)
                   + f" {bits}"
