@@ -165,10 +165,16 @@ def test_tree_path_past_max_path_gives_nan():
     dict(TREE_PV_HEADS=2, TREE_PV_DIMS=2),           # scalar value staging (2 dims)
     dict(TREE_PASS=8),                               # a pass of one chunk
     dict(TREE_PV_HEADS=64, TREE_PV_DIMS=4),          # 64 heads on 32 threads: lse in a loop (a 2-node tree)
+    dict(TREE_SCORE_TILE=2),                         # 2 x 2 score tiles (rows and keys as set: 64 x 32)
+    dict(TREE_SCORE_TILE=8, TREE_SCORE_ROWS=16, TREE_SCORE_KEYS=16),   # 8 x 8 tiles, 2 x 2 of them a k-group
 ])
 def test_tree_layouts_keep_the_bits(monkeypatch, knobs):
+    """Every layout knob gives the one launch's bits; each is read at get_tree_kernels' call, so a
+    changed setting builds its own kernels (the cached ones keep their geometry)."""
+    before = va.get_tree_kernels(TILED, 2)
     for name, value in knobs.items():
         monkeypatch.setattr(va, name, value)
+    assert va.get_tree_kernels(TILED, 2) is not before
     heads, past, size = (2, 23, 7) if knobs.get("TREE_PV_HEADS", 0) < 64 else (64, 3, 2)
     rng = np.random.default_rng(11)
     inputs, _ = _batch(rng, TILED, heads, [past], [size], size, past + size + 3)
@@ -196,8 +202,9 @@ def test_plan_tree_split_and_its_workspace(monkeypatch):
 def test_tree_geometry():
     for cfg, heads in ((TINY, 2), (TILED, 2), (va.KIMI_K2_SCORE_FIRST_TREE_SKIP_CONFIG, 64)):
         tq, tk, threads, th, spd = va.tree_geometry(cfg, heads)
-        assert tq % va.TREE_SCORE_TILE == 0 and tk % va.TREE_SCORE_TILE == 0
-        assert threads == (tq // 4) * (tk // 4) * cfg.k_groups <= 1024
+        r = va.TREE_SCORE_TILE
+        assert tq % r == 0 and tk % r == 0
+        assert threads == (tq // r) * (tk // r) * cfg.k_groups <= 1024
         assert heads % th == 0 and cfg.latent_dim % spd == 0
 
 

@@ -1625,16 +1625,16 @@ def tree_geometry(config: TileConfig, num_heads: int) -> tuple[int, int, int, in
 
 def get_tree_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any, int]:
     """(scores, values, values threads) kernels for small trees with ``config``'s numerics, bit for
-    bit (:func:`_tree_kernels` at the current tree geometry, TREE_PASS and TREE_SCORE_MIN_BLOCKS: layout,
-    read at the call)."""
+    bit (:func:`_tree_kernels` at the current tree geometry, TREE_SCORE_TILE, TREE_PASS and
+    TREE_SCORE_MIN_BLOCKS: layout, read at the call, so a changed setting builds its own kernels)."""
     tq, tk, _, th, spd = tree_geometry(config, num_heads)
     return _tree_kernels(config, tq, tk, th, spd, max(config.chunk, TREE_PASS // config.chunk * config.chunk),
-                         TREE_SCORE_MIN_BLOCKS)
+                         TREE_SCORE_MIN_BLOCKS, TREE_SCORE_TILE)
 
 
 @functools.cache
 def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads: int, pv_dims: int,
-                  pass_keys: int, score_min_blocks: int) -> tuple[Any, Any, int]:
+                  pass_keys: int, score_min_blocks: int, score_tile: int = TREE_SCORE_TILE) -> tuple[Any, Any, int]:
     """(scores, values, values threads) for trees with ``config``'s numerics, bit for bit.
 
     The numerics are the one-node launches' (:func:`_decode_kernels`: a score is lane kg's fma chain
@@ -1672,7 +1672,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
     LANES = KG * KEY_TILES              # softmax lanes of a head
     KT_LEVELS = KEY_TILES.bit_length() - 1
     MAX_PATH = config.max_path
-    R = TREE_SCORE_TILE
+    R = score_tile
     TQ = score_rows
     TK = score_keys
     Q_TILES = TQ // R
