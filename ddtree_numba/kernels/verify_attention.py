@@ -1649,10 +1649,11 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
       the butterfly; the scaled score stored to the workspace (flat ``[bs, Tc, H, S]``, by cache
       row, not position: every node's scores of every tree row, read only for its path);
     - values: grid (node x head groups, dim slices, requests); the block's node's path in shared
-      memory, a pass of TREE_PASS positions' cache rows; every thread one softmax lane of
-      ``LANES`` a head for the block's heads (in rounds of the block's threads), the pass's
-      probabilities and rescales and its value rows' dim slice staged in shared memory; then each
-      thread a square of heads x adjacent dims.
+      memory, keys in passes of TREE_PASS positions; every thread one softmax lane of ``LANES`` a
+      head for the block's heads (in rounds of the block's threads), the pass's probabilities and
+      rescales and its value rows' dim slice staged in shared memory; then each thread a square
+      of heads x adjacent dims. A pass's scores and value rows are loaded into registers a pass
+      ahead (the next pass's loads in flight during this pass's P·V, two barriers a pass).
 
     Guards as :func:`get_kernels`': a padding node (node >= tree_sizes[b]) gets zeros, a node of a
     request the guards reject or with a path past ``max_path`` NaN (the values kernel writes them;
@@ -1680,9 +1681,17 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
     S_THREADS = Q_TILES * K_TILES * KG
     LANE = 4 if KS % 4 == 0 else 1      # floats a staging move (16-byte loads: run() checks alignment)
     ROW_MOVES = KS // LANE
-    SLICE_MOVES = (TQ + TK) * ROW_MOVES
-    STAGE_N = -(-SLICE_MOVES // S_THREADS)
-    STAGE_REGS = STAGE_N * LANE
+    # staging: a staged row's moves on TPR adjacent lanes, ROW_STEP rows at once, so a thread's row
+    # and dim are fixed for the launch (its moves' addresses are the slice's d0 plus constants)
+    TPR = min(S_THREADS, ROW_MOVES)     # lanes a staged row
+    ROW_STEP = S_THREADS // TPR         # rows staged at once
+    COL_PASSES = -(-ROW_MOVES // TPR)   # a lane's moves a row, COL_STEP floats apart
+    COL_STEP = TPR * LANE
+    COLS_EXACT = ROW_MOVES % TPR == 0   # compile-time: no dim guard
+    ALL_LANES = S_THREADS % TPR == 0    # compile-time: every thread stages (else the last few idle)
+    Q_PASSES = -(-TQ // ROW_STEP)
+    K_PASSES = -(-TK // ROW_STEP)
+    STAGE_REGS = (Q_PASSES + K_PASSES) * COL_PASSES * LANE
     S_BUF = (TQ + TK) * KSP
     TH = pv_heads
     SPD = pv_dims
@@ -1703,7 +1712,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
     VALS_N = PASS * SPD
     ALPHAS_N = TH * PASS_CHUNKS
     FIN_N = 2 * TH
-    V_SHARED = 4 * (PROBS_N + VALS_N + ALPHAS_N + FIN_N + MAX_PATH + PASS)
+    V_SHARED = 4 * (PROBS_N + VALS_N + ALPHAS_N + FIN_N + MAX_PATH)
     checks = [(TQ % R == 0 and TK % R == 0, "score rows and keys must be multiples of TREE_SCORE_TILE"),
               (PASS % CHUNK == 0, "a pass must be whole chunks"),
               (S_THREADS <= 1024 and V_THREADS <= 1024, "at most 1024 threads a block"),
@@ -1732,29 +1741,55 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                     value = rope[uint64(row * DR + col - DL)]
             regs[at] = value
 
-    @cuda.jit(device=True, inline="always")
-    def load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, d0, tid, stage):
-        """Global -> registers: this thread's moves of the dim slice at d0 (move m: staged row
-        m // ROW_MOVES, the TQ query rows, then the TK key rows); rows past q_live / k_live zeros."""
-        for n in range(STAGE_N):
-            m = tid + n * S_THREADS
-            r = m // ROW_MOVES
-            col = d0 + (m % ROW_MOVES) * LANE
-            if r < TQ:
-                load_move(q_latent, q_rope, q_base + r, col, r < q_live, stage, n * LANE)
-            else:
-                load_move(kv_latent, k_rope, k_base + r - TQ, col, r - TQ < k_live and m < SLICE_MOVES,
-                          stage, n * LANE)
+    def part_io(n_rows: int, row0: int, reg0: int) -> tuple[Any, Any]:
+        """(load, store) of one staged part: ``n_rows`` rows (the TQ query rows or the TK key rows)
+        at staged row ``row0`` and stage register ``reg0`` (compile-time constants)."""
+        PASSES = -(-n_rows // ROW_STEP)
+        EXACT = n_rows % ROW_STEP == 0     # compile-time: no row guard
+
+        @cuda.jit(device=True, inline="always")
+        def load_part(latent, rope, base, live, d0, s_row, s_col, s_on, stage):
+            """Global -> registers: rows s_row + rp * ROW_STEP, dims d0 + s_col + cp * COL_STEP of
+            flat rows base + r; rows past ``live`` zeros."""
+            for rp in range(PASSES):
+                r = s_row + rp * ROW_STEP
+                for cp in range(COL_PASSES):
+                    c = s_col + cp * COL_STEP
+                    ok = s_on and (EXACT or r < n_rows) and (COLS_EXACT or c < KS)
+                    load_move(latent, rope, base + r, d0 + c, ok and r < live, stage,
+                              reg0 + (rp * COL_PASSES + cp) * LANE)
+
+        @cuda.jit(device=True, inline="always")
+        def store_part(bufs, s_row, s_col, s_on, stage):
+            """Registers -> shared memory: part row r at bufs[(row0 + r) * KSP:]."""
+            if s_on:
+                for rp in range(PASSES):
+                    r = s_row + rp * ROW_STEP
+                    if EXACT or r < n_rows:
+                        for cp in range(COL_PASSES):
+                            c = s_col + cp * COL_STEP
+                            if COLS_EXACT or c < KS:
+                                off = uint64((row0 + r) * KSP + c)
+                                for e in range(LANE):
+                                    bufs[off + uint64(e)] = stage[reg0 + (rp * COL_PASSES + cp) * LANE + e]
+        return load_part, store_part
+
+    load_q, store_q = part_io(TQ, 0, 0)
+    load_k, store_k = part_io(TK, TQ, Q_PASSES * COL_PASSES * LANE)
 
     @cuda.jit(device=True, inline="always")
-    def store_slice(bufs, tid, stage):
+    def load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, d0, s_row, s_col, s_on,
+                   stage):
+        """Global -> registers: this thread's moves of the dim slice at d0 (the TQ query rows, then
+        the TK key rows); rows past q_live / k_live zeros."""
+        load_q(q_latent, q_rope, q_base, q_live, d0, s_row, s_col, s_on, stage)
+        load_k(kv_latent, k_rope, k_base, k_live, d0, s_row, s_col, s_on, stage)
+
+    @cuda.jit(device=True, inline="always")
+    def store_slice(bufs, s_row, s_col, s_on, stage):
         """Registers -> shared memory: staged row r at bufs[r * KSP:] (query rows, then key rows)."""
-        for n in range(STAGE_N):
-            m = tid + n * S_THREADS
-            if m < SLICE_MOVES:
-                off = uint64((m // ROW_MOVES) * KSP + (m % ROW_MOVES) * LANE)
-                for e in range(LANE):
-                    bufs[off + uint64(e)] = stage[n * LANE + e]
+        store_q(bufs, s_row, s_col, s_on, stage)
+        store_k(bufs, s_row, s_col, s_on, stage)
 
     @cuda.jit(**launch_bounds(S_THREADS, min(score_min_blocks, 512 // S_THREADS) or None))
     def tree_scores(q_latent, q_rope, kv_latent, k_rope, past_lens, tree_sizes, tree_capacity, num_heads,
@@ -1782,6 +1817,9 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
         row_tile = tid // (KG * K_TILES)
         q_off = row_tile * R * KSP + kg * VEC          # keys key_tile + j * K_TILES: conflict-free LDS.128
         k_off = TQ * KSP + key_tile * KSP + kg * VEC
+        s_row = tid // TPR                # this thread's staged rows and dims
+        s_col = (tid % TPR) * LANE
+        s_on = ALL_LANES or s_row < ROW_STEP
         stage = cuda.local.array(STAGE_REGS, float32)
         s = cuda.local.array((R, R), float32)
         q_vec = cuda.local.array((R, VEC), float32)
@@ -1789,14 +1827,15 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
         for i in range(R):
             for j in range(R):
                 s[i, j] = float32(0.0)
-        load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, 0, tid, stage)
+        load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, 0, s_row, s_col, s_on,
+                   stage)
         for ks in range(N_KSLICES):
             cuda.syncthreads()  # readers of the previous slice are done
-            store_slice(bufs, tid, stage)
+            store_slice(bufs, s_row, s_col, s_on, stage)
             cuda.syncthreads()  # slice ks staged
             if ks + 1 < N_KSLICES:   # the next slice's loads in flight during these fmas
                 load_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k_base, q_live, k_live, (ks + 1) * KS,
-                           tid, stage)
+                           s_row, s_col, s_on, stage)
             score_slice(bufs, q_off, k_off, K_TILES * KSP, q_vec, k_vec, s)   # the one-launch kernels' chain
         sum_k_groups(s)
         for i in range(R):
@@ -1808,6 +1847,45 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
 
     fill_path = make_fill_path(V_THREADS)
 
+    @cuda.jit(device=True, inline="always")
+    def key_row(pos, past, n_keys, path):
+        """The cache row of key position ``pos`` of a node's sequence (the cached rows, then its
+        path in node order); -1 past its keys."""
+        row = -1
+        if pos < n_keys:
+            row = pos if pos < past else past + path[uint64(pos - past)]
+        return row
+
+    @cuda.jit(device=True, inline="always")
+    def load_pass(kv_latent, scores, kv_base, out_row, kv_rows, past, n_keys, path, d0, pass_start, tid, sm_tile,
+                  v_regs, pass_scores):
+        """Global -> registers: the pass's value rows' dim slice (zeros past the keys: 0 * NaN would
+        poison acc) and every score of the pass's softmax rounds (-inf past the keys), all in flight
+        at once."""
+        for n in range(V_STAGE_N):
+            e = tid + n * V_THREADS
+            row = -1
+            if e < V_MOVES:
+                row = key_row(pass_start + e // (SPD // V_LANE), past, n_keys, path)
+            if V_LANE == 4:
+                load_row_f32x4(kv_latent, kv_latent, kv_base + row, d0 + (e % (SPD // 4)) * 4, True, row >= 0,
+                               v_regs, n * V_LANE)
+            else:
+                value = float32(0.0)
+                if row >= 0:
+                    value = kv_latent[uint64((kv_base + row) * DL + d0 + e % SPD)]
+                v_regs[n * V_LANE] = value
+        for r in range(SM_ROUNDS):
+            head = min((tid + r * V_THREADS) // LANES, TH - 1)   # lanes past the heads shadow the last
+            s_base = (out_row + head) * kv_rows                   # this lane's head's scores, by cache row
+            for ci in range(PASS_CHUNKS):
+                for j in range(RC):
+                    row = key_row(pass_start + ci * CHUNK + sm_tile + j * KEY_TILES, past, n_keys, path)
+                    score = float32(NEG_INF)
+                    if row >= 0:
+                        score = scores[uint64(s_base + row)]
+                    pass_scores[r, ci, j] = score
+
     @cuda.jit(**launch_bounds(V_THREADS, min(score_min_blocks, 512 // V_THREADS) or None))
     def tree_values(kv_latent, past_lens, tree_sizes, visibility, tree_capacity, num_heads, kv_rows,
                     vis_words, scores, out, lse, release_next):
@@ -1818,7 +1896,6 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
         alpha = cuda.shared.array(ALPHAS_N, float32)   # [TH, PASS_CHUNKS] rescales
         fin = cuda.shared.array(FIN_N, float32)        # [2, TH] final m, then l
         path = cuda.shared.array(MAX_PATH, int32)      # tree node at position past + k
-        rows = cuda.shared.array(PASS, int32)          # [PASS] the pass's cache rows (-1: no key)
         pdl_begin_early(release_next)  # PDL: wait for the previous kernel; release the next one now?
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.z
@@ -1866,39 +1943,11 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
             m_run[r] = float32(NEG_INF)
             l_run[r] = float32(0.0)
         kv_base = b * kv_rows
+        cuda.syncthreads()  # path[] complete
+        load_pass(kv_latent, scores, kv_base, out_row, kv_rows, past, n_keys, path, d0, 0, tid, sm_tile, v_regs,
+                  pass_scores)
         for pass_start in range(0, n_keys, PASS):
-            cuda.syncthreads()  # path[] complete; the previous pass's readers of rows[], probs[], vals[] done
-            for c in range(tid, PASS, V_THREADS):
-                pos = pass_start + c
-                row = -1
-                if pos < n_keys:
-                    row = pos if pos < past else past + path[uint64(pos - past)]
-                rows[uint64(c)] = row
-            cuda.syncthreads()  # the pass's cache rows are known
-            for n in range(V_STAGE_N):   # the pass's value rows into registers, zeros past the keys
-                e = tid + n * V_THREADS  # (0 * NaN would poison acc); stored after the softmax
-                c = e // (SPD // V_LANE)
-                row = -1
-                if e < V_MOVES:
-                    row = rows[uint64(c)]
-                if V_LANE == 4:
-                    load_row_f32x4(kv_latent, kv_latent, kv_base + row, d0 + (e % (SPD // 4)) * 4, True, row >= 0,
-                                   v_regs, n * V_LANE)
-                else:
-                    value = float32(0.0)
-                    if row >= 0:
-                        value = kv_latent[uint64((kv_base + row) * DL + d0 + e % SPD)]
-                    v_regs[n * V_LANE] = value
-            for r in range(SM_ROUNDS):   # every score of the pass's rounds in flight at once
-                head = min((tid + r * V_THREADS) // LANES, TH - 1)   # lanes past the heads shadow the last
-                s_base = (out_row + head) * kv_rows      # this lane's head's scores, by cache row
-                for ci in range(PASS_CHUNKS):
-                    for j in range(RC):
-                        row = rows[uint64(ci * CHUNK + sm_tile + j * KEY_TILES)]
-                        score = float32(NEG_INF)
-                        if row >= 0:
-                            score = scores[uint64(s_base + row)]
-                        pass_scores[r, ci, j] = score
+            # v_regs / pass_scores hold this pass's value rows and scores (loaded a pass ahead)
             for r in range(SM_ROUNDS):
                 lane = tid + r * V_THREADS
                 head = min(lane // LANES, TH - 1)
@@ -1924,6 +1973,9 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                     at = uint64(e * V_LANE)   # [PASS, SPD] row-major: move e holds floats e * V_LANE ..
                     for q in range(V_LANE):
                         vals[at + uint64(q)] = v_regs[n * V_LANE + q]
+            if pass_start + PASS < n_keys:   # the next pass's loads in flight during this P·V
+                load_pass(kv_latent, scores, kv_base, out_row, kv_rows, past, n_keys, path, d0, pass_start + PASS,
+                          tid, sm_tile, v_regs, pass_scores)
             cuda.syncthreads()  # the pass's probabilities, rescales and value rows are in shared memory
             if pv_live:
                 for ci in range(PASS_CHUNKS):
@@ -1941,6 +1993,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                             for i in range(RH):
                                 for j in range(RD):
                                     acc[i, j] = cuda.fma(p_vec[i], v_vec[j], acc[i, j])
+            cuda.syncthreads()  # this pass's readers of probs[], alpha[] and vals[] are done
         for r in range(SM_ROUNDS):
             lane = tid + r * V_THREADS
             if lane < SM_LANES and sm_tile == 0 and sm_kg == 0:
