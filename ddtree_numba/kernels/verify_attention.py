@@ -1595,8 +1595,11 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
 # (node, head) query rows against every cache row it may see (the nodes' own rows included, a few
 # scores no node reads), each score the one-launch kernel's fma chain. P·V: a block per node and
 # head group that reruns the softmax over the node's key sequence (prefix, then its path) from the
-# stored scores and stages each latent row once for all its heads. False (the default until it is
-# timed on a GPU; bench.forward_ab's auto-treeone is its A/B partner): the one launch.
+# stored scores and stages each latent row once for all its heads. False, the one launch: on an H100
+# the first layout cost +46 us a 33-row forward (PERFORMANCE.md run tree split), the second
+# (87b71e3) timed at parity (run tree staging: values 36.6 + scores 31.1 us against 65.0); the third
+# (fixed staging lanes, loads a pass ahead) is untimed. bench.forward_ab's auto-tree / auto-treeone
+# are the A/B.
 TREE_SPLIT = False
 TREE_SPLIT_MAX_BATCH = 1     # requests (the one launch's blocks fill the GPU sooner with more)
 TREE_SPLIT_MAX_NODES = 64    # tree rows a request (the scores' workspace grows with Tc x S)
