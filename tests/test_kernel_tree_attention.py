@@ -158,6 +158,29 @@ def test_tree_path_past_max_path_gives_nan():
     assert np.isnan(out2[0, 4:]).all() and np.isfinite(out2[0, :4]).all()
 
 
+# 4 staging moves a 16-dim slice row, one k-group: score blocks of 3 or 6 threads then leave the
+# staging lanes (TPR a row) not dividing a row's moves or the block (guards that 2-move rows never reach)
+WIDE_SLICE = va.TileConfig(latent_dim=32, rope_dim=16, heads=4, chunk=8, k_slice=16, k_groups=1, qk_rows=1,
+                           qk_keys=1, pv_rows=1, pv_dims=4, v_slice=8, max_path=16, merge_threads=32)
+
+
+@pytest.mark.parametrize("rows, keys", [
+    (12, 8),   # 6 threads, 4 lanes a row: 2 idle
+    (12, 4),   # 3 threads: a second column pass, past the slice for 2 of its lanes
+    (4, 4),    # 1 thread: 4 column passes
+])
+def test_tree_scores_staging_lanes_and_guards(monkeypatch, rows, keys):
+    """The scores launch's staging on fixed lanes (TPR lanes a row, ROW_STEP rows at once) where the
+    block's threads and a row's moves do not divide each other: the one launch's bits."""
+    monkeypatch.setattr(va, "TREE_SCORE_ROWS", rows)
+    monkeypatch.setattr(va, "TREE_SCORE_KEYS", keys)
+    rng = np.random.default_rng(5)
+    inputs, _ = _batch(rng, WIDE_SLICE, 4, [13, 4], [6, 3], 6, 21)
+    (out2, lse2), (out1, lse1) = _both(_clean(inputs), WIDE_SLICE, 4)
+    assert _same_bits(out2, out1) and _same_bits(lse2, lse1)
+    assert np.isfinite(out2[0, :6]).all() and np.isfinite(out2[1, :3]).all()
+
+
 @pytest.mark.parametrize("knobs", [
     dict(TREE_SCORE_ROWS=4, TREE_SCORE_KEYS=4),      # one thread tile a k-group lane
     dict(TREE_SCORE_ROWS=16, TREE_SCORE_KEYS=12),    # 12 keys: 3 key tiles, rows not a power of two
@@ -165,7 +188,7 @@ def test_tree_path_past_max_path_gives_nan():
     dict(TREE_PV_HEADS=2, TREE_PV_DIMS=2),           # scalar value staging (2 dims)
     dict(TREE_PASS=8),                               # a pass of one chunk
     dict(TREE_PV_HEADS=64, TREE_PV_DIMS=4),          # 64 heads on 32 threads: lse in a loop (a 2-node tree)
-    dict(TREE_SCORE_TILE=2),                         # 2 x 2 score tiles (rows and keys as set: 64 x 32)
+    dict(TREE_SCORE_TILE=2),                         # 2 x 2 score tiles (rows and keys: the fixture's 8 x 8)
     dict(TREE_SCORE_TILE=8, TREE_SCORE_ROWS=16, TREE_SCORE_KEYS=16),   # 8 x 8 tiles, 2 x 2 of them a k-group
 ])
 def test_tree_layouts_keep_the_bits(monkeypatch, knobs):

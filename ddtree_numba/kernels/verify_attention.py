@@ -1597,7 +1597,8 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
 # head group that reruns the softmax over the node's key sequence (prefix, then its path) from the
 # stored scores and stages each latent row once for all its heads. False, the one launch: on an H100
 # the first layout cost +46 us a 33-row forward (PERFORMANCE.md run tree split), the second
-# (87b71e3) timed at parity (run tree staging: values 36.6 + scores 31.1 us against 65.0); the third
+# (87b71e3) at parity in a forward (run tree staging; alone, values 36.7 + scores 31.1 us against the one
+# launch's 65.0); the third
 # (fixed staging lanes, loads a pass ahead) is untimed. bench.forward_ab's auto-tree / auto-treeone
 # are the A/B.
 TREE_SPLIT = False
