@@ -421,6 +421,15 @@ def _path_length(visibility, row_base, words, size):
     return count
 
 
+@cuda.jit(device=True, inline="always")
+def _kv_row(pos, past, path):
+    """Cache row holding key position ``pos`` of a node's sequence: the cached rows, then its path
+    in node order (``path``: :func:`make_fill_path`'s table)."""
+    if pos < past:
+        return pos
+    return past + path[uint64(pos - past)]
+
+
 @functools.cache
 def make_fill_path(threads: int) -> Any:
     """``fill_path`` for blocks of ``threads`` (device function: the attention kernels' and the tree
@@ -484,6 +493,34 @@ def make_load_row_f32x4(dl: int, dr: int) -> Any:
         regs[base + 3] = v3
 
     return load_row_f32x4
+
+
+@functools.cache
+def make_load_lane(dl: int, dr: int, lane: int) -> Any:
+    """``load_lane`` of ``lane`` adjacent dims (1, or 4: one 16-byte load) of a row of ``dl`` latent
+    and ``dr`` rope dims (device function: the attention kernels' and the tree scores kernel's
+    staging move)."""
+    DL = dl
+    DR = dr
+    LANE = lane
+    load_row_f32x4 = make_load_row_f32x4(dl, dr)
+
+    @cuda.jit(device=True, inline="always")
+    def load_lane(latent, rope, row, col, in_latent, live, regs, base):
+        """regs[base : base + LANE] = dims col .. col + LANE - 1 of flat row ``row`` (latent
+        dims where ``in_latent``, else rope); zeros unless ``live``."""
+        if LANE == 4:   # compile-time. The per-lane col < DL (not the slice-wide in_latent,
+            # the same values) keeps NVVM's unrolling of the staging loop as it was
+            load_row_f32x4(latent, rope, row, col, col < DL, live, regs, base)
+        else:
+            value = float32(0.0)
+            if live:
+                if in_latent:
+                    value = latent[uint64(row * DL + col)]
+                else:
+                    value = rope[uint64(row * DR + col - DL)]
+            regs[base] = value
+    return load_lane
 
 
 @functools.cache
@@ -731,13 +768,6 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
 
     fill_path = make_fill_path(THREADS)
 
-    @cuda.jit(device=True, inline="always")
-    def kv_row(pos, past, path):
-        """Cache row holding key position ``pos`` of this node's sequence."""
-        if pos < past:
-            return pos
-        return past + path[uint64(pos - past)]
-
     load_row_f32x4 = make_load_row_f32x4(DL, DR)
 
     def slice_io(n_keys, k_buf, lane_floats):
@@ -766,21 +796,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             """This thread's first staged row and first dim."""
             return tid // TPR, (tid % TPR) * LANE
 
-        @cuda.jit(device=True, inline="always")
-        def load_lane(latent, rope, row, col, in_latent, live, regs, base):
-            """regs[base : base + LANE] = dims col .. col + LANE - 1 of flat row ``row`` (latent
-            dims where ``in_latent``, else rope); zeros unless ``live``."""
-            if LANE == 4:   # compile-time. The per-lane col < DL (not the slice-wide in_latent,
-                # the same values) keeps NVVM's unrolling of the staging loop as it was
-                load_row_f32x4(latent, rope, row, col, col < DL, live, regs, base)
-            else:
-                value = float32(0.0)
-                if live:
-                    if in_latent:
-                        value = latent[uint64(row * DL + col)]
-                    else:
-                        value = rope[uint64(row * DR + col - DL)]
-                regs[base] = value
+        load_lane = make_load_lane(DL, DR, LANE)
 
         @cuda.jit(device=True, inline="always")
         def load_qk_slice(q_latent, q_rope, kv_latent, k_rope, q_base, k0, rows, rows_off, s_row,
@@ -879,7 +895,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         while line < n_lines:   # uint32: division by a constant is a multiply
             c = line // uint32(ROW_LINES)
             part = line - c * uint32(ROW_LINES)
-            row = kv_base + kv_row(first + int32(c), past, path)
+            row = kv_base + _kv_row(first + int32(c), past, path)
             line += uint32(THREADS)
             if part < DL_LINES:
                 _prefetch_l2(kv_latent, uint64(row * DL + part * LINE_FLOATS))
@@ -925,7 +941,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
         if tid < CHUNK:
             row = -1
             if seg_start + tid < seg_end:
-                row = kv_base + kv_row(seg_start + tid, past, path)
+                row = kv_base + _kv_row(seg_start + tid, past, path)
             rows[tid] = row
         cuda.syncthreads()  # the first chunk's key rows are known
         if PREFETCH:   # the first PREFETCH_AHEAD keys (path[] is complete)
@@ -1014,7 +1030,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
                 pos = chunk_start + CHUNK + tid
                 row = -1
                 if pos < seg_end:
-                    row = kv_base + kv_row(pos, past, path)
+                    row = kv_base + _kv_row(pos, past, path)
                 rows[uint64(nxt * CHUNK + tid)] = row
             cuda.syncthreads()  # probs, alpha, next rows ready; score readers of bufs done
             if PREFETCH:   # the key rows PREFETCH_AHEAD on, to L2 during this chunk's P V
@@ -1199,7 +1215,7 @@ def get_kernels(config: TileConfig) -> tuple[Any, Any]:
             for c in range(tid, SB, THREADS):
                 row = -1
                 if pass_start + c < seg_end:
-                    row = kv_base + kv_row(pass_start + c, past, path)
+                    row = kv_base + _kv_row(pass_start + c, past, path)
                 rows[uint64(c)] = row
             if PREFETCH:   # the key rows PREFETCH_AHEAD on, to L2 during this pass
                 ahead = pass_start + PREFETCH_AHEAD
@@ -1388,7 +1404,7 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
 
 @functools.cache
 def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, score_heads: int,
-                    score_batch: int, pv_dims: int, pass_keys: int = DECODE_PASS) -> tuple[Any, Any]:
+                    score_batch: int, pv_dims: int, pass_keys: int) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit.
 
     The numerics (module docstring; :func:`get_kernels`): a score is lane kg's fma chain over the
@@ -1638,7 +1654,7 @@ def get_tree_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any, int]
 
 @functools.cache
 def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads: int, pv_dims: int,
-                  pass_keys: int, score_min_blocks: int, score_tile: int = TREE_SCORE_TILE) -> tuple[Any, Any, int]:
+                  pass_keys: int, score_min_blocks: int, score_tile: int) -> tuple[Any, Any, int]:
     """(scores, values, values threads) for trees with ``config``'s numerics, bit for bit.
 
     The numerics are the one-node launches' (:func:`_decode_kernels`: a score is lane kg's fma chain
@@ -1731,19 +1747,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
     score_slice = make_score_slice(R, R, KS, KG, VEC, KSP)
     sum_k_groups = make_sum_k_groups(R, R, KG)
 
-    @cuda.jit(device=True, inline="always")
-    def load_move(latent, rope, row, col, live, regs, at):
-        """regs[at : at + LANE] = dims col .. col + LANE - 1 of flat row ``row``; zeros unless live."""
-        if LANE == 4:
-            load_row_f32x4(latent, rope, row, col, col < DL, live, regs, at)
-        else:
-            value = float32(0.0)
-            if live:
-                if col < DL:
-                    value = latent[uint64(row * DL + col)]
-                else:
-                    value = rope[uint64(row * DR + col - DL)]
-            regs[at] = value
+    load_lane = make_load_lane(DL, DR, LANE)
 
     def part_io(n_rows: int, row0: int, reg0: int) -> tuple[Any, Any]:
         """(load, store) of one staged part: ``n_rows`` rows (the TQ query rows or the TK key rows)
@@ -1760,7 +1764,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
                 for cp in range(COL_PASSES):
                     c = s_col + cp * COL_STEP
                     ok = s_on and (EXACT or r < n_rows) and (COLS_EXACT or c < KS)
-                    load_move(latent, rope, base + r, d0 + c, ok and r < live, stage,
+                    load_lane(latent, rope, base + r, d0 + c, d0 + c < DL, ok and r < live, stage,
                               reg0 + (rp * COL_PASSES + cp) * LANE)
 
         @cuda.jit(device=True, inline="always")
@@ -1857,7 +1861,7 @@ def _tree_kernels(config: TileConfig, score_rows: int, score_keys: int, pv_heads
         path in node order); -1 past its keys."""
         row = -1
         if pos < n_keys:
-            row = pos if pos < past else past + path[uint64(pos - past)]
+            row = _kv_row(pos, past, path)
         return row
 
     @cuda.jit(device=True, inline="always")
