@@ -93,3 +93,54 @@ def test_gpu_small_splits_match_the_reference():
     for split in (64, 2048):
         m = bva.measure(1, 1, 160, tile="sf2x256-skip", split=split, reps=20, check=True)
         assert m["finite"] and m["out_err"] < 1e-4 and m["lse_err"] < 1e-5, (split, m["out_err"], m["lse_err"])
+
+
+def test_launches_names_what_run_launches():
+    """The launches column: the small-tree pair only where TREE_SPLIT is on and the plan fits it
+    (2 .. TREE_SPLIT_MAX_NODES rows, batch <= TREE_SPLIT_MAX_BATCH, merge-free), the one-node pair
+    for an AR step, else the tile's launch, with the merge where keys pass the first segment."""
+    from ddtree_numba.kernels import verify_attention as va
+    cfg = bva.TILES["sf8x128r4-skip"]
+    small = dict(config=cfg)
+    for on in (True, False):
+        with bva.tree_split_setting(on):
+            assert bva.launches(va.plan(1, 33, 64, 225, **small)) == ("tree-split" if on else "one")
+            assert bva.launches(va.plan(1, va.TREE_SPLIT_MAX_NODES + 1, 64, 300, **small)) == "one"
+            assert bva.launches(va.plan(va.TREE_SPLIT_MAX_BATCH + 1, 33, 64, 225, **small)) == "one"
+            assert bva.launches(va.plan(1, 33, 64, 4096 + 33, **small)) == "one+merge"
+            assert bva.launches(va.plan(1, 1, 64, 193, config=bva.TILES["sf2x256-skip"])) == (
+                "decode-split" if va.DECODE_SPLIT else "one")
+
+
+def test_tree_split_setting_is_restored():
+    """measure's TREE_SPLIT override holds inside the block only, also when the block raises;
+    None leaves the module's setting alone."""
+    from ddtree_numba.kernels import verify_attention as va
+    saved = va.TREE_SPLIT
+    for on in (True, False):
+        with pytest.raises(RuntimeError):
+            with bva.tree_split_setting(on):
+                assert va.TREE_SPLIT is on
+                raise RuntimeError("inside")
+        assert va.TREE_SPLIT is saved
+    with bva.tree_split_setting(None):
+        assert va.TREE_SPLIT is saved
+
+
+def test_tree_split_option_is_checked(capsys):
+    """--tree-split takes on / off (repeatable); anything else is an argparse error naming it."""
+    with pytest.raises(SystemExit):
+        bva.main(["--tree-split", "yes"])
+    assert "--tree-split" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_tree_split_times_both_layouts():
+    """--tree-split on / off at small's verify shape (33 rows over 192 cached): the two launches and
+    the one launch, each timed, finite and within the reference bound; TREE_SPLIT restored after."""
+    from ddtree_numba.kernels import verify_attention as va
+    saved = va.TREE_SPLIT
+    for on in (True, False):
+        m = bva.measure(1, 33, 192, tile="sf8x128r4-skip", reps=20, check=True, tree_split=on)
+        assert m["launches"] == ("tree-split" if on else "one") and va.TREE_SPLIT is saved
+        assert m["finite"] and m["out_err"] < 1e-4 and m["lse_err"] < 1e-5, (on, m["out_err"], m["lse_err"])

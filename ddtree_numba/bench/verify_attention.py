@@ -25,6 +25,13 @@ against the float64 reference (``reference.verify_attention``) where that is che
     python3 -m ddtree_numba.bench.verify_attention --shape 1,1,160 --graph --tile sf2x256-skip --tile sf1x256-skip
 
 ``--tile`` takes the named tiles of ``TILES`` or any score-first tile ``sfHxK[rR][-skip]``.
+``--tree-split on --tree-split off`` times each case with a small tree's attention in two launches
+(``verify_attention.TREE_SPLIT``: the scores as one GEMM, then softmax and P·V) and in the tile's
+one launch, in one process; the ``launches`` column says what each plan ran (``tree-split``,
+``decode-split``, ``one`` or ``one+merge``), since the split applies only to the plans it fits:
+
+    python3 -m ddtree_numba.bench.verify_attention --shape 1,33,192 --tile sf8x128r4-skip --graph \
+        --tree-split off --tree-split on --tree-split off --tree-split on
 
 Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarray Dataset
 (dims case, values latency_us median/min/max, tflops, pct_fp32_peak) to an HDF5 file.
@@ -32,6 +39,7 @@ Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -244,14 +252,47 @@ def reference_error(x: dict, out, lse) -> tuple[float, float]:
     return out_err, lse_err
 
 
+def launches(p: va.VerifyPlan) -> str:
+    """What :func:`va.run` launches for plan ``p`` under the module's current settings: the small-tree
+    pair (``tree-split``), the one-node pair (``decode-split``), the tile's one launch (``one``), or
+    that launch and the segment merge (``one+merge``)."""
+    if p.tree_split:
+        return "tree-split"
+    if p.decode_split:
+        return "decode-split"
+    return "one" if p.merge_free else "one+merge"
+
+
+@contextlib.contextmanager
+def tree_split_setting(on: bool | None):
+    """``va.TREE_SPLIT`` set to ``on`` inside the block and restored after it (``None``: left as it
+    is). :func:`va.run` reads the setting at each call, so it must hold while the calls run."""
+    saved = va.TREE_SPLIT
+    if on is not None:
+        va.TREE_SPLIT = on
+    try:
+        yield
+    finally:
+        va.TREE_SPLIT = saved
+
+
 def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.DEFAULT_SPLIT_SIZE,
             reps: int = 20, warmup: int = 3, sets: int = 2, seed: int = 0, peers: bool = False,
-            check: bool = False, graph: bool = False) -> dict:
+            check: bool = False, graph: bool = False, tree_split: bool | None = None) -> dict:
     """Per-repetition times (µs) of one ``run`` call and of the peers, and the reference error.
 
+    ``tree_split``: ``va.TREE_SPLIT`` for this measurement (``None``: the module's setting).
     Returns a dict: ``gpu`` (list), ``torch_fp32`` / ``torch_bf16`` (lists; empty when not run),
-    ``out_err`` / ``lse_err`` (NaN when not checked), ``finite`` (bool).
+    ``out_err`` / ``lse_err`` (NaN when not checked), ``finite`` (bool), ``launches``
+    (:func:`launches` of the plan).
     """
+    with tree_split_setting(tree_split):
+        return _measure(bs, t, n, tile=tile, split=split, reps=reps, warmup=warmup, sets=sets, seed=seed,
+                        peers=peers, check=check, graph=graph)
+
+
+def _measure(bs: int, t: int, n: int, *, tile: str, split: int, reps: int, warmup: int, sets: int,
+             seed: int, peers: bool, check: bool, graph: bool) -> dict:
     rng = np.random.default_rng(seed)
     stream = cuda.stream()
     p = va.plan(bs, t, HEADS, n + t, split_size=split, config=tile_config(tile))
@@ -273,7 +314,7 @@ def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.D
     else:
         times = event_times(call, reps, warmup, stream)
     result = {"gpu": times, "torch_fp32": [], "torch_bf16": [],
-              "out_err": float("nan"), "lse_err": float("nan")}
+              "out_err": float("nan"), "lse_err": float("nan"), "launches": launches(p)}
     stream.synchronize()
     result["finite"] = bool(np.isfinite(out.copy_to_host()).all())
     if check and t * (n + t) <= CHECK_MAX_SCORES:
@@ -290,15 +331,16 @@ def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.D
 
 
 def bench_case(bs: int, t: int, n: int, tile: str, split: int, reps: int, warmup: int,
-               sets: int, seed: int, peers: bool = False, check: bool = False, graph: bool = False) -> dict:
+               sets: int, seed: int, peers: bool = False, check: bool = False, graph: bool = False,
+               tree_split: bool | None = None) -> dict:
     """Median/min/max latency (µs) of one run() call, effective TFLOP/s and % of the FP32 peak."""
     m = measure(bs, t, n, tile=tile, split=split, reps=reps, warmup=warmup, sets=sets, seed=seed,
-                peers=peers, check=check, graph=graph)
+                peers=peers, check=check, graph=graph, tree_split=tree_split)
     times = m["gpu"]
     med = float(np.median(times))
     tflops = flops(bs, t, n) / (med * 1e-6) / 1e12
     torch_med = {k: float(np.median(m[k])) if m[k] else float("nan") for k in ("torch_fp32", "torch_bf16")}
-    return dict(batch=bs, tree=t, past=n, tile=tile, split=split, median_us=med,
+    return dict(batch=bs, tree=t, past=n, tile=tile, split=split, launches=m["launches"], median_us=med,
                 min_us=float(np.min(times)), max_us=float(np.max(times)), tflops=tflops,
                 pct_fp32_peak=100.0 * tflops * 1e12 / active_profile().fp32_peak,
                 torch_fp32_us=torch_med["torch_fp32"], torch_bf16_us=torch_med["torch_bf16"],
@@ -313,7 +355,7 @@ def _write(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
             "torch_fp32_us", "torch_bf16_us", "out_err", "lse_err")
     ds = xr.Dataset(
         {key: ("case", np.array([r[key] for r in rows])) for key in keys}
-        | {"tile": ("case", np.array([r["tile"] for r in rows]))},
+        | {name: ("case", np.array([r[name] for r in rows])) for name in ("tile", "launches")},
         attrs=dict(benchmark="verify_attention", config=json.dumps(vars(args), default=str),
                    profile=active_profile().name),
     )
@@ -331,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", type=int, action="append",
                         help=f"keys per segment (repeatable: each tile and shape at each split; part of the "
                              f"numerics, the engine's is {va.DEFAULT_SPLIT_SIZE}; default: that)")
+    parser.add_argument("--tree-split", choices=("on", "off"), action="append",
+                        help="a small tree's attention in two launches (on) or the tile's one launch (off), "
+                             "verify_attention.TREE_SPLIT; repeatable: each case at each setting, in the given "
+                             f"order (the split applies to 2-{va.TREE_SPLIT_MAX_NODES} tree rows, batch <= "
+                             f"{va.TREE_SPLIT_MAX_BATCH}, merge-free plans; the launches column says what ran); "
+                             f"default: the module's setting ({'on' if va.TREE_SPLIT else 'off'})")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sets", type=int, default=2, help="input sets rotated between calls")
@@ -352,16 +400,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs a CUDA GPU (NUMBA_ENABLE_CUDASIM is set)")
     shapes = ([tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape
               else DEFAULT_SHAPES)
+    tree_splits = [s == "on" for s in args.tree_split] if args.tree_split else [None]
     rows = []
-    print(f"{'bs':>3} {'T':>4} {'N':>7} {'tile':>14} {'split':>6} {'median us':>11} {'min':>9} {'max':>9} "
-          f"{'TFLOP/s':>8} {'% FP32':>7} {'torch f32':>10} {'torch bf16':>10} {'out err':>8}")
-    cases = [(tile, split, shape) for tile in args.tile or ["default"] for split in splits for shape in shapes]
-    for tile, split, (bs, t, n) in cases:
+    print(f"{'bs':>3} {'T':>4} {'N':>7} {'tile':>14} {'split':>6} {'launches':>12} {'median us':>11} {'min':>9} "
+          f"{'max':>9} {'TFLOP/s':>8} {'% FP32':>7} {'torch f32':>10} {'torch bf16':>10} {'out err':>8}")
+    cases = [(tile, split, shape, tree_split) for tile in args.tile or ["default"] for split in splits
+             for shape in shapes for tree_split in tree_splits]
+    for tile, split, (bs, t, n), tree_split in cases:
         t0 = time.perf_counter()
         r = bench_case(bs, t, n, tile, split, args.reps, args.warmup, args.sets,
-                       args.seed, peers=args.torch, check=args.check, graph=args.graph)
+                       args.seed, peers=args.torch, check=args.check, graph=args.graph, tree_split=tree_split)
         rows.append(r)
-        print(f"{bs:>3} {t:>4} {n:>7} {tile:>14} {split:>6} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
+        print(f"{bs:>3} {t:>4} {n:>7} {tile:>14} {split:>6} {r['launches']:>12} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
               f"{r['max_us']:>9.1f} {r['tflops']:>8.2f} {r['pct_fp32_peak']:>6.1f}% "
               f"{r['torch_fp32_us']:>10.1f} {r['torch_bf16_us']:>10.1f} {r['out_err']:>8.1e}"
               f"{'' if r['finite'] else '  NON-FINITE OUTPUT'}  ({time.perf_counter() - t0:.0f} s)",

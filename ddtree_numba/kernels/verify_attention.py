@@ -1615,8 +1615,8 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
 # the first layout cost +46 us a 33-row forward (PERFORMANCE.md run tree split), the second
 # (87b71e3) at parity in a forward (run tree staging; alone, values 36.7 + scores 31.1 us against the one
 # launch's 65.0); the third
-# (fixed staging lanes, loads a pass ahead) is untimed. bench.forward_ab's auto-tree / auto-treeone
-# are the A/B.
+# (fixed staging lanes, loads a pass ahead) is untimed. The A/B: bench.forward_ab's auto-tree /
+# auto-treeone in a forward, bench.verify_attention --tree-split on / off alone.
 TREE_SPLIT = False
 TREE_SPLIT_MAX_BATCH = 1     # requests (the one launch's blocks fill the GPU sooner with more)
 TREE_SPLIT_MAX_NODES = 64    # tree rows a request (the scores' workspace grows with Tc x S)
