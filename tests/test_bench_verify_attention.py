@@ -3,9 +3,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from ddtree_numba.bench import verify_attention as bva
 from reference import unpack_visibility
+from sim.profiles import H200
 
 
 @pytest.mark.parametrize("bs,t", [(1, 1), (2, 9), (3, 33), (1, 70)])
@@ -95,21 +97,56 @@ def test_gpu_small_splits_match_the_reference():
         assert m["finite"] and m["out_err"] < 1e-4 and m["lse_err"] < 1e-5, (split, m["out_err"], m["lse_err"])
 
 
-def test_launches_names_what_run_launches():
-    """The launches column: the small-tree pair only where TREE_SPLIT is on and the plan fits it
-    (2 .. TREE_SPLIT_MAX_NODES rows, batch <= TREE_SPLIT_MAX_BATCH, merge-free), the one-node pair
-    for an AR step, else the tile's launch, with the merge where keys pass the first segment."""
+def _launched(monkeypatch, bs, t, s, tile):
+    """The kernels va.run launches (recorded, not run) for a plan of bs requests, t tree rows and s
+    cache rows at a bench tile, on 16-byte-aligned device arrays as the bench's are; with the plan."""
     from ddtree_numba.kernels import verify_attention as va
-    cfg = bva.TILES["sf8x128r4-skip"]
-    small = dict(config=cfg)
+    from ddtree_numba.kernels._args import data_address
+    cfg = bva.tile_config(tile)
+    p = va.plan(bs, t, bva.HEADS, s, config=cfg)
+    arrays = [cuda.to_device(np.zeros(shape, np.float32)) for shape in
+              ((bs, t, bva.HEADS, bva.LATENT), (bs, t, bva.HEADS, bva.ROPE), (bs, s, bva.LATENT), (bs, s, bva.ROPE))]
+    assert all(data_address(a) % 16 == 0 for a in arrays)
+    past = cuda.to_device(np.full(bs, s - t, np.int32))
+    sizes = cuda.to_device(np.full(bs, t, np.int32))
+    visibility = cuda.to_device(bva.random_visibility(np.random.default_rng(t), bs, t)[1])
+    out = cuda.device_array((bs, t, bva.HEADS, bva.LATENT), np.float32)
+    lse = cuda.device_array((bs, t, bva.HEADS), np.float32)
+    launched = []
+    monkeypatch.setattr(va, "launch", lambda kernel, *args, **kwargs: launched.append(kernel))
+    va.run(p, *arrays, past, sizes, visibility, bva.SCALE, out, lse, p.allocate_workspace())
+    monkeypatch.undo()
+    return launched, p, cfg
+
+
+@pytest.mark.parametrize("bs,t,s,tile,tree_label", [
+    (1, 33, 225, "sf8x128r4-skip", "tree-split"),      # small's verify shape: the split fits
+    (2, 33, 225, "sf8x128r4-skip", "one"),             # past TREE_SPLIT_MAX_BATCH
+    (1, 65, 300, "sf8x128r4-skip", "one"),             # past TREE_SPLIT_MAX_NODES
+    (1, 33, 4096 + 33, "sf8x128r4-skip", "one+merge"),  # keys past segment 0: the merge, no split
+    (1, 1, 193, "sf2x256-skip", "decode-split"),       # an AR step
+])
+def test_launches_names_what_run_launches(monkeypatch, bs, t, s, tile, tree_label):
+    """The launches column names the kernels va.run launches (recorded in place of the launch): the
+    small-tree pair only where TREE_SPLIT is on and the plan fits it (2 .. TREE_SPLIT_MAX_NODES rows,
+    batch <= TREE_SPLIT_MAX_BATCH, merge-free), the one-node pair for an AR step, else the tile's
+    launch, with the merge where keys pass the first segment."""
+    from ddtree_numba.kernels import verify_attention as va
+    assert (va.TREE_SPLIT_MAX_BATCH, va.TREE_SPLIT_MAX_NODES, va.DEFAULT_SPLIT_SIZE) == (1, 64, 2048)
     for on in (True, False):
         with bva.tree_split_setting(on):
-            assert bva.launches(va.plan(1, 33, 64, 225, **small)) == ("tree-split" if on else "one")
-            assert bva.launches(va.plan(1, va.TREE_SPLIT_MAX_NODES + 1, 64, 300, **small)) == "one"
-            assert bva.launches(va.plan(va.TREE_SPLIT_MAX_BATCH + 1, 33, 64, 225, **small)) == "one"
-            assert bva.launches(va.plan(1, 33, 64, 4096 + 33, **small)) == "one+merge"
-            assert bva.launches(va.plan(1, 1, 64, 193, config=bva.TILES["sf2x256-skip"])) == (
-                "decode-split" if va.DECODE_SPLIT else "one")
+            launched, p, cfg = _launched(monkeypatch, bs, t, s, tile)
+            label = bva.launches(p)
+        if label == "tree-split":
+            expected = list(va.get_tree_kernels(cfg, bva.HEADS)[:2])
+        elif label == "decode-split":
+            expected = list(va.get_decode_kernels(cfg, bva.HEADS))
+        else:
+            expected = list(va.get_kernels(cfg))[:1 if label == "one" else 2]
+        expected_label = {"tree-split": "tree-split" if on else "one",
+                          "decode-split": "decode-split" if va.DECODE_SPLIT else "one"}.get(tree_label, tree_label)
+        assert label == expected_label
+        assert launched == expected, (on, label, launched)
 
 
 def test_tree_split_setting_is_restored():
@@ -144,3 +181,30 @@ def test_gpu_tree_split_times_both_layouts():
         m = bva.measure(1, 33, 192, tile="sf8x128r4-skip", reps=20, check=True, tree_split=on)
         assert m["launches"] == ("tree-split" if on else "one") and va.TREE_SPLIT is saved
         assert m["finite"] and m["out_err"] < 1e-4 and m["lse_err"] < 1e-5, (on, m["out_err"], m["lse_err"])
+
+
+def test_tree_split_cases_interleave_and_are_stored(tmp_path, monkeypatch, capsys):
+    """main with --tree-split off --tree-split on: each shape timed at each setting in the given order
+    (measure faked: no GPU), and the HDF5 group keeps what was asked (tree_split) beside what ran
+    (launches)."""
+    import xarray as xr
+    asked = []
+
+    def fake_measure(bs, t, n, *, tree_split=None, **kwargs):
+        asked.append((t, tree_split))
+        return {"gpu": [10.0 + t] * 20, "torch_fp32": [], "torch_bf16": [], "out_err": float("nan"),
+                "lse_err": float("nan"), "finite": True, "launches": "tree-split" if tree_split and t > 1 else "one"}
+
+    monkeypatch.setattr(bva, "measure", fake_measure)
+    monkeypatch.setattr(bva.cuda.config, "ENABLE_CUDASIM", False)   # main's GPU check; nothing launches
+    monkeypatch.setattr(bva, "active_profile", lambda: H200)
+    out = tmp_path / "va.h5"
+    assert bva.main(["--shape", "1,33,192", "--shape", "1,1,192", "--tree-split", "off", "--tree-split", "on",
+                     "--out", str(out)]) == 0
+    assert asked == [(33, False), (33, True), (1, False), (1, True)]
+    group = capsys.readouterr().out.strip().splitlines()[-1].split(":", 1)[1]
+    ds = xr.open_dataset(out, group=group, engine="h5netcdf")
+    assert list(ds.tree_split.values) == ["off", "on", "off", "on"]
+    assert list(ds.launches.values) == ["one", "tree-split", "one", "one"]
+    assert list(ds.tree.values) == [33, 33, 1, 1] and list(ds.median_us.values) == [43.0, 43.0, 11.0, 11.0]
+    ds.close()

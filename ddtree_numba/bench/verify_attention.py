@@ -8,8 +8,8 @@ tree block) and is compared with the FP32 peak of the active device profile (``s
 H200: 67 TFLOP/s; target >= 30 % at H = 64, T = 33, N = 32k, bs 8).
 
 Timing: by default CUDA events bracket each ``run`` call, so a call's median includes the host's
-part of it (``run`` validates every argument and launches two kernels: about 0.5 ms a call on the
-H200 host, which dominates at small shapes; PERFORMANCE.md run "in-bounds loads"). ``--graph``
+part of it (``run`` validates every argument and launches one or two kernels (the ``launches``
+column): about 0.5 ms a call on the H200 host, which dominates at small shapes; PERFORMANCE.md run "in-bounds loads"). ``--graph``
 captures ``GRAPH_LAUNCHES`` rotated calls into one CUDA graph (``cuda.core``, as the engine replays
 a step) and reports a replay's time divided by the launches: the GPU's time, as a decode step sees it
 (``--warmup`` is then one eager call; the ``--torch`` peer keeps its event timing).
@@ -28,13 +28,16 @@ against the float64 reference (``reference.verify_attention``) where that is che
 ``--tree-split on --tree-split off`` times each case with a small tree's attention in two launches
 (``verify_attention.TREE_SPLIT``: the scores as one GEMM, then softmax and P·V) and in the tile's
 one launch, in one process; the ``launches`` column says what each plan ran (``tree-split``,
-``decode-split``, ``one`` or ``one+merge``), since the split applies only to the plans it fits:
+``decode-split``, ``one`` or ``one+merge``), since the split applies only to the plans it fits, and
+``tree_split`` what was asked (``on``, ``off``, or ``module``: the setting left alone). The time is
+both launches' together; Nsight Compute gives each kernel's share:
 
     python3 -m ddtree_numba.bench.verify_attention --shape 1,33,192 --tile sf8x128r4-skip --graph \
         --tree-split off --tree-split on --tree-split off --tree-split on
 
 Not a test: run it on the GPU machine; prints a table, ``--out`` appends an xarray Dataset
-(dims case, values latency_us median/min/max, tflops, pct_fp32_peak) to an HDF5 file.
+(dim case; variables batch, tree, past, split, tile, tree_split, launches, median_us / min_us /
+max_us, tflops, pct_fp32_peak, the peers' medians and the reference errors) to an HDF5 file.
 """
 from __future__ import annotations
 
@@ -253,7 +256,8 @@ def reference_error(x: dict, out, lse) -> tuple[float, float]:
 
 
 def launches(p: va.VerifyPlan) -> str:
-    """What :func:`va.run` launches for plan ``p`` under the module's current settings: the small-tree
+    """What :func:`va.run` launches for plan ``p`` under the module's current settings, on
+    16-byte-aligned arrays as the bench's are (unaligned ones take the one launch): the small-tree
     pair (``tree-split``), the one-node pair (``decode-split``), the tile's one launch (``one``), or
     that launch and the segment merge (``one+merge``)."""
     if p.tree_split:
@@ -340,7 +344,9 @@ def bench_case(bs: int, t: int, n: int, tile: str, split: int, reps: int, warmup
     med = float(np.median(times))
     tflops = flops(bs, t, n) / (med * 1e-6) / 1e12
     torch_med = {k: float(np.median(m[k])) if m[k] else float("nan") for k in ("torch_fp32", "torch_bf16")}
-    return dict(batch=bs, tree=t, past=n, tile=tile, split=split, launches=m["launches"], median_us=med,
+    asked = "module" if tree_split is None else ("on" if tree_split else "off")
+    return dict(batch=bs, tree=t, past=n, tile=tile, split=split, tree_split=asked, launches=m["launches"],
+                median_us=med,
                 min_us=float(np.min(times)), max_us=float(np.max(times)), tflops=tflops,
                 pct_fp32_peak=100.0 * tflops * 1e12 / active_profile().fp32_peak,
                 torch_fp32_us=torch_med["torch_fp32"], torch_bf16_us=torch_med["torch_bf16"],
@@ -355,7 +361,7 @@ def _write(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
             "torch_fp32_us", "torch_bf16_us", "out_err", "lse_err")
     ds = xr.Dataset(
         {key: ("case", np.array([r[key] for r in rows])) for key in keys}
-        | {name: ("case", np.array([r[name] for r in rows])) for name in ("tile", "launches")},
+        | {name: ("case", np.array([r[name] for r in rows])) for name in ("tile", "tree_split", "launches")},
         attrs=dict(benchmark="verify_attention", config=json.dumps(vars(args), default=str),
                    profile=active_profile().name),
     )
@@ -411,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         r = bench_case(bs, t, n, tile, split, args.reps, args.warmup, args.sets,
                        args.seed, peers=args.torch, check=args.check, graph=args.graph, tree_split=tree_split)
         rows.append(r)
-        print(f"{bs:>3} {t:>4} {n:>7} {tile:>14} {split:>6} {r['launches']:>12} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
-              f"{r['max_us']:>9.1f} {r['tflops']:>8.2f} {r['pct_fp32_peak']:>6.1f}% "
+        print(f"{bs:>3} {t:>4} {n:>7} {tile:>14} {split:>6} {r['launches']:>12} {r['median_us']:>11.1f} "
+              f"{r['min_us']:>9.1f} {r['max_us']:>9.1f} {r['tflops']:>8.2f} {r['pct_fp32_peak']:>6.1f}% "
               f"{r['torch_fp32_us']:>10.1f} {r['torch_bf16_us']:>10.1f} {r['out_err']:>8.1e}"
               f"{'' if r['finite'] else '  NON-FINITE OUTPUT'}  ({time.perf_counter() - t0:.0f} s)",
               flush=True)
