@@ -1,5 +1,6 @@
 """Host-side pieces of the verify-attention benchmark: random trees' visibility, FLOPs, peer sizing."""
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -97,16 +98,24 @@ def test_gpu_small_splits_match_the_reference():
         assert m["finite"] and m["out_err"] < 1e-4 and m["lse_err"] < 1e-5, (split, m["out_err"], m["lse_err"])
 
 
-def _launched(monkeypatch, bs, t, s, tile):
+def _device_zeros(shape, aligned):
+    """A float32 device array of zeros; ``aligned`` False: one float past a 16-byte boundary."""
+    size = int(np.prod(shape))
+    if aligned:
+        return cuda.to_device(np.zeros(shape, np.float32))
+    return cuda.to_device(np.zeros(size + 1, np.float32))[1:].reshape(shape)
+
+
+def _launched(monkeypatch, bs, t, s, tile, aligned=True):
     """The kernels va.run launches (recorded, not run) for a plan of bs requests, t tree rows and s
-    cache rows at a bench tile, on 16-byte-aligned device arrays as the bench's are; with the plan."""
+    cache rows at a bench tile, on q / kv arrays that are 16-byte aligned or not; with the plan."""
     from ddtree_numba.kernels import verify_attention as va
     from ddtree_numba.kernels._args import data_address
     cfg = bva.tile_config(tile)
     p = va.plan(bs, t, bva.HEADS, s, config=cfg)
-    arrays = [cuda.to_device(np.zeros(shape, np.float32)) for shape in
+    arrays = [_device_zeros(shape, aligned) for shape in
               ((bs, t, bva.HEADS, bva.LATENT), (bs, t, bva.HEADS, bva.ROPE), (bs, s, bva.LATENT), (bs, s, bva.ROPE))]
-    assert all(data_address(a) % 16 == 0 for a in arrays)
+    assert all((data_address(a) % 16 == 0) is aligned for a in arrays)
     past = cuda.to_device(np.full(bs, s - t, np.int32))
     sizes = cuda.to_device(np.full(bs, t, np.int32))
     visibility = cuda.to_device(bva.random_visibility(np.random.default_rng(t), bs, t)[1])
@@ -119,34 +128,40 @@ def _launched(monkeypatch, bs, t, s, tile):
     return launched, p, cfg
 
 
-@pytest.mark.parametrize("bs,t,s,tile,tree_label", [
-    (1, 33, 225, "sf8x128r4-skip", "tree-split"),      # small's verify shape: the split fits
-    (2, 33, 225, "sf8x128r4-skip", "one"),             # past TREE_SPLIT_MAX_BATCH
-    (1, 65, 300, "sf8x128r4-skip", "one"),             # past TREE_SPLIT_MAX_NODES
-    (1, 33, 4096 + 33, "sf8x128r4-skip", "one+merge"),  # keys past segment 0: the merge, no split
-    (1, 1, 193, "sf2x256-skip", "decode-split"),       # an AR step
+@pytest.mark.parametrize("bs,t,s,tile,split_on,split_off", [
+    (1, 33, 225, "sf8x128r4-skip", "tree-split", "one"),  # small's verify shape: the split fits
+    (2, 33, 225, "sf8x128r4-skip", "one", "one"),         # past TREE_SPLIT_MAX_BATCH
+    (1, 65, 300, "sf8x128r4-skip", "one", "one"),         # past TREE_SPLIT_MAX_NODES
+    (1, 33, 4096 + 33, "sf8x128r4-skip", "one+merge", "one+merge"),  # keys past segment 0: the merge
+    (1, 1, 193, "sf2x256-skip", "decode-split", "decode-split"),     # an AR step
 ])
-def test_launches_names_what_run_launches(monkeypatch, bs, t, s, tile, tree_label):
-    """The launches column names the kernels va.run launches (recorded in place of the launch): the
-    small-tree pair only where TREE_SPLIT is on and the plan fits it (2 .. TREE_SPLIT_MAX_NODES rows,
-    batch <= TREE_SPLIT_MAX_BATCH, merge-free), the one-node pair for an AR step, else the tile's
-    launch, with the merge where keys pass the first segment."""
+@pytest.mark.parametrize("aligned", [True, False])
+def test_plan_launches_names_what_run_launches(monkeypatch, bs, t, s, tile, split_on, split_off, aligned):
+    if not aligned:   # run refuses unaligned q / kv for the score-first tiles; the chunk tiles take them
+        tile = {"sf8x128r4-skip": "h16", "sf2x256-skip": "h8"}[tile]
+    """VerifyPlan.launches, which run dispatches on and the bench's launches column reports, against
+    the kernels run launches (recorded in place of the launch): the small-tree pair only where
+    TREE_SPLIT is on, the plan fits it (2 .. TREE_SPLIT_MAX_NODES rows, batch <= TREE_SPLIT_MAX_BATCH,
+    merge-free) and q / kv are 16-byte aligned; the one-node pair for an AR step (aligned or not
+    when its lanes' slices are not whole quads); else the tile's launch, with the merge where keys
+    pass the first segment."""
     from ddtree_numba.kernels import verify_attention as va
-    assert (va.TREE_SPLIT_MAX_BATCH, va.TREE_SPLIT_MAX_NODES, va.DEFAULT_SPLIT_SIZE) == (1, 64, 2048)
-    for on in (True, False):
+    assert (va.TREE_SPLIT_MAX_BATCH, va.TREE_SPLIT_MAX_NODES, va.DEFAULT_SPLIT_SIZE, va.DECODE_SPLIT) == (
+        1, 64, 2048, True)
+    for on, label in ((True, split_on), (False, split_off)):
         with bva.tree_split_setting(on):
-            launched, p, cfg = _launched(monkeypatch, bs, t, s, tile)
-            label = bva.launches(p)
-        if label == "tree-split":
-            expected = list(va.get_tree_kernels(cfg, bva.HEADS)[:2])
-        elif label == "decode-split":
-            expected = list(va.get_decode_kernels(cfg, bva.HEADS))
-        else:
-            expected = list(va.get_kernels(cfg))[:1 if label == "one" else 2]
-        expected_label = {"tree-split": "tree-split" if on else "one",
-                          "decode-split": "decode-split" if va.DECODE_SPLIT else "one"}.get(tree_label, tree_label)
-        assert label == expected_label
-        assert launched == expected, (on, label, launched)
+            launched, p, cfg = _launched(monkeypatch, bs, t, s, tile, aligned)
+            got = p.launches(aligned)
+        if not aligned and label == "tree-split":
+            label = "one"
+        if not aligned and label == "decode-split" and math.gcd(cfg.k_slice // cfg.k_groups, 4) == 4:
+            label = "one"
+        assert got == label, (on, aligned)
+        expected = {"tree-split": lambda: list(va.get_tree_kernels(cfg, bva.HEADS)[:2]),
+                    "decode-split": lambda: list(va.get_decode_kernels(cfg, bva.HEADS)),
+                    "one": lambda: list(va.get_kernels(cfg))[:1],
+                    "one+merge": lambda: list(va.get_kernels(cfg))}[label]()
+        assert launched == expected, (on, aligned, label, launched)
 
 
 def test_tree_split_setting_is_restored():

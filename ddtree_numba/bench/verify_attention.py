@@ -255,18 +255,6 @@ def reference_error(x: dict, out, lse) -> tuple[float, float]:
     return out_err, lse_err
 
 
-def launches(p: va.VerifyPlan) -> str:
-    """What :func:`va.run` launches for plan ``p`` under the module's current settings, on
-    16-byte-aligned arrays as the bench's are (unaligned ones take the one launch): the small-tree
-    pair (``tree-split``), the one-node pair (``decode-split``), the tile's one launch (``one``), or
-    that launch and the segment merge (``one+merge``)."""
-    if p.tree_split:
-        return "tree-split"
-    if p.decode_split:
-        return "decode-split"
-    return "one" if p.merge_free else "one+merge"
-
-
 @contextlib.contextmanager
 def tree_split_setting(on: bool | None):
     """``va.TREE_SPLIT`` set to ``on`` inside the block and restored after it (``None``: left as it
@@ -288,50 +276,44 @@ def measure(bs: int, t: int, n: int, *, tile: str = "default", split: int = va.D
     ``tree_split``: ``va.TREE_SPLIT`` for this measurement (``None``: the module's setting).
     Returns a dict: ``gpu`` (list), ``torch_fp32`` / ``torch_bf16`` (lists; empty when not run),
     ``out_err`` / ``lse_err`` (NaN when not checked), ``finite`` (bool), ``launches``
-    (:func:`launches` of the plan).
+    (``VerifyPlan.launches``: what the calls ran, the bench's arrays being 16-byte aligned).
     """
-    with tree_split_setting(tree_split):
-        return _measure(bs, t, n, tile=tile, split=split, reps=reps, warmup=warmup, sets=sets, seed=seed,
-                        peers=peers, check=check, graph=graph)
+    with tree_split_setting(tree_split):   # va.run reads TREE_SPLIT at each call
+        rng = np.random.default_rng(seed)
+        stream = cuda.stream()
+        p = va.plan(bs, t, HEADS, n + t, split_size=split, config=tile_config(tile))
+        inputs = [make_input_set(rng, bs, t, n, seed + s, stream) for s in range(sets)]
+        out = cuda.device_array((bs, t, HEADS, LATENT), np.float32)
+        lse = cuda.device_array((bs, t, HEADS), np.float32)
+        workspace = p.allocate_workspace()
 
+        def call(i: int, on: object = stream) -> None:
+            x = inputs[i % sets]
+            va.run(p, x["q_latent"], x["q_rope"], x["kv_latent"], x["k_rope"], x["past_lens"],
+                   x["tree_sizes"], x["visibility"], SCALE, out, lse, workspace, on)
 
-def _measure(bs: int, t: int, n: int, *, tile: str, split: int, reps: int, warmup: int, sets: int,
-             seed: int, peers: bool, check: bool, graph: bool) -> dict:
-    rng = np.random.default_rng(seed)
-    stream = cuda.stream()
-    p = va.plan(bs, t, HEADS, n + t, split_size=split, config=tile_config(tile))
-    inputs = [make_input_set(rng, bs, t, n, seed + s, stream) for s in range(sets)]
-    out = cuda.device_array((bs, t, HEADS, LATENT), np.float32)
-    lse = cuda.device_array((bs, t, HEADS), np.float32)
-    workspace = p.allocate_workspace()
-
-    def call(i: int, on: object = stream) -> None:
-        x = inputs[i % sets]
-        va.run(p, x["q_latent"], x["q_rope"], x["kv_latent"], x["k_rope"], x["past_lens"],
-               x["tree_sizes"], x["visibility"], SCALE, out, lse, workspace, on)
-
-    stream.synchronize()   # the inputs are filled on `stream`; a graph replays on its own stream
-    if graph:
-        call(0)   # compile and load before the capture
+        stream.synchronize()   # the inputs are filled on `stream`; a graph replays on its own stream
+        if graph:
+            call(0)   # compile and load before the capture
+            stream.synchronize()
+            times = graph_replay_times(call, GRAPH_LAUNCHES, reps)
+        else:
+            times = event_times(call, reps, warmup, stream)
+        result = {"gpu": times, "torch_fp32": [], "torch_bf16": [],
+                  "out_err": float("nan"), "lse_err": float("nan"), "launches": p.launches()}
         stream.synchronize()
-        times = graph_replay_times(call, GRAPH_LAUNCHES, reps)
-    else:
-        times = event_times(call, reps, warmup, stream)
-    result = {"gpu": times, "torch_fp32": [], "torch_bf16": [],
-              "out_err": float("nan"), "lse_err": float("nan"), "launches": launches(p)}
-    stream.synchronize()
-    result["finite"] = bool(np.isfinite(out.copy_to_host()).all())
-    if check and t * (n + t) <= CHECK_MAX_SCORES:
-        call(0)
-        stream.synchronize()
-        result["out_err"], result["lse_err"] = reference_error(inputs[0], out, lse)
-    if peers and torch_available() and torch_scores_bytes(bs, t, n) <= TORCH_MAX_BYTES / 3:
-        for dtype in ("fp32", "bf16"):
-            try:
-                result[f"torch_{dtype}"] = torch_mla_times(inputs, dtype, reps, warmup)
-            except Exception as exc:  # the peer is optional: report and go on
-                print(f"torch {dtype} peer failed: {type(exc).__name__}: {exc}", flush=True)
-    return result
+        result["finite"] = bool(np.isfinite(out.copy_to_host()).all())
+        if check and t * (n + t) <= CHECK_MAX_SCORES:
+            call(0)
+            stream.synchronize()
+            result["out_err"], result["lse_err"] = reference_error(inputs[0], out, lse)
+        if peers and torch_available() and torch_scores_bytes(bs, t, n) <= TORCH_MAX_BYTES / 3:
+            for dtype in ("fp32", "bf16"):
+                try:
+                    result[f"torch_{dtype}"] = torch_mla_times(inputs, dtype, reps, warmup)
+                except Exception as exc:  # the peer is optional: report and go on
+                    print(f"torch {dtype} peer failed: {type(exc).__name__}: {exc}", flush=True)
+        return result
 
 
 def bench_case(bs: int, t: int, n: int, tile: str, split: int, reps: int, warmup: int,

@@ -2084,6 +2084,18 @@ class VerifyPlan:
     def merge_grid(self) -> tuple[int, int]:
         return (self.tree_capacity * (self.num_heads // self.config.merge_heads), self.batch_size)
 
+    def launches(self, aligned: bool = True) -> str:
+        """What :func:`run` launches under the module's current settings: the small-tree pair
+        (``"tree-split"``), the one-node pair (``"decode-split"``), the tile's one launch (``"one"``),
+        or that launch and the segment merge (``"one+merge"``). ``aligned``: q and kv arrays on
+        16-byte boundaries (both pairs stage with 16-byte loads; the one-node pair needs them only
+        where its lanes' slices are whole quads)."""
+        if self.tree_split and aligned:
+            return "tree-split"
+        if self.decode_split and (aligned or math.gcd(self.config.k_slice // self.config.k_groups, 4) != 4):
+            return "decode-split"
+        return "one" if self.merge_free else "one+merge"
+
     def allocate_workspace(self) -> Any:
         """A device workspace of :attr:`workspace_shape` (allocate once, reuse every step)."""
         return cuda.device_array(self.workspace_shape, dtype=np.float32)
@@ -2237,7 +2249,8 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
                                lse)]
     q_lat, q_rp, kv_lat, k_rp, vis, ws, out_flat, lse_flat = flat
     aligned = all(data_address(a) % 16 == 0 for a in (q_latent, q_rope, kv_latent, k_rope))
-    if p.tree_split and aligned:   # (16-byte staging loads; unaligned arrays take the one launch)
+    launches = p.launches(aligned)
+    if launches == "tree-split":
         scores, values, v_threads = get_tree_kernels(cfg, h)
         tq, tk, s_threads, th, spd = tree_geometry(cfg, h)
         launch(scores, (-(-(tc * h) // tq), -(-s // tk), bs), s_threads, stream, 0, q_lat, q_rp, kv_lat, k_rp,
@@ -2246,7 +2259,7 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
                tree_sizes, vis, np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)), ws, out_flat,
                lse_flat, np.int32(1 if release_next else 0))
         return
-    if p.decode_split and (math.gcd(cfg.k_slice // cfg.k_groups, 4) != 4 or aligned):
+    if launches == "decode-split":
         scores, values = get_decode_kernels(cfg, h)
         sh, sk, sph, spd, pv_threads = decode_geometry(cfg, h)
         words = np.int32(-(-tc // 32))
@@ -2260,7 +2273,7 @@ def run(p: VerifyPlan, q_latent: Any, q_rope: Any, kv_latent: Any, k_rope: Any,
     dims = (np.int32(tc), np.int32(h), np.int32(s), np.int32(-(-tc // 32)))
     launch(attention, p.attention_grid, cfg.threads, stream, 0, q_lat, q_rp, kv_lat, k_rp,
            past_lens, tree_sizes, vis, *dims, scale, np.int32(p.split_size), ws, out_flat, lse_flat)
-    if not p.merge_free:
+    if launches == "one+merge":
         launch(merge, p.merge_grid, cfg.merge_threads, stream, 0, past_lens, tree_sizes, vis, *dims,
                np.int32(p.split_size), np.int32(p.num_splits), ws, out_flat, lse_flat)
 
