@@ -86,6 +86,23 @@ def test_decode_launches_ties_batch_padding_and_bad_requests(config):
     assert np.isfinite(out2[[0, 1]]).all()
 
 
+# a lane's dims in runs of 2 and of 1 (gcd(k_slice / k_groups, 4) < 4: scalar q / k loads, not
+# float4s; Kimi K2's tiles always take 4, so only these reach that branch)
+PAIR_RUNS = va.TileConfig(latent_dim=64, rope_dim=16, heads=4, chunk=16, k_slice=8, k_groups=4, qk_rows=1,
+                          qk_keys=2, pv_rows=1, pv_dims=2, v_slice=8)
+SINGLE_RUNS = dataclasses.replace(PAIR_RUNS, k_slice=4)
+
+
+@pytest.mark.parametrize("config, runs", [(PAIR_RUNS, 2), (SINGLE_RUNS, 1)], ids=["runs-of-2", "runs-of-1"])
+def test_decode_launches_with_short_dim_runs(config, runs):
+    """Dim runs shorter than a float4 (the score kernel's scalar-load branch): the one launch's
+    bits over two requests, a chunk's edge and three chunks, random and tie-heavy."""
+    assert np.gcd(config.k_slice // config.k_groups, 4) == runs
+    for ties in (False, True):
+        (out2, lse2), (out1, lse1) = _both(config, 4, [47, 15], [1, 1], 48, ties=ties)
+        assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
+
+
 @pytest.mark.parametrize("threads,batch,heads,pv_dims", [(256, 3, 16, 64), (256, 16, 16, 64), (128, 24, 16, 64),
                                                       (256, 16, 2, 4), (256, 16, 1, 8)])
 def test_decode_score_layouts_keep_the_bits(monkeypatch, threads, batch, heads, pv_dims):
