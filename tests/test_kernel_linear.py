@@ -201,6 +201,62 @@ def test_odd_row_tiles_pick_and_keep_the_order(odd_tiles):
         np.testing.assert_array_equal(out.copy_to_host()[:, g], _run_linear(xg[:, g], wg[g]))
 
 
+def test_odd_tile_blocks_are_layout_and_fit_the_sm(odd_tiles):
+    """ODD_TILE_BLOCKS (the 11-row tiles' launch bounds and grids, 1 or 2 blocks an SM): only odd
+    tiles whose two blocks' staged rows fit an SM's shared memory take 2; the setter refuses other
+    values and restores; the rows keep their bits with it on (under the simulator the launch
+    bounds are no option, so this checks the plumbing; the GPU test below, the compiled tile)."""
+    plan = lin.LinearPlan(11, lin.COLUMNS, 1, 6, 6, 6, 256, 88, 4 * 11 * 768)   # 33-row w_q's
+    big = lin.LinearPlan(11, lin.COLUMNS, 1, 32, 32, 32, 256, 9, 4 * 11 * 4096)  # K 4096: 176 KiB staged
+    eight = lin.LinearPlan(8, lin.COLUMNS, 1, 6, 6, 6, 256, 88, 4 * 8 * 768)
+    assert [lin.blocks_per_sm(p) for p in (plan, big, eight)] == [1, 1, 1]
+    previous = lin.set_odd_tile_blocks(2)
+    try:
+        assert previous == 1 and lin.ODD_TILE_BLOCKS == 2
+        assert [lin.blocks_per_sm(p) for p in (plan, big, eight)] == [2, 1, 1]
+        for bad in (0, 3, True, 2.0):
+            with pytest.raises(ValueError, match="blocks"):
+                lin.set_odd_tile_blocks(bad)
+        with pytest.raises(ValueError, match="min_blocks"):
+            lin.get_kernel("linear", "none", False, 11, min_blocks=3)
+        x, w = _rand(33, 300), _rand(7, 300)
+        got = _run_linear(x, w)
+    finally:
+        lin.set_odd_tile_blocks(previous)
+    assert lin.ODD_TILE_BLOCKS == 1
+    np.testing.assert_array_equal(got, _run_linear(x, w))
+    np.testing.assert_array_equal(got[:1], _run_linear(x[:1], w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cols,k_dim,prologue,kind", [(12288, 768, "none", "linear"),
+                                                        (1344, 2048, "rmsnorm", "linear"),
+                                                        (2048, 2048, "none", "head")])
+def test_gpu_odd_tiles_at_two_blocks_an_sm_keep_the_bits(odd_tiles, n_cols, k_dim, prologue, kind):
+    """`small`'s 33-row w_q, w_a (RMSNorm) and a head-split product (wo's segments, 4 groups)
+    with the 11-row tiles compiled for 2 blocks an SM (128 registers, spills) equal the default
+    tiles bit for bit, every element written."""
+    rng = np.random.default_rng(n_cols + k_dim)
+    if kind == "head":
+        x, w = _rand(33, 4, k_dim, rng=rng), _rand(4, n_cols, k_dim, rng=rng)
+        run = lambda: _head(x, w, serial=False)   # noqa: E731
+    else:
+        x, w = _rand(33, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng)
+        norm = (_rand(k_dim, rng=rng), 1e-6) if prologue == "rmsnorm" else None
+        kwargs = {"norm_weight": _dev(norm[0]), "eps": norm[1]} if norm else {}
+        run = lambda: _run_linear(x, w, **kwargs)   # noqa: E731
+    want = run()
+    previous = lin.set_odd_tile_blocks(2)
+    try:
+        plan = lin.plan_linear(33, n_cols, k_dim, kind=kind)
+        assert plan.mt == 11 and lin.blocks_per_sm(plan) == 2
+        got = run()
+    finally:
+        lin.set_odd_tile_blocks(previous)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got, want)
+
+
 # --- accuracy -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("m_rows,n_cols,k_dim", [(1, 9, 64), (3, 17, 300), (5, 8, 130), (17, 5, 131),

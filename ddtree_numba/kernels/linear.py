@@ -133,6 +133,8 @@ __all__ = [
     "k_split",
     "row_tile",
     "set_odd_tiles",
+    "set_odd_tile_blocks",
+    "blocks_per_sm",
     "set_async_ring",
     "check_ring_stages",
     "plan_linear",
@@ -195,6 +197,13 @@ STATIC_RESERVE_BYTES = STATIC_BOUND_BYTES + 1024
 STAGE_LOADS = 8              # staging: loads in flight per thread (SU positions x MT rows)
 RMS_LOADS = 32               # the RMSNorm prologue's rms: loads in flight per lane (K 2048: 2 rounds, K 768: 1)
 PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks (x staged once)
+# Blocks an SM that the odd (11-row) tiles' launch bounds ask for and their grids count on: 1 by
+# default (236-250 registers, 8 warps an SM); 2 caps them at 128 registers (spills: 264 / 492 bytes
+# of the linear tile on sm_90, 13 local loads in the FMA loop) for 16 warps an SM, where the two
+# blocks' staged rows fit an SM's shared memory (else 1). Layout, not numerics. Off until timed:
+# the 33-row products are latency-bound at 2 warps a scheduler (PERFORMANCE.md run odd tiles,
+# run wide tiles), and whether the spills cost less than the doubled warps gain is open.
+ODD_TILE_BLOCKS = 1
 MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
 MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in shared memory
 # expert_linear's grid covers expert_slots' bound (any routing), but its column blocks (grid y)
@@ -581,7 +590,8 @@ def _device_arch() -> str:
 @functools.cache
 def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: int = COLUMNS,
                shuffles: bool = not SIM_TREE, pipelined: bool | None = None,
-               vector_x: bool = True, vector_stage: bool = True, ring_stages: int = 0) -> Any:
+               vector_x: bool = True, vector_stage: bool = True, ring_stages: int = 0,
+               min_blocks: int = 1) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
     kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
@@ -602,8 +612,11 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     weights' vector steps stream through a ring of D step slots a warp in shared memory, after
     the staged rows, filled by ``cp.async`` copies D - 1 steps ahead of the FMAs (no weight
     registers in flight; :data:`ASYNC_RING_STAGES`; same values, so the same bits; it replaces
-    the register ring and the load-then-FMA rounds).
+    the register ring and the load-then-FMA rounds); min_blocks: blocks an SM the launch bounds
+    ask for (1: up to 255 registers; 2: 128, :data:`ODD_TILE_BLOCKS`; layout, same bits).
     """
+    if min_blocks not in (1, 2):
+        raise ValueError(f"min_blocks must be 1 or 2, got {min_blocks!r}")
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
             columns not in (COLUMNS, WIDE_COLUMNS) or (kind == "argmax" and columns != COLUMNS):
@@ -1102,9 +1115,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                             put(out, residual_arr, dst_sh, g, col0, n_cols, a, total)
                 cuda.syncthreads()  # comb read before the next column group rewrites it
 
-    # One block per SM as the bound's minimum: without it ptxas held the 1-row tile to 128
-    # registers and spilled.
-    options = launch_bounds(BLOCK_WARPS * WARP, 1)
+    # One block per SM as the bound's minimum by default: without it ptxas held the 1-row tile to
+    # 128 registers and spilled (min_blocks 2 asks for that, for the odd tiles: ODD_TILE_BLOCKS).
+    options = launch_bounds(BLOCK_WARPS * WARP, min_blocks)
 
     if kind == "linear":
         @cuda.jit(**options)
@@ -1441,6 +1454,29 @@ def set_odd_tiles(on: bool) -> bool:
     return previous
 
 
+def set_odd_tile_blocks(blocks: int) -> int:
+    """Set ODD_TILE_BLOCKS (1 or 2) and clear the plan caches that read it (_grid_cols, _setup).
+    Returns the previous setting."""
+    global ODD_TILE_BLOCKS
+    if isinstance(blocks, bool) or not isinstance(blocks, numbers.Integral) or blocks not in (1, 2):
+        raise ValueError(f"blocks must be 1 or 2, got {blocks!r}")
+    previous, ODD_TILE_BLOCKS = ODD_TILE_BLOCKS, int(blocks)
+    for cached in (_grid_cols, _launch_plan, _setup):
+        cached.cache_clear()
+    return previous
+
+
+def blocks_per_sm(plan: "LinearPlan") -> int:
+    """Blocks an SM a launch of ``plan`` is compiled and gridded for: ODD_TILE_BLOCKS for an odd
+    row tile whose blocks (staged rows, static arrays, the system's reserve) fit an SM's shared
+    memory that many times, else 1."""
+    if plan.mt not in ODD_ROW_TILES or ODD_TILE_BLOCKS == 1:
+        return 1
+    prof = active_profile()
+    block_bytes = plan.shared_bytes + STATIC_BOUND_BYTES + prof.reserved_smem_per_block
+    return ODD_TILE_BLOCKS if ODD_TILE_BLOCKS * block_bytes <= prof.smem_per_sm else 1
+
+
 @dataclass(frozen=True)
 class LinearPlan:
     """Launch geometry of one product (a function of the shapes only; numerics depend on K only).
@@ -1554,7 +1590,7 @@ def _grid_cols(plan: LinearPlan, blocks_per_col: int) -> int:
     cols = min(plan.col_blocks, MAX_GRID_Y)
     if not plan.one_phase:
         return cols
-    resident = PERSIST_BLOCKS_PER_SM * active_profile().sm_count
+    resident = PERSIST_BLOCKS_PER_SM * blocks_per_sm(plan) * active_profile().sm_count
 
     def finish(y: int) -> tuple[int, int, int]:   # a staging counts as one more column block
         waves = -(-blocks_per_col * y // resident)
@@ -1578,7 +1614,8 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     # switch PIPELINE_WEIGHTS / PIPELINE_MIN_ROW_TILE and clear this cache.
     return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns,
                        pipelined=ring_for(plan.mt), vector_x=VECTOR_X_LOADS,
-                       vector_stage=VECTOR_STAGING, ring_stages=plan.ring_stages), grid, plan.threads,
+                       vector_stage=VECTOR_STAGING, ring_stages=plan.ring_stages,
+                       min_blocks=blocks_per_sm(plan)), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
 
