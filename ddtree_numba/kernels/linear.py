@@ -198,8 +198,9 @@ STAGE_LOADS = 8              # staging: loads in flight per thread (SU positions
 RMS_LOADS = 32               # the RMSNorm prologue's rms: loads in flight per lane (K 2048: 2 rounds, K 768: 1)
 PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks (x staged once)
 # Blocks an SM that the odd (11-row) tiles' launch bounds ask for and their grids count on: 1 by
-# default (236-250 registers, 8 warps an SM); 2 caps them at 128 registers (spills: 264 / 492 bytes
-# of the linear tile on sm_90, 13 local loads in the FMA loop) for 16 warps an SM, where the two
+# default (236-250 registers, 8 warps an SM); 2 caps them at 128 registers (spills of 192-264 /
+# 320-492 bytes on sm_90; the densest ~320-FFMA stretch of the FMA loop's SASS holds 2-3 of the
+# local loads, the rest lie outside it) for 16 warps an SM, where the two
 # blocks' staged rows fit an SM's shared memory (else 1). Layout, not numerics. Off until timed:
 # the 33-row products are latency-bound at 2 warps a scheduler (PERFORMANCE.md run odd tiles,
 # run wide tiles), and whether the spills cost less than the doubled warps gain is open.
