@@ -149,10 +149,14 @@ def test_launch_merge_variants_parse():
 
 
 def test_occupancy_variant_parses():
-    """auto-occ3: the small tree's attention kernel compiled for 3 blocks an SM."""
+    """auto-occ3: the small tree's attention kernel compiled for 3 blocks an SM; auto-seg-occ2: the
+    11-row product tiles for 2 (linear.ODD_TILE_BLOCKS)."""
     assert forward_ab._variants("auto-occ3/auto-seg,auto/auto-seg") == [("auto-occ3", "auto-seg"), ("auto", "auto-seg")]
     with pytest.raises(argparse.ArgumentTypeError, match="variant"):
         forward_ab._variants("auto-occ4/auto-seg")
+    assert forward_ab._variants("auto/auto-seg-occ2") == [("auto", "auto-seg-occ2")]
+    with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+        forward_ab._variants("auto/auto-seg-occ3")
 
 
 def test_tensor_core_variant_parses():

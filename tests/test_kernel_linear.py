@@ -201,24 +201,38 @@ def test_odd_row_tiles_pick_and_keep_the_order(odd_tiles):
         np.testing.assert_array_equal(out.copy_to_host()[:, g], _run_linear(xg[:, g], wg[g]))
 
 
+def _odd_kernel(kind, prologue, residual, blocks):
+    """The 11-row kernel _setup picks for ``blocks`` an SM (get_kernel's cache key as _setup
+    passes it, ring off)."""
+    return lin.get_kernel(kind, prologue, residual, 11, columns=lin.COLUMNS, pipelined=lin.ring_for(11),
+                          vector_x=lin.VECTOR_X_LOADS, vector_stage=lin.VECTOR_STAGING, ring_stages=0,
+                          min_blocks=blocks)
+
+
 def test_odd_tile_blocks_are_layout_and_fit_the_sm(odd_tiles):
     """ODD_TILE_BLOCKS (the 11-row tiles' launch bounds and grids, 1 or 2 blocks an SM): only odd
-    tiles whose two blocks' staged rows fit an SM's shared memory take 2; the setter refuses other
-    values and restores; the rows keep their bits with it on (under the simulator the launch
-    bounds are no option, so this checks the plumbing; the GPU test below, the compiled tile)."""
-    plan = lin.LinearPlan(11, lin.COLUMNS, 1, 6, 6, 6, 256, 88, 4 * 11 * 768)   # 33-row w_q's
-    big = lin.LinearPlan(11, lin.COLUMNS, 1, 32, 32, 32, 256, 9, 4 * 11 * 4096)  # K 4096: 176 KiB staged
-    eight = lin.LinearPlan(8, lin.COLUMNS, 1, 6, 6, 6, 256, 88, 4 * 8 * 768)
-    assert [lin.blocks_per_sm(p) for p in (plan, big, eight)] == [1, 1, 1]
+    tiles whose two blocks' staged rows fit an SM's shared memory take 2 (K 2304 fits, 2432 not;
+    a ring's slots can cost the second block, and then the plan drops the ring); the launch takes
+    the kernel built for the plan's blocks; the setter and get_kernel refuse other values; the
+    rows keep their bits with it on (under the simulator launch bounds are no option and grids
+    are fixed, so the bits check the plumbing; the GPU test below, the compiled tile)."""
+    def odd(k_dim, ring_bytes=0):   # an 11-row plan staging K once (col_blocks, split: not read)
+        return lin.LinearPlan(11, lin.COLUMNS, 1, -(-k_dim // 128), -(-k_dim // 128), k_dim // 128, 256, 1,
+                              4 * 11 * 128 * -(-k_dim // 128) + ring_bytes)
+    eight = lin.LinearPlan(8, lin.COLUMNS, 1, 6, 6, 6, 256, 1, 4 * 8 * 768)
+    plans = (odd(768), odd(2304), odd(2432), odd(2048, 2 * 32 * 1024), eight)
+    assert [lin.blocks_per_sm(p) for p in plans] == [1, 1, 1, 1, 1]
     previous = lin.set_odd_tile_blocks(2)
     try:
         assert previous == 1 and lin.ODD_TILE_BLOCKS == 2
-        assert [lin.blocks_per_sm(p) for p in (plan, big, eight)] == [2, 1, 1]
+        assert [lin.blocks_per_sm(p) for p in plans] == [2, 2, 1, 1, 1]
         for bad in (0, 3, True, 2.0):
             with pytest.raises(ValueError, match="blocks"):
                 lin.set_odd_tile_blocks(bad)
-        with pytest.raises(ValueError, match="min_blocks"):
-            lin.get_kernel("linear", "none", False, 11, min_blocks=3)
+            with pytest.raises(ValueError, match="min_blocks"):
+                lin.get_kernel("linear", "none", False, 11, min_blocks=bad)
+        kernel = lin._setup("linear", "none", False, 11, 7, 300, True, 3)[0]
+        assert kernel is _odd_kernel("linear", "none", False, 2)
         x, w = _rand(33, 300), _rand(7, 300)
         got = _run_linear(x, w)
     finally:
@@ -245,12 +259,16 @@ def test_gpu_odd_tiles_at_two_blocks_an_sm_keep_the_bits(odd_tiles, n_cols, k_di
         norm = (_rand(k_dim, rng=rng), 1e-6) if prologue == "rmsnorm" else None
         kwargs = {"norm_weight": _dev(norm[0]), "eps": norm[1]} if norm else {}
         run = lambda: _run_linear(x, w, **kwargs)   # noqa: E731
+    if lin.plan_linear(33, n_cols, k_dim, kind=kind).mt != 11:
+        pytest.skip("this GPU's opt-in shared memory stages no 11-row tile at this K")
     want = run()
     previous = lin.set_odd_tile_blocks(2)
     try:
         plan = lin.plan_linear(33, n_cols, k_dim, kind=kind)
-        assert plan.mt == 11 and lin.blocks_per_sm(plan) == 2
+        assert lin.blocks_per_sm(plan) == 2 and plan.ring_stages == 0
         got = run()
+        # the launch compiled the 2-block tile (a numba dispatcher holds its compiled overloads)
+        assert _odd_kernel(kind, prologue, False, 2).overloads
     finally:
         lin.set_odd_tile_blocks(previous)
     assert not np.isnan(got).any()

@@ -117,14 +117,18 @@ def test_tree_launches_ties_batches_padding_and_bad_requests(cfg):
         assert rel <= 1e-5
 
 
-@pytest.mark.parametrize("past, size, tc, chain", [(13, 9, 9, False), (70, 12, 12, True)])
-def test_tree_launches_with_one_dim_runs(past, size, tc, chain):
+@pytest.mark.parametrize("past, size, tc, chain, ties", [(13, 9, 9, False, False), (70, 12, 12, True, False),
+                                                      (13, 9, 9, False, True)])
+def test_tree_launches_with_one_dim_runs(past, size, tc, chain, ties):
     """k_slice 2 over 2 k-groups: a lane's dims one at a time and the scores' staging one float a
     move (k_slice not a whole float4; every preset's tiles take float4s): the one launch's bits
-    across a chunk's edge and past TREE_PASS positions."""
+    across a chunk's edge and past TREE_PASS positions, random and tie-heavy (equal maxima)."""
     cfg = dataclasses.replace(TINY, k_slice=2)
     rng = np.random.default_rng(past + 1)
     inputs, _ = _batch(rng, cfg, 2, [past], [size], tc, past + tc + 3, chain)
+    if ties:
+        for name in ("q_latent", "q_rope", "kv_latent", "k_rope"):
+            inputs[name] = rng.integers(-1, 2, inputs[name].shape).astype(np.float32)
     (out2, lse2), (out1, lse1) = _both(_clean(inputs), cfg, 2)
     assert _same_bits(out2, out1) and _same_bits(lse2, lse1)
     assert np.isfinite(out2[0, :size]).all() and not out2[0, size:].any()

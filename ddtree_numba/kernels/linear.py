@@ -616,7 +616,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     the register ring and the load-then-FMA rounds); min_blocks: blocks an SM the launch bounds
     ask for (1: up to 255 registers; 2: 128, :data:`ODD_TILE_BLOCKS`; layout, same bits).
     """
-    if min_blocks not in (1, 2):
+    if isinstance(min_blocks, bool) or not isinstance(min_blocks, numbers.Integral) or min_blocks not in (1, 2):
         raise ValueError(f"min_blocks must be 1 or 2, got {min_blocks!r}")
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
@@ -1570,7 +1570,9 @@ def _launch_plan(kind: str, rows: int, n_cols: int, k_dim: int, aligned: bool, t
     y = grid_y or _grid_cols(plan, (busy or tiles) * groups)
     if plan.one_phase and -(-plan.col_blocks // y) >= ASYNC_RING_MIN_LOOPS:
         ringed = _plan(kind, rows, n_cols, k_dim, aligned, True)
-        if ringed.ring_stages:
+        # the ring's slots may cost an odd tile its second block an SM (ODD_TILE_BLOCKS): y was
+        # counted for the blocks of ``plan``, so the ring runs only where the count holds
+        if ringed.ring_stages and blocks_per_sm(ringed) == blocks_per_sm(plan):
             return ringed, y
     return plan, y
 
