@@ -272,6 +272,13 @@ MAX_RING_STAGES = 8
 RING_BUDGET_BYTES = (32 if SIM_TREE else 96) * 1024   # sim: 2 slots of 8 warps over a 40 KiB budget
 
 
+def check_blocks(blocks: Any, name: str = "blocks") -> None:
+    """ValueError naming ``name`` unless ``blocks`` (blocks an SM a launch bound asks for) is the
+    int 1 or 2."""
+    if isinstance(blocks, bool) or not isinstance(blocks, numbers.Integral) or blocks not in (1, 2):
+        raise ValueError(f"{name} must be 1 or 2, got {blocks!r}")
+
+
 def check_ring_stages(stages: Any, name: str = "stages") -> None:
     """Raise ValueError naming ``name`` unless ``stages`` is an int, 0 (no async ring) or
     2..MAX_RING_STAGES."""
@@ -616,8 +623,7 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     the register ring and the load-then-FMA rounds); min_blocks: blocks an SM the launch bounds
     ask for (1: up to 255 registers; 2: 128, :data:`ODD_TILE_BLOCKS`; layout, same bits).
     """
-    if isinstance(min_blocks, bool) or not isinstance(min_blocks, numbers.Integral) or min_blocks not in (1, 2):
-        raise ValueError(f"min_blocks must be 1 or 2, got {min_blocks!r}")
+    check_blocks(min_blocks, "min_blocks")
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
     if kind not in KINDS or prologue not in PROLOGUES or (mt not in ROW_TILES and not odd) or \
             columns not in (COLUMNS, WIDE_COLUMNS) or (kind == "argmax" and columns != COLUMNS):
@@ -1456,11 +1462,10 @@ def set_odd_tiles(on: bool) -> bool:
 
 
 def set_odd_tile_blocks(blocks: int) -> int:
-    """Set ODD_TILE_BLOCKS (1 or 2) and clear the plan caches that read it (_grid_cols, _setup).
-    Returns the previous setting."""
+    """Set ODD_TILE_BLOCKS (1 or 2) and clear the plan caches that read it (_grid_cols,
+    _launch_plan, _setup). Returns the previous setting."""
     global ODD_TILE_BLOCKS
-    if isinstance(blocks, bool) or not isinstance(blocks, numbers.Integral) or blocks not in (1, 2):
-        raise ValueError(f"blocks must be 1 or 2, got {blocks!r}")
+    check_blocks(blocks)
     previous, ODD_TILE_BLOCKS = ODD_TILE_BLOCKS, int(blocks)
     for cached in (_grid_cols, _launch_plan, _setup):
         cached.cache_clear()
