@@ -9,39 +9,15 @@ from numba import cuda
 
 from ddtree_numba.kernels import gemv as gv
 from ddtree_numba.kernels import linear as lin
-from tests.linear_checks import dev as _dev
+from tests.linear_checks import dev as _dev, product_inputs, prologue_kwargs as _kwargs
 
 RNG = np.random.default_rng(20261205)
 LAYOUT_NAMES = tuple(gv.LAYOUTS)
 
 
 def _inputs(n, k, prologue, residual, kind, rng):
-    """x [1, Kx], w [N, K], norm [K], residual [1, N]: "random" normals, "ties" a few small integers
-    (many equal products, exact partial sums), "zeros" signed zeros among normals."""
-    kx = 2 * k if prologue == "swiglu" else k
-    if kind == "ties":
-        x = rng.integers(-2, 3, (1, kx)).astype(np.float32)
-        w = rng.integers(-2, 3, (n, k)).astype(np.float32)
-    else:
-        x = rng.standard_normal((1, kx)).astype(np.float32)
-        w = rng.standard_normal((n, k)).astype(np.float32)
-        if kind == "zeros":
-            x[:, ::3] = -0.0
-            w[::2, 1::2] = -0.0
-    norm = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
-    res = rng.standard_normal((1, n)).astype(np.float32) if residual else None
-    return x, w, norm, res
-
-
-def _kwargs(prologue, norm, res):
-    kw = {}
-    if prologue == "rmsnorm":
-        kw = dict(norm_weight=_dev(norm), eps=1e-6)
-    elif prologue == "swiglu":
-        kw = dict(swiglu=True)
-    if res is not None:
-        kw["residual"] = _dev(res)
-    return kw
+    """x [1, Kx], w [N, K], norm [K], residual [1, N] (tests.linear_checks.product_inputs)."""
+    return product_inputs(1, n, k, prologue, residual, kind, rng)
 
 
 def _both(x, w, prologue, norm, res, layout=None):
