@@ -277,7 +277,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             ab.TILE_COL_QUADS = (int(cols.rsplit("-c", 1)[1]),) if "-seg-c" in cols else saved_ab[0]
             ab.TILE_ROWS = 4 if cols.endswith("-mt4") else 8 if cols.endswith("-mt8") else saved_ab[1]
             ab.FEW_ROWS = 1 << 30 if cols.endswith("-split") else saved_ab[2]
-            ab.TILE_LANES = int(cols[-1]) if cols.startswith("auto-seg-l") else saved_ab[3]
+            ab.TILE_LANES = _tile_lanes(cols) or saved_ab[3]
             ab.plan_absorb.cache_clear()
             lin.SERIAL_ROW_TILES = (int(cols[-1]),) if cols.startswith("auto-serial-mt") else saved[10]
             lin.SERIAL_LEAF_SPLITS = (int(cols[-1]),) if cols.startswith("auto-serial-l") else saved[11]
@@ -363,6 +363,13 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
          va.TREE_PASS) = tree
         em.FEW_NODES_MIN_BLOCKS = occupancy
     return results
+
+
+def _tile_lanes(cols: str) -> int | None:
+    """``auto-seg-lN`` -> N, the absorb tiles' segment lanes; None for any other COLS (``auto-seg-lanes``
+    and ``auto-seg-lanes2`` are the linear_lanes products, not a lane count)."""
+    digits = cols[len("auto-seg-l"):] if cols.startswith("auto-seg-l") else ""
+    return int(digits) if digits.isdigit() else None
 
 
 def _score_first_tile(tile: str) -> tuple[int, int, int] | None:
