@@ -159,13 +159,11 @@ def test_occupancy_variant_parses():
         forward_ab._variants("auto/auto-seg-occ3")
 
 
-def test_lanes_variants_parse_and_set_no_absorb_lanes():
-    """auto-seg-lanes / -lanes2: the many-row products in linear_lanes (engine.model.LANE_PRODUCTS 1 / 2),
-    not an absorb lane count (a GPU run once read the 's' of -lanes as auto-seg-lN's N)."""
-    assert forward_ab._variants("auto/auto-seg-lanes,auto/auto-seg-lanes2") == [
-        ("auto", "auto-seg-lanes"), ("auto", "auto-seg-lanes2")]
-    assert forward_ab._tile_lanes("auto-seg-lanes") is None and forward_ab._tile_lanes("auto-seg-lanes2") is None
-    assert forward_ab._tile_lanes("auto-seg-l2") == 2 and forward_ab._tile_lanes("auto-seg") is None
+def test_absorb_lanes_parse():
+    """auto-seg-lN sets the absorb tiles' segment lanes to N; a name that only starts like it (a run once
+    read the 's' of a COLS auto-seg-lanes as N) gives none."""
+    assert forward_ab._tile_lanes("auto-seg-l2") == 2 and forward_ab._tile_lanes("auto-seg-l1") == 1
+    assert forward_ab._tile_lanes("auto-seg-lanes") is None and forward_ab._tile_lanes("auto-seg") is None
 
 
 def test_tensor_core_variant_parses():

@@ -78,11 +78,7 @@ only) or ``auto-seg-asyncN`` (``auto-seg`` with the weights' async ``cp.async`` 
 warp, N in 2..8, where ``linear._launch_plan`` gives it; every other COLS keeps
 ``linear.ASYNC_RING_STAGES``, 0 by default), ``auto-seg-occ2`` (``auto-seg`` with the 11-row
 tiles compiled and gridded for 2 blocks an SM, ``linear.ODD_TILE_BLOCKS`` 2: 128 registers with
-spills, 16 warps an SM, where two blocks' staged rows fit; every other COLS keeps it, 1 by default),
-``auto-seg-lanes`` (``auto-seg`` with the many-row one-segment linear products in
-``kernels.linear_lanes``' k-lane warps, ``engine.model.LANE_PRODUCTS`` 1) or ``auto-seg-lanes2``
-(every many-row linear product there, wo and the dense down projection too instead of
-``linear_split_k``: 2; every other COLS keeps it, 0 by default), or ``auto-tc`` (the dense products on the tensor
+spills, 16 warps an SM, where two blocks' staged rows fit; every other COLS keeps it, 1 by default), or ``auto-tc`` (the dense products on the tensor
 cores, ``TargetModel(products="tensor-core")``: numerics, not layout, so its models get a cache of
 their own; the routed experts and the absorbs as ``auto-seg``, the engine's default, its A/B
 partner), ``auto-tc-ring1`` (that, with the one-row products' weights through the cp.async ring,
@@ -133,7 +129,7 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
                  "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage", "auto-tc", "auto-tc-ring1", "auto-tc-ring",
-                 "auto-seg-occ2", "auto-seg-lanes", "auto-seg-lanes2", *(f"auto-seg-async{n}" for n in range(2, 9)))
+                 "auto-seg-occ2", *(f"auto-seg-async{n}" for n in range(2, 9)))
 
 
 class Variant(tuple):
@@ -222,7 +218,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     tree = (va.TREE_SPLIT, va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS, va.TREE_PV_HEADS, va.TREE_PV_DIMS, va.TREE_PASS)
     occupancy = em.FEW_NODES_MIN_BLOCKS
     odd_blocks = lin.ODD_TILE_BLOCKS
-    lane_products = em.LANE_PRODUCTS
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
@@ -287,7 +282,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
             lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
             lin.set_odd_tile_blocks(2 if cols == "auto-seg-occ2" else odd_blocks)
-            em.LANE_PRODUCTS = {"auto-seg-lanes": 1, "auto-seg-lanes2": 2}.get(cols, lane_products)
             products = "tensor-core" if cols.startswith("auto-tc") else "cuda-core"
             ltc.set_async_ring({"auto-tc-ring1": (1,), "auto-tc-ring": True}.get(cols, tc_ring))
             per_rows = {}
@@ -349,7 +343,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
         lin.set_async_ring(*async_ring)
         lin.set_odd_tile_blocks(odd_blocks)
-        em.LANE_PRODUCTS = lane_products
         va.MERGE_FREE_SHORT_CACHES = merge_free
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
@@ -366,8 +359,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
 
 
 def _tile_lanes(cols: str) -> int | None:
-    """``auto-seg-lN`` -> N, the absorb tiles' segment lanes; None for any other COLS (``auto-seg-lanes``
-    and ``auto-seg-lanes2`` are the linear_lanes products, not a lane count)."""
+    """``auto-seg-lN`` -> N, the absorb tiles' segment lanes; None for any other COLS (a name that only
+    starts like it gives no count: a run once read the 's' of ``auto-seg-lanes`` as N)."""
     digits = cols[len("auto-seg-l"):] if cols.startswith("auto-seg-l") else ""
     return int(digits) if digits.isdigit() else None
 

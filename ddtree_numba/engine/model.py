@@ -52,9 +52,8 @@ from ddtree_numba.kernels.absorb import absorb, reads_weights_first as absorb_re
     supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
 from ddtree_numba.kernels.gemv import expert_gemv, expert_takes, gemv, takes as gemv_takes
-from ddtree_numba.kernels.linear import (expert_linear, head_linear, k_split, linear, linear_split_k, serial_plan,
+from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
-from ddtree_numba.kernels.linear_lanes import MIN_ROWS as lanes_min_rows, linear_lanes, takes as lanes_takes
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
 from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, mla_rope_kv_write, moe_combine,
                                             moe_route, rms_norm, rope_tables)
@@ -182,12 +181,6 @@ PDL_RELEASE_EARLY = False
 # passes, us an AR forward: 973.9 / 974.0 against 1004.3 / 1006.7 off (call 2, f2a4f51), 970.8 /
 # 969.0 against 993.0 / 993.4 (call 3, 5937ead); the 33-row forward does not run it.
 EXPERT_ROW_PRODUCTS = True
-# Many-row linear-kind products (a tree verify's w_a, w_q, dense gate | up, lm_head; 2: also wo and the
-# dense down projection, which then leave linear_split_k) through kernels.linear_lanes: warps of 8
-# k-lanes x 4 column groups, so a staged row's shared load is a broadcast (one wavefront where
-# linear's tile takes four). The same bits as linear. Layout, not numerics. 0: off until timed
-# (bench.forward_ab's ``auto-seg-lanes`` / ``auto-seg-lanes2``).
-LANE_PRODUCTS = 0
 
 
 class ForwardOut(NamedTuple):
@@ -637,13 +630,12 @@ class TargetModel:
                 serial_plan(m, config.n_heads, config.kv_lora_rank, config.qk_nope_dim) is not None:
             self._absorb_kn = (self.weights.k_major("w_uk_t", stream=stream),  # per layer [H, nope, C]
                                self.weights.k_major("w_uv", stream=stream))    # per layer [H, C, v]
-        lanes_all = LANE_PRODUCTS >= 2 and m >= lanes_min_rows
-        if self._tc is None and split_k_pays(m, hv) and not lanes_all:
+        if self._tc is None and split_k_pays(m, hv):
             g = split_k_segments(hv)
             self._wo_split = (self.weights.split("w_o", stream=stream),  # per layer [G, D, Hv / G]
                               self.buffers.heads.reshape(m, g, hv // g),  # [M, G, Hv / G]
                               cuda.device_array((m, g, d), np.float32, stream=stream))  # [M, G, D]
-        if self._tc is None and self.buffers.h13 is not None and split_k_pays(m, inter) and not lanes_all:
+        if self._tc is None and self.buffers.h13 is not None and split_k_pays(m, inter):
             g = split_k_segments(inter)
             act = cuda.device_array((m, inter), np.float32, stream=stream)  # [M, I] silu(gate) * up
             self._w2_split = (self.weights.split("w2", stream=stream), act,  # per layer [G, D, I / G]
@@ -695,10 +687,6 @@ class TargetModel:
         if self._tc is None:
             if self._gemv_runs(x, w, **prologue):
                 gemv(x, w, out, stream=stream, release_next=release_next, **prologue)
-            elif LANE_PRODUCTS and lanes_takes(x, w, norm_weight=prologue.get("norm_weight"),
-                                               swiglu=bool(prologue.get("swiglu"))) and \
-                    (LANE_PRODUCTS >= 2 or k_split(w.shape[1]) == 1):
-                linear_lanes(x, w, out, stream=stream, **prologue)
             else:
                 linear(x, w, out, stream=stream, **prologue)
         else:

@@ -201,9 +201,9 @@ PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks
 # default (236-250 registers, 8 warps an SM); 2 caps them at 128 registers (spills of 192-264 /
 # 320-492 bytes on sm_90; the densest ~320-FFMA stretch of the FMA loop's SASS holds 2-3 of the
 # local loads, the rest lie outside it) for 16 warps an SM, where the two
-# blocks' staged rows fit an SM's shared memory (else 1). Layout, not numerics. Off until timed:
-# the 33-row products are latency-bound at 2 warps a scheduler (PERFORMANCE.md run odd tiles,
-# run wide tiles), and whether the spills cost less than the doubled warps gain is open.
+# blocks' staged rows fit an SM's shared memory (else 1). Layout, not numerics. Off: timed slower,
+# a 33-row forward 2371.5 / 2365.9 us against 2179.0 / 2179.3 (H100, PERFORMANCE.md run occ2): the
+# doubled warps do not pay for the spills (bench.forward_ab's ``auto-seg-occ2`` times it).
 ODD_TILE_BLOCKS = 1
 MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
 MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in shared memory

@@ -1614,8 +1614,8 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
 # stored scores and stages each latent row once for all its heads. False, the one launch: on an H100
 # the first layout cost +46 us a 33-row forward (PERFORMANCE.md run tree split), the second
 # (87b71e3) at parity in a forward (run tree staging; alone, values 36.7 + scores 31.1 us against the one
-# launch's 65.0); the third
-# (fixed staging lanes, loads a pass ahead) is untimed. The A/B: bench.forward_ab's auto-tree /
+# launch's 65.0); the third (b2f3754: fixed staging lanes, loads a pass ahead) alone 64.4 / 64.5 us
+# against 62.2 / 62.4 (run occ2). The A/B: bench.forward_ab's auto-tree /
 # auto-treeone in a forward, bench.verify_attention --tree-split on / off alone.
 TREE_SPLIT = False
 TREE_SPLIT_MAX_BATCH = 1     # requests (the one launch's blocks fill the GPU sooner with more)
