@@ -155,6 +155,9 @@ def test_occupancy_variant_parses():
     with pytest.raises(argparse.ArgumentTypeError, match="variant"):
         forward_ab._variants("auto-occ4/auto-seg")
     assert forward_ab._variants("auto/auto-seg-occ2") == [("auto", "auto-seg-occ2")]
+    assert forward_ab._variants("auto/auto-seg-u3,auto/auto-seg-u4") == [("auto", "auto-seg-u3"), ("auto", "auto-seg-u4")]
+    with pytest.raises(argparse.ArgumentTypeError, match="variant"):
+        forward_ab._variants("auto/auto-seg-u5")
     with pytest.raises(argparse.ArgumentTypeError, match="variant"):
         forward_ab._variants("auto/auto-seg-occ3")
 

@@ -206,7 +206,7 @@ def _odd_kernel(kind, prologue, residual, blocks):
     passes it, ring off)."""
     return lin.get_kernel(kind, prologue, residual, 11, columns=lin.COLUMNS, pipelined=lin.ring_for(11),
                           vector_x=lin.VECTOR_X_LOADS, vector_stage=lin.VECTOR_STAGING, ring_stages=0,
-                          min_blocks=blocks)
+                          min_blocks=blocks, unroll=lin._unroll(11, lin.COLUMNS))
 
 
 def test_odd_tile_blocks_are_layout_and_fit_the_sm(odd_tiles):
@@ -242,6 +242,42 @@ def test_odd_tile_blocks_are_layout_and_fit_the_sm(odd_tiles):
     np.testing.assert_array_equal(got[:1], _run_linear(x[:1], w))
 
 
+@pytest.mark.parametrize("unroll", [3, 4])
+def test_odd_tile_unroll_keeps_the_bits(odd_tiles, unroll):
+    """ODD_TILE_UNROLL 3 / 4 (the 11-row tiles' register ring deeper, its rounds unrolled in Python):
+    the bits of the default 2 for linear (RMSNorm; K 300: no full round, the tail's guarded steps
+    and a partial step; K 640: a full round at U 3, then the tail) and head_linear (K 640), every
+    element written (the simulator's 40 KiB stages 11 rows up to K 896, so no test here runs two
+    rounds: the GPU test below does); the
+    launch takes the kernel built for the setting; the setter refuses other values."""
+    rng = np.random.default_rng(unroll)
+    cases = []
+    for k_dim in (300, 640):
+        x, w, norm = _rand(33, k_dim, rng=rng), _rand(7, k_dim, rng=rng), _rand(k_dim, rng=rng)
+        cases.append(lambda x=x, w=w, norm=norm: _run_linear(x, w, norm_weight=_dev(norm), eps=1e-6))
+    xg, wg = _rand(33, 2, 640, rng=rng), _rand(2, 6, 640, rng=rng)
+    cases.append(lambda: _head(xg, wg, serial=False))
+    want = [run() for run in cases]
+    assert lin.plan_linear(33, 7, 640).mt == 11 and lin.plan_linear(33, 6, 640, kind="head").mt == 11
+    previous = lin.set_odd_tile_unroll(unroll)
+    try:
+        assert previous == 2 and lin._unroll(11, lin.COLUMNS) == unroll and lin._unroll(8, lin.COLUMNS) == 2
+        got = [run() for run in cases]
+        kernel = lin._setup("linear", "none", False, 11, 7, 300, True, 3)[0]
+        assert kernel is lin.get_kernel("linear", "none", False, 11, columns=lin.COLUMNS, pipelined=True,
+                                        vector_x=lin.VECTOR_X_LOADS, vector_stage=lin.VECTOR_STAGING,
+                                        ring_stages=0, min_blocks=1, unroll=unroll)
+        for bad in (1, 5, True, 3.0):
+            with pytest.raises(ValueError, match="unroll"):
+                lin.set_odd_tile_unroll(bad)
+    finally:
+        lin.set_odd_tile_unroll(previous)
+    assert lin.ODD_TILE_UNROLL == 2
+    for a, b in zip(got, want):
+        assert not np.isnan(a).any()
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_cols,k_dim,prologue,kind", [(12288, 768, "none", "linear"),
                                                         (1344, 2048, "rmsnorm", "linear"),
@@ -271,6 +307,36 @@ def test_gpu_odd_tiles_at_two_blocks_an_sm_keep_the_bits(odd_tiles, n_cols, k_di
         assert _odd_kernel(kind, prologue, False, 2).overloads
     finally:
         lin.set_odd_tile_blocks(previous)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("unroll", [3, 4])
+@pytest.mark.parametrize("n_cols,k_dim,prologue,kind", [(12288, 768, "none", "linear"),
+                                                        (1344, 2048, "rmsnorm", "linear"),
+                                                        (2048, 2048, "none", "head")])
+def test_gpu_odd_tile_unroll_keeps_the_bits(odd_tiles, unroll, n_cols, k_dim, prologue, kind):
+    """`small`'s 33-row w_q, w_a (RMSNorm) and a head-split product (wo's segments, 4 groups) with
+    the 11-row tiles' ring at 3 / 4 slots (ODD_TILE_UNROLL: several rounds at K 2048) equal the
+    default's bits, every element written."""
+    rng = np.random.default_rng(n_cols + k_dim + unroll)
+    if kind == "head":
+        x, w = _rand(33, 4, k_dim, rng=rng), _rand(4, n_cols, k_dim, rng=rng)
+        run = lambda: _head(x, w, serial=False)   # noqa: E731
+    else:
+        x, w = _rand(33, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng)
+        norm = (_rand(k_dim, rng=rng), 1e-6) if prologue == "rmsnorm" else None
+        kwargs = {"norm_weight": _dev(norm[0]), "eps": norm[1]} if norm else {}
+        run = lambda: _run_linear(x, w, **kwargs)   # noqa: E731
+    if lin.plan_linear(33, n_cols, k_dim, kind=kind).mt != 11:
+        pytest.skip("this GPU's opt-in shared memory stages no 11-row tile at this K")
+    want = run()
+    previous = lin.set_odd_tile_unroll(unroll)
+    try:
+        got = run()
+    finally:
+        lin.set_odd_tile_unroll(previous)
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got, want)
 

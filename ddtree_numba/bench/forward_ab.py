@@ -78,7 +78,9 @@ only) or ``auto-seg-asyncN`` (``auto-seg`` with the weights' async ``cp.async`` 
 warp, N in 2..8, where ``linear._launch_plan`` gives it; every other COLS keeps
 ``linear.ASYNC_RING_STAGES``, 0 by default), ``auto-seg-occ2`` (``auto-seg`` with the 11-row
 tiles compiled and gridded for 2 blocks an SM, ``linear.ODD_TILE_BLOCKS`` 2: 128 registers with
-spills, 16 warps an SM, where two blocks' staged rows fit; every other COLS keeps it, 1 by default), or ``auto-tc`` (the dense products on the tensor
+spills, 16 warps an SM, where two blocks' staged rows fit; every other COLS keeps it, 1 by default),
+``auto-seg-u3`` / ``auto-seg-u4`` (``auto-seg`` with the 11-row tiles' register ring at 3 / 4 weight
+steps, ``linear.ODD_TILE_UNROLL``; every other COLS keeps it, 2 by default), or ``auto-tc`` (the dense products on the tensor
 cores, ``TargetModel(products="tensor-core")``: numerics, not layout, so its models get a cache of
 their own; the routed experts and the absorbs as ``auto-seg``, the engine's default, its A/B
 partner), ``auto-tc-ring1`` (that, with the one-row products' weights through the cp.async ring,
@@ -129,7 +131,7 @@ COLS_VARIANTS = ("auto", "4", "auto-plain", "4-plain", "auto-ring1", "4-ring1", 
                  "auto-serial-l1", "auto-serial-l2", "auto-serial-l4", "auto-serial-odd",
                  "auto-serial-even", "auto-seg", "auto-seg-c32", "auto-seg-c16", "auto-seg-c8", "auto-seg-mt4", "auto-seg-mt8", "auto-seg-split",
                  "auto-seg-l1", "auto-seg-l2", "auto-sx", "auto-sstage", "auto-tc", "auto-tc-ring1", "auto-tc-ring",
-                 "auto-seg-occ2", *(f"auto-seg-async{n}" for n in range(2, 9)))
+                 "auto-seg-occ2", "auto-seg-u3", "auto-seg-u4", *(f"auto-seg-async{n}" for n in range(2, 9)))
 
 
 class Variant(tuple):
@@ -218,6 +220,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     tree = (va.TREE_SPLIT, va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS, va.TREE_PV_HEADS, va.TREE_PV_DIMS, va.TREE_PASS)
     occupancy = em.FEW_NODES_MIN_BLOCKS
     odd_blocks = lin.ODD_TILE_BLOCKS
+    odd_unroll = lin.ODD_TILE_UNROLL
     first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
@@ -282,6 +285,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             lin.set_odd_tiles(cols.endswith("-odd") or (saved[12] and not cols.endswith("-even")))   # (clears row_tile and the plans)
             lin.set_async_ring(int(cols[len("auto-seg-async"):]) if cols.startswith("auto-seg-async") else async_ring[0])
             lin.set_odd_tile_blocks(2 if cols == "auto-seg-occ2" else odd_blocks)
+            lin.set_odd_tile_unroll({"auto-seg-u3": 3, "auto-seg-u4": 4}.get(cols, odd_unroll))
             products = "tensor-core" if cols.startswith("auto-tc") else "cuda-core"
             ltc.set_async_ring({"auto-tc-ring1": (1,), "auto-tc-ring": True}.get(cols, tc_ring))
             per_rows = {}
@@ -343,6 +347,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         lin.set_odd_tiles(odd)   # (clears row_tile and the plans)
         lin.set_async_ring(*async_ring)
         lin.set_odd_tile_blocks(odd_blocks)
+        lin.set_odd_tile_unroll(odd_unroll)
         va.MERGE_FREE_SHORT_CACHES = merge_free
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows

@@ -205,6 +205,13 @@ PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks
 # a 33-row forward 2371.5 / 2365.9 us against 2179.0 / 2179.3 (H100, PERFORMANCE.md run occ2): the
 # doubled warps do not pay for the spills (bench.forward_ab's ``auto-seg-occ2`` times it).
 ODD_TILE_BLOCKS = 1
+# Weight steps an odd (11-row) tile's register ring holds (U; U - 1 steps of loads in flight while a
+# step's fmas run). 2 by default (the 11-row tiles' long_scoreboard stalls: one step ahead covers
+# about 380 issue cycles of two warps a scheduler, less than a loaded HBM round trip; PERFORMANCE.md
+# run occ2). 3 or 4 build the ring's rounds as Python-unrolled chains (:func:`_chain`): LLVM left the
+# loop over slots rolled at these sizes and put the ring in local memory (192 / 256-byte stacks).
+# Layout, not numerics.
+ODD_TILE_UNROLL = 2
 MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
 MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in shared memory
 # expert_linear's grid covers expert_slots' bound (any routing), but its column blocks (grid y)
@@ -294,8 +301,36 @@ def ring_for(mt: int) -> bool:
 
 def _unroll(mt: int, c: int) -> int:
     """Weight steps loaded before their FMAs (U x C float4 loads in flight per lane; the 4 x 4
-    tile takes 4: 64 registers of weights next to 16 accumulators)."""
+    tile takes 4: 64 registers of weights next to 16 accumulators; the odd tiles ODD_TILE_UNROLL)."""
+    if mt in ODD_ROW_TILES:
+        return ODD_TILE_UNROLL
     return 4 if mt * c <= 16 else 2
+
+
+def set_odd_tile_unroll(unroll: int) -> int:
+    """Set ODD_TILE_UNROLL (2, 3 or 4) and clear the launch cache that holds the kernels built with
+    it (_setup). Returns the previous setting."""
+    global ODD_TILE_UNROLL
+    if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) or unroll not in (2, 3, 4):
+        raise ValueError(f"unroll must be 2, 3 or 4, got {unroll!r}")
+    previous, ODD_TILE_UNROLL = ODD_TILE_UNROLL, int(unroll)
+    _setup.cache_clear()
+    return previous
+
+
+def _chain(make_step: Any, count: int) -> Any:
+    """A device function running ``make_step(k, rest)``'s steps k = 0 .. count - 1 in order, each a
+    device function ``(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc)`` that does step k and then
+    calls ``rest``: an unroll at the Python level, so a step's ring slot is a constant (LLVM left
+    loops of this size rolled, and a rolled slot index kept the ring in local memory)."""
+    @cuda.jit(device=True, **LOCAL_INLINE)
+    def done(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc):
+        pass
+
+    chained = done
+    for k in reversed(range(count)):
+        chained = make_step(k, chained)
+    return chained
 
 
 # --- the 16-byte weight load --------------------------------------------------------------------
@@ -599,7 +634,7 @@ def _device_arch() -> str:
 def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: int = COLUMNS,
                shuffles: bool = not SIM_TREE, pipelined: bool | None = None,
                vector_x: bool = True, vector_stage: bool = True, ring_stages: int = 0,
-               min_blocks: int = 1) -> Any:
+               min_blocks: int = 1, unroll: int | None = None) -> Any:
     """The kernel for one specialisation (compiled lazily on first launch, cached).
 
     kind: "linear" (x [M, Kx], out [M, N]), "head" (x [M, G, K], w [G, N, K], out [M, G, N]),
@@ -621,7 +656,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     the staged rows, filled by ``cp.async`` copies D - 1 steps ahead of the FMAs (no weight
     registers in flight; :data:`ASYNC_RING_STAGES`; same values, so the same bits; it replaces
     the register ring and the load-then-FMA rounds); min_blocks: blocks an SM the launch bounds
-    ask for (1: up to 255 registers; 2: 128, :data:`ODD_TILE_BLOCKS`; layout, same bits).
+    ask for (1: up to 255 registers; 2: 128, :data:`ODD_TILE_BLOCKS`; layout, same bits); unroll:
+    the register ring's slots U (None: :func:`_unroll`'s for the tile; 2-4; layout, same bits).
     """
     check_blocks(min_blocks, "min_blocks")
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
@@ -635,7 +671,9 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, residual={residual}")
     MT = mt
     C = columns
-    U = _unroll(mt, C)
+    U = _unroll(mt, C) if unroll is None else unroll
+    if U not in (2, 3, 4):
+        raise ValueError(f"no linear kernel for unroll={unroll!r}")
     MTC = MT * C
     PIPELINED = ring_for(mt) if pipelined is None else bool(pipelined)
     check_ring_stages(ring_stages, "ring_stages")
@@ -649,6 +687,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     # 1-2 steps, the first already loaded) re-load them instead: a ring live past the loop
     # spilled the 8 x 8 head_linear tile on sm_90.
     RING_TAIL = AHEAD > 1
+    # The odd tiles' deeper rings run as Python-unrolled chains (ODD_TILE_UNROLL, _chain)
+    CHAINED = PIPELINED and mt in ODD_ROW_TILES and U > 2
     RMS = prologue == "rmsnorm"
     # With the ring, tile() finds the rows of the linear and argmax kinds (tile_rows) after its
     # first weight copies; without it the kernel body does, before tile() (as before the ring)
@@ -855,6 +895,43 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                 a = cuda.fma(x2, wv[u, c, 2], a)
                 acc[i * C + c] = cuda.fma(x3, wv[u, c, 3], a)
 
+    def _head_step(k, rest):
+        """Ring prologue step k < AHEAD: step j + k (clamped to jl) into slot k."""
+        @cuda.jit(device=True, **LOCAL_INLINE)
+        def step(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc):
+            load_step(w, wbase, min(j + k, jl), wv, k)
+            rest(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc)
+        return step
+
+    def _round_step(k, rest):
+        """A full round's step k < U: step j + k + AHEAD's loads into the slot step j + k - 1 used,
+        then step j + k's fmas from slot k (every step in range)."""
+        ahead_slot = (k + AHEAD) % U
+
+        @cuda.jit(device=True, **LOCAL_INLINE)
+        def step(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc):
+            load_step(w, wbase, j + k + AHEAD, wv, ahead_slot)
+            fma_step(xs, xo0 + (j + k) * STEP, row_floats, wv, k, acc)
+            rest(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc)
+        return step
+
+    def _tail_step(k, rest):
+        """The last rounds' step k < 2U - 2: loads clamped to jl, fmas only for steps below jv."""
+        ahead_slot = (k + AHEAD) % U
+        slot = k % U
+
+        @cuda.jit(device=True, **LOCAL_INLINE)
+        def step(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc):
+            load_step(w, wbase, min(j + k + AHEAD, jl), wv, ahead_slot)
+            if j + k < jv:
+                fma_step(xs, xo0 + (j + k) * STEP, row_floats, wv, slot, acc)
+            rest(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc)
+        return step
+
+    ring_head = _chain(_head_step, AHEAD)
+    ring_round = _chain(_round_step, U)
+    ring_tail = _chain(_tail_step, 2 * U - 2)
+
     @cuda.jit(device=True, **LOCAL_INLINE)
     def accumulate(xs, w, wbase, acc, wv, lane, warp, seg, j0, j1, vec_steps, k_dim, k_split_,
                    phase_steps, primed):
@@ -892,6 +969,15 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
                     slot = slot + 1 if slot + 1 < D else 0
                     j += 1
                 wait_all()                          # nothing lands in the ring after this loop
+        elif CHAINED:       # the same ring, its rounds unrolled in Python (constant slots)
+            if j < jv:
+                jl = jv - 1
+                ring_head(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc)
+                while j + 2 * U - 1 <= jv:
+                    ring_round(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc)
+                    j += U
+                ring_tail(w, wbase, j, jl, jv, xs, xo0, row_floats, wv, acc)
+                j = jv
         elif PIPELINED:
             if j < jv:
                 # A ring of U slots: slot u holds step j + u at the top of the loop; step
@@ -1623,7 +1709,7 @@ def _setup(kind: str, prologue: str, residual: bool, rows: int, n_cols: int, k_d
     return (get_kernel(kind, prologue, residual, plan.mt, columns=plan.columns,
                        pipelined=ring_for(plan.mt), vector_x=VECTOR_X_LOADS,
                        vector_stage=VECTOR_STAGING, ring_stages=plan.ring_stages,
-                       min_blocks=blocks_per_sm(plan)), grid, plan.threads,
+                       min_blocks=blocks_per_sm(plan), unroll=_unroll(plan.mt, plan.columns)), grid, plan.threads,
             plan.shared_bytes, plan.geometry(n_cols, k_dim))
 
 
