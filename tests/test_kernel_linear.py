@@ -278,15 +278,9 @@ def test_odd_tile_unroll_keeps_the_bits(odd_tiles, unroll):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_cols,k_dim,prologue,kind", [(12288, 768, "none", "linear"),
-                                                        (1344, 2048, "rmsnorm", "linear"),
-                                                        (2048, 2048, "none", "head")])
-def test_gpu_odd_tiles_at_two_blocks_an_sm_keep_the_bits(odd_tiles, n_cols, k_dim, prologue, kind):
-    """`small`'s 33-row w_q, w_a (RMSNorm) and a head-split product (wo's segments, 4 groups)
-    with the 11-row tiles compiled for 2 blocks an SM (128 registers, spills) equal the default
-    tiles bit for bit, every element written."""
-    rng = np.random.default_rng(n_cols + k_dim)
+def _odd_tile_case(n_cols, k_dim, prologue, kind, rng):
+    """A 33-row product of random inputs as a call (linear with the prologue, or head_linear over 4
+    groups), skipping where the GPU stages no 11-row tile at this K."""
     if kind == "head":
         x, w = _rand(33, 4, k_dim, rng=rng), _rand(4, n_cols, k_dim, rng=rng)
         run = lambda: _head(x, w, serial=False)   # noqa: E731
@@ -297,6 +291,19 @@ def test_gpu_odd_tiles_at_two_blocks_an_sm_keep_the_bits(odd_tiles, n_cols, k_di
         run = lambda: _run_linear(x, w, **kwargs)   # noqa: E731
     if lin.plan_linear(33, n_cols, k_dim, kind=kind).mt != 11:
         pytest.skip("this GPU's opt-in shared memory stages no 11-row tile at this K")
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cols,k_dim,prologue,kind", [(12288, 768, "none", "linear"),
+                                                        (1344, 2048, "rmsnorm", "linear"),
+                                                        (2048, 2048, "none", "head")])
+def test_gpu_odd_tiles_at_two_blocks_an_sm_keep_the_bits(odd_tiles, n_cols, k_dim, prologue, kind):
+    """`small`'s 33-row w_q, w_a (RMSNorm) and a head-split product (wo's segments, 4 groups)
+    with the 11-row tiles compiled for 2 blocks an SM (128 registers, spills) equal the default
+    tiles bit for bit, every element written."""
+    rng = np.random.default_rng(n_cols + k_dim)
+    run = _odd_tile_case(n_cols, k_dim, prologue, kind, rng)
     want = run()
     previous = lin.set_odd_tile_blocks(2)
     try:
@@ -321,16 +328,7 @@ def test_gpu_odd_tile_unroll_keeps_the_bits(odd_tiles, unroll, n_cols, k_dim, pr
     the 11-row tiles' ring at 3 / 4 slots (ODD_TILE_UNROLL: several rounds at K 2048) equal the
     default's bits, every element written."""
     rng = np.random.default_rng(n_cols + k_dim + unroll)
-    if kind == "head":
-        x, w = _rand(33, 4, k_dim, rng=rng), _rand(4, n_cols, k_dim, rng=rng)
-        run = lambda: _head(x, w, serial=False)   # noqa: E731
-    else:
-        x, w = _rand(33, k_dim, rng=rng), _rand(n_cols, k_dim, rng=rng)
-        norm = (_rand(k_dim, rng=rng), 1e-6) if prologue == "rmsnorm" else None
-        kwargs = {"norm_weight": _dev(norm[0]), "eps": norm[1]} if norm else {}
-        run = lambda: _run_linear(x, w, **kwargs)   # noqa: E731
-    if lin.plan_linear(33, n_cols, k_dim, kind=kind).mt != 11:
-        pytest.skip("this GPU's opt-in shared memory stages no 11-row tile at this K")
+    run = _odd_tile_case(n_cols, k_dim, prologue, kind, rng)
     want = run()
     previous = lin.set_odd_tile_unroll(unroll)
     try:
