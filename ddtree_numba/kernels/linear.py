@@ -206,11 +206,10 @@ PERSIST_BLOCKS_PER_SM = 1    # one-phase tiles: a block loops over column blocks
 # doubled warps do not pay for the spills (bench.forward_ab's ``auto-seg-occ2`` times it).
 ODD_TILE_BLOCKS = 1
 # Weight steps an odd (11-row) tile's register ring holds (U; U - 1 steps of loads in flight while a
-# step's fmas run). 2 by default (the 11-row tiles' long_scoreboard stalls: one step ahead covers
-# about 380 issue cycles of two warps a scheduler, less than a loaded HBM round trip; PERFORMANCE.md
-# run occ2). 3 or 4 build the ring's rounds as Python-unrolled chains (:func:`_chain`): LLVM left the
-# loop over slots rolled at these sizes and put the ring in local memory (192 / 256-byte stacks).
-# Layout, not numerics.
+# step's fmas run). 3 or 4 build the ring's rounds as Python-unrolled chains (:func:`_chain`): LLVM
+# left the loop over slots rolled at these sizes and put the ring in local memory (192 / 256-byte
+# stacks). Layout, not numerics. 2: the deeper rings timed slower, a 33-row forward 2234.5 / 2244.6
+# (U 3) and 2237.7 / 2249.8 us (U 4) against 2182.6 / 2173.9 (H100, PERFORMANCE.md run occ2).
 ODD_TILE_UNROLL = 2
 MAX_GRID_Y = 65535           # CUDA's grid y / z limit: column blocks past it are grid-strided
 MAX_EXPERTS = 1024           # expert_linear stages row_offsets [E + 1] in shared memory
