@@ -656,7 +656,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
     registers in flight; :data:`ASYNC_RING_STAGES`; same values, so the same bits; it replaces
     the register ring and the load-then-FMA rounds); min_blocks: blocks an SM the launch bounds
     ask for (1: up to 255 registers; 2: 128, :data:`ODD_TILE_BLOCKS`; layout, same bits); unroll:
-    the register ring's slots U (None: :func:`_unroll`'s for the tile; 2-4; layout, same bits).
+    the register ring's slots U (2-4; None: :func:`_unroll`'s for the tile when this key is first
+    built, then cached, so _setup passes it explicitly; layout, same bits).
     """
     check_blocks(min_blocks, "min_blocks")
     odd = mt in ODD_ROW_TILES and kind in ODD_KINDS and columns == COLUMNS
@@ -670,9 +671,10 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, residual={residual}")
     MT = mt
     C = columns
-    U = _unroll(mt, C) if unroll is None else unroll
-    if U not in (2, 3, 4):
-        raise ValueError(f"no linear kernel for unroll={unroll!r}")
+    if unroll is not None and (isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer))
+                               or unroll not in (2, 3, 4)):
+        raise ValueError(f"no linear kernel for unroll={unroll!r} (2, 3, 4 or None)")
+    U = _unroll(mt, C) if unroll is None else int(unroll)
     MTC = MT * C
     PIPELINED = ring_for(mt) if pipelined is None else bool(pipelined)
     check_ring_stages(ring_stages, "ring_stages")
