@@ -265,9 +265,7 @@ def test_odd_tile_unroll_keeps_the_bits(odd_tiles, unroll):
         assert previous == 2 and lin._unroll(11, lin.COLUMNS) == unroll and lin._unroll(8, lin.COLUMNS) == 2
         got = [run() for run in cases]
         kernel = lin._setup("linear", "none", False, 11, 7, 300, True, 3)[0]
-        assert kernel is lin.get_kernel("linear", "none", False, 11, columns=lin.COLUMNS, pipelined=True,
-                                        vector_x=lin.VECTOR_X_LOADS, vector_stage=lin.VECTOR_STAGING,
-                                        ring_stages=0, min_blocks=1, unroll=unroll)
+        assert kernel is _odd_kernel("linear", "none", False, 1)   # built with unroll = ODD_TILE_UNROLL
         for bad in (1, 5, True, 3.0):
             with pytest.raises(ValueError, match="unroll"):
                 lin.set_odd_tile_unroll(bad)

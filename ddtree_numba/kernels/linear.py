@@ -285,6 +285,13 @@ def check_blocks(blocks: Any, name: str = "blocks") -> None:
         raise ValueError(f"{name} must be 1 or 2, got {blocks!r}")
 
 
+def check_unroll(unroll: Any, name: str = "unroll") -> None:
+    """ValueError naming ``name`` unless ``unroll`` (weight steps a register ring holds) is the int
+    2, 3 or 4."""
+    if isinstance(unroll, bool) or not isinstance(unroll, numbers.Integral) or unroll not in (2, 3, 4):
+        raise ValueError(f"{name} must be 2, 3 or 4, got {unroll!r}")
+
+
 def check_ring_stages(stages: Any, name: str = "stages") -> None:
     """Raise ValueError naming ``name`` unless ``stages`` is an int, 0 (no async ring) or
     2..MAX_RING_STAGES."""
@@ -310,8 +317,7 @@ def set_odd_tile_unroll(unroll: int) -> int:
     """Set ODD_TILE_UNROLL (2, 3 or 4) and clear the launch cache that holds the kernels built with
     it (_setup). Returns the previous setting."""
     global ODD_TILE_UNROLL
-    if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) or unroll not in (2, 3, 4):
-        raise ValueError(f"unroll must be 2, 3 or 4, got {unroll!r}")
+    check_unroll(unroll)
     previous, ODD_TILE_UNROLL = ODD_TILE_UNROLL, int(unroll)
     _setup.cache_clear()
     return previous
@@ -671,9 +677,8 @@ def get_kernel(kind: str, prologue: str, residual: bool, mt: int, *, columns: in
         raise ValueError(f"no linear kernel for kind={kind!r}, prologue={prologue!r}, residual={residual}")
     MT = mt
     C = columns
-    if unroll is not None and (isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer))
-                               or unroll not in (2, 3, 4)):
-        raise ValueError(f"no linear kernel for unroll={unroll!r} (2, 3, 4 or None)")
+    if unroll is not None:
+        check_unroll(unroll)
     U = _unroll(mt, C) if unroll is None else int(unroll)
     MTC = MT * C
     PIPELINED = ring_for(mt) if pipelined is None else bool(pipelined)
