@@ -2,6 +2,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ddtree_numba.bench import profile_forward as pf
 
@@ -99,3 +100,79 @@ def test_forward_total_only_where_every_kernel_has_its_bytes():
     mixed = [ar[0], (*ar[1][:5], None)]
     text = pf.format_table([mixed])
     assert "MB read from DRAM" not in text.splitlines()[0] and "GB/s" in text
+
+
+def _prefix_results():
+    costs = [(0, "engine::_prepare_rows_kernel", 3.0), (1, "gemv::kernel", 6.0), (2, "mod::k", 2.0),
+             (3, "gemv::kernel", 7.0)]
+    out, total = [], 0.0
+    for i, name, cost in costs:
+        total += cost
+        out.append(dict(rows=1, index=i, kernel=name, grid="(4, 1, 1)", block="(128, 1, 1)", prefix_us=total,
+                        cost_us=cost))
+    return out
+
+
+def test_prefix_table_lists_launches_then_kernels_by_total():
+    text = pf.format_prefix(_prefix_results())
+    lines = text.splitlines()
+    assert lines[0].startswith("forward of 1 rows: 4 launches, 18.0 us")
+    kernel_lines = lines[lines.index(next(ln for ln in lines if ln.lstrip().startswith("total us"))) + 1:]
+    assert kernel_lines[0].split()[:3] == ["13.0", "2", "6.50"] and "gemv::kernel" in kernel_lines[0]
+    assert [ln.split()[0] for ln in kernel_lines] == ["13.0", "3.0", "2.0"]
+
+
+def test_prefix_dataset_round_trips_with_provenance(tmp_path):
+    import xarray as xr
+
+    from ddtree_numba.bench.common import write_run
+
+    group = write_run(tmp_path / "p.h5", pf.prefix_dataset(_prefix_results(), 30))
+    with xr.open_dataset(tmp_path / "p.h5", group=group, engine="h5netcdf") as back:
+        assert back.attrs["benchmark"] == "graph_prefix" and "git_sha" in back.attrs and back.attrs["reps"] == 30
+        assert back["cost_us"].values.tolist() == [3.0, 6.0, 2.0, 7.0]
+        assert list(back["kernel"].values)[1] == "gemv::kernel"
+
+
+def test_kernel_label_is_ncus_factory_and_kernel():
+    def get_kernel():
+        def kernel():
+            pass
+        return kernel
+
+    class Compiled:   # what numba's _Kernel holds
+        py_func = get_kernel()
+
+    assert pf.kernel_label(Compiled()) == "test_kernel_label_is_ncus_factory_and_kernel::get_kernel::kernel"
+
+
+@pytest.mark.parametrize("argv", [["--graph-prefix", "--ddtree", "4"], ["--graph-prefix", "--reps", "2"]])
+def test_graph_prefix_refuses_bad_arguments(argv, capsys):
+    assert pf.main(argv) == 2
+    assert "--graph-prefix" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_launch_limit_skips_the_later_launches_and_prefixes_grow():
+    """Inside launch_limit(2) only the first two of three launches run; prefix_costs names the
+    three launches in order and times graphs of one, two and three of them."""
+    import numpy as np
+    from numba import cuda
+
+    @cuda.jit
+    def bump(counter):
+        if cuda.threadIdx.x == 0:
+            counter[0] += 1
+
+    counter = cuda.to_device(np.zeros(1, np.int32))
+    bump[1, 32](counter)
+    cuda.synchronize()
+    seen = []
+    with pf.launch_limit(2, seen) as count:
+        for _ in range(3):
+            bump[1, 32](counter)
+    cuda.synchronize()
+    assert count[0] == 3 and len(seen) == 3 and counter.copy_to_host()[0] == 3   # 1 + the first two
+    launches, medians = pf.prefix_costs(lambda stream: [bump[1, 32, stream](counter) for _ in range(3)], reps=5)
+    assert [name for name, _, _ in launches] == ["test_gpu_launch_limit_skips_the_later_launches_and_prefixes_grow::bump"] * 3
+    assert len(medians) == 3 and all(m > 0 for m in medians)

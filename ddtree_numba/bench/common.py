@@ -9,6 +9,7 @@ the exact command.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -176,6 +177,17 @@ def add_pdl_release_argument(parser: Any, applies_to: str) -> None:
                              "engine.model.PDL_RELEASE_EARLY on, off by default, as in forward_ab's /pdl; at the "
                              "exits elsewhere), exit (every kernel at its blocks' exits) or start (every kernel right "
                              "after its wait); one per process, since the kernels compile it in")
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers ("1,33")."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def summarize(times_us) -> dict[str, float]:

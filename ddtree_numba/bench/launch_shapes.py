@@ -37,21 +37,13 @@ from typing import Any
 
 import numpy as np
 
+from ddtree_numba.bench.common import positive_int_list
+
 GRAPH_LAUNCHES = 40        # launches captured in one graph
 EXPERT_GROUPS = (8, 4, 2)  # warps (column groups) a block in the grid variants
 L2_BYTES = 50e6            # H200's L2 (about): weight copies are rotated past 3 x this
 SAMPLE_TEMPERATURE = 0.8
 POSTERIOR_THREADS = (256, 512, 1024)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def routing(rows: int, experts: int, top_k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -192,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="small", help="model preset (default: %(default)s)")
     parser.add_argument("--expert", action="store_true", help="time expert_linear's grids")
     parser.add_argument("--posterior", action="store_true", help="time the posterior kernels' block sizes")
-    parser.add_argument("--rows", type=_int_list, default=[1, 33], help="token rows (default 1,33)")
+    parser.add_argument("--rows", type=positive_int_list, default=[1, 33], help="token rows (default 1,33)")
     parser.add_argument("--seeds", type=int, default=2, help="routings per row count past one row (default 2)")
     parser.add_argument("--reps", type=int, default=30, help="graph replays (>= 20)")
     parser.add_argument("--out", type=Path, help="HDF5 file to append the results to")

@@ -20,11 +20,22 @@ kernel times is an upper bound of the replayed step, and the ranking is what it 
 tokens, CUDA graphs as in the decode-step bench. Its table has one section per target forward:
 a section is a forward (the prefill, then each round's verify) with the kernels that follow it
 up to the next forward (accept, compaction, the next round's draft, top-k and build).
+
+``--graph-prefix`` needs no profiler: what each launch adds to a forward as a CUDA graph replays it.
+For i = 1 .. L (L the forward's launches) it captures a graph of the forward's first i launches
+(numba's kernel launch skips the later ones while the graph is captured), replays it ``--reps``
+times and takes the median; launch i's cost is the difference of the medians of i and i - 1
+launches: its own time and its gap in the chain, as a replayed step pays them (ncu serialises each
+kernel with its own overhead and cannot see the gaps). Printed per launch and per kernel (grid,
+block), slowest first; ``--out`` appends the per-launch costs to an HDF5 file.
+
+    python3 -m ddtree_numba.bench.profile_forward --graph-prefix --rows 1 33 --out prefix.h5
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import csv
 import sys
 from pathlib import Path
@@ -33,6 +44,7 @@ from typing import Any
 import numpy as np
 
 FIRST_KERNEL = "_prepare_rows_kernel"  # every TargetModel.forward starts with it
+PREFIX_REPS = 30                        # --graph-prefix: replays a prefix graph (median)
 
 
 def _chain_visibility(rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -119,6 +131,114 @@ def run_ddtree(preset: str, budget: int, new_tokens: int, block: int = 16, seed:
     cuda.profile_stop()
 
 
+def kernel_label(kernel: Any) -> str:
+    """A launched kernel's name as ncu prints it: the factory and the kernel, ``get_kernel::kernel``."""
+    func = getattr(kernel, "py_func", None)
+    name = getattr(func, "__qualname__", None) or getattr(kernel, "__name__", None) or type(kernel).__name__
+    return name.replace(".<locals>.", "::")
+
+
+@contextlib.contextmanager
+def launch_limit(limit: int | None, record: list | None = None):
+    """While active, numba's kernel launches past the first ``limit`` of the scope enqueue nothing
+    (None: no limit); each launch's (label, grid, block) is appended to ``record``, skipped or not.
+    GPU launches only (the simulator's kernels launch another way)."""
+    from numba.cuda import dispatcher
+
+    original = dispatcher._Kernel.launch
+    count = [0]
+
+    def limited(self, args, griddim, blockdim, stream=0, sharedmem=0):
+        count[0] += 1
+        if record is not None:
+            record.append((kernel_label(self), tuple(griddim), tuple(blockdim)))
+        if limit is not None and count[0] > limit:
+            return None
+        return original(self, args, griddim, blockdim, stream, sharedmem)
+
+    dispatcher._Kernel.launch = limited
+    try:
+        yield count
+    finally:
+        dispatcher._Kernel.launch = original
+
+
+def prefix_costs(forward: Any, reps: int = PREFIX_REPS) -> tuple[list[tuple[str, tuple, tuple]], list[float]]:
+    """(launches, prefix medians): ``forward(stream)`` enqueues one forward; launches are its
+    (label, grid, block) in order, medians[i] the median us of a graph of its first i + 1 launches
+    (``bench.common.graph_replay_times``, ``reps`` replays). The caller has run it eagerly once."""
+    from ddtree_numba.bench.common import graph_replay_times
+
+    launches: list = []
+    with launch_limit(0, launches):   # count and name them; nothing runs
+        forward(0)
+    medians = []
+    for i in range(1, len(launches) + 1):
+        with launch_limit(i):
+            times = graph_replay_times(lambda _, builder: forward(builder), 1, reps)
+        medians.append(float(np.median(times)))
+    return launches, medians
+
+
+def run_graph_prefix(preset: str, past: int, row_counts: list[int], reps: int = PREFIX_REPS,
+                     seed: int = 0) -> list[dict]:
+    """Per row count and launch: (rows, index, kernel, grid, block, prefix us, cost us)."""
+    from numba import cuda
+
+    from ddtree_numba.config import ModelConfig
+    from ddtree_numba.engine.model import TargetModel
+    from reference.weights import init_weights
+
+    config = ModelConfig.from_name(preset)
+    capacity = past + max(row_counts)
+    weights: Any = init_weights(config, seed)
+    cache, out = None, []
+    for rows in row_counts:
+        model = TargetModel(config, weights, batch_size=1, kv_capacity=capacity, max_rows=rows, cache=cache)
+        if cache is None:
+            model.advance(cuda.to_device(np.array([past], np.int32)))
+        weights, cache = model.weights, model.cache
+        args = forward_inputs(rows, past)
+        for _ in range(2):   # compile, load and check every launch before any capture
+            model.forward(*args)
+        cuda.synchronize()
+        launches, medians = prefix_costs(lambda stream, m=model, a=args: m.forward(*a, stream=stream), reps)
+        for i, ((name, grid, block), t) in enumerate(zip(launches, medians)):
+            out.append(dict(rows=rows, index=i, kernel=name, grid=str(grid), block=str(block), prefix_us=t,
+                            cost_us=t - (medians[i - 1] if i else 0.0)))
+    return out
+
+
+def format_prefix(results: list[dict]) -> str:
+    """Per row count: the launches in order (cost and running total), then the kernels (name,
+    grid, block) by total cost."""
+    lines = []
+    for rows in sorted({r["rows"] for r in results}):
+        sel = [r for r in results if r["rows"] == rows]
+        lines.append(f"forward of {rows} rows: {len(sel)} launches, {sel[-1]['prefix_us']:.1f} us as one graph "
+                     f"(launch i: median of the first i + 1 launches' graph minus the first i's)")
+        lines.append(f"{'#':>3} {'cost us':>8} {'total':>8}  kernel grid block")
+        for r in sel:
+            lines.append(f"{r['index']:3d} {r['cost_us']:8.2f} {r['prefix_us']:8.1f}  {r['kernel']} {r['grid']} {r['block']}")
+        agg: dict[tuple, list[float]] = collections.defaultdict(list)
+        for r in sel:
+            agg[(r["kernel"], r["grid"], r["block"])].append(r["cost_us"])
+        lines.append(f"{'total us':>9} {'calls':>5} {'mean us':>8}  kernel grid block")
+        for (name, grid, block), costs in sorted(agg.items(), key=lambda kv: -sum(kv[1])):
+            lines.append(f"{sum(costs):9.1f} {len(costs):5d} {sum(costs) / len(costs):8.2f}  {name} {grid} {block}")
+    return "\n".join(lines)
+
+
+def prefix_dataset(results: list[dict], reps: int) -> Any:
+    """The per-launch costs as an xarray Dataset (dim ``launch``)."""
+    import xarray as xr
+
+    cols = {k: [r[k] for r in results] for k in ("rows", "index", "kernel", "grid", "block", "prefix_us", "cost_us")}
+    ds = xr.Dataset({k: ("launch", np.asarray(v)) for k, v in cols.items()})
+    ds.attrs.update(benchmark="graph_prefix", units="us (graph replay medians)", reps=reps)
+    return ds
+
+
 # ncu's unit names (short in current versions, long in older ones; --print-units base writes ns, byte)
 _TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6, "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 _BYTES_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "Tbyte": 1e6}
@@ -200,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile a DDTree generation of N new tokens (budget: the largest --rows - 1) "
                              "instead of single forwards")
     parser.add_argument("--table", type=Path, help="print the per-kernel table of this ncu CSV instead of running")
+    parser.add_argument("--graph-prefix", action="store_true",
+                        help="time each launch's cost in a replayed graph of the forward (no profiler; see above)")
+    parser.add_argument("--reps", type=int, default=PREFIX_REPS, help="--graph-prefix: replays a prefix (>= 5)")
+    parser.add_argument("--out", type=Path, help="--graph-prefix: HDF5 file to append the per-launch costs to")
     args = parser.parse_args(argv)
     if args.table is not None:
         print(format_table(read_table(args.table)))
@@ -207,6 +331,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.past < 0 or min(args.rows) < 1 or args.ddtree < 0 or (args.ddtree and max(args.rows) < 2):
         print("error: --past and --ddtree must be >= 0, --rows >= 1 (>= 2 with --ddtree)", file=sys.stderr)
         return 2
+    if args.graph_prefix:
+        from numba import cuda
+
+        if args.ddtree or args.reps < 5:
+            print("error: --graph-prefix takes single forwards (no --ddtree) and --reps >= 5", file=sys.stderr)
+            return 2
+        if cuda.config.ENABLE_CUDASIM:
+            print("error: --graph-prefix needs a CUDA GPU (NUMBA_ENABLE_CUDASIM is set)", file=sys.stderr)
+            return 2
+        results = run_graph_prefix(args.preset, args.past, args.rows, args.reps)
+        print(format_prefix(results))
+        if args.out is not None:
+            from ddtree_numba.bench.common import write_run
+
+            print(f"wrote {args.out}:{write_run(args.out, prefix_dataset(results, args.reps), command=sys.argv)}")
+        return 0
     if args.ddtree:
         run_ddtree(args.preset, max(args.rows) - 1, args.ddtree)
     else:
