@@ -140,13 +140,8 @@ def launch(
     dynamic_shared_bytes: int,
     *args: Any,
     profile: DeviceProfile | None = None,
-    static_shared_bytes: int = 0,
-    opt_in: bool = False,
 ) -> None:
     """Check the configuration, then run ``kernel[griddim, blockdim, stream, dynamic_shared_bytes](*args)``.
-
-    ``static_shared_bytes`` and ``opt_in`` as :func:`check_launch`'s; with ``opt_in`` the launch
-    goes through :func:`opt_in_shared` (dynamic shared memory past the default 48 KiB).
 
     ``stream`` may be 0 or None (the default stream), a numba stream, or a ``cuda.core``
     Stream / GraphBuilder, which numba accepts directly (stack §4). Nothing is launched when
@@ -155,15 +150,13 @@ def launch(
     simulator's tests would miss a launch that only the GPU rejects; kernels take compile-time
     flags and placeholders instead (``model_ops.PLACEHOLDER``).
     """
-    grid, block = check_launch(griddim, blockdim, dynamic_shared_bytes, static_shared_bytes=static_shared_bytes,
-                               opt_in=opt_in, profile=profile)
+    grid, block = check_launch(griddim, blockdim, dynamic_shared_bytes, profile=profile)
     missing = [i for i, a in enumerate(args) if a is None]   # identity: `in` would compare arrays
     if missing:
         raise TypeError(f"launch of {getattr(kernel, '__name__', kernel)!r}: argument "
                         f"{missing[0]} is None, which a GPU launch cannot pass; specialise the "
                         "kernel on the array's absence and pass a placeholder")
-    configured = kernel[grid, block, 0 if stream is None else stream, dynamic_shared_bytes]
-    (opt_in_shared(configured, dynamic_shared_bytes) if opt_in else configured)(*args)
+    kernel[grid, block, 0 if stream is None else stream, dynamic_shared_bytes](*args)
 
 
 _OPTED_IN: dict[int, int] = {}  # CUkernel handle -> dynamic shared bytes its attribute allows

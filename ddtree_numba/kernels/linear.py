@@ -445,8 +445,7 @@ def _make_async_copy() -> tuple[Any, Any, Any]:
             return state.groups
 
         def copy_async16(sh, i, w, k):
-            flat = w if w.ndim == 1 else w.reshape(-1)   # k is a flat index, as on a GPU
-            _groups()[-1].append((sh, int(i), (flat[k], flat[k + 1], flat[k + 2], flat[k + 3])))
+            _groups()[-1].append((sh, int(i), (w[k], w[k + 1], w[k + 2], w[k + 3])))
 
         def commit_async():
             _groups().append([])

@@ -53,10 +53,8 @@ from ddtree_numba.config import ROPE_LAYOUTS, ModelConfig
 from reference.model import rope_cos_sin
 from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
-from sim.profiles import active_profile
 
-from ._args import as_kernel_array, check_array, check_shape, data_address, host_values
-from .linear import _rows_aligned, commit_async, copy_async16, load_x4, shared_put4, wait_async
+from ._args import as_kernel_array, check_array, check_shape, host_values
 from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
 from .warp import warp_inclusive_scan_i32
@@ -98,16 +96,6 @@ CSR_THREADS = 128  # the single CSR block
 # launch for the MoE's norm, routing and CSR) it is untimed.
 ROUTE_CSR_INLINE = True
 ROUTE_CSR_NORM_LOADS = 16  # the RMSNorm's loads a lane in a routing launch that writes its CSR too
-# The gate rows and the block's normed row staged in dynamic shared memory before the partial dots
-# (``cp.async`` for the gate: every copy of the block in flight at once) where they fit
-# (:func:`route_stages`): layout, not numerics (the same partials in the same order, read from shared
-# memory instead of DOT_LOADS global loads at a time). Why: at one row the routing was the AR
-# step's slowest launch that reads almost nothing, 12.5 us a launch in a replayed graph on the H100,
-# its gate partials ~8 rounds of DOT_LOADS loads from HBM (PERFORMANCE.md, run "graph prefix").
-# Only launches that read normed rows written by the launch before (not with the RMSNorm inside:
-# those rows are written in the launch, and the copies read through the non-coherent path).
-ROUTE_STAGE_GATE = True
-ROUTE_GATE_PAD = 16  # floats after each staged gate row: experts e and e + 1 of a warp 16 banks apart
 CSR_WORDS = 8  # row-mask words per expert and chunk: 256 rows per chunk
 CSR_CHUNK_ROWS = CSR_WORDS * WARP_SIZE
 CSR_MASK_WORDS = CSR_WORDS * MAX_EXPERTS
@@ -390,28 +378,20 @@ def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, si
                        layout, s_part, cuda.blockIdx.x - q_blocks, cuda.gridDim.x - q_blocks)
 
 
-def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None, csr: bool = False,
-                     staged: bool = False) -> Any:
+def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None, csr: bool = False) -> Any:
     """The routing kernel specialised on whether it normalises its rows first (``norm``) and adds
     a selection bias (``biased``). Compile-time flags, not None arguments: numba-cuda launches no
     None argument on a GPU (the simulator does), so an absent array is a float32 placeholder.
     ``dot_loads``: the gate partials' loads in flight (default DOT_LOADS, read at the call: layout,
     not numerics). ``csr``: the block writes the CSR of its one row (step 4 below; with ``norm``
     its RMSNorm keeps ROUTE_CSR_NORM_LOADS loads a lane in flight, not ROW_LOADS: at the kernel's
-    128-register bound the norm and the CSR together spilled 8 bytes on sm_90 with 32).
-    ``staged``: the gate rows and each normed row go through dynamic shared memory first
-    (ROUTE_STAGE_GATE; launched with :func:`route_stage_bytes`; not with ``norm``)."""
-    return _moe_route_kernel(norm, biased, DOT_LOADS if dot_loads is None else int(dot_loads), bool(csr),
-                             bool(staged))
+    128-register bound the norm and the CSR together spilled 8 bytes on sm_90 with 32)."""
+    return _moe_route_kernel(norm, biased, DOT_LOADS if dot_loads is None else int(dot_loads), bool(csr))
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool, staged: bool) -> Any:
-    if staged and norm:
-        raise ValueError("staged: only for rows written by the launch before (not with the RMSNorm inside)")
+def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> Any:
     strided_dot = _make_strided_dot(dot_loads)   # the gate partials
-    wait_copies = wait_async(0)                  # staged: this thread's copies have all landed
-    PAD = ROUTE_GATE_PAD
     warp_row_rms, write_normed = _make_row_norm(ROUTE_CSR_NORM_LOADS if csr and norm else ROW_LOADS)
     # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
     # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
@@ -430,10 +410,7 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool, stage
            routing in one launch.
         1. Logit e = the sum, in order, of ROUTE_SPLIT partials, partial c over d = c, c + SPLIT, ...
            (one (expert, partial) pair per thread, consecutive threads on consecutive columns):
-           a fixed order whatever the block size. ``staged``: first the block copies the gate rows
-           (once, ``cp.async``, all in flight) and the row into dynamic shared memory (``[E, D +
-           PAD]`` then ``[D]``), and the partials read them there: the same sums, fewer round trips.
-           2. Scores and selection values per expert.
+           a fixed order whatever the block size. 2. Scores and selection values per expert.
         3. Selection by ranks, in parallel: thread g scores group g (top-2 sum with a bias, else
            max; one ascending pass) and keeps it if fewer than n_limited groups outrank it; each
            expert of a kept group is picked if fewer than k kept experts outrank it, into slot
@@ -453,19 +430,9 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool, stage
         s_group = cuda.shared.array(MAX_GROUPS, float32)  # [G] group scores
         s_kept = cuda.shared.array(MAX_GROUPS, int32)  # [G] 1: the group's experts may be picked
         s_pick = cuda.shared.array(MAX_TOPK, int32)  # [k] picked expert ids in rank order
-        s_stage = cuda.shared.array(0, float32)  # staged (dynamic): [E, D + PAD] gate rows, then [D] the row
         pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         tid = cuda.threadIdx.x
         n_experts = gate_w.shape[0]
-        hidden = int32(xn.shape[1])
-        quads = hidden // 4
-        stride = hidden + PAD               # staged: a gate row's floats in shared memory
-        x_at = int32(n_experts) * stride    # staged: where the row sits
-        if staged:  # compile-time; the gate rows once for every row of the block (int32 indices, no division:
-            for e in range(n_experts):      # the copies' address arithmetic was most of the launch's instructions)
-                for q in range(tid, quads, cuda.blockDim.x):
-                    copy_async16(s_stage, int32(e) * stride + 4 * q, gate_w, int32(e) * hidden + 4 * q)
-            commit_async()
         per_group = n_experts // n_groups
         k = topk_ids.shape[1]
         top2_sum = biased and per_group > 1  # else a group scores its max
@@ -475,26 +442,9 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool, stage
                     rms = warp_row_rms(x, row, x.shape[1], eps, s_part)
                     write_normed(x, row, 0, x.shape[1], rms, norm_w, xn, row)
                 cuda.syncthreads()  # the row's normed values (global, this block's) before the gate reads them
-            if staged:  # compile-time
-                for q in range(tid, quads, cuda.blockDim.x):
-                    v0, v1, v2, v3 = load_x4(xn, row, 0, 4 * q)
-                    shared_put4(s_stage, x_at + 4 * q, v0, v1, v2, v3)
-                wait_copies()
-                cuda.syncthreads()  # every thread's gate copies and row quads are in shared memory
-                for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
-                    c = int32(q % ROUTE_SPLIT)
-                    xi = x_at + c                                     # the row's value j = c, ...
-                    wi = int32(q // ROUTE_SPLIT) * stride + c         # ... and expert e's
-                    acc = float32(0.0)   # strided_dot's sum: j = c, c + SPLIT, ... ascending
-                    for _ in range((hidden - c + ROUTE_SPLIT - 1) // ROUTE_SPLIT):
-                        acc += s_stage[xi] * s_stage[wi]
-                        xi += ROUTE_SPLIT
-                        wi += ROUTE_SPLIT
-                    s_part[q] = acc
-            else:
-                for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
-                    e = q // ROUTE_SPLIT
-                    s_part[q] = strided_dot(xn, row, gate_w, e, q - e * ROUTE_SPLIT, ROUTE_SPLIT, xn.shape[1])
+            for q in range(tid, n_experts * ROUTE_SPLIT, cuda.blockDim.x):
+                e = q // ROUTE_SPLIT
+                s_part[q] = strided_dot(xn, row, gate_w, e, q - e * ROUTE_SPLIT, ROUTE_SPLIT, xn.shape[1])
             cuda.syncthreads()  # every partial logit is in shared memory before they are summed
             for e in range(tid, n_experts, cuda.blockDim.x):
                 logit = float32(0.0)
@@ -705,15 +655,6 @@ for _norm, _csr in ((False, False), (True, False), (False, True), (True, True)):
                  "MoE gate (" + ("after the RMSNorm of its rows" if _norm else "on normed rows")
                  + (", selection bias" if _biased else ", no bias") + "): scores, grouped top-k, weights; "
                  + ("one row, its CSR written too" if _csr else "one block per row"), block_threads=MAX_ROUTE_THREADS)
-for _csr in (False, True):   # the staged gate (ROUTE_STAGE_GATE): rows normed by the launch before
-    for _biased in (True, False):
-        register("moe_route_staged" + ("" if _biased else "_nobias") + ("_csr1" if _csr else ""),
-                 moe_route_kernel(False, _biased, csr=_csr, staged=True),
-                 ((float32, float32, float32, _F2A, _F2C, _F1 if _biased else float32,
-                   int32, int32, int32, int32, float32, _I2, _F2C, _I1, _I1, _I2),),
-                 "MoE gate on normed rows, the gate rows and the row staged in dynamic shared memory"
-                 + (", selection bias" if _biased else ", no bias") + ("; one row, its CSR written too" if _csr else ""),
-                 block_threads=MAX_ROUTE_THREADS)
 register("moe_route_csr", moe_csr_kernel, ((_I2, _I1, _I1, _I2),),
          "MoE routing CSR (entries per expert in ascending row order), one block",
          block_threads=CSR_THREADS)
@@ -1003,30 +944,6 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     return q_out
 
 
-# the routing kernel's static shared arrays (s_part, s_logit, s_score, s_choice, s_group, s_kept, s_pick)
-ROUTE_STATIC_BYTES = 4 * (ROUTE_PART_FLOATS + 3 * MAX_EXPERTS + 2 * MAX_GROUPS + MAX_TOPK)
-SYSTEM_SHARED_BYTES = 1024   # the system's shared memory a block (sm_80 on)
-
-
-def route_stage_bytes(n_experts: int, hidden: int) -> int:
-    """Dynamic shared bytes of the staged routing: the gate rows (each padded by ROUTE_GATE_PAD
-    floats) and one row."""
-    return 4 * (n_experts * (hidden + ROUTE_GATE_PAD) + hidden)
-
-
-def route_stages(xn: Any, gate_w: Any) -> bool:
-    """Whether :func:`moe_route` stages the gate (ROUTE_STAGE_GATE): whole 16-byte quads of
-    16-byte aligned rows (``gate_w`` and ``xn``), and the staged bytes within the active device's
-    shared memory a block (its opt-in limit on a GPU, the default under the simulator) beside the
-    kernel's static arrays. Layout only: either way the same bits."""
-    n_experts, hidden = gate_w.shape
-    if not ROUTE_STAGE_GATE or hidden % 4 or data_address(gate_w) % 16 or not _rows_aligned(xn):
-        return False
-    profile = active_profile()
-    limit = profile.smem_per_block_default if simulator_active() else profile.smem_per_block_optin
-    return ROUTE_STATIC_BYTES + SYSTEM_SHARED_BYTES + route_stage_bytes(n_experts, hidden) <= limit
-
-
 def route_threads(n_experts: int) -> int:
     """Block size of the routing kernel: one thread per (expert, partial) pair, up to
     MAX_ROUTE_THREADS (the results do not depend on it: the partials' order is fixed)."""
@@ -1108,15 +1025,12 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
     check_shape(slot_of, "slot_of", (m, k))
     norm, biased = x is not None, bias is not None
     inline = ROUTE_CSR_INLINE and m == 1   # one row: the routing block writes the CSR
-    staged = not norm and route_stages(xn, gate_w)
-    smem = route_stage_bytes(n_experts, hidden) if staged else 0
-    launch(moe_route_kernel(norm, biased, csr=inline, staged=staged), *_shape(m, 1, route_threads(n_experts)),
-           stream, smem, x if norm else PLACEHOLDER, norm_weight if norm else PLACEHOLDER, eps32, xn, gate_w,
+    launch(moe_route_kernel(norm, biased, csr=inline), *_shape(m, 1, route_threads(n_experts)), stream, 0,
+           x if norm else PLACEHOLDER, norm_weight if norm else PLACEHOLDER, eps32, xn, gate_w,
            bias if biased else PLACEHOLDER,
            np.int32(config.n_expert_groups), np.int32(config.n_limited_groups),
            np.int32(config.score_func == "softmax"), np.int32(config.norm_topk_prob),
-           np.float32(config.route_scale), topk_ids, topk_w, row_offsets, row_index, slot_of,
-           static_shared_bytes=ROUTE_STATIC_BYTES, opt_in=smem > 0 and not simulator_active())
+           np.float32(config.route_scale), topk_ids, topk_w, row_offsets, row_index, slot_of)
     if not inline:
         csr_threads = SIM_THREADS if simulator_active() else CSR_THREADS
         launch(moe_csr_kernel, 1, csr_threads, stream, 0, topk_ids, row_offsets, row_index, slot_of)
