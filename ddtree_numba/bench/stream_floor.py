@@ -1,12 +1,14 @@
 """Benchmark: what one launch costs beyond its bytes on this GPU (GPU; not a test).
 
 Why. The AR-step target asks an AR step of ``small`` to read its weights at >= 50 % of HBM
-bandwidth. A step is ~78 launches in one CUDA graph (31 of them matrix products), and its
-products fit t = intercept + bytes / bandwidth with an intercept of ~7-10 us a launch
-(PERFORMANCE, run row products). This bench measures that law for launches that do nothing
-but read: if a pure streaming read of B cold bytes already costs a + B / bw in a chain of
-graph launches, then ``L x a + bytes / bw`` is the floor of any forward that keeps L launches,
-whatever its kernels do, and it tells how far the engine's own products sit above it.
+bandwidth. A step is 78 launches in one CUDA graph (43 of them read weights), and queue-ahead
+timing of single launches fitted its products as t = intercept + bytes / bandwidth with an
+intercept of ~7-10 us a launch (PERFORMANCE, run row products). This bench measures that law for
+launches that do nothing but read, as a replayed graph runs them: if a pure streaming read of B
+cold bytes costs a + B / bw in a chain of graph launches, then ``L x a + bytes / bw`` is the floor
+of any forward that keeps L launches, whatever its kernels do, and the ``gemv`` variant tells how
+far the engine's own products sit above it (run "floor": ~2.5 us + bytes at ~3.2 TB/s for both on
+the H100, an empty launch 1.1 us).
 
 Variants, each a chain of launches captured in one CUDA graph (``bench.common
 .graph_replay_times``: the GPU's time a launch, as a replayed decode step sees it), launch i
