@@ -133,6 +133,22 @@ def test_decode_pass_is_layout_and_builds_its_own_kernels(monkeypatch, pass_keys
     assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
 
 
+@pytest.mark.parametrize("ahead, pass_keys", [(1, 256), (2, 256), (3, 256), (8, 256), (2, 64), (3, 40)])
+def test_decode_values_ahead_is_layout(monkeypatch, ahead, pass_keys):
+    """DECODE_PV_AHEAD (the pass's scores loaded first, value chunks in flight, the first before the
+    softmax barrier) gives the one launch's bits: one chunk at a time (the layout before), 2 (the
+    default), 3 (not dividing a pass's chunks) and 8 (a whole pass) chunks ahead, over several
+    passes (300 keys past a 256-key pass; 64- and 40-key passes), a cache shorter than the chunks
+    ahead, random and tie-heavy."""
+    monkeypatch.setattr(va, "DECODE_PV_AHEAD", ahead)
+    monkeypatch.setattr(va, "DECODE_PASS", pass_keys)
+    for ties in (False, True):
+        (out2, lse2), (out1, lse1) = _both(TWO_GROUPS, 4, [299, 9, 0], [1, 1, 1], 300, ties=ties)
+        assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
+    with pytest.raises(ValueError, match="pv_ahead"):
+        va._decode_kernels(TWO_GROUPS, 4, 256, 16, 16, 64, 256, 0)
+
+
 def test_plan_decode_split_and_its_workspace(monkeypatch):
     """One node a request, every key in segment 0 and few requests: the two launches, with room
     for the scores."""
@@ -164,9 +180,12 @@ def test_decode_geometry_covers_heads_and_dims():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("pasts", [[0], [191], [160, 7, 999]])
-def test_gpu_decode_launches_match_the_one_launch_at_kimi_k2_dims(pasts):
-    """The engine's AR tile (64 heads, Dl 512, Dr 64, two k-groups), random and tie-heavy, on the GPU."""
+def test_gpu_decode_launches_match_the_one_launch_at_kimi_k2_dims(monkeypatch, pasts, ahead):
+    """The engine's AR tile (64 heads, Dl 512, Dr 64, two k-groups), random and tie-heavy, on the
+    GPU, with the P·V chunks one at a time and two ahead (DECODE_PV_AHEAD)."""
+    monkeypatch.setattr(va, "DECODE_PV_AHEAD", ahead)
     config = dataclasses.replace(va.KIMI_K2_SCORE_FIRST_DECODE_SKIP_CONFIG)
     for ties in (False, True):
         (out2, lse2), (out1, lse1) = _both(config, 64, pasts, [1] * len(pasts), 1024, ties=ties)

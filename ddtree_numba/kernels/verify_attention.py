@@ -1373,6 +1373,18 @@ DECODE_PV_DIMS = 64          # latent dims of a P·V block (a thread a dim)
 # / 946.6, of 32 947.8 / 950.0; P·V blocks of 32 dims 946.3 / 949.1, of 128 948.1 / 951.7: within
 # the noise, the defaults kept.
 DECODE_PASS = 256            # keys of a P·V block's probabilities in shared memory at once
+# A P·V thread's value chunks in flight (layout, not numerics; read at get_decode_kernels' call).
+# 1: a chunk's CHUNK loads, then its fmas, then the next chunk's loads, and the softmax warp loads
+# each chunk's scores before that chunk's butterflies. G > 1: the softmax warp loads the pass's
+# scores first, and each P·V thread loads its first G chunks' values before the softmax barrier
+# (the values do not depend on it) and refills a chunk's slot with chunk + G once its fmas are
+# done: the same fmas in the same order, fewer round trips in a row. Why: in a replayed AR forward
+# this launch cost 7.87 us for ~0.4 MB (PERFORMANCE.md, run "floor": at 193 keys 7 dependent rounds
+# of score loads, then 7 of value loads). 2: H100, run "floor" call 10 (one process, three passes, us
+# an AR forward): 942.7 / 940.1 / 942.1 against 952.5 / 948.5 / 947.3 at 1 (same bits; sm_90: 137
+# registers, no stack; sm_120: 56 registers and the ring in a 256-byte stack, no spill). At 4 LLVM
+# leaves the slot loop rolled on sm_90 too (a 512-byte stack), so forward_ab offers 2 only.
+DECODE_PV_AHEAD = 2
 
 
 def decode_geometry(config: TileConfig, num_heads: int, score_threads: int | None = None,
@@ -1399,12 +1411,12 @@ def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH, DECODE_PV_DIMS
     and DECODE_PASS: layout, read at the call, so a changed setting builds its own kernels)."""
     return _decode_kernels(config, num_heads, DECODE_SCORE_THREADS, DECODE_SCORE_HEADS, DECODE_SCORE_BATCH,
-                           DECODE_PV_DIMS, DECODE_PASS)
+                           DECODE_PV_DIMS, DECODE_PASS, DECODE_PV_AHEAD)
 
 
 @functools.cache
 def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, score_heads: int,
-                    score_batch: int, pv_dims: int, pass_keys: int) -> tuple[Any, Any]:
+                    score_batch: int, pv_dims: int, pass_keys: int, pv_ahead: int = 1) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit.
 
     The numerics (module docstring; :func:`get_kernels`): a score is lane kg's fma chain over the
@@ -1421,7 +1433,9 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
     - values: grid (head groups, dim slices, requests); the block's first warps rerun the softmax
       of its heads from the stored scores (the same lanes and butterflies), a pass of ``pass_keys``
       keys' probabilities and rescales at a time in shared memory, then each thread one latent dim
-      of every head of the block: a chunk's value loads in flight together, then its fmas.
+      of every head of the block: a chunk's value loads in flight together, then its fmas
+      (``pv_ahead`` > 1: the pass's scores loaded first, and ``pv_ahead`` chunks of values in
+      flight, the first ones before the softmax barrier).
 
     Guards as :func:`get_kernels`': a padding node (tree_sizes[b] = 0) gets zeros, a bad request
     NaN (written by the values kernel)."""
@@ -1443,6 +1457,12 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
     S_THREADS = SH * SK * KG
     PASS = max(CHUNK, pass_keys // CHUNK * CHUNK)
     PASS_CHUNKS = PASS // CHUNK
+    if not isinstance(pv_ahead, int) or isinstance(pv_ahead, bool) or pv_ahead < 1:
+        raise ValueError(f"pv_ahead must be an int >= 1, got {pv_ahead!r}")
+    AHEAD = min(pv_ahead, PASS_CHUNKS)  # value chunks in flight a P·V thread
+    SCORES_FIRST = AHEAD > 1            # the softmax warp loads the pass's scores at once
+    RING_N = AHEAD * CHUNK              # (array sizes: compile-time names, not expressions)
+    PASS_SCORES_N = PASS_CHUNKS * RC
     SOFTMAX_THREADS = SPH * LANES
     F4 = VEC == 4                       # 16-byte q / k loads (run() checks the alignment)
     BATCH = score_batch                 # a lane's dim runs loaded before their fmas
@@ -1544,7 +1564,8 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
         s_base = (b * num_heads + h0 + sm_head) * kv_rows          # this lane's head's scores
         p_key = cuda.local.array(RC, float32)
         acc = cuda.local.array(SPH, float32)
-        v_val = cuda.local.array(CHUNK, float32)
+        v_val = cuda.local.array(RING_N, float32)         # AHEAD chunks of values, a slot each
+        pass_scores = cuda.local.array(PASS_SCORES_N, float32)  # SCORES_FIRST: the pass's scores
         for h in range(SPH):
             acc[h] = float32(0.0)
         m_run = float32(NEG_INF)
@@ -1552,7 +1573,23 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
         kv_base = b * kv_rows
         for pass_start in range(0, n_keys, PASS):
             cuda.syncthreads()  # the previous pass's readers of probs[] and alpha[] are done
+            if SCORES_FIRST and tid < SPD:   # compile-time; the first chunks' values, before the softmax
+                for g in range(AHEAD):
+                    for c in range(CHUNK):
+                        key = pass_start + g * CHUNK + c
+                        value = float32(0.0)   # zeros past the keys: 0 * NaN would poison acc
+                        if key < n_keys:
+                            value = kv_latent[uint64((kv_base + key) * DL + dim)]
+                        v_val[g * CHUNK + c] = value
             if tid < WARP * (-(-SOFTMAX_THREADS // WARP)):   # whole warps: the butterflies
+                if SCORES_FIRST:   # compile-time: every score of the pass in flight at once
+                    for ci in range(PASS_CHUNKS):
+                        for j in range(RC):
+                            key = pass_start + ci * CHUNK + sm_tile + j * KEY_TILES
+                            score = float32(NEG_INF)
+                            if key < n_keys:
+                                score = scores[uint64(s_base + key)]
+                            pass_scores[ci * RC + j] = score
                 for ci in range(PASS_CHUNKS):
                     c0 = pass_start + ci * CHUNK
                     if c0 < n_keys:
@@ -1560,7 +1597,9 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
                         for j in range(RC):
                             key = c0 + sm_tile + j * KEY_TILES
                             score = float32(NEG_INF)
-                            if key < n_keys:
+                            if SCORES_FIRST:
+                                score = pass_scores[ci * RC + j]
+                            elif key < n_keys:
                                 score = scores[uint64(s_base + key)]
                             p_key[j] = score
                             c_max = max(c_max, score)
@@ -1573,20 +1612,31 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
                                     probs[uint64((ci * CHUNK + sm_tile + j * KEY_TILES) * SPH + sm_head)] = p_key[j]
             cuda.syncthreads()  # the pass's probabilities and rescales are in shared memory
             if tid < SPD:
-                for ci in range(PASS_CHUNKS):
-                    c0 = pass_start + ci * CHUNK
-                    if c0 < n_keys:
-                        for c in range(CHUNK):   # the chunk's values in flight together
-                            key = c0 + c
-                            value = float32(0.0)   # zeros past the keys: 0 * NaN would poison acc
-                            if key < n_keys:
-                                value = kv_latent[uint64((kv_base + key) * DL + dim)]
-                            v_val[c] = value
-                        for h in range(SPH):
-                            acc[h] = acc[h] * alpha[uint64(h * PASS_CHUNKS + ci)]
-                        for c in range(CHUNK):
+                for c_first in range(0, PASS_CHUNKS, AHEAD):
+                    for g in range(AHEAD):   # slot g holds chunk c_first + g (constant slots: registers)
+                        ci = c_first + g
+                        c0 = pass_start + ci * CHUNK
+                        if ci < PASS_CHUNKS and c0 < n_keys:
+                            if not SCORES_FIRST:
+                                for c in range(CHUNK):   # the chunk's values in flight together
+                                    key = c0 + c
+                                    value = float32(0.0)   # zeros past the keys: 0 * NaN would poison acc
+                                    if key < n_keys:
+                                        value = kv_latent[uint64((kv_base + key) * DL + dim)]
+                                    v_val[c] = value
                             for h in range(SPH):
-                                acc[h] = cuda.fma(probs[uint64((ci * CHUNK + c) * SPH + h)], v_val[c], acc[h])
+                                acc[h] = acc[h] * alpha[uint64(h * PASS_CHUNKS + ci)]
+                            for c in range(CHUNK):
+                                for h in range(SPH):
+                                    acc[h] = cuda.fma(probs[uint64((ci * CHUNK + c) * SPH + h)], v_val[g * CHUNK + c],
+                                                      acc[h])
+                            if SCORES_FIRST and ci + AHEAD < PASS_CHUNKS:   # the slot's next chunk: ci + AHEAD
+                                for c in range(CHUNK):
+                                    key = c0 + AHEAD * CHUNK + c
+                                    value = float32(0.0)
+                                    if key < n_keys:
+                                        value = kv_latent[uint64((kv_base + key) * DL + dim)]
+                                    v_val[g * CHUNK + c] = value
         if sm_writer and sm_tile == 0 and sm_kg == 0:
             fin[sm_head] = m_run
             fin[SPH + sm_head] = l_run
