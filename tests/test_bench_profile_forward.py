@@ -155,7 +155,9 @@ def test_graph_prefix_refuses_bad_arguments(argv, capsys):
 @pytest.mark.gpu
 def test_gpu_launch_limit_skips_the_later_launches_and_prefixes_grow():
     """Inside launch_limit(2) only the first two of three launches run; prefix_costs names the
-    three launches in order and times graphs of one, two and three of them."""
+    three launches in order and times graphs of one, two and three of them: with reps 5 each graph
+    replays 6 times (a warm-up, then 5 timed), 6 x (1 + 2 + 3) increments, and its counting pass
+    launches nothing."""
     import numpy as np
     from numba import cuda
 
@@ -174,5 +176,7 @@ def test_gpu_launch_limit_skips_the_later_launches_and_prefixes_grow():
     cuda.synchronize()
     assert count[0] == 3 and len(seen) == 3 and counter.copy_to_host()[0] == 3   # 1 + the first two
     launches, medians = pf.prefix_costs(lambda stream: [bump[1, 32, stream](counter) for _ in range(3)], reps=5)
+    cuda.synchronize()
+    assert counter.copy_to_host()[0] == 3 + 6 * (1 + 2 + 3)
     assert [name for name, _, _ in launches] == ["test_gpu_launch_limit_skips_the_later_launches_and_prefixes_grow::bump"] * 3
     assert len(medians) == 3 and all(m > 0 for m in medians)

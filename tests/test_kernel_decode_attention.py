@@ -133,13 +133,14 @@ def test_decode_pass_is_layout_and_builds_its_own_kernels(monkeypatch, pass_keys
     assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
 
 
-@pytest.mark.parametrize("ahead, pass_keys", [(1, 256), (2, 256), (3, 256), (8, 256), (2, 64), (3, 40)])
+@pytest.mark.parametrize("ahead, pass_keys", [(1, 256), (2, 256), (3, 256), (8, 256), (16, 256), (2, 64), (3, 40)])
 def test_decode_values_ahead_is_layout(monkeypatch, ahead, pass_keys):
     """DECODE_PV_AHEAD (the pass's scores loaded first, value chunks in flight, the first before the
-    softmax barrier) gives the one launch's bits: one chunk at a time (the layout before), 2 (the
-    default), 3 (not dividing a pass's chunks) and 8 (a whole pass) chunks ahead, over several
-    passes (300 keys past a 256-key pass; 64- and 40-key passes), a cache shorter than the chunks
-    ahead, random and tie-heavy."""
+    softmax barrier) gives the one launch's bits. TWO_GROUPS has chunks of 16 keys, so a 256-key pass
+    is 16 chunks: one chunk at a time (the layout before), 2 (the default), 3 (not dividing the
+    pass's chunks), 8 (half a pass) and 16 (the whole pass) chunks ahead; 2 ahead in 64-key passes
+    (4 chunks); 3 ahead in 40-key passes, which round down to 32 keys, 2 chunks: ahead clamped to
+    2. Over several passes (300 keys), a cache shorter than the chunks ahead, random and tie-heavy."""
     monkeypatch.setattr(va, "DECODE_PV_AHEAD", ahead)
     monkeypatch.setattr(va, "DECODE_PASS", pass_keys)
     for ties in (False, True):
@@ -147,6 +148,8 @@ def test_decode_values_ahead_is_layout(monkeypatch, ahead, pass_keys):
         assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
     with pytest.raises(ValueError, match="pv_ahead"):
         va._decode_kernels(TWO_GROUPS, 4, 256, 16, 16, 64, 256, 0)
+    with pytest.raises(TypeError, match="pv_ahead"):
+        va._decode_kernels(TWO_GROUPS, 4, 256, 16, 16, 64, 256, 2.5)
 
 
 def test_plan_decode_split_and_its_workspace(monkeypatch):

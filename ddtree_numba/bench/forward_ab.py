@@ -34,8 +34,9 @@ AR step's MoE CSR in a launch of its own, ``model_ops.ROUTE_CSR_INLINE`` off; by
 routing block writes it), ``auto-dshN`` (an AR step's score blocks of N heads,
 ``verify_attention.DECODE_SCORE_HEADS`` = N, N in 8, 32; by default 16), ``auto-pvdN`` (its P·V
 blocks of N latent dims, ``verify_attention.DECODE_PV_DIMS`` = N, N in 32, 128; by default 64),
-``auto-pva2`` (its P·V blocks' scores loaded a pass at once and two value chunks in flight,
-``verify_attention.DECODE_PV_AHEAD`` = 2; by default 1), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
+``auto-pva1`` (its P·V blocks' scores loaded chunk by chunk and one value chunk in flight,
+``verify_attention.DECODE_PV_AHEAD`` = 1, the layout before it; by default 2: a pass's scores at
+once, two value chunks in flight), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
 loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N in 8, 24; by
 default 16), ``auto-dst128`` / ``auto-dst128b8`` (score blocks of 128 threads, twice the blocks,
 ``verify_attention.DECODE_SCORE_THREADS``; the latter with 8 runs), ``auto-onelaunch`` (an AR step's attention in the
@@ -123,7 +124,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva2", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
+                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 TREE_KNOBS = ("auto-tsk", "auto-tsr", "auto-tph", "auto-tpvd", "auto-tpass")   # auto-tree with a layout knob
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
@@ -251,7 +252,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             va.DECODE_SCORE_THREADS = 128 if tile.startswith("auto-dst128") else score_threads
             va.DECODE_SCORE_HEADS = int(tile[len("auto-dsh"):]) if tile.startswith("auto-dsh") else score_heads
             va.DECODE_PV_DIMS = int(tile[len("auto-pvd"):]) if tile.startswith("auto-pvd") else pv_dims
-            va.DECODE_PV_AHEAD = 2 if tile == "auto-pva2" else pv_ahead
+            va.DECODE_PV_AHEAD = 1 if tile == "auto-pva1" else pv_ahead
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             knob = lambda prefix, default: int(tile[len(prefix):]) if tile.startswith(prefix) else default  # noqa: E731

@@ -26,7 +26,8 @@ For i = 1 .. L (L the forward's launches) it captures a graph of the forward's f
 (numba's kernel launch skips the later ones while the graph is captured), replays it ``--reps``
 times and takes the median; launch i's cost is the difference of the medians of i and i - 1
 launches: its own time and its gap in the chain, as a replayed step pays them (ncu serialises each
-kernel with its own overhead and cannot see the gaps). Printed per launch and per kernel (grid,
+kernel with its own overhead and cannot see the gaps). Launch 0's cost is the whole graph of one
+launch, so it holds the graph's own start as well. Printed per launch and per kernel (grid,
 block), slowest first; ``--out`` appends the per-launch costs to an HDF5 file.
 
     python3 -m ddtree_numba.bench.profile_forward --graph-prefix --rows 1 33 --out prefix.h5

@@ -7,8 +7,8 @@ intercept of ~7-10 us a launch (PERFORMANCE, run row products). This bench measu
 launches that do nothing but read, as a replayed graph runs them: if a pure streaming read of B
 cold bytes costs a + B / bw in a chain of graph launches, then ``L x a + bytes / bw`` is the floor
 of any forward that keeps L launches, whatever its kernels do, and the ``gemv`` variant tells how
-far the engine's own products sit above it (run "floor": ~2.5 us + bytes at ~3.2 TB/s for both on
-the H100, an empty launch 1.1 us).
+far the engine's own product kernel sits above it in such a chain (run "floor": ~2.5 us + bytes at
+~3.2 TB/s for both on the H100, an empty launch 1.1 us).
 
 Variants, each a chain of launches captured in one CUDA graph (``bench.common
 .graph_replay_times``: the GPU's time a launch, as a replayed decode step sees it), launch i
@@ -18,7 +18,8 @@ reading slice i of a pool sized past the L2 (every launch reads bytes no recent 
   cost of a launch with no bytes (size 0).
 - ``stream``: every thread sums ``--unroll`` 16-byte loads at a time (``ld.global.nc.v4``, all in
   flight before their adds), grid-stride over its slice; one wave of ``--blocks-per-sm`` blocks
-  of 256 threads an SM. Its sums are checked against NumPy (float64, relative 1e-4).
+  of 256 threads an SM. Its sums (of one slice a size) are checked against NumPy (float64,
+  relative 1e-4).
 - ``gemv``: the engine's 1-row product (``kernels.gemv``, prologue none, no residual) of one row
   with a weight [N, 2048] of the same bytes (N = size / 8 KiB), the layout the engine picks.
 

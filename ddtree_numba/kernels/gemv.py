@@ -14,9 +14,10 @@ Why a kernel of its own. ``linear``'s 1-row tile is the many-row kernel's: a blo
 (210-240 registers: one block an SM) stages the row in shared memory behind the rms and a
 barrier, then each warp streams its columns' weights in rounds of U = 4 steps. On the H200 that
 1-row launch cost ~6-7 us beyond its weight bytes in queue-ahead timing, instructions issued by two
-warps a scheduler (PERFORMANCE, runs rms loads and odd tiles). In a replayed graph this kernel costs
-~2.5 us plus its bytes at ~3.2 TB/s on the H100, the same as a launch that only reads them
-(``bench.stream_floor``, PERFORMANCE run "floor").
+warps a scheduler (PERFORMANCE, runs rms loads and odd tiles). In a replayed graph of its own
+launches over cold weights this kernel costs ~2.5 us plus its bytes at ~3.2 TB/s on the H100, the
+same as a launch that only reads them (``bench.stream_floor``); in the replayed forward its
+launches cost 1-4 us more each (PERFORMANCE run "floor").
 Here a warp reads its x quads straight from global memory (L1 / L2 hits: one 8-32 KiB row),
 blocks are small (4-8 warps, at most 128 registers a thread) so that several share an SM and their
 weight rounds overlap, and nothing waits at a barrier or for the rms before the first weight load. The engine

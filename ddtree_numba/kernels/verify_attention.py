@@ -1381,9 +1381,10 @@ DECODE_PASS = 256            # keys of a P·V block's probabilities in shared me
 # done: the same fmas in the same order, fewer round trips in a row. Why: in a replayed AR forward
 # this launch cost 7.87 us for ~0.4 MB (PERFORMANCE.md, run "floor": at 193 keys 7 dependent rounds
 # of score loads, then 7 of value loads). 2: H100, run "floor" call 10 (one process, three passes, us
-# an AR forward): 942.7 / 940.1 / 942.1 against 952.5 / 948.5 / 947.3 at 1 (same bits; sm_90: 137
-# registers, no stack; sm_120: 56 registers and the ring in a 256-byte stack, no spill). At 4 LLVM
-# leaves the slot loop rolled on sm_90 too (a 512-byte stack), so forward_ab offers 2 only.
+# an AR forward): 942.7 / 940.1 / 942.1 against 952.5 / 948.5 / 947.3 at 1 (same bits; the compile
+# check's sm_90 build: 137 registers, no stack; sm_120: 56 registers and the ring in a 256-byte
+# stack, no spill). At 4 LLVM leaves the slot loop rolled on sm_90 too (a 512-byte stack), so 2 it
+# is; bench.forward_ab's ``auto-pva1`` times the layout before.
 DECODE_PV_AHEAD = 2
 
 
@@ -1408,8 +1409,9 @@ def decode_geometry(config: TileConfig, num_heads: int, score_threads: int | Non
 
 def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit
-    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH, DECODE_PV_DIMS
-    and DECODE_PASS: layout, read at the call, so a changed setting builds its own kernels)."""
+    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH, DECODE_PV_DIMS,
+    DECODE_PASS and DECODE_PV_AHEAD: layout, read at the call, so a changed setting builds its own
+    kernels)."""
     return _decode_kernels(config, num_heads, DECODE_SCORE_THREADS, DECODE_SCORE_HEADS, DECODE_SCORE_BATCH,
                            DECODE_PV_DIMS, DECODE_PASS, DECODE_PV_AHEAD)
 
@@ -1457,8 +1459,10 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
     S_THREADS = SH * SK * KG
     PASS = max(CHUNK, pass_keys // CHUNK * CHUNK)
     PASS_CHUNKS = PASS // CHUNK
-    if not isinstance(pv_ahead, int) or isinstance(pv_ahead, bool) or pv_ahead < 1:
-        raise ValueError(f"pv_ahead must be an int >= 1, got {pv_ahead!r}")
+    if not isinstance(pv_ahead, int) or isinstance(pv_ahead, bool):
+        raise TypeError(f"pv_ahead must be an int, got {type(pv_ahead).__name__}")
+    if pv_ahead < 1:
+        raise ValueError(f"pv_ahead must be >= 1, got {pv_ahead!r}")
     AHEAD = min(pv_ahead, PASS_CHUNKS)  # value chunks in flight a P·V thread
     SCORES_FIRST = AHEAD > 1            # the softmax warp loads the pass's scores at once
     RING_N = AHEAD * CHUNK              # (array sizes: compile-time names, not expressions)
