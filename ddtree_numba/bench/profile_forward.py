@@ -69,9 +69,9 @@ def forward_inputs(rows: int, past: int) -> list[Any]:
     return [cuda.to_device(np.ascontiguousarray(a).copy()) for a in host]
 
 
-def run_forwards(preset: str, past: int, row_counts: list[int], seed: int = 0) -> None:
-    """Build one model per row count (shared weights and cache, past_len = past), warm them up,
-    then profile one forward of each."""
+def warm_models(preset: str, past: int, row_counts: list[int], seed: int = 0) -> list[tuple[Any, list[Any]]]:
+    """(model, forward inputs) per row count: one model each, sharing weights and cache
+    (past_len = past), every forward run three times (compiled, loaded, its host checks done)."""
     from numba import cuda
 
     from ddtree_numba.config import ModelConfig
@@ -81,19 +81,26 @@ def run_forwards(preset: str, past: int, row_counts: list[int], seed: int = 0) -
     config = ModelConfig.from_name(preset)
     capacity = past + max(row_counts)
     weights: Any = init_weights(config, seed)
-    models, inputs, cache = [], [], None
+    built, cache = [], None
     for rows in row_counts:
         model = TargetModel(config, weights, batch_size=1, kv_capacity=capacity, max_rows=rows, cache=cache)
         weights, cache = model.weights, model.cache
-        inputs.append(forward_inputs(rows, past))
-        models.append(model)
-    models[0].advance(cuda.to_device(np.array([past], np.int32)))
+        built.append((model, forward_inputs(rows, past)))
+    built[0][0].advance(cuda.to_device(np.array([past], np.int32)))
     for _ in range(3):
-        for model, args in zip(models, inputs):
+        for model, args in built:
             model.forward(*args)
     cuda.synchronize()
+    return built
+
+
+def run_forwards(preset: str, past: int, row_counts: list[int], seed: int = 0) -> None:
+    """:func:`warm_models`, then one forward of each between profile_start / profile_stop."""
+    from numba import cuda
+
+    built = warm_models(preset, past, row_counts, seed)
     cuda.profile_start()
-    for model, args in zip(models, inputs):
+    for model, args in built:
         model.forward(*args)
     cuda.synchronize()
     cuda.profile_stop()
@@ -183,26 +190,10 @@ def prefix_costs(forward: Any, reps: int = PREFIX_REPS) -> tuple[list[tuple[str,
 
 def run_graph_prefix(preset: str, past: int, row_counts: list[int], reps: int = PREFIX_REPS,
                      seed: int = 0) -> list[dict]:
-    """Per row count and launch: (rows, index, kernel, grid, block, prefix us, cost us)."""
-    from numba import cuda
-
-    from ddtree_numba.config import ModelConfig
-    from ddtree_numba.engine.model import TargetModel
-    from reference.weights import init_weights
-
-    config = ModelConfig.from_name(preset)
-    capacity = past + max(row_counts)
-    weights: Any = init_weights(config, seed)
-    cache, out = None, []
-    for rows in row_counts:
-        model = TargetModel(config, weights, batch_size=1, kv_capacity=capacity, max_rows=rows, cache=cache)
-        if cache is None:
-            model.advance(cuda.to_device(np.array([past], np.int32)))
-        weights, cache = model.weights, model.cache
-        args = forward_inputs(rows, past)
-        for _ in range(2):   # compile, load and check every launch before any capture
-            model.forward(*args)
-        cuda.synchronize()
+    """Per row count and launch: (rows, index, kernel, grid, block, prefix us, cost us), from
+    :func:`warm_models`' models (every launch compiled and checked before any capture)."""
+    out = []
+    for rows, (model, args) in zip(row_counts, warm_models(preset, past, row_counts, seed)):
         launches, medians = prefix_costs(lambda stream, m=model, a=args: m.forward(*a, stream=stream), reps)
         for i, ((name, grid, block), t) in enumerate(zip(launches, medians)):
             out.append(dict(rows=rows, index=i, kernel=name, grid=str(grid), block=str(block), prefix_us=t,

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from numba import cuda, float32   # module globals: the simulator swaps the kernels' ``cuda``
 
-from ddtree_numba.bench.common import positive_int_list
+from ddtree_numba.bench.common import graph_replay_times, positive_int_list, summarize, write_run
 
 K_DIM = 2048                     # the gemv variant's weight width (small's hidden size)
 COLS = (128, 256, 512, 1024, 1344, 2048, 4096, 8192, 16384, 32768)   # N of [N, 2048]: 1 MB .. 268 MB
@@ -132,14 +132,15 @@ def fit_line(sizes_bytes, times_us) -> tuple[float, float]:
 
 def bench_size(variant: str, n_cols: int, pool: Any, host_pool: np.ndarray, args: argparse.Namespace,
                sm_count: int, l2_bytes: int) -> dict:
-    """One variant at one size: us a launch (median, min over the replays), its bits checked."""
-    from ddtree_numba.bench.common import graph_replay_times, summarize
-
+    """One variant at one size: us a launch (median, min over the replays), its bits checked on
+    one slice (the empty kernel: ``n_cols``'s launch count, no bytes)."""
     floats = K_DIM * n_cols
     size = 4 * floats if variant != "empty" else 0
     slices = pool.shape[0] // floats
-    launches = launches_for(max(size, 4 * floats), l2_bytes)
+    launches = launches_for(4 * floats, l2_bytes)
     blocks = stream_grid(sm_count, args.blocks_per_sm)
+    checked_slice = 1 % slices                  # the slice whose result is checked against NumPy
+    host_slice = host_pool[checked_slice * floats:(checked_slice + 1) * floats]
     if variant == "empty":
         kernel = get_empty_kernel()
         out = cuda.device_array(blocks, np.float32)
@@ -155,10 +156,10 @@ def bench_size(variant: str, n_cols: int, pool: Any, host_pool: np.ndarray, args
 
         def enqueue(i: int, stream: Any) -> None:
             kernel[blocks, THREADS, stream](views[i % slices], n_vec, out)
-        enqueue(1 % slices, 0)
+        enqueue(checked_slice, 0)
         got = float(out.copy_to_host().astype(np.float64).sum())
-        want = float(host_pool[(1 % slices) * floats:(1 % slices + 1) * floats].astype(np.float64).sum())
-        scale = float(np.abs(host_pool[(1 % slices) * floats:(1 % slices + 1) * floats]).astype(np.float64).sum())
+        want = float(host_slice.astype(np.float64).sum())
+        scale = float(np.abs(host_slice).astype(np.float64).sum())
         checked = abs(got - want) <= CHECK_RTOL * scale
     else:
         from ddtree_numba.kernels.gemv import gemv
@@ -171,8 +172,8 @@ def bench_size(variant: str, n_cols: int, pool: Any, host_pool: np.ndarray, args
 
         def enqueue(i: int, stream: Any) -> None:
             gemv(x, views[i % slices], out, stream=stream)
-        enqueue(1 % slices, 0)
-        w = host_pool[(1 % slices) * floats:(1 % slices + 1) * floats].reshape(n_cols, K_DIM).astype(np.float64)
+        enqueue(checked_slice, 0)
+        w = host_slice.reshape(n_cols, K_DIM).astype(np.float64)
         want = w @ x_host[0].astype(np.float64)
         scale = np.abs(w) @ np.abs(x_host[0].astype(np.float64))
         checked = bool(np.all(np.abs(out.copy_to_host()[0] - want) <= CHECK_RTOL * scale))
@@ -280,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
                 line += f"; a forward of {launches} launches, {mb:.0f} MB: {launches * a + mb * 1e3 / bw:.1f} us"
             print(line)
     if args.out is not None:
-        from ddtree_numba.bench.common import write_run
-
         group = write_run(args.out, to_dataset(results, fits, args), command=sys.argv)
         print(f"wrote {args.out}:{group}")
     return 0 if all(r["checked"] for r in results) else 1

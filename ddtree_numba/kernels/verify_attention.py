@@ -1538,6 +1538,17 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
         if live and kg == 0:
             scores[uint64((b * num_heads + h) * kv_rows + key)] = s * scale
 
+    @cuda.jit(device=True, inline="always")
+    def load_value_chunk(kv_latent, kv_base, first, n_keys, dim, v_val, at):
+        """v_val[at : at + CHUNK] = latent dim ``dim`` of keys first .. first + CHUNK - 1, every load
+        in flight together; zeros past the keys (0 * NaN would poison acc)."""
+        for c in range(CHUNK):
+            key = first + c
+            value = float32(0.0)
+            if key < n_keys:
+                value = kv_latent[uint64((kv_base + key) * DL + dim)]
+            v_val[at + c] = value
+
     @cuda.jit(**launch_bounds(PV_THREADS))
     def decode_values(kv_latent, past_lens, tree_sizes, visibility, num_heads, kv_rows, vis_words,
                       scores, out, lse, release_next):
@@ -1579,12 +1590,7 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
             cuda.syncthreads()  # the previous pass's readers of probs[] and alpha[] are done
             if SCORES_FIRST and tid < SPD:   # compile-time; the first chunks' values, before the softmax
                 for g in range(AHEAD):
-                    for c in range(CHUNK):
-                        key = pass_start + g * CHUNK + c
-                        value = float32(0.0)   # zeros past the keys: 0 * NaN would poison acc
-                        if key < n_keys:
-                            value = kv_latent[uint64((kv_base + key) * DL + dim)]
-                        v_val[g * CHUNK + c] = value
+                    load_value_chunk(kv_latent, kv_base, pass_start + g * CHUNK, n_keys, dim, v_val, g * CHUNK)
             if tid < WARP * (-(-SOFTMAX_THREADS // WARP)):   # whole warps: the butterflies
                 if SCORES_FIRST:   # compile-time: every score of the pass in flight at once
                     for ci in range(PASS_CHUNKS):
@@ -1622,12 +1628,7 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
                         c0 = pass_start + ci * CHUNK
                         if ci < PASS_CHUNKS and c0 < n_keys:
                             if not SCORES_FIRST:
-                                for c in range(CHUNK):   # the chunk's values in flight together
-                                    key = c0 + c
-                                    value = float32(0.0)   # zeros past the keys: 0 * NaN would poison acc
-                                    if key < n_keys:
-                                        value = kv_latent[uint64((kv_base + key) * DL + dim)]
-                                    v_val[c] = value
+                                load_value_chunk(kv_latent, kv_base, c0, n_keys, dim, v_val, 0)
                             for h in range(SPH):
                                 acc[h] = acc[h] * alpha[uint64(h * PASS_CHUNKS + ci)]
                             for c in range(CHUNK):
@@ -1635,12 +1636,8 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
                                     acc[h] = cuda.fma(probs[uint64((ci * CHUNK + c) * SPH + h)], v_val[g * CHUNK + c],
                                                       acc[h])
                             if SCORES_FIRST and ci + AHEAD < PASS_CHUNKS:   # the slot's next chunk: ci + AHEAD
-                                for c in range(CHUNK):
-                                    key = c0 + AHEAD * CHUNK + c
-                                    value = float32(0.0)
-                                    if key < n_keys:
-                                        value = kv_latent[uint64((kv_base + key) * DL + dim)]
-                                    v_val[g * CHUNK + c] = value
+                                load_value_chunk(kv_latent, kv_base, c0 + AHEAD * CHUNK, n_keys, dim, v_val,
+                                                 g * CHUNK)
         if sm_writer and sm_tile == 0 and sm_kg == 0:
             fin[sm_head] = m_run
             fin[SPH + sm_head] = l_run
