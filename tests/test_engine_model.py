@@ -401,8 +401,7 @@ def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monke
     2 x 9 rows in three tiles of 8 instead of two of 11, the default; tiny's K <= 128 fit the
     staging budget; the MoE's expert products keep 8-row slots either way), with each launch merge
     switched the other way from its default (the query RoPE and the kv write in two launches,
-    engine.model.FUSED_ROPE_KV_WRITE; the MoE RMSNorm inside the routing launch, FUSED_MOE_NORM;
-    the attention's segment merge launched, verify_attention.MERGE_FREE_SHORT_CACHES off; the shared
+    engine.model.FUSED_ROPE_KV_WRITE; the attention's segment merge launched, verify_attention.MERGE_FREE_SHORT_CACHES off; the shared
     expert in launches of its own, engine.model.FOLD_SHARED_EXPERT off),
     computes its prefill bit for bit as the scenario's prefill model does (same weights, inputs and
     shapes; one forward for every layout: each is a simulator minute). tiny's K are one segment,
@@ -425,10 +424,8 @@ def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monke
     monkeypatch.setattr(em, "split_k_pays", lambda rows, k: True)
     monkeypatch.setattr(em, "split_k_segments", lambda k: 1)
     monkeypatch.setattr(lin, "split_k_segments", lambda k: 1)
-    assert config.n_layers > config.n_dense_layers   # a MoE layer: the routing launch normalises
     assert plain.plan.merge_free                     # the scenario launched no merge
     monkeypatch.setattr(em, "FUSED_ROPE_KV_WRITE", not em.FUSED_ROPE_KV_WRITE)
-    monkeypatch.setattr(em, "FUSED_MOE_NORM", not em.FUSED_MOE_NORM)
     monkeypatch.setattr(em, "FOLD_SHARED_EXPERT", False)
     monkeypatch.setattr(va, "MERGE_FREE_SHORT_CACHES", False)
     previous = lin.set_odd_tiles(False)
@@ -443,6 +440,36 @@ def test_split_k_o_proj_8_row_tiles_and_merged_launches_give_the_same_bits(monke
         lin.set_odd_tiles(previous)
     np.testing.assert_array_equal(_host(got.logits), want[0])
     np.testing.assert_array_equal(_host(got.features), want[1])
+
+
+def test_row_routing_matches_reference_in_bits_of_its_own(monkeypatch, scenario) -> None:
+    """engine.model.ROUTE_BY_EXPERT off (the MoE RMSNorm and the routing of a block per row: its
+    own lane order, so other bits than the default expert grid's): the prefill within LOGIT_TOL /
+    HIDDEN_TOL of the float64 reference, with the RMSNorm in a launch of its own (FUSED_MOE_NORM
+    off) and inside the routing launch (on) the same bits."""
+    import ddtree_numba.engine.model as em
+
+    config, weights = _tiny()
+    assert config.n_layers > config.n_dense_layers   # a MoE layer
+    ds = _golden_built()["prefill"]
+    inputs = _step_inputs(ds.in_tokens.values, ds.in_positions.values, ds.in_sizes.values,
+                          ds.in_visibility.values, 9)
+    monkeypatch.setattr(em, "ROUTE_BY_EXPERT", False)
+    got = []
+    for fused in (False, True):
+        monkeypatch.setattr(em, "FUSED_MOE_NORM", fused)
+        model = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
+        assert not model._route_by_expert
+        out = model.forward(*inputs)
+        got.append((_host(out.logits), _host(out.features)))
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+    logits, features = got[0]
+    for b, size in enumerate(ds.in_sizes.values):
+        _assert_close(logits[b, :size], ds.out_logits.values[b, :size], LOGIT_TOL, f"logits[{b}]")
+        _assert_close(features[b, :size].reshape(size, 2, -1), ds.out_hidden.values[b, :size, 1:], HIDDEN_TOL,
+                      f"features[{b}]")
+    assert not np.array_equal(logits, scenario["prefill"]["logits"])   # the expert grid's numerics differ
 
 
 def test_serial_absorbs_take_k_major_copies(monkeypatch, request) -> None:

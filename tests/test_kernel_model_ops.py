@@ -349,14 +349,23 @@ ROUTING_CASES = {
 }
 
 
-def _route(config, xn, gate_w, bias):
-    """Run moe_route; returns (ids, weights, row_offsets, row_index, slot_of) on the host."""
+def _route(config, xn, gate_w, bias, grid=False):
+    """Run moe_route (``grid``: the expert grid, its counts checked back at zero); returns (ids,
+    weights, row_offsets, row_index, slot_of) on the host."""
     m, k, e = xn.shape[0], config.n_activated_experts, config.n_routed_experts
     outs = (cuda.device_array((m, k), np.int32), cuda.device_array((m, k), np.float32),
             cuda.device_array(e + 1, np.int32), cuda.device_array(m * k, np.int32),
             cuda.device_array((m, k), np.int32))
-    mo.moe_route(_dev(xn), _dev(gate_w), None if bias is None else _dev(bias), config, *outs)
+    scratch = _grid_scratch(m, e) if grid else {}
+    mo.moe_route(_dev(xn), _dev(gate_w), None if bias is None else _dev(bias), config, *outs, **scratch)
+    if grid:
+        assert not scratch["counts"].copy_to_host().any()   # zeros again for the next launch
     return tuple(o.copy_to_host() for o in outs)
+
+
+def _grid_scratch(m: int, e: int) -> dict:
+    """The expert grid's caller-owned scratch: logits (any values) and zero counts."""
+    return dict(logits=_dev(np.full((m, e), SENTINEL, np.float32)), counts=_dev(np.zeros(m, np.int32)))
 
 
 def _reference_route(config, xn, gate_w, bias):
@@ -401,8 +410,8 @@ def _expected_csr(ids: np.ndarray, n_experts: int):
     return offsets, rows[order].astype(np.int32), slot_of.reshape(m, k)
 
 
-def _check_routing(config, xn, gate_w, bias, allow_near_ties=True):
-    ids, weights, offsets, row_index, slot_of = _route(config, xn, gate_w, bias)
+def _check_routing(config, xn, gate_w, bias, allow_near_ties=True, grid=False):
+    ids, weights, offsets, row_index, slot_of = _route(config, xn, gate_w, bias, grid)
     ref_ids, ref_w, gap = _reference_route(config, xn, gate_w, bias)
     near = (gap > 0) & (gap < NEAR_TIE)
     if not allow_near_ties:
@@ -417,8 +426,9 @@ def _check_routing(config, xn, gate_w, bias, allow_near_ties=True):
     return ids, gap
 
 
+@pytest.mark.parametrize("grid", [False, True], ids=["rows", "experts"])
 @pytest.mark.parametrize("case", sorted(ROUTING_CASES))
-def test_moe_route_matches_reference(case):
+def test_moe_route_matches_reference(case, grid):
     config = _routing_config(**ROUTING_CASES[case])
     rng = np.random.default_rng(len(case))
     e, d = config.n_routed_experts, config.hidden_size
@@ -426,7 +436,7 @@ def test_moe_route_matches_reference(case):
     gate_w = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
     with_bias = config.has_gate_bias and case != "sigmoid_no_bias"
     bias = (0.1 * rng.standard_normal(e)).astype(np.float32) if with_bias else None
-    _check_routing(config, xn, gate_w, bias)
+    _check_routing(config, xn, gate_w, bias, grid=grid)
 
 
 # One crafted row per case: equal selection values listed before a larger one inside the kept
@@ -438,8 +448,9 @@ CRAFTED_LOGITS = {
 }
 
 
+@pytest.mark.parametrize("grid", [False, True], ids=["rows", "experts"])
 @pytest.mark.parametrize("case", sorted(CRAFTED_LOGITS))
-def test_moe_route_tie_heavy_inputs_are_bit_exact(case):
+def test_moe_route_tie_heavy_inputs_are_bit_exact(case, grid):
     """Logits from {0, 1/2, 1} (one-hot rows: exact in float32 and float64), the tiny case's bias
     1/8 on group 0: many exact ties between experts and between groups, every other gap >= 0.0025
     (no negative logits: sigmoid(-a) + sigmoid(a) = 2 sigmoid(0) would make top-2 sums tie only
@@ -454,7 +465,7 @@ def test_moe_route_tie_heavy_inputs_are_bit_exact(case):
     xn = np.zeros((16, d), np.float32)
     xn[np.arange(1, 16), np.r_[0, rng.integers(1, d, 14)]] = 1.0  # logit = one weight, exactly
     bias = np.repeat(np.float32([0.125, 0.0]), e // 2) if config.has_gate_bias and case == "tiny" else None
-    ids, gap = _check_routing(config, xn, gate_w, bias, allow_near_ties=False)
+    ids, gap = _check_routing(config, xn, gate_w, bias, allow_near_ties=False, grid=grid)
     assert np.count_nonzero(gap == 0) >= 3  # the tie rule decides the selection on several rows
     assert np.array_equal(ids[1], expected)
     if bias is None:
@@ -476,9 +487,12 @@ TIE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case,with_bias", [(case, with_bias) for case in sorted(TIE_CASES) for with_bias in (True, False)
-                                             if with_bias <= ("score_func" not in TIE_CASES[case])])
-def test_moe_route_ranks_ties_at_many_shapes(case, with_bias):
+# The expert grid (grid=True) at two of them: 64 experts each a block's loop under the simulator.
+@pytest.mark.parametrize("case,with_bias,grid", [(case, with_bias, grid) for case in sorted(TIE_CASES)
+                                                  for with_bias in (True, False) for grid in (False, True)
+                                                  if with_bias <= ("score_func" not in TIE_CASES[case])
+                                                  and (not grid or case in ("g4_keep2_e16_k4", "g1_e64_k8"))])
+def test_moe_route_ranks_ties_at_many_shapes(case, with_bias, grid):
     """Logits from {-1000, 0, 1/2, 1} (one-hot rows; sigmoid / softmax of -1000 is exactly +0.0):
     exact ties between experts, between groups and at zero, every other gap >= 0.0025. Every
     row must match the reference (lower indices first); row 0 (every logit 0) without a bias
@@ -493,14 +507,15 @@ def test_moe_route_ranks_ties_at_many_shapes(case, with_bias):
     if with_bias:
         levels = rng.choice([0.0, 0.125], size=g if g > 1 else e)
         bias = np.repeat(levels, e // levels.size).astype(np.float32)
-    ids, gap = _check_routing(config, xn, gate_w, bias, allow_near_ties=False)
+    ids, gap = _check_routing(config, xn, gate_w, bias, allow_near_ties=False, grid=grid)
     assert np.count_nonzero(gap == 0) >= 3  # the tie rule decides the selection on several rows
     if bias is None:
         assert np.array_equal(ids[0], np.arange(config.n_activated_experts))
 
 
+@pytest.mark.parametrize("grid", [False, True], ids=["rows", "experts"])
 @pytest.mark.parametrize("k", [4, 7])
-def test_moe_route_nan_scores_rank_last(k):
+def test_moe_route_nan_scores_rank_last(k, grid):
     """NaN scores (a NaN input row; NaN gate rows for experts 1, 2 and groups 2, 3) rank as -inf:
     a group of them scores -inf, and they are picked only when the kept groups hold fewer than k
     finite values, lowest index first (k = 7: six finite ones). The reference, given those
@@ -514,7 +529,7 @@ def test_moe_route_nan_scores_rank_last(k):
     bias = (0.1 * rng.standard_normal(16)).astype(np.float32)
     dead = np.r_[1, 2, 8:16]
     gate_w[dead] = np.nan
-    ids, weights, *_ = _route(config, xn, gate_w, bias)
+    ids, weights, *_ = _route(config, xn, gate_w, bias, grid)
     clean_w, dead_bias = gate_w.copy(), bias.copy()
     clean_w[dead], dead_bias[dead] = 0.0, -np.inf
     with np.errstate(invalid="ignore"):  # k = 7: the expert gap is -inf - -inf
@@ -562,8 +577,9 @@ def test_moe_route_batch_and_launch_shape_invariant(monkeypatch, case):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), loads
 
 
+@pytest.mark.parametrize("grid", [False, True], ids=["rows", "experts"])
 @pytest.mark.parametrize("case", sorted(ROUTING_CASES))
-def test_moe_route_one_row_writes_the_csr_launch_s_values(monkeypatch, case):
+def test_moe_route_one_row_writes_the_csr_launch_s_values(monkeypatch, case, grid):
     """One row (an AR step): the routing block's inline CSR (ROUTE_CSR_INLINE) writes every value
     the CSR launch writes, the same integers, on random, tie-heavy and NaN-score rows."""
     config = _routing_config(**ROUTING_CASES[case])
@@ -585,7 +601,7 @@ def test_moe_route_one_row_writes_the_csr_launch_s_values(monkeypatch, case):
             launched = []
             with monkeypatch.context() as mp:   # count the launches: one with the CSR inline
                 mp.setattr(mo, "launch", lambda kernel, *a, _l=mo.launch: (launched.append(kernel), _l(kernel, *a))[1])
-                mo.moe_route(_dev(xn), _dev(gw), _dev(bias), config, *outs)
+                mo.moe_route(_dev(xn), _dev(gw), _dev(bias), config, *outs, **(_grid_scratch(1, e) if grid else {}))
             assert len(launched) == (1 if inline else 2) and (mo.moe_csr_kernel in launched) is not inline
             got[inline] = [o.copy_to_host() for o in outs]
         for a, b in zip(got[True], got[False]):
@@ -632,6 +648,89 @@ def test_moe_route_with_its_rmsnorm_is_the_two_launches(monkeypatch, case, rows)
         got = [fused_xn.copy_to_host(), *(o.copy_to_host() for o in outs)]
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _route_grid_all(config, x, norm_w, gate_w, bias):
+    """The expert grid with its RMSNorm: (xn, logits, ids, weights, row_offsets, row_index, slot_of)
+    on the host, the counts checked back at zero."""
+    m, d, e = x.shape[0], config.hidden_size, config.n_routed_experts
+    xn = _dev(np.full((m, d), SENTINEL, np.float32))
+    outs = _route_outputs(config, m)
+    scratch = _grid_scratch(m, e)
+    mo.moe_route(xn, _dev(gate_w), _dev(bias), config, *outs, x=_dev(x), norm_weight=_dev(norm_w), eps=1e-6,
+                 **scratch)
+    assert not scratch["counts"].copy_to_host().any()
+    return (xn.copy_to_host(), scratch["logits"].copy_to_host(), *(o.copy_to_host() for o in outs))
+
+
+@pytest.mark.parametrize("rows", [3, 1])
+def test_moe_route_grid_launch_shapes_and_batches_give_the_same_bits(monkeypatch, rows):
+    """The expert grid's results do not depend on its launch: the simulator's one block (the lane
+    sums as a shared-memory tree) against a block per (expert, row) of 64 and of 32 threads (the
+    warps' butterflies; 8 and 16 lanes a thread, the row's last block selecting), every output
+    the same bits, xn and the logits too; a row routed alone gets its bits in the batch. With
+    hidden 600 a lane holds 2 values (zeros past 600); with tiny's 64, 448 of the 512 lanes are
+    zeros (the simulator's tree skips their groups)."""
+    for config in (_routing_config(**ROUTING_CASES["wide"]), _routing_config(**ROUTING_CASES["tiny"])):
+        rng = np.random.default_rng(23)
+        d, e = config.hidden_size, config.n_routed_experts
+        x = rng.standard_normal((rows, d)).astype(np.float32)
+        norm_w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        gate_w = (rng.standard_normal((e, d)) / 8).astype(np.float32)
+        bias = (0.01 * rng.standard_normal(e)).astype(np.float32)
+        want = _route_grid_all(config, x, norm_w, gate_w, bias)
+        assert np.isfinite(want[1]).all() and not (want[0] == SENTINEL).any()
+        with monkeypatch.context() as mp:
+            mp.setattr(mo, "simulator_active", lambda: False)
+            for threads in (64, 32):
+                mp.setattr(mo, "ROUTE_GRID_THREADS", threads)
+                for got, ref in zip(_route_grid_all(config, x, norm_w, gate_w, bias), want):
+                    assert _same_bits(got, ref), threads
+        alone = _route_grid_all(config, x[-1:], norm_w, gate_w, bias)
+        for got, ref in zip(alone[:4], want[:4]):
+            assert _same_bits(got, ref[-1:])
+
+
+@pytest.mark.parametrize("case", ["wide", "softmax"])
+def test_moe_route_grid_rmsnorm_matches_reference_and_routes_its_own_rows(case):
+    """The expert grid's RMSNorm is within RTOL / ATOL of the float64 reference, its logits within
+    the same of xn · gate_w (float64 on the written xn), and the routing of the written xn (no
+    RMSNorm: the same values feed the same lane chains) gives every output's bits; the routing
+    itself matches the reference on the written xn (near-tie rule)."""
+    config = _routing_config(**ROUTING_CASES[case])
+    rng = np.random.default_rng(24)
+    d, e = config.hidden_size, config.n_routed_experts
+    x = rng.standard_normal((5, d)).astype(np.float32)
+    norm_w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    gate_w = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(e)).astype(np.float32)
+    xn, logits, *outs = _route_grid_all(config, x, norm_w, gate_w, bias)
+    _close(xn, rm.rms_norm(x, norm_w.astype(np.float64), 1e-6))
+    _close(logits, xn.astype(np.float64) @ gate_w.T.astype(np.float64))
+    for got, want in zip(outs, _route(config, xn, gate_w, bias, grid=True)):
+        assert _same_bits(got, want)
+    _check_routing(config, xn, gate_w, bias, grid=True)
+
+
+@pytest.mark.parametrize("name, change, exc", [
+    ("logits", lambda a: dict(a, counts=None), ValueError),                  # one without the other
+    ("logits", lambda a: dict(a, logits=a["logits"][:2]), ValueError),
+    ("logits", lambda a: dict(a, logits=a["logits"].astype(np.float64)), TypeError),
+    ("counts", lambda a: dict(a, counts=a["counts"].astype(np.int64)), TypeError),
+    ("counts", lambda a: dict(a, counts=a["counts"][:2]), ValueError),
+    ("config", lambda a: dict(a, config=dataclasses.replace(TINY, hidden_size=512 * 16 + 4)), ValueError),
+])
+def test_moe_route_grid_arguments_are_checked_first(name, change, exc):
+    """The expert grid's scratch (both or neither, shapes, dtypes) and its hidden-size bound are
+    checked before any launch: no output written."""
+    args = change(dict(config=_routing_config(**ROUTING_CASES["tiny"]),
+                       logits=np.zeros((3, 8), np.float32), counts=np.zeros(3, np.int32)))
+    config = args.pop("config")
+    xn = np.full((3, config.hidden_size), SENTINEL, np.float32)
+    outs = tuple(np.full(o.shape, -7, o.dtype) for o in _route_outputs(TINY, 3))
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        mo.moe_route(xn, np.ones((8, config.hidden_size), np.float32), None, config, *outs, **args)
+    assert np.all(xn == SENTINEL) and all(np.all(o == -7) for o in outs)
 
 
 @pytest.mark.parametrize("name, change", [
@@ -812,6 +911,10 @@ def test_kernels_are_registered():
     assert registry.get("moe_route").kernel is mo.moe_route_kernel(False, True)
     assert registry.get("moe_route_norm_nobias").kernel is mo.moe_route_kernel(True, False)
     assert registry.get("moe_combine_noshared").kernel is mo.moe_combine_kernel(False)
+    for loads in (4, 14):   # the expert grid at small's and kimi-k2's hidden sizes
+        assert mo.route_grid_loads(ModelConfig.from_name("small" if loads == 4 else "kimi-k2").hidden_size) == loads
+        assert registry.get(f"moe_route_grid_l{loads}_norm_csr1").kernel is \
+            mo.moe_route_grid_kernel(True, True, True, mo.ROUTE_GRID_THREADS, loads)
 
 
 # --- GPU (real shapes) ---------------------------------------------------------------------------

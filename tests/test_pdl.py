@@ -364,7 +364,8 @@ PTX_ORDER_SCRIPT = textwrap.dedent(
     """
 )
 # One kernel of each engine module (the slow-to-type top-k and tree build left out: same rule).
-PTX_ORDER_KERNELS = ("rms_norm_rows", "mla_rope_kv_write", "moe_route", "moe_combine", "embed_rows",
+PTX_ORDER_KERNELS = ("rms_norm_rows", "mla_rope_kv_write", "moe_route", "moe_route_grid_l4_norm_csr1", "moe_combine",
+                     "embed_rows",
                      "verify_attention_mla_score_first", "verify_attention_merge", "linear_none_mt1",
                      "linear_tc_rmsnorm_mt1", "segment_sum", "absorb_split_mt1_l4", "accept_walk",
                      "posterior_argmax", "compact_u32", "decode_commit", "draft_norm_rope", "gemv_rmsnorm",

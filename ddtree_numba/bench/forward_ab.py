@@ -19,7 +19,9 @@ needs a merge-free plan),
 in its own, ``engine.model.FUSED_ROPE_KV_WRITE`` and ``FUSED_MOE_NORM`` off: the launches before the
 three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on; at one row
 the routing block writes the CSR too, so the AR step's MoE starts with one launch, not two),
-``auto-unfold`` (the shared expert in two launches of its own, ``engine.model.FOLD_SHARED_EXPERT``
+``auto-route1`` (the MoE RMSNorm and the routing of a block per row, ``engine.model.ROUTE_BY_EXPERT`` off:
+the layout before it, numerics of its own; ``auto-normroute``, ``auto-unfused``, ``auto-dotN`` and
+``auto-csr2`` time that layout too), ``auto-unfold`` (the shared expert in two launches of its own, ``engine.model.FOLD_SHARED_EXPERT``
 off; by default it runs inside the routed experts' launches), ``auto-bound`` (the expert launches'
 grid y chosen for every slot of ``linear.expert_slots``' bound, ``linear.EXPERT_TYPICAL_WAVES`` off;
 by default for the tiles a uniform routing fills), ``auto-entrytile`` (the experts' down projection
@@ -124,8 +126,11 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
+                 "auto-normroute", "auto-route1", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
+# Variants that time the routing of a block per row (engine.model.ROUTE_BY_EXPERT off: numerics of
+# their own, compared with their own first logits): auto-route1 itself, and the row layout's knobs.
+ROW_ROUTING = ("auto-route1", "auto-normroute", "auto-unfused", "auto-dot24", "auto-dot32", "auto-csr2")
 TREE_KNOBS = ("auto-tsk", "auto-tsr", "auto-tph", "auto-tpvd", "auto-tpass")   # auto-tree with a layout knob
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -216,6 +221,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
     row_products, expert_rows = em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS
     dot_loads, csr_inline = mo.DOT_LOADS, mo.ROUTE_CSR_INLINE
+    route_by_expert = em.ROUTE_BY_EXPERT
     score_batch, score_threads = va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS
     score_heads, pv_dims, pv_ahead = va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS, va.DECODE_PV_AHEAD
     release_early = em.PDL_RELEASE_EARLY
@@ -224,7 +230,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     occupancy = em.FEW_NODES_MIN_BLOCKS
     odd_blocks = lin.ODD_TILE_BLOCKS
     odd_unroll = lin.ODD_TILE_UNROLL
-    first_logits: dict[tuple[str, bool, int], np.ndarray] = {}   # (products, segment absorbs, rows)
+    first_logits: dict[tuple[str, bool, bool, int], np.ndarray] = {}   # (products, segment absorbs, route by expert, rows)
     same_bits = {} if same_bits is None else same_bits
     skip = em.ATTENTION_SKIP_DEAD_KEYS
     tc_ring = ltc.ASYNC_RING
@@ -248,6 +254,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.EXPERT_ROW_PRODUCTS = expert_rows and tile != "auto-noexgemv"
             mo.DOT_LOADS = int(tile[len("auto-dot"):]) if tile.startswith("auto-dot") else dot_loads
             mo.ROUTE_CSR_INLINE = csr_inline and tile != "auto-csr2"
+            em.ROUTE_BY_EXPERT = route_by_expert and tile not in ROW_ROUTING   # numerics: its own first logits
             va.DECODE_SCORE_BATCH = {"auto-dsb8": 8, "auto-dsb24": 24, "auto-dst128b8": 8}.get(tile, score_batch)
             va.DECODE_SCORE_THREADS = 128 if tile.startswith("auto-dst128") else score_threads
             va.DECODE_SCORE_HEADS = int(tile[len("auto-dsh"):]) if tile.startswith("auto-dsh") else score_heads
@@ -325,7 +332,8 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
                 host_logits = model.buffers.logits.copy_to_host()   # the replays' (every one the same inputs)
                 if logits is not None:
                     logits.setdefault(rows, host_logits)
-                same = first_logits.setdefault((products, model._segment_absorbs, rows), host_logits)
+                same = first_logits.setdefault((products, model._segment_absorbs, model._route_by_expert, rows),
+                                               host_logits)
                 same_bits.setdefault(label, {})[rows] = bool(np.array_equal(same, host_logits, equal_nan=True))
                 graph.close()
             results[label] = per_rows
@@ -357,6 +365,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
         em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS = row_products, expert_rows
         mo.DOT_LOADS, mo.ROUTE_CSR_INLINE = dot_loads, csr_inline
+        em.ROUTE_BY_EXPERT = route_by_expert
         va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS = score_batch, score_threads
         va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS, va.DECODE_PV_AHEAD = score_heads, pv_dims, pv_ahead
         em.PDL_RELEASE_EARLY = release_early

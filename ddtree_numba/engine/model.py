@@ -55,8 +55,8 @@ from ddtree_numba.kernels.gemv import expert_gemv, expert_takes, gemv, takes as 
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
-from ddtree_numba.kernels.model_ops import (embed, mla_kv_write, mla_q_rope, mla_rope_kv_write, moe_combine,
-                                            moe_route, rms_norm, rope_tables)
+from ddtree_numba.kernels.model_ops import (MAX_ROUTE_LOADS, embed, mla_kv_write, mla_q_rope, mla_rope_kv_write,
+                                            moe_combine, moe_route, rms_norm, rope_tables, route_grid_loads)
 from ddtree_numba.kernels.pdl import pdl_begin
 from ddtree_numba.kernels.registry import register
 from reference.tree import pack_visibility, unpack_visibility
@@ -141,6 +141,15 @@ SEGMENT_ABSORBS = True
 # spill): with FUSED_MOE_NORM the AR step's MoE would start with one launch instead of two. Untimed.
 FUSED_ROPE_KV_WRITE = True
 FUSED_MOE_NORM = False
+# The MoE layer's RMSNorm, gate, selection (and at one row its CSR) in one launch of a block per
+# (expert, row) (model_ops.moe_route given logits and counts: each block reads one gate row and
+# the row's last block selects), instead of an RMSNorm launch (one warp) and a routing launch of
+# a block per row that reads every gate row (run "floor": 6.8 + 12.5 us an AR layer on the H100,
+# ~57 us of them past the launch floor over small's five MoE layers). Numerics, not layout (its
+# own lane order for the norm and the gate dots): one process keeps one setting (bench.forward_ab's
+# ``auto-route1`` times the row layout; FUSED_MOE_NORM applies to that layout only). Configs whose
+# hidden size passes model_ops.MAX_ROUTE_LOADS lanes' worth keep the row layout.
+ROUTE_BY_EXPERT = True
 # One shared expert (its width the routed experts' I) runs as expert E of the routed experts' two
 # expert_linear launches: entries J..J+M-1 (row m's at J + m, fixed at allocation), its weights
 # stacked after theirs (weights.MoeWeights.w13_all). Two launches fewer a MoE layer, the same bits
@@ -364,6 +373,8 @@ class Activations:
     xn: Any | None  # [M, D] normed MoE input (None without MoE layers)
     topk_ids: Any | None  # int32 [M, k]
     topk_w: Any | None  # [M, k]
+    route_logits: Any | None  # [M, E] the expert grid's gate logits (ROUTE_BY_EXPERT's scratch)
+    route_counts: Any | None  # int32 [M] its blocks done a row (zeros between launches)
     # The expert launches' CSR over J = M * k routed entries, then, with the shared expert folded
     # in (FOLD_SHARED_EXPERT), its M entries J..J+M-1 as expert E (Jx = J + M; else Jx = J):
     row_offsets: Any | None  # int32 [E + 2] folded ([E + 1] = Jx, set here), else [E + 1]
@@ -416,6 +427,8 @@ class Activations:
             h13=f32(m, 2 * c.dense_intermediate) if has_dense else None,
             xn=f32(m, c.hidden_size) if has_moe else None,
             topk_ids=i32(m, k) if has_moe else None, topk_w=f32(m, k) if has_moe else None,
+            route_logits=f32(m, c.n_routed_experts) if has_moe else None,
+            route_counts=cuda.to_device(np.zeros(m, np.int32), stream=stream) if has_moe else None,
             row_offsets=cuda.to_device(offsets, stream=stream) if has_moe else None,
             row_index=cuda.to_device(rows, stream=stream) if has_moe else None,
             entry_index=cuda.to_device(np.arange(jx, dtype=np.int32), stream=stream) if has_moe else None,
@@ -623,6 +636,7 @@ class TargetModel:
         # The absorbs read their weights k-major: kernels.absorb always (SEGMENT_ABSORBS), else
         # head_linear's thread-serial kernel where it runs (linear.SERIAL_HEADS on, the GPU
         # default, many rows: linear.serial_plan; the same bits as its warp layout).
+        self._route_by_expert = ROUTE_BY_EXPERT and bool(moe) and route_grid_loads(config.hidden_size) <= MAX_ROUTE_LOADS
         self._segment_absorbs = SEGMENT_ABSORBS and absorb_supported(config.qk_nope_dim, config.kv_lora_rank) \
             and absorb_supported(config.kv_lora_rank, config.v_head_dim)
         self._absorb_kn = None
@@ -857,7 +871,11 @@ class TargetModel:
         assert isinstance(f, MoeWeights)
         v = self._views
         m = self.batch_size * self.max_rows if EXPERT_TILE_BY_ROWS else None   # the most entries an expert holds
-        if FUSED_MOE_NORM:  # xn = rms_norm(x) [M, D], written by the routing launch before its gate reads it
+        if self._route_by_expert:  # xn = its rms_norm(x) [M, D]: a block per (expert, row), one launch at one row
+            moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,
+                      x=b.x, norm_weight=f.norm, eps=eps, logits=b.route_logits, counts=b.route_counts,
+                      stream=stream)
+        elif FUSED_MOE_NORM:  # xn = rms_norm(x) [M, D], written by the routing launch before its gate reads it
             moe_route(b.xn, f.gate, f.bias, c, b.topk_ids, b.topk_w, v.route_offsets, v.route_index, b.slot_of,
                       x=b.x, norm_weight=f.norm, eps=eps, stream=stream)
         else:

@@ -10,13 +10,17 @@ the same in float32 for a whole batch of M rows at once:
 - :func:`mla_q_rope`: RoPE of every head's query rope part.
 - :func:`mla_rope_kv_write`: both of the above in one launch (the engine's per-layer call).
 - :func:`moe_route`: ``reference.model.moe_gate`` plus the CSR that ``linear.expert_linear``
-  consumes (a second, single-block launch builds the CSR).
+  consumes (a second, single-block launch builds the CSR), in one of two layouts with numerics of
+  their own: a block per row reading every gate row, or the expert grid (given ``logits`` and
+  ``counts``: a block per (expert, row), the RMSNorm inside, the row's last block selecting).
 - :func:`moe_combine`: residual + weighted expert outputs (ascending expert id) + shared expert.
 
 Determinism and batch invariance. Every reduction has a fixed order that depends only on the
 row length: in a row reduction (rms_norm, the kv norm) lane ``l`` of the row's warp sums elements
 ``l, l + 32, ...`` in ascending order and the 32 partials are added in lane order; a gate logit
-is the ordered sum of ROUTE_SPLIT such strided partials. Which warp, block or launch a row lands
+is the ordered sum of ROUTE_SPLIT such strided partials (the row layout), or, in the expert grid,
+the sum of ROUTE_LANES lanes' fma chains over ``v, v + ROUTE_LANES, ...`` in
+:func:`_make_lane_sum`'s order (its RMSNorm's sum of squares too). Which warp, block or launch a row lands
 in, and the launch shape, never change its bits, so a row verified inside a tree equals the same
 row decoded alone (issue 4, "batch-invariant"). Routing is integer-exact given the float32
 scores: ties go to the lower index, as ``reference.model._top_indices`` (stable argsort of the
@@ -57,7 +61,7 @@ from sim.launch import launch, launch_bounds
 from ._args import as_kernel_array, check_array, check_shape, host_values
 from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
-from .warp import warp_inclusive_scan_i32
+from .warp import warp_inclusive_scan_i32, warp_sum_f32
 
 __all__ = [
     "MAX_EXPERTS", "MAX_GROUPS", "MAX_TOPK", "ROW_THREADS", "ELEM_THREADS", "CSR_THREADS",
@@ -88,6 +92,15 @@ ROUTE_SPLIT = 16  # partial sums per gate logit (16 consecutive threads read 64 
 ROUTE_PART_FLOATS = MAX_EXPERTS * ROUTE_SPLIT  # 32 KiB of shared partials
 MAX_ROUTE_THREADS = 512
 CSR_THREADS = 128  # the single CSR block
+# The expert grid's routing (moe_route given logits and counts; engine.model.ROUTE_BY_EXPERT): a
+# block per (expert, row) reads one gate row, where the row block reads all E (small: 128 KiB in
+# ~8 rounds of loads from one SM; kimi-k2: 11 MiB). Numerics: lane v of ROUTE_LANES sums the
+# values j = v, v + ROUTE_LANES, ... (an fma chain); the lanes meet in _make_lane_sum's order.
+ROUTE_LANES = 512
+ROUTE_GRID_THREADS = 512   # its block on a GPU: a lane a thread (layout, not numerics)
+MAX_ROUTE_LOADS = 16   # values a lane (hidden <= 8192): all held in registers
+ROUTE_GATE_BATCH = 8   # gate values a lane loads before their fmas (kimi-k2's 14 at once: a 112-byte stack on sm_90)
+MAX_GRID_Y = 65535   # rows a launch's grid y covers; past it a block loops over rows
 # One row (an AR step at batch 1): the routing block writes the CSR itself, one launch instead of
 # two (the same integers; bench.forward_ab's ``auto-csr2`` switches it off). H100, run "expert
 # rows" call 3 (5937ead, one process, two passes, the routing without its RMSNorm, as the engine
@@ -390,8 +403,100 @@ def moe_route_kernel(norm: bool, biased: bool, dot_loads: int | None = None, csr
 
 
 @functools.lru_cache(maxsize=None)
+def _make_select_row(biased: bool, csr: bool) -> Any:
+    """The routing's selection of one row (steps 2-4 of :func:`moe_route_kernel`'s doc), a device
+    function of the whole block: ``row``'s logits are in ``s_logit`` (thread t's experts t, t +
+    blockDim, ... written by thread t, or all of them behind a barrier); its scores, selection
+    values, group flags and picks in shared arrays of its own. ``biased`` and ``csr`` are
+    compile-time, as the kernels' flags. Both routing kernels run it, so given the same logits they
+    pick, weigh and write the CSR in the same bits."""
+
+    @cuda.jit(device=True)
+    def select_row(row, n_experts, s_logit, bias, n_groups, n_limited, softmax_scores, normalize, route_scale,
+                   topk_ids, topk_w, row_offsets, row_index, slot_of):
+        s_score = cuda.shared.array(MAX_EXPERTS, float32)  # unbiased scores (the weights)
+        s_choice = cuda.shared.array(MAX_EXPERTS, float32)  # selection values: score (+ bias)
+        s_group = cuda.shared.array(MAX_GROUPS, float32)  # [G] group scores
+        s_kept = cuda.shared.array(MAX_GROUPS, int32)  # [G] 1: the group's experts may be picked
+        s_pick = cuda.shared.array(MAX_TOPK, int32)  # [k] picked expert ids in rank order
+        tid = cuda.threadIdx.x
+        per_group = n_experts // n_groups
+        k = topk_ids.shape[1]
+        top2_sum = biased and per_group > 1  # else a group scores its max
+        row_max = NEG_INF_F32
+        denom = float32(1.0)
+        if softmax_scores != 0:  # uniform over the block
+            cuda.syncthreads()  # every logit is in shared memory before the row's max and sum
+            for e in range(n_experts):  # every thread, the same order: the same bits
+                if s_logit[e] > row_max:
+                    row_max = s_logit[e]
+            denom = float32(0.0)
+            for e in range(n_experts):
+                denom += math.exp(s_logit[e] - row_max)
+        for e in range(tid, n_experts, cuda.blockDim.x):
+            score = _score(s_logit[e], softmax_scores, row_max, denom)
+            s_score[e] = score
+            choice = score
+            if biased:  # compile-time
+                choice = score + bias[e]
+            s_choice[e] = choice if choice == choice else NEG_INF_F32  # NaN ranks last: picks stay valid
+        cuda.syncthreads()  # every selection value is in shared memory before the groups score
+        if n_groups > 1:  # uniform over the block
+            for g in range(tid, n_groups, cuda.blockDim.x):
+                group_score = _group_score(s_choice, g, per_group, top2_sum)
+                # NaN only from +inf + -inf (a non-finite device bias): ranks last, as NaN choices
+                s_group[g] = group_score if group_score == group_score else NEG_INF_F32
+            cuda.syncthreads()  # every group score is in shared memory before the groups rank
+            for g in range(tid, n_groups, cuda.blockDim.x):
+                rank = 0  # groups picked before g
+                for other in range(n_groups):
+                    if _outranks(s_group[other], other, s_group[g], g):
+                        rank += 1
+                s_kept[g] = 1 if rank < n_limited else 0
+            cuda.syncthreads()  # every kept flag is set before the experts rank
+        for e in range(tid, n_experts, cuda.blockDim.x):
+            if n_groups == 1 or s_kept[e // per_group] != 0:
+                value = s_choice[e]
+                rank = 0  # kept experts picked before e (k <= the kept experts: config check)
+                for g in range(n_groups):
+                    if n_groups == 1 or s_kept[g] != 0:
+                        for other in range(g * per_group, (g + 1) * per_group):
+                            if _outranks(s_choice[other], other, value, e):
+                                rank += 1
+                if rank < k:
+                    s_pick[rank] = e
+        cuda.syncthreads()  # all k picks are in shared memory before the weights are summed
+        for p in range(tid, k, cuda.blockDim.x):
+            e = s_pick[p]
+            total = float32(0.0)  # in pick order, as the reference's weights.sum(axis=1)
+            place = 0  # place of pick p in ascending expert id
+            for other in range(k):
+                total += s_score[s_pick[other]]
+                if s_pick[other] < e:
+                    place += 1
+            weight = s_score[e]
+            if normalize != 0 and k > 1:
+                weight = weight / (total + GATE_NORM_EPS_F32)
+            topk_ids[row, place] = e
+            topk_w[row, place] = weight * route_scale
+            if csr:  # compile-time; one row (row 0): pick p is entry `place`
+                row_index[place] = 0
+                slot_of[0, place] = place
+        if csr:  # expert e's entries start at the number of picks below e
+            for e in range(tid, n_experts + 1, cuda.blockDim.x):
+                below = 0
+                for p in range(k):
+                    if s_pick[p] < e:
+                        below += 1
+                row_offsets[e] = below
+
+    return select_row
+
+
+@functools.lru_cache(maxsize=None)
 def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> Any:
     strided_dot = _make_strided_dot(dot_loads)   # the gate partials
+    select_row = _make_select_row(biased, csr)
     warp_row_rms, write_normed = _make_row_norm(ROUTE_CSR_NORM_LOADS if csr and norm else ROW_LOADS)
     # The block size as a launch bound (one block per SM at least): without it ptxas interleaved the
     # gate loads with the FMA chain (3-4 loads in flight instead of 16; 1.4-2x slower at batch 1 on
@@ -425,17 +530,9 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> An
         """
         s_part = cuda.shared.array(ROUTE_PART_FLOATS, float32)  # [E, ROUTE_SPLIT] partial logits
         s_logit = cuda.shared.array(MAX_EXPERTS, float32)
-        s_score = cuda.shared.array(MAX_EXPERTS, float32)  # unbiased scores (the weights)
-        s_choice = cuda.shared.array(MAX_EXPERTS, float32)  # selection values: score (+ bias)
-        s_group = cuda.shared.array(MAX_GROUPS, float32)  # [G] group scores
-        s_kept = cuda.shared.array(MAX_GROUPS, int32)  # [G] 1: the group's experts may be picked
-        s_pick = cuda.shared.array(MAX_TOPK, int32)  # [k] picked expert ids in rank order
         pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         tid = cuda.threadIdx.x
         n_experts = gate_w.shape[0]
-        per_group = n_experts // n_groups
-        k = topk_ids.shape[1]
-        top2_sum = biased and per_group > 1  # else a group scores its max
         for row in range(cuda.blockIdx.x, xn.shape[0], cuda.gridDim.x):  # uniform over the block
             if norm:  # compile-time
                 if tid < WARP_SIZE:   # s_part[0:32] holds the warp's partial sums of squares here
@@ -451,75 +548,173 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> An
                 for c in range(ROUTE_SPLIT):
                     logit += s_part[e * ROUTE_SPLIT + c]
                 s_logit[e] = logit
-            row_max = NEG_INF_F32
-            denom = float32(1.0)
-            if softmax_scores != 0:  # uniform over the block
-                cuda.syncthreads()  # every logit is in shared memory before the row's max and sum
-                for e in range(n_experts):  # every thread, the same order: the same bits
-                    if s_logit[e] > row_max:
-                        row_max = s_logit[e]
-                denom = float32(0.0)
-                for e in range(n_experts):
-                    denom += math.exp(s_logit[e] - row_max)
-            for e in range(tid, n_experts, cuda.blockDim.x):
-                score = _score(s_logit[e], softmax_scores, row_max, denom)
-                s_score[e] = score
-                choice = score
-                if biased:  # compile-time
-                    choice = score + bias[e]
-                s_choice[e] = choice if choice == choice else NEG_INF_F32  # NaN ranks last: picks stay valid
-            cuda.syncthreads()  # every selection value is in shared memory before the groups score
-            if n_groups > 1:  # uniform over the block
-                for g in range(tid, n_groups, cuda.blockDim.x):
-                    group_score = _group_score(s_choice, g, per_group, top2_sum)
-                    # NaN only from +inf + -inf (a non-finite device bias): ranks last, as NaN choices
-                    s_group[g] = group_score if group_score == group_score else NEG_INF_F32
-                cuda.syncthreads()  # every group score is in shared memory before the groups rank
-                for g in range(tid, n_groups, cuda.blockDim.x):
-                    rank = 0  # groups picked before g
-                    for other in range(n_groups):
-                        if _outranks(s_group[other], other, s_group[g], g):
-                            rank += 1
-                    s_kept[g] = 1 if rank < n_limited else 0
-                cuda.syncthreads()  # every kept flag is set before the experts rank
-            for e in range(tid, n_experts, cuda.blockDim.x):
-                if n_groups == 1 or s_kept[e // per_group] != 0:
-                    value = s_choice[e]
-                    rank = 0  # kept experts picked before e (k <= the kept experts: config check)
-                    for g in range(n_groups):
-                        if n_groups == 1 or s_kept[g] != 0:
-                            for other in range(g * per_group, (g + 1) * per_group):
-                                if _outranks(s_choice[other], other, value, e):
-                                    rank += 1
-                    if rank < k:
-                        s_pick[rank] = e
-            cuda.syncthreads()  # all k picks are in shared memory before the weights are summed
-            for p in range(tid, k, cuda.blockDim.x):
-                e = s_pick[p]
-                total = float32(0.0)  # in pick order, as the reference's weights.sum(axis=1)
-                place = 0  # place of pick p in ascending expert id
-                for other in range(k):
-                    total += s_score[s_pick[other]]
-                    if s_pick[other] < e:
-                        place += 1
-                weight = s_score[e]
-                if normalize != 0 and k > 1:
-                    weight = weight / (total + GATE_NORM_EPS_F32)
-                topk_ids[row, place] = e
-                topk_w[row, place] = weight * route_scale
-                if csr:  # compile-time; one row (row 0): pick p is entry `place`
-                    row_index[place] = 0
-                    slot_of[0, place] = place
-            if csr:  # expert e's entries start at the number of picks below e
-                for e in range(tid, n_experts + 1, cuda.blockDim.x):
-                    below = 0
-                    for p in range(k):
-                        if s_pick[p] < e:
-                            below += 1
-                    row_offsets[e] = below
+            select_row(row, n_experts, s_logit, bias, n_groups, n_limited, softmax_scores, normalize, route_scale,
+                       topk_ids, topk_w, row_offsets, row_index, slot_of)
             cuda.syncthreads()  # the picks and scores are read before the next row rewrites them
 
     return moe_route_kernel
+
+
+def route_grid_loads(hidden: int) -> int:
+    """Values a lane of :func:`moe_route_grid_kernel` holds for rows of ``hidden`` values."""
+    return -(-hidden // ROUTE_LANES)
+
+
+@functools.lru_cache(maxsize=None)
+def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loads: int, butterfly: bool = True) -> Any:
+    """The routing kernel of the expert grid (:func:`moe_route` given ``logits`` and ``counts``):
+    a block per (experts, row), the row's last block to finish selects. Compile-time: ``norm`` (the
+    block normalises x[row] itself), ``biased``, ``csr`` (one row: the selecting block writes the
+    CSR too), ``threads`` a block (ROUTE_GRID_THREADS on a GPU, SIM_THREADS under the simulator:
+    layout, not numerics), ``loads`` = :func:`route_grid_loads` (hidden) values a lane and
+    ``butterfly`` (:func:`_make_lane_sum`: the warps' shuffles on a GPU, a shared-memory tree of the
+    same order under the simulator)."""
+    select_row = _make_select_row(biased, csr)
+    slots = ROUTE_LANES // threads   # lanes a thread: lane tid + s * threads in slot s
+    warps = threads // WARP_SIZE
+    held = slots * loads   # values a thread holds: slot s, value i at s * loads + i
+    batch = min(loads, ROUTE_GATE_BATCH)   # gate loads a lane in flight
+    batch_held = slots * batch
+    lane_sum = _make_lane_sum(slots, warps, butterfly)
+    sum_shape = (2, ROUTE_LANES // WARP_SIZE if butterfly else ROUTE_LANES)   # closure constant: a shared size
+
+    @cuda.jit(**launch_bounds(threads, 1))
+    def moe_route_grid_kernel(x, norm_w, eps, xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
+                              route_scale, logits, counts, topk_ids, topk_w, row_offsets, row_index, slot_of):
+        """reference.model.moe_gate of rows blockIdx.y, + gridDim.y, ..., experts blockIdx.x, +
+        gridDim.x, ...; picks in ascending expert id.
+
+        xn [M, D] (an output with ``norm``: x [M, D] and norm_w float32 [D] given; else the
+        input, x and norm_w placeholders), gate_w [E, D], bias float32 [E] (biased; else a
+        placeholder), logits float32 [M, E] scratch, counts int32 [M] (zero before the launch,
+        zero after it), topk_ids int32 [M, k], topk_w [M, k]. Lane v of ROUTE_LANES holds the
+        row's values j = v, v + ROUTE_LANES, ... (``loads`` of them, zeros past D).
+        0. ``norm``: every block of the row finds the same rms (:func:`_make_lane_sum`'s order
+           over the lanes' fma chains of x²) and scales its values by it, ``(x · (1 / rms)) ·
+           norm_w``; the block of expert 0 writes them to xn[row].
+        1. Logit e = the lane sum of the lanes' fma chains of xn · gate_w[e] (ascending j in a
+           lane), stored to logits[row, e]; the block then counts itself done in counts[row]
+           (after a fence: its logits are visible before its count).
+        2. The block that counts last (the gridDim.x-th) reads the row's logits back through L2
+           (atomics: no stale L1 line), selects as :func:`moe_route_kernel` does (the same
+           device function) and sets counts[row] back to 0 for the next launch.
+        """
+        s_sum = cuda.shared.array(sum_shape, float32)  # [2, lanes / 32 or lanes] the lane sums' (two buffers)
+        s_last = cuda.shared.array(1, int32)  # 1: this block selects the row
+        s_logit = cuda.shared.array(MAX_EXPERTS, float32)
+        pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
+        values = cuda.local.array(held, float32)  # the row's values (normed), registers once unrolled
+        staged = cuda.local.array(batch_held, float32)  # a batch of a gate row's values
+        chains = cuda.local.array(slots, float32)  # a lane's fma chain
+        tid = cuda.threadIdx.x
+        n_experts = gate_w.shape[0]
+        end = uint64(xn.shape[1])
+        for row in range(cuda.blockIdx.y, xn.shape[0], cuda.gridDim.y):  # uniform over the block
+            for s in range(slots):   # all loads first
+                for i in range(loads):
+                    j = uint64(tid + s * threads + i * ROUTE_LANES)
+                    if norm:  # compile-time
+                        values[s * loads + i] = x[row, j] if j < end else float32(0.0)
+                    else:
+                        values[s * loads + i] = xn[row, j] if j < end else float32(0.0)
+            if norm:  # compile-time
+                for s in range(slots):
+                    acc = float32(0.0)
+                    for i in range(loads):
+                        acc = cuda.fma(values[s * loads + i], values[s * loads + i], acc)
+                    chains[s] = acc
+                total = lane_sum(chains, s_sum, 0, xn.shape[1])
+                inv = float32(1.0) / math.sqrt(total / float32(xn.shape[1]) + eps)
+                for s in range(slots):   # norm_w's loads after the barrier: fewer registers held across it
+                    for i in range(loads):
+                        j = uint64(tid + s * threads + i * ROUTE_LANES)
+                        values[s * loads + i] = values[s * loads + i] * inv * (norm_w[j] if j < end else float32(0.0))
+                if cuda.blockIdx.x == 0:
+                    for s in range(slots):
+                        for i in range(loads):
+                            j = uint64(tid + s * threads + i * ROUTE_LANES)
+                            if j < end:
+                                xn[row, j] = values[s * loads + i]
+            buf = 1   # the norm's lane sum took buffer 0
+            for e in range(cuda.blockIdx.x, n_experts, cuda.gridDim.x):  # uniform over the block
+                for s in range(slots):
+                    chains[s] = float32(0.0)
+                for b in range(0, loads, batch):   # a batch's loads first, then its fmas (the same chains)
+                    for s in range(slots):
+                        for i in range(b, min(b + batch, loads)):
+                            j = uint64(tid + s * threads + i * ROUTE_LANES)
+                            staged[s * batch + i - b] = gate_w[e, j] if j < end else float32(0.0)
+                    for s in range(slots):
+                        acc = chains[s]
+                        for i in range(b, min(b + batch, loads)):
+                            acc = cuda.fma(values[s * loads + i], staged[s * batch + i - b], acc)
+                        chains[s] = acc
+                logit = lane_sum(chains, s_sum, buf, xn.shape[1])
+                buf = 1 - buf
+                if tid == 0:
+                    logits[row, e] = logit
+            if tid == 0:
+                cuda.threadfence()  # this block's logits reach every SM before its count does
+                done = cuda.atomic.add(counts, row, 1)
+                s_last[0] = 1 if done == cuda.gridDim.x - 1 else 0
+            cuda.syncthreads()  # s_last is set
+            if s_last[0] != 0:  # uniform over the block
+                for e in range(tid, n_experts, threads):   # L2 reads (atomics): the other blocks' stores
+                    s_logit[e] = cuda.atomic.add(logits, (row, e), float32(0.0))
+                select_row(row, n_experts, s_logit, bias, n_groups, n_limited, softmax_scores, normalize,
+                           route_scale, topk_ids, topk_w, row_offsets, row_index, slot_of)
+                if tid == 0:
+                    counts[row] = 0   # every block of the row has counted: ready for the next launch
+            cuda.syncthreads()  # s_sum, s_last and the picks are read before the next row rewrites them
+
+    return moe_route_grid_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _make_lane_sum(slots: int, warps: int, butterfly: bool) -> Any:
+    """A device function ``lane_sum(chains, s_sum, buf, n)``: the sum of the block's ROUTE_LANES lane
+    values (thread t's slot s is lane t + s · 32 · warps; lanes >= n hold +0.0) on every thread,
+    in one order whatever the block size: each 32-lane group by :func:`.warp.warp_sum_f32`'s
+    butterfly (offsets 16, 8, 4, 2, 1), then the group sums in ascending order from +0.0.
+
+    ``butterfly`` (a GPU): the warps' shuffles, a group sum a warp and slot in s_sum[buf, :groups].
+    Else (the simulator, where each shuffle is a meeting of every thread): the lanes go to
+    s_sum[buf, :] and every thread adds each group's pairs at strides 16, 8, 4, 2, 1 (lane 0's
+    butterfly; every lane's is the same, addition commuting) over the groups below n only: a
+    group of zeros sums to +0.0, and x + 0.0 is x for every x a chain from +0.0 can hold (never
+    -0.0). The same bits, one barrier either way; ``buf`` (0 or 1) alternates between calls so
+    that a call's writes never meet the previous call's reads without a barrier."""
+
+    @cuda.jit(device=True)
+    def lane_sum(chains, s_sum, buf, n):
+        lane = cuda.threadIdx.x % WARP_SIZE
+        warp = cuda.threadIdx.x // WARP_SIZE
+        total = float32(0.0)
+        if butterfly:  # compile-time
+            for s in range(slots):
+                group_sum = warp_sum_f32(chains[s])
+                if lane == 0:
+                    s_sum[buf, warp + s * warps] = group_sum
+            cuda.syncthreads()  # every group's sum is in shared memory before any thread adds them
+            for g in range(ROUTE_LANES // WARP_SIZE):
+                total += s_sum[buf, g]
+        else:
+            for s in range(slots):
+                s_sum[buf, cuda.threadIdx.x + s * WARP_SIZE * warps] = chains[s]
+            cuda.syncthreads()  # every lane's value is in shared memory before any thread adds them
+            pairs = cuda.local.array(16, float32)   # half a group
+            for g in range(min(-(-n // WARP_SIZE), ROUTE_LANES // WARP_SIZE)):
+                for i in range(16):
+                    pairs[i] = s_sum[buf, g * WARP_SIZE + i] + s_sum[buf, g * WARP_SIZE + i + 16]
+                half = 8
+                while half > 0:
+                    for i in range(half):
+                        pairs[i] = pairs[i] + pairs[i + half]
+                    half //= 2
+                total += pairs[0]
+        return total
+
+    return lane_sum
 
 
 @cuda.jit
@@ -655,6 +850,21 @@ for _norm, _csr in ((False, False), (True, False), (False, True), (True, True)):
                  "MoE gate (" + ("after the RMSNorm of its rows" if _norm else "on normed rows")
                  + (", selection bias" if _biased else ", no bias") + "): scores, grouped top-k, weights; "
                  + ("one row, its CSR written too" if _csr else "one block per row"), block_threads=MAX_ROUTE_THREADS)
+# The expert grid's routing as the engine runs it (its RMSNorm inside) at small's hidden 2048 (4 values a
+# lane) and kimi-k2's 7168 (14), plus the normed-input form at 2048.
+for _norm, _biased, _csr, _loads in ((True, True, False, 4), (True, True, True, 4), (True, False, False, 4),
+                                     (True, False, True, 4), (True, True, False, 14), (True, True, True, 14),
+                                     (False, True, False, 4)):
+    register(f"moe_route_grid_l{_loads}" + ("_norm" if _norm else "") + ("" if _biased else "_nobias")
+             + ("_csr1" if _csr else ""),
+             moe_route_grid_kernel(_norm, _biased, _csr, ROUTE_GRID_THREADS, _loads),
+             (((_F2A, _F1) if _norm else (float32, float32)) + (float32, _F2A, _F2C, _F1 if _biased else float32,
+                                                              int32, int32, int32, int32, float32, _F2C, _I1, _I2,
+                                                              _F2C, _I1, _I1, _I2),),
+             f"MoE gate, a block per (expert, row), {_loads} values a lane"
+             + (", the RMSNorm inside" if _norm else ", normed rows") + (", selection bias" if _biased else "")
+             + "; the last block of a row selects" + (", one row, its CSR written too" if _csr else ""),
+             block_threads=ROUTE_GRID_THREADS)
 register("moe_route_csr", moe_csr_kernel, ((_I2, _I1, _I1, _I2),),
          "MoE routing CSR (entries per expert in ascending row order), one block",
          block_threads=CSR_THREADS)
@@ -964,7 +1174,7 @@ def _check_routing_config(config: Any) -> None:
 
 def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: Any, topk_w: Any,
               row_offsets: Any, row_index: Any, slot_of: Any, *, x: Any = None, norm_weight: Any = None,
-              eps: float = 1e-6, stream: Any = 0) -> None:
+              eps: float = 1e-6, logits: Any = None, counts: Any = None, stream: Any = 0) -> None:
     """MoE routing of M rows (``reference.model.moe_gate``) and the CSR for ``expert_linear``.
 
     Scores are sigmoid (or softmax) of ``gate_w · xn[m]``; ``bias`` shifts them for selection
@@ -987,11 +1197,16 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
             and eps: then ``xn`` is an output too, ``rms_norm(x, norm_weight, eps)`` (the bits of
             :func:`rms_norm`), written in the routing launch before the gate reads it (the
             engine's MoE layers: one launch less). Both or neither.
+        logits, counts: None (the row layout), or float32 [M, E] scratch and int32 [M] zeros
+            (caller-owned; zeros again after the launch): the expert grid, a block per (expert,
+            row) (:func:`moe_route_grid_kernel`). Its numerics are its own: the gate dots (and,
+            with ``x``, the RMSNorm) in ROUTE_LANES lanes, not ROUTE_SPLIT partials (and not
+            :func:`rms_norm`'s warp), so one model keeps one layout. Both or neither.
         stream: as :func:`embed`.
 
-    Two launches: one block per row (the RMSNorm when asked, then the routing), then one block
-    (the CSR); one row (an AR step at batch 1, ROUTE_CSR_INLINE): one launch, the routing block
-    writes the CSR too (the same values).
+    Two launches: one block per row (the RMSNorm when asked, then the routing) or the expert
+    grid, then one block (the CSR); one row (an AR step at batch 1, ROUTE_CSR_INLINE): one launch,
+    the selecting block writes the CSR too (the same values).
     """
     _check_routing_config(config)
     xn = _check_rows(xn, "xn", 2)
@@ -1023,14 +1238,32 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
     check_shape(row_index, "row_index", (m * k,))
     slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
     check_shape(slot_of, "slot_of", (m, k))
+    if (logits is None) != (counts is None):
+        raise ValueError("logits and counts must be given together (the expert grid's scratch) or not at all")
+    if logits is not None:
+        if route_grid_loads(hidden) > MAX_ROUTE_LOADS:
+            raise ValueError(f"config: hidden_size must be <= {ROUTE_LANES * MAX_ROUTE_LOADS} for the expert grid's "
+                             f"routing, got {hidden}")
+        logits = check_array(logits, "logits", (np.float32,), 2)
+        check_shape(logits, "logits", (m, n_experts))
+        counts = check_array(counts, "counts", (np.int32,), 1)
+        check_shape(counts, "counts", (m,))
     norm, biased = x is not None, bias is not None
     inline = ROUTE_CSR_INLINE and m == 1   # one row: the routing block writes the CSR
-    launch(moe_route_kernel(norm, biased, csr=inline), *_shape(m, 1, route_threads(n_experts)), stream, 0,
-           x if norm else PLACEHOLDER, norm_weight if norm else PLACEHOLDER, eps32, xn, gate_w,
-           bias if biased else PLACEHOLDER,
-           np.int32(config.n_expert_groups), np.int32(config.n_limited_groups),
-           np.int32(config.score_func == "softmax"), np.int32(config.norm_topk_prob),
-           np.float32(config.route_scale), topk_ids, topk_w, row_offsets, row_index, slot_of)
+    head = (x if norm else PLACEHOLDER, norm_weight if norm else PLACEHOLDER, eps32, xn, gate_w,
+            bias if biased else PLACEHOLDER, np.int32(config.n_expert_groups), np.int32(config.n_limited_groups),
+            np.int32(config.score_func == "softmax"), np.int32(config.norm_topk_prob), np.float32(config.route_scale))
+    tail = (topk_ids, topk_w, row_offsets, row_index, slot_of)
+    if logits is None:
+        launch(moe_route_kernel(norm, biased, csr=inline), *_shape(m, 1, route_threads(n_experts)), stream, 0,
+               *head, *tail)
+    else:   # a block per (expert, row); the simulator's one block loops over both
+        sim = simulator_active()
+        threads = SIM_THREADS if sim else ROUTE_GRID_THREADS
+        grid = (1, 1) if sim else (n_experts, min(m, MAX_GRID_Y))
+        kernel = moe_route_grid_kernel(norm, biased, inline, threads, route_grid_loads(hidden), not sim)
+        launch(kernel, grid, threads,
+               stream, 0, *head, logits, counts, *tail)
     if not inline:
         csr_threads = SIM_THREADS if simulator_active() else CSR_THREADS
         launch(moe_csr_kernel, 1, csr_threads, stream, 0, topk_ids, row_offsets, row_index, slot_of)
