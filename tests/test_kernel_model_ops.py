@@ -668,7 +668,8 @@ def test_moe_route_grid_launch_shapes_and_batches_give_the_same_bits(monkeypatch
     """The expert grid's results do not depend on its launch: the simulator's one block (the lane
     sums as a shared-memory tree) against a block per (expert, row) of 64 and of 32 threads (the
     warps' butterflies; 8 and 16 lanes a thread, the row's last block selecting), every output
-    the same bits, xn and the logits too; a row routed alone gets its bits in the batch. With
+    the same bits, xn and the logits too, also with 3 blocks a row looping over the experts (as a
+    many-row launch's); a row routed alone gets its bits in the batch. With
     hidden 600 a lane holds 2 values (zeros past 600); with tiny's 64, 448 of the 512 lanes are
     zeros (the simulator's tree skips their groups)."""
     for config in (_routing_config(**ROUTING_CASES["wide"]), _routing_config(**ROUTING_CASES["tiny"])):
@@ -682,10 +683,12 @@ def test_moe_route_grid_launch_shapes_and_batches_give_the_same_bits(monkeypatch
         assert np.isfinite(want[1]).all() and not (want[0] == SENTINEL).any()
         with monkeypatch.context() as mp:
             mp.setattr(mo, "simulator_active", lambda: False)
-            for threads in (64, 32):
+            for threads, blocks in ((64, None), (32, None), (64, 3)):   # 3: a block loops over experts
                 mp.setattr(mo, "ROUTE_GRID_THREADS", threads)
+                if blocks:
+                    mp.setattr(mo, "route_grid_blocks", lambda n_experts, m, sm_count: blocks)
                 for got, ref in zip(_route_grid_all(config, x, norm_w, gate_w, bias), want):
-                    assert _same_bits(got, ref), threads
+                    assert _same_bits(got, ref), (threads, blocks)
         alone = _route_grid_all(config, x[-1:], norm_w, gate_w, bias)
         for got, ref in zip(alone[:4], want[:4]):
             assert _same_bits(got, ref[-1:])

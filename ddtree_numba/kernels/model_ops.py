@@ -57,6 +57,7 @@ from ddtree_numba.config import ROPE_LAYOUTS, ModelConfig
 from reference.model import rope_cos_sin
 from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
+from sim.profiles import active_profile
 
 from ._args import as_kernel_array, check_array, check_shape, host_values
 from .pdl import pdl_begin, pdl_begin_early
@@ -555,6 +556,14 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> An
     return moe_route_kernel
 
 
+def route_grid_blocks(n_experts: int, rows: int, sm_count: int) -> int:
+    """Blocks a row of the expert grid (grid x; each loops over experts x, x + grid x, ...): one
+    an expert where the rows leave SMs free (an AR step: E blocks), else about one wave of blocks
+    in all (a 33-row verify on 132 SMs: 4 a row, 4 experts each), so that each block's RMSNorm
+    serves several gate rows. Layout, not numerics."""
+    return max(1, min(n_experts, -(-sm_count // rows)))
+
+
 def route_grid_loads(hidden: int) -> int:
     """Values a lane of :func:`moe_route_grid_kernel` holds for rows of ``hidden`` values."""
     return -(-hidden // ROUTE_LANES)
@@ -604,19 +613,29 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
         s_logit = cuda.shared.array(MAX_EXPERTS, float32)
         pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         values = cuda.local.array(held, float32)  # the row's values (normed), registers once unrolled
+        scale = cuda.local.array(held, float32)  # norm_w's
         staged = cuda.local.array(batch_held, float32)  # a batch of a gate row's values
         chains = cuda.local.array(slots, float32)  # a lane's fma chain
         tid = cuda.threadIdx.x
         n_experts = gate_w.shape[0]
         end = uint64(xn.shape[1])
         for row in range(cuda.blockIdx.y, xn.shape[0], cuda.gridDim.y):  # uniform over the block
-            for s in range(slots):   # all loads first
+            # every load of the row at once: x (or xn), norm_w and the first batch of the block's
+            # first gate row (none depends on another: one round trip, not three in a row)
+            for s in range(slots):
                 for i in range(loads):
                     j = uint64(tid + s * threads + i * ROUTE_LANES)
                     if norm:  # compile-time
                         values[s * loads + i] = x[row, j] if j < end else float32(0.0)
+                        scale[s * loads + i] = norm_w[j] if j < end else float32(0.0)
                     else:
                         values[s * loads + i] = xn[row, j] if j < end else float32(0.0)
+            first = cuda.blockIdx.x
+            if first < n_experts:
+                for s in range(slots):
+                    for i in range(batch):
+                        j = uint64(tid + s * threads + i * ROUTE_LANES)
+                        staged[s * batch + i] = gate_w[first, j] if j < end else float32(0.0)
             if norm:  # compile-time
                 for s in range(slots):
                     acc = float32(0.0)
@@ -625,10 +644,8 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
                     chains[s] = acc
                 total = lane_sum(chains, s_sum, 0, xn.shape[1])
                 inv = float32(1.0) / math.sqrt(total / float32(xn.shape[1]) + eps)
-                for s in range(slots):   # norm_w's loads after the barrier: fewer registers held across it
-                    for i in range(loads):
-                        j = uint64(tid + s * threads + i * ROUTE_LANES)
-                        values[s * loads + i] = values[s * loads + i] * inv * (norm_w[j] if j < end else float32(0.0))
+                for u in range(held):
+                    values[u] = values[u] * inv * scale[u]
                 if cuda.blockIdx.x == 0:
                     for s in range(slots):
                         for i in range(loads):
@@ -636,14 +653,15 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
                             if j < end:
                                 xn[row, j] = values[s * loads + i]
             buf = 1   # the norm's lane sum took buffer 0
-            for e in range(cuda.blockIdx.x, n_experts, cuda.gridDim.x):  # uniform over the block
+            for e in range(first, n_experts, cuda.gridDim.x):  # uniform over the block
                 for s in range(slots):
                     chains[s] = float32(0.0)
                 for b in range(0, loads, batch):   # a batch's loads first, then its fmas (the same chains)
-                    for s in range(slots):
-                        for i in range(b, min(b + batch, loads)):
-                            j = uint64(tid + s * threads + i * ROUTE_LANES)
-                            staged[s * batch + i - b] = gate_w[e, j] if j < end else float32(0.0)
+                    if e != first or b > 0:   # (the first expert's first batch is loaded above)
+                        for s in range(slots):
+                            for i in range(b, min(b + batch, loads)):
+                                j = uint64(tid + s * threads + i * ROUTE_LANES)
+                                staged[s * batch + i - b] = gate_w[e, j] if j < end else float32(0.0)
                     for s in range(slots):
                         acc = chains[s]
                         for i in range(b, min(b + batch, loads)):
@@ -1260,7 +1278,7 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
     else:   # a block per (expert, row); the simulator's one block loops over both
         sim = simulator_active()
         threads = SIM_THREADS if sim else ROUTE_GRID_THREADS
-        grid = (1, 1) if sim else (n_experts, min(m, MAX_GRID_Y))
+        grid = (1, 1) if sim else (route_grid_blocks(n_experts, m, active_profile().sm_count), min(m, MAX_GRID_Y))
         kernel = moe_route_grid_kernel(norm, biased, inline, threads, route_grid_loads(hidden), not sim)
         launch(kernel, grid, threads,
                stream, 0, *head, logits, counts, *tail)
