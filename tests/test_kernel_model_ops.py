@@ -657,8 +657,8 @@ def _route_grid_all(config, x, norm_w, gate_w, bias):
     xn = _dev(np.full((m, d), SENTINEL, np.float32))
     outs = _route_outputs(config, m)
     scratch = _grid_scratch(m, e)
-    mo.moe_route(xn, _dev(gate_w), _dev(bias), config, *outs, x=_dev(x), norm_weight=_dev(norm_w), eps=1e-6,
-                 **scratch)
+    mo.moe_route(xn, _dev(gate_w), _dev(bias), config, *outs, x=_dev(x), norm_weight=_dev(norm_w),
+                 eps=config.rms_norm_eps, **scratch)
     assert not scratch["counts"].copy_to_host().any()
     return (xn.copy_to_host(), scratch["logits"].copy_to_host(), *(o.copy_to_host() for o in outs))
 
@@ -708,7 +708,7 @@ def test_moe_route_grid_rmsnorm_matches_reference_and_routes_its_own_rows(case):
     gate_w = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
     bias = (0.1 * rng.standard_normal(e)).astype(np.float32)
     xn, logits, *outs = _route_grid_all(config, x, norm_w, gate_w, bias)
-    _close(xn, rm.rms_norm(x, norm_w.astype(np.float64), 1e-6))
+    _close(xn, rm.rms_norm(x, norm_w.astype(np.float64), config.rms_norm_eps))
     _close(logits, xn.astype(np.float64) @ gate_w.T.astype(np.float64))
     for got, want in zip(outs, _route(config, xn, gate_w, bias, grid=True)):
         assert _same_bits(got, want)
@@ -925,8 +925,8 @@ def test_kernels_are_registered():
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["small", "kimi-k2"])
 def test_gpu_real_shapes(preset):
-    """At the preset's shapes: RMSNorm, kv write, query RoPE, routing (near-tie rule) + CSR and the
-    combine against the reference; every op's rows bit-identical when launched alone."""
+    """At the preset's shapes: RMSNorm, kv write, query RoPE, routing in both layouts (near-tie rule)
+    + CSR and the combine against the reference; every op's rows bit-identical when launched alone."""
     config = ModelConfig.from_name(preset)
     rng = np.random.default_rng(19)
     m, d, e, k = 96, config.hidden_size, config.n_routed_experts, config.n_activated_experts
@@ -981,6 +981,17 @@ def test_gpu_real_shapes(preset):
     assert _same_bits(fused_xn.copy_to_host(), normed)
     for got, want in zip(outs, batch):
         assert np.array_equal(got.copy_to_host().view(np.uint32), want.view(np.uint32))
+
+    # the expert grid (the engine's routing): its RMSNorm against the reference, its routing of its
+    # own xn (near-tie rule, CSR), the same bits without the RMSNorm, and a row alone (E blocks a
+    # row) as in the batch of 96 (a few blocks a row, each looping over experts)
+    grid = _route_grid_all(config, x, w, gate_w, bias)
+    _close(grid[0], rm.rms_norm(x, w.astype(np.float64), config.rms_norm_eps))
+    _check_routing(config, grid[0], gate_w, bias, grid=True)
+    for got, want in zip(_route(config, grid[0], gate_w, bias, grid=True), grid[2:]):
+        assert _same_bits(got, want)
+    for got, want in zip(_route_grid_all(config, x[5:6], w, gate_w, bias)[:4], grid[:4]):
+        assert _same_bits(got, want[5:6])
 
     _, weights_k, _, _, slot_of = batch
     expert_out = rng.standard_normal((m * k, d)).astype(np.float32)

@@ -144,11 +144,13 @@ FUSED_MOE_NORM = False
 # The MoE layer's RMSNorm, gate, selection (and at one row its CSR) in one launch of a block per
 # (expert, row) (model_ops.moe_route given logits and counts: each block reads one gate row and
 # the row's last block selects), instead of an RMSNorm launch (one warp) and a routing launch of
-# a block per row that reads every gate row (run "floor": 6.8 + 12.5 us an AR layer on the H100,
-# ~57 us of them past the launch floor over small's five MoE layers). Numerics, not layout (its
-# own lane order for the norm and the gate dots): one process keeps one setting (bench.forward_ab's
-# ``auto-route1`` times the row layout; FUSED_MOE_NORM applies to that layout only). Configs whose
-# hidden size passes model_ops.MAX_ROUTE_LOADS lanes' worth keep the row layout.
+# a block per row that reads every gate row (run "floor": 6.8 + 12.5 us an AR layer on the H100).
+# Numerics, not layout (its own lane order for the norm and the gate dots): one process keeps one
+# setting (bench.forward_ab's ``auto-route1`` times the row layout; FUSED_MOE_NORM applies to that
+# layout only). Configs whose hidden size passes model_ops.MAX_ROUTE_LOADS lanes' worth keep the
+# row layout. H100, run "grid routing" call 2 (c53c813, one process, two passes, us a forward):
+# 1 row 905.2 / 899.8 against 942.9 / 946.9, 33 rows 2143.5 / 2154.4 against 2181.3 / 2178.1; in
+# the replayed AR forward the launch costs 11.8 us (graph prefixes) where the two cost 19.2.
 ROUTE_BY_EXPERT = True
 # One shared expert (its width the routed experts' I) runs as expert E of the routed experts' two
 # expert_linear launches: entries J..J+M-1 (row m's at J + m, fixed at allocation), its weights
