@@ -666,13 +666,18 @@ def _route_grid_all(config, x, norm_w, gate_w, bias):
 @pytest.mark.parametrize("rows", [3, 1])
 def test_moe_route_grid_launch_shapes_and_batches_give_the_same_bits(monkeypatch, rows):
     """The expert grid's results do not depend on its launch: the simulator's one block (the lane
-    sums as a shared-memory tree) against a block per (expert, row) of 64 and of 32 threads (the
-    warps' butterflies; 8 and 16 lanes a thread, the row's last block selecting), every output
-    the same bits, xn and the logits too, also with 3 blocks a row looping over the experts (as a
-    many-row launch's); a row routed alone gets its bits in the batch. With
-    hidden 600 a lane holds 2 values (zeros past 600); with tiny's 64, 448 of the 512 lanes are
-    zeros (the simulator's tree skips their groups)."""
-    for config in (_routing_config(**ROUTING_CASES["wide"]), _routing_config(**ROUTING_CASES["tiny"])):
+    sums as a shared-memory tree) against a block per (expert, row) of 64 threads (the warps'
+    butterflies, 8 lanes a thread, the row's last block selecting), every output the same bits,
+    xn and the logits too; at hidden 600 (2 values a lane, zeros past 600) also 32-thread blocks
+    (16 lanes a thread) and 3 blocks a row looping over the experts (as a many-row launch's) in a
+    grid of 2 rows looping over the rows. A row routed alone gets its bits in the batch. With
+    tiny's 64, 448 of the 512 lanes are zeros (the simulator's tree skips their groups); at one
+    row also hidden 4096: 8 values a lane, the most it takes."""
+    configs = [_routing_config(**ROUTING_CASES["wide"]), _routing_config(**ROUTING_CASES["tiny"])]
+    if rows == 1:   # MAX_ROUTE_LOADS values a lane (hidden 4096), the most the expert grid takes
+        configs.append(_routing_config(hidden_size=mo.ROUTE_LANES * mo.MAX_ROUTE_LOADS, n_routed_experts=4,
+                                       n_expert_groups=1, n_limited_groups=1))
+    for config in configs:
         rng = np.random.default_rng(23)
         d, e = config.hidden_size, config.n_routed_experts
         x = rng.standard_normal((rows, d)).astype(np.float32)
@@ -683,10 +688,13 @@ def test_moe_route_grid_launch_shapes_and_batches_give_the_same_bits(monkeypatch
         assert np.isfinite(want[1]).all() and not (want[0] == SENTINEL).any()
         with monkeypatch.context() as mp:
             mp.setattr(mo, "simulator_active", lambda: False)
-            for threads, blocks in ((64, None), (32, None), (64, 3)):   # 3: a block loops over experts
+            # (64, 3, 2): 3 blocks a row each looping over experts, a grid of 2 rows looping over rows
+            shapes = ((64, None, None), (32, None, None), (64, 3, 2)) if config is configs[0] else ((64, None, None),)
+            for threads, blocks, grid_y in shapes:
                 mp.setattr(mo, "ROUTE_GRID_THREADS", threads)
                 if blocks:
                     mp.setattr(mo, "route_grid_blocks", lambda n_experts, m, sm_count: blocks)
+                    mp.setattr(mo, "MAX_GRID_Y", grid_y)
                 for got, ref in zip(_route_grid_all(config, x, norm_w, gate_w, bias), want):
                     assert _same_bits(got, ref), (threads, blocks)
         alone = _route_grid_all(config, x[-1:], norm_w, gate_w, bias)
@@ -721,7 +729,7 @@ def test_moe_route_grid_rmsnorm_matches_reference_and_routes_its_own_rows(case):
     ("logits", lambda a: dict(a, logits=a["logits"].astype(np.float64)), TypeError),
     ("counts", lambda a: dict(a, counts=a["counts"].astype(np.int64)), TypeError),
     ("counts", lambda a: dict(a, counts=a["counts"][:2]), ValueError),
-    ("config", lambda a: dict(a, config=dataclasses.replace(TINY, hidden_size=512 * 16 + 4)), ValueError),
+    ("config", lambda a: dict(a, config=dataclasses.replace(TINY, hidden_size=512 * 8 + 4)), ValueError),
 ])
 def test_moe_route_grid_arguments_are_checked_first(name, change, exc):
     """The expert grid's scratch (both or neither, shapes, dtypes) and its hidden-size bound are
@@ -905,7 +913,8 @@ def test_bad_inputs_raise_naming_the_argument(func, arg, value, exc):
 def test_kernels_are_registered():
     names = {"embed_rows", "rms_norm_rows", "mla_kv_write", "mla_q_rope", "mla_rope_kv_write", "moe_route",
              "moe_route_norm", "moe_route_nobias", "moe_route_norm_nobias", "moe_route_csr", "moe_combine",
-             "moe_combine_noshared"}
+             "moe_combine_noshared", "moe_route_grid_l4_norm", "moe_route_grid_l4_norm_csr1",
+             "moe_route_grid_l4_norm_nobias", "moe_route_grid_l4_norm_nobias_csr1", "moe_route_grid_l4"}
     for name in names:
         spec = registry.get(name)
         assert spec.signatures and spec.block_threads is not None
@@ -914,10 +923,10 @@ def test_kernels_are_registered():
     assert registry.get("moe_route").kernel is mo.moe_route_kernel(False, True)
     assert registry.get("moe_route_norm_nobias").kernel is mo.moe_route_kernel(True, False)
     assert registry.get("moe_combine_noshared").kernel is mo.moe_combine_kernel(False)
-    for loads in (4, 14):   # the expert grid at small's and kimi-k2's hidden sizes
-        assert mo.route_grid_loads(ModelConfig.from_name("small" if loads == 4 else "kimi-k2").hidden_size) == loads
-        assert registry.get(f"moe_route_grid_l{loads}_norm_csr1").kernel is \
-            mo.moe_route_grid_kernel(True, True, True, mo.ROUTE_GRID_THREADS, loads)
+    assert mo.route_grid_loads(ModelConfig.from_name("small").hidden_size) == 4   # the engine's expert grid
+    assert registry.get("moe_route_grid_l4_norm_csr1").kernel is \
+        mo.moe_route_grid_kernel(True, True, True, mo.ROUTE_GRID_THREADS, 4)
+    assert mo.route_grid_loads(ModelConfig.from_name("kimi-k2").hidden_size) > mo.MAX_ROUTE_LOADS   # the row layout
 
 
 # --- GPU (real shapes) ---------------------------------------------------------------------------
@@ -982,16 +991,17 @@ def test_gpu_real_shapes(preset):
     for got, want in zip(outs, batch):
         assert np.array_equal(got.copy_to_host().view(np.uint32), want.view(np.uint32))
 
-    # the expert grid (the engine's routing): its RMSNorm against the reference, its routing of its
-    # own xn (near-tie rule, CSR), the same bits without the RMSNorm, and a row alone (E blocks a
-    # row) as in the batch of 96 (a few blocks a row, each looping over experts)
-    grid = _route_grid_all(config, x, w, gate_w, bias)
-    _close(grid[0], rm.rms_norm(x, w.astype(np.float64), config.rms_norm_eps))
-    _check_routing(config, grid[0], gate_w, bias, grid=True)
-    for got, want in zip(_route(config, grid[0], gate_w, bias, grid=True), grid[2:]):
-        assert _same_bits(got, want)
-    for got, want in zip(_route_grid_all(config, x[5:6], w, gate_w, bias)[:4], grid[:4]):
-        assert _same_bits(got, want[5:6])
+    # the expert grid (the engine's routing at small's shapes): its RMSNorm against the reference, its
+    # routing of its own xn (near-tie rule, CSR), the same bits without the RMSNorm, and a row alone
+    # (E blocks a row) as in the batch of 96 (a few blocks a row, each looping over experts)
+    if mo.route_grid_loads(d) <= mo.MAX_ROUTE_LOADS:   # small (kimi-k2's hidden keeps the row layout)
+        grid = _route_grid_all(config, x, w, gate_w, bias)
+        _close(grid[0], rm.rms_norm(x, w.astype(np.float64), config.rms_norm_eps))
+        _check_routing(config, grid[0], gate_w, bias, grid=True)
+        for got, want in zip(_route(config, grid[0], gate_w, bias, grid=True), grid[2:]):
+            assert _same_bits(got, want)
+        for got, want in zip(_route_grid_all(config, x[5:6], w, gate_w, bias)[:4], grid[:4]):
+            assert _same_bits(got, want[5:6])
 
     _, weights_k, _, _, slot_of = batch
     expert_out = rng.standard_normal((m * k, d)).astype(np.float32)

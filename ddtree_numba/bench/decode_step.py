@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         # The model's absorb path (numerics: a process keeps one) and its layout knobs as set.
         args.absorbs = (f"segment (split up to {ab.FEW_ROWS} rows, tile {ab.TILE_ROWS} rows a thread)"
                         if model._segment_absorbs else "head_linear")
+        args.routing = "expert grid" if model._route_by_expert else "row blocks"   # numerics too
         point = measure_ar(config, model, prompts, n, ne, bandwidth, temperature=args.temperature, seed=args.seed,
                            pdl=args.pdl)
         ar_points.append(point)
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     args.engine_release_early = em.PDL_RELEASE_EARLY   # whether the engine asked for any early release
     print(f"decode_step: preset {args.preset}, prompt {args.prompt_len}, {n} new tokens, budget {args.budget}, "
           f"block {args.block}, oracle entropy {args.entropy}, temperature {args.temperature}, absorbs {args.absorbs}, "
-          f"attention segments of {args.attention_split} keys, products {args.products}"
+          f"routing {args.routing}, attention segments of {args.attention_split} keys, products {args.products}"
           + (f", programmatic launches ({args.programmatic_launches} launched eagerly or captured, "
              f"release {args.pdl_release}, engine early release "
              f"{'on' if args.engine_release_early else 'off: every release at the exits'})"
@@ -439,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         config_attrs = {k: getattr(args, k) for k in ("preset", "batch", "prompt_len", "new_tokens", "eager_tokens",
                                                       "budget", "block", "accuracy", "entropy", "seed",
                                                       "temperature", "odd_tiles", "row_products", "decode_split", "tree_split", "quads", "ring", "absorbs",
+                                                      "routing",
                                                       "attention_split", "products", "pdl",
                                                       "pdl_release", "engine_release_early",
                                                       "programmatic_launches")}

@@ -20,8 +20,8 @@ in its own, ``engine.model.FUSED_ROPE_KV_WRITE`` and ``FUSED_MOE_NORM`` off: the
 three, the attention blocks' fill stores aside), ``auto-normroute`` (the MoE RMSNorm inside the routing launch, ``FUSED_MOE_NORM`` on; at one row
 the routing block writes the CSR too, so the AR step's MoE starts with one launch, not two),
 ``auto-route1`` (the MoE RMSNorm and the routing of a block per row, ``engine.model.ROUTE_BY_EXPERT`` off:
-the layout before it, numerics of its own; ``auto-normroute``, ``auto-unfused``, ``auto-dotN`` and
-``auto-csr2`` time that layout too), ``auto-unfold`` (the shared expert in two launches of its own, ``engine.model.FOLD_SHARED_EXPERT``
+the layout before it, numerics of its own; ``auto-normroute``, ``auto-unfused`` and ``auto-dotN`` time
+that layout too; ``auto-csr2`` keeps the default layout), ``auto-unfold`` (the shared expert in two launches of its own, ``engine.model.FOLD_SHARED_EXPERT``
 off; by default it runs inside the routed experts' launches), ``auto-bound`` (the expert launches'
 grid y chosen for every slot of ``linear.expert_slots``' bound, ``linear.EXPERT_TYPICAL_WAVES`` off;
 by default for the tiles a uniform routing fills), ``auto-entrytile`` (the experts' down projection
@@ -99,7 +99,7 @@ the blocks' exits), so the early release is timed against its absence in one pro
 group keeps every pass, the repeats labelled ``NAME #2``, ``NAME #3`` ... (:func:`pass_labels`).
 
 Each variant's logits after its replays are compared bit for bit with those of the first variant
-of the same numerics (products kind and absorb order) and row count: the line printed says
+of the same numerics (products kind, absorb order and routing layout) and row count: the line printed says
 ``same bits`` or ``DIFFERENT BITS`` (a layout that changed the numerics), and the HDF5 run keeps
 it (``same_bits``, 1 / 0; the first of each numerics compares with itself).
 
@@ -130,7 +130,7 @@ TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "aut
                  "h8")   # and sfHxK, sfHxK+
 # Variants that time the routing of a block per row (engine.model.ROUTE_BY_EXPERT off: numerics of
 # their own, compared with their own first logits): auto-route1 itself, and the row layout's knobs.
-ROW_ROUTING = ("auto-route1", "auto-normroute", "auto-unfused", "auto-dot24", "auto-dot32", "auto-csr2")
+ROW_ROUTING = ("auto-route1", "auto-normroute", "auto-unfused", "auto-dot24", "auto-dot32")
 TREE_KNOBS = ("auto-tsk", "auto-tsr", "auto-tph", "auto-tpvd", "auto-tpass")   # auto-tree with a layout knob
 SCORE_FIRST_HEADS = (1, 2, 4, 8, 16)  # verify_attention.default_config's score-first tiles
 SCORE_FIRST_ROWS = (1, 2, 4, 8)
@@ -187,7 +187,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     """Median microseconds per forward, per pass (:func:`pass_labels`) and row count (variants from
     :func:`_variants`).
     ``same_bits``, if given, is filled per variant and row count: whether the logits equal those
-    of the first variant of the same numerics (products kind, absorb order) at that row count.
+    of the first variant of the same numerics (products kind, absorb order, routing layout) at that row count.
     ``logits``, if given, gets the first variant's logits per row count (``--save-logits``)."""
     from cuda.core import Device, EventOptions
     from numba import cuda

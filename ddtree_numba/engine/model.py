@@ -138,7 +138,8 @@ SEGMENT_ABSORBS = True
 # 17.5 / 12.9 us (that specialisation sits at the kernel's 128-register launch bound), so it stays off.
 # Since run "expert rows" an AR step's routing launch writes its CSR too (model_ops.ROUTE_CSR_INLINE),
 # also with the RMSNorm inside (its norm then at model_ops.ROUTE_CSR_NORM_LOADS loads a lane, no
-# spill): with FUSED_MOE_NORM the AR step's MoE would start with one launch instead of two. Untimed.
+# spill): FUSED_MOE_NORM on, that took +6 us (run "floor", auto-normroute). FUSED_MOE_NORM applies to
+# the row layout's routing only (ROUTE_BY_EXPERT off); the expert grid always normalises in its launch.
 FUSED_ROPE_KV_WRITE = True
 FUSED_MOE_NORM = False
 # The MoE layer's RMSNorm, gate, selection (and at one row its CSR) in one launch of a block per
@@ -147,8 +148,8 @@ FUSED_MOE_NORM = False
 # a block per row that reads every gate row (run "floor": 6.8 + 12.5 us an AR layer on the H100).
 # Numerics, not layout (its own lane order for the norm and the gate dots): one process keeps one
 # setting (bench.forward_ab's ``auto-route1`` times the row layout; FUSED_MOE_NORM applies to that
-# layout only). Configs whose hidden size passes model_ops.MAX_ROUTE_LOADS lanes' worth keep the
-# row layout. H100, run "grid routing" call 2 (c53c813, one process, two passes, us a forward):
+# layout only). Configs whose hidden size passes model_ops.MAX_ROUTE_LOADS lanes' worth (4096:
+# kimi-k2's 7168 spilled on sm_90) keep the row layout. H100, run "grid routing" call 2 (c53c813, one process, two passes, us a forward):
 # 1 row 905.2 / 899.8 against 942.9 / 946.9, 33 rows 2143.5 / 2154.4 against 2181.3 / 2178.1; in
 # the replayed AR forward the launch costs 11.8 us (graph prefixes) where the two cost 19.2.
 ROUTE_BY_EXPERT = True
@@ -635,10 +636,11 @@ class TargetModel:
             config.dense_intermediate
         self._wo_split = self._w2_split = None
         self._tc = self._tensor_core_workspaces(m, stream) if products == "tensor-core" else None
+        # The MoE routing's layout (numerics): the expert grid where its lanes hold the hidden size.
+        self._route_by_expert = ROUTE_BY_EXPERT and bool(moe) and route_grid_loads(config.hidden_size) <= MAX_ROUTE_LOADS
         # The absorbs read their weights k-major: kernels.absorb always (SEGMENT_ABSORBS), else
         # head_linear's thread-serial kernel where it runs (linear.SERIAL_HEADS on, the GPU
         # default, many rows: linear.serial_plan; the same bits as its warp layout).
-        self._route_by_expert = ROUTE_BY_EXPERT and bool(moe) and route_grid_loads(config.hidden_size) <= MAX_ROUTE_LOADS
         self._segment_absorbs = SEGMENT_ABSORBS and absorb_supported(config.qk_nope_dim, config.kv_lora_rank) \
             and absorb_supported(config.kv_lora_rank, config.v_head_dim)
         self._absorb_kn = None

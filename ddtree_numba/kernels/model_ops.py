@@ -95,19 +95,23 @@ MAX_ROUTE_THREADS = 512
 CSR_THREADS = 128  # the single CSR block
 # The expert grid's routing (moe_route given logits and counts; engine.model.ROUTE_BY_EXPERT): a
 # block per (expert, row) reads one gate row, where the row block reads all E (small: 128 KiB in
-# ~8 rounds of loads from one SM; kimi-k2: 11 MiB). Numerics: lane v of ROUTE_LANES sums the
+# ~8 rounds of loads from one SM; kimi-k2: 10.5 MiB). Numerics: lane v of ROUTE_LANES sums the
 # values j = v, v + ROUTE_LANES, ... (an fma chain); the lanes meet in _make_lane_sum's order.
 ROUTE_LANES = 512
 ROUTE_GRID_THREADS = 512   # its block on a GPU: a lane a thread (layout, not numerics)
-MAX_ROUTE_LOADS = 16   # values a lane (hidden <= 8192): all held in registers
-ROUTE_GATE_BATCH = 8   # gate values a lane loads before their fmas (kimi-k2's 14 at once: a 112-byte stack on sm_90)
+# Values a lane (hidden <= 4096; small: 4), all held in registers and loaded at once with the
+# norm weight's and the gate row's. kimi-k2's 7168 (14 a lane) took 128 registers and a 116-byte
+# spill on sm_90 in 512-thread blocks (the compile check's build; in batches of 2-8 gate values too),
+# so a larger hidden size keeps the row layout (engine.model.ROUTE_BY_EXPERT's fallback).
+MAX_ROUTE_LOADS = 8
 MAX_GRID_Y = 65535   # rows a launch's grid y covers; past it a block loops over rows
 # One row (an AR step at batch 1): the routing block writes the CSR itself, one launch instead of
 # two (the same integers; bench.forward_ab's ``auto-csr2`` switches it off). H100, run "expert
 # rows" call 3 (5937ead, one process, two passes, the routing without its RMSNorm, as the engine
 # runs it): an AR forward 970.8 / 969.0 us against 982.1 / 979.1 with the CSR launch. With the
-# RMSNorm in the routing launch too (engine.model.FUSED_MOE_NORM, forward_ab's auto-normroute: one
-# launch for the MoE's norm, routing and CSR) it is untimed.
+# RMSNorm in the row layout's routing launch too (engine.model.FUSED_MOE_NORM, forward_ab's
+# auto-normroute) it was +6 us (run "floor"). The expert grid (the engine's default) writes the CSR
+# inline under the same switch.
 ROUTE_CSR_INLINE = True
 ROUTE_CSR_NORM_LOADS = 16  # the RMSNorm's loads a lane in a routing launch that writes its CSR too
 CSR_WORDS = 8  # row-mask words per expert and chunk: 256 rows per chunk
@@ -558,9 +562,9 @@ def _moe_route_kernel(norm: bool, biased: bool, dot_loads: int, csr: bool) -> An
 
 def route_grid_blocks(n_experts: int, rows: int, sm_count: int) -> int:
     """Blocks a row of the expert grid (grid x; each loops over experts x, x + grid x, ...): one
-    an expert where the rows leave SMs free (an AR step: E blocks), else about one wave of blocks
-    in all (a 33-row verify on 132 SMs: 4 a row, 4 experts each), so that each block's RMSNorm
-    serves several gate rows. Layout, not numerics."""
+    an expert where E blocks a row fit the SMs (small's AR step: 16), else about one wave of
+    blocks in all (a 33-row verify on 132 SMs: 4 a row, 4 experts each; kimi-k2's AR step: 132, about
+    3 experts each), so that each block's RMSNorm serves several gate rows. Layout, not numerics."""
     return max(1, min(n_experts, -(-sm_count // rows)))
 
 
@@ -578,12 +582,12 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
     layout, not numerics), ``loads`` = :func:`route_grid_loads` (hidden) values a lane and
     ``butterfly`` (:func:`_make_lane_sum`: the warps' shuffles on a GPU, a shared-memory tree of the
     same order under the simulator)."""
+    if threads % WARP_SIZE or ROUTE_LANES % threads:
+        raise ValueError(f"threads must be a multiple of {WARP_SIZE} dividing {ROUTE_LANES}, got {threads}")
     select_row = _make_select_row(biased, csr)
     slots = ROUTE_LANES // threads   # lanes a thread: lane tid + s * threads in slot s
     warps = threads // WARP_SIZE
     held = slots * loads   # values a thread holds: slot s, value i at s * loads + i
-    batch = min(loads, ROUTE_GATE_BATCH)   # gate loads a lane in flight
-    batch_held = slots * batch
     lane_sum = _make_lane_sum(slots, warps, butterfly)
     sum_shape = (2, ROUTE_LANES // WARP_SIZE if butterfly else ROUTE_LANES)   # closure constant: a shared size
 
@@ -614,14 +618,14 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
         pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         values = cuda.local.array(held, float32)  # the row's values (normed), registers once unrolled
         scale = cuda.local.array(held, float32)  # norm_w's
-        staged = cuda.local.array(batch_held, float32)  # a batch of a gate row's values
+        staged = cuda.local.array(held, float32)  # a gate row's values
         chains = cuda.local.array(slots, float32)  # a lane's fma chain
         tid = cuda.threadIdx.x
         n_experts = gate_w.shape[0]
         end = uint64(xn.shape[1])
         for row in range(cuda.blockIdx.y, xn.shape[0], cuda.gridDim.y):  # uniform over the block
-            # every load of the row at once: x (or xn), norm_w and the first batch of the block's
-            # first gate row (none depends on another: one round trip, not three in a row)
+            # every load of the row at once: x (or xn), norm_w and the block's first gate row (none
+            # depends on another: one round trip, not three in a row)
             for s in range(slots):
                 for i in range(loads):
                     j = uint64(tid + s * threads + i * ROUTE_LANES)
@@ -632,10 +636,9 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
                         values[s * loads + i] = xn[row, j] if j < end else float32(0.0)
             first = cuda.blockIdx.x
             if first < n_experts:
-                for s in range(slots):
-                    for i in range(batch):
-                        j = uint64(tid + s * threads + i * ROUTE_LANES)
-                        staged[s * batch + i] = gate_w[first, j] if j < end else float32(0.0)
+                for u in range(held):
+                    j = uint64(tid + (u // loads) * threads + (u % loads) * ROUTE_LANES)
+                    staged[u] = gate_w[first, j] if j < end else float32(0.0)
             if norm:  # compile-time
                 for s in range(slots):
                     acc = float32(0.0)
@@ -654,19 +657,15 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
                                 xn[row, j] = values[s * loads + i]
             buf = 1   # the norm's lane sum took buffer 0
             for e in range(first, n_experts, cuda.gridDim.x):  # uniform over the block
+                if e != first:   # (the first expert's gate row is loaded above)
+                    for u in range(held):
+                        j = uint64(tid + (u // loads) * threads + (u % loads) * ROUTE_LANES)
+                        staged[u] = gate_w[e, j] if j < end else float32(0.0)
                 for s in range(slots):
-                    chains[s] = float32(0.0)
-                for b in range(0, loads, batch):   # a batch's loads first, then its fmas (the same chains)
-                    if e != first or b > 0:   # (the first expert's first batch is loaded above)
-                        for s in range(slots):
-                            for i in range(b, min(b + batch, loads)):
-                                j = uint64(tid + s * threads + i * ROUTE_LANES)
-                                staged[s * batch + i - b] = gate_w[e, j] if j < end else float32(0.0)
-                    for s in range(slots):
-                        acc = chains[s]
-                        for i in range(b, min(b + batch, loads)):
-                            acc = cuda.fma(values[s * loads + i], staged[s * batch + i - b], acc)
-                        chains[s] = acc
+                    acc = float32(0.0)
+                    for i in range(loads):
+                        acc = cuda.fma(values[s * loads + i], staged[s * loads + i], acc)
+                    chains[s] = acc
                 logit = lane_sum(chains, s_sum, buf, xn.shape[1])
                 buf = 1 - buf
                 if tid == 0:
@@ -869,10 +868,9 @@ for _norm, _csr in ((False, False), (True, False), (False, True), (True, True)):
                  + (", selection bias" if _biased else ", no bias") + "): scores, grouped top-k, weights; "
                  + ("one row, its CSR written too" if _csr else "one block per row"), block_threads=MAX_ROUTE_THREADS)
 # The expert grid's routing as the engine runs it (its RMSNorm inside) at small's hidden 2048 (4 values a
-# lane) and kimi-k2's 7168 (14), plus the normed-input form at 2048.
+# lane), plus the normed-input form.
 for _norm, _biased, _csr, _loads in ((True, True, False, 4), (True, True, True, 4), (True, False, False, 4),
-                                     (True, False, True, 4), (True, True, False, 14), (True, True, True, 14),
-                                     (False, True, False, 4)):
+                                     (True, False, True, 4), (False, True, False, 4)):
     register(f"moe_route_grid_l{_loads}" + ("_norm" if _norm else "") + ("" if _biased else "_nobias")
              + ("_csr1" if _csr else ""),
              moe_route_grid_kernel(_norm, _biased, _csr, ROUTE_GRID_THREADS, _loads),
