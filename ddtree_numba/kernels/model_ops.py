@@ -589,7 +589,9 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
     warps = threads // WARP_SIZE
     held = slots * loads   # values a thread holds: slot s, value i at s * loads + i
     lane_sum = _make_lane_sum(slots, warps, butterfly)
-    sum_shape = (2, ROUTE_LANES // WARP_SIZE if butterfly else ROUTE_LANES)   # closure constant: a shared size
+    # closure constant (a shared size): two buffers of group sums on a GPU; under the simulator two
+    # buffers and a row of lanes an expert
+    sum_shape = (2, ROUTE_LANES // WARP_SIZE) if butterfly else (2 + MAX_EXPERTS, ROUTE_LANES)
 
     @cuda.jit(**launch_bounds(threads, 1))
     def moe_route_grid_kernel(x, norm_w, eps, xn, gate_w, bias, n_groups, n_limited, softmax_scores, normalize,
@@ -612,7 +614,7 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
            (atomics: no stale L1 line), selects as :func:`moe_route_kernel` does (the same
            device function) and sets counts[row] back to 0 for the next launch.
         """
-        s_sum = cuda.shared.array(sum_shape, float32)  # [2, lanes / 32 or lanes] the lane sums' (two buffers)
+        s_sum = cuda.shared.array(sum_shape, float32)  # the lane sums' (sum_shape)
         s_last = cuda.shared.array(1, int32)  # 1: this block selects the row
         s_logit = cuda.shared.array(MAX_EXPERTS, float32)
         pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
@@ -666,10 +668,19 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
                     for i in range(loads):
                         acc = cuda.fma(values[s * loads + i], staged[s * loads + i], acc)
                     chains[s] = acc
-                logit = lane_sum(chains, s_sum, buf, xn.shape[1])
-                buf = 1 - buf
+                if butterfly:  # compile-time: a lane sum (one barrier) an expert
+                    logit = lane_sum(chains, s_sum, buf, xn.shape[1])
+                    buf = 1 - buf
+                    if tid == 0:
+                        logits[row, e] = logit
+                else:   # the simulator: the expert's lanes to s_sum[2 + e], summed after the loop
+                    for s in range(slots):
+                        s_sum[2 + e, tid + s * threads] = chains[s]
+            if not butterfly:  # compile-time: one barrier for all the block's experts, not one each
+                cuda.syncthreads()  # every expert's lanes are in shared memory before thread 0 adds them
                 if tid == 0:
-                    logits[row, e] = logit
+                    for e in range(first, n_experts, cuda.gridDim.x):
+                        logits[row, e] = _tree_total(s_sum, 2 + e, xn.shape[1])
             if tid == 0:
                 cuda.threadfence()  # this block's logits reach every SM before its count does
                 done = cuda.atomic.add(counts, row, 1)
@@ -697,10 +708,11 @@ def _make_lane_sum(slots: int, warps: int, butterfly: bool) -> Any:
     ``butterfly`` (a GPU): the warps' shuffles, a group sum a warp and slot in s_sum[buf, :groups].
     Else (the simulator, where each shuffle is a meeting of every thread): the lanes go to
     s_sum[buf, :] and every thread adds each group's pairs at strides 16, 8, 4, 2, 1 (lane 0's
-    butterfly; every lane's is the same, addition commuting) over the groups below n only: a
-    group of zeros sums to +0.0, and x + 0.0 is x for every x a chain from +0.0 can hold (never
-    -0.0). The same bits, one barrier either way; ``buf`` (0 or 1) alternates between calls so
-    that a call's writes never meet the previous call's reads without a barrier."""
+    butterfly; every lane's is the same, addition commuting) over the groups below n only
+    (:func:`_tree_total`): a group of zeros sums to +0.0, and x + 0.0 is x for every x a chain from
+    +0.0 can hold (never -0.0). The same bits, one barrier either way; ``buf`` (0 or 1) alternates
+    between calls so that a call's writes never meet the previous call's reads without a barrier.
+    (The simulator's gate dots skip this function: every expert's lanes meet behind one barrier.)"""
 
     @cuda.jit(device=True)
     def lane_sum(chains, s_sum, buf, n):
@@ -719,19 +731,29 @@ def _make_lane_sum(slots: int, warps: int, butterfly: bool) -> Any:
             for s in range(slots):
                 s_sum[buf, cuda.threadIdx.x + s * WARP_SIZE * warps] = chains[s]
             cuda.syncthreads()  # every lane's value is in shared memory before any thread adds them
-            pairs = cuda.local.array(16, float32)   # half a group
-            for g in range(min(-(-n // WARP_SIZE), ROUTE_LANES // WARP_SIZE)):
-                for i in range(16):
-                    pairs[i] = s_sum[buf, g * WARP_SIZE + i] + s_sum[buf, g * WARP_SIZE + i + 16]
-                half = 8
-                while half > 0:
-                    for i in range(half):
-                        pairs[i] = pairs[i] + pairs[i + half]
-                    half //= 2
-                total += pairs[0]
+            total = _tree_total(s_sum, buf, n)
         return total
 
     return lane_sum
+
+
+@cuda.jit(device=True)
+def _tree_total(s_sum, r, n):
+    """The sum of the ROUTE_LANES lane values in s_sum[r, :] in :func:`_make_lane_sum`'s order, by
+    one thread (the simulator's form): each 32-lane group's pairs at strides 16, 8, 4, 2, 1, then
+    the groups below n in ascending order from +0.0 (the rest hold zeros: exact to skip)."""
+    total = float32(0.0)
+    pairs = cuda.local.array(16, float32)   # half a group
+    for g in range(min(-(-n // WARP_SIZE), ROUTE_LANES // WARP_SIZE)):
+        for i in range(16):
+            pairs[i] = s_sum[r, g * WARP_SIZE + i] + s_sum[r, g * WARP_SIZE + i + 16]
+        half = 8
+        while half > 0:
+            for i in range(half):
+                pairs[i] = pairs[i] + pairs[i + half]
+            half //= 2
+        total += pairs[0]
+    return total
 
 
 @cuda.jit
