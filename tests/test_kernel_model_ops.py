@@ -670,13 +670,14 @@ def test_moe_route_grid_launch_shapes_and_batches_give_the_same_bits(monkeypatch
     butterflies, 8 lanes a thread, the row's last block selecting), every output the same bits,
     xn and the logits too; at hidden 600 (2 values a lane, zeros past 600) also 32-thread blocks
     (16 lanes a thread) and 3 blocks a row looping over the experts (as a many-row launch's) in a
-    grid of 2 rows looping over the rows. A row routed alone gets its bits in the batch. With
-    tiny's 64, 448 of the 512 lanes are zeros (the simulator's tree skips their groups); at one
-    row also hidden 4096: 8 values a lane, the most it takes."""
-    configs = [_routing_config(**ROUTING_CASES["wide"]), _routing_config(**ROUTING_CASES["tiny"])]
-    if rows == 1:   # MAX_ROUTE_LOADS values a lane (hidden 4096), the most the expert grid takes
-        configs.append(_routing_config(hidden_size=mo.ROUTE_LANES * mo.MAX_ROUTE_LOADS, n_routed_experts=4,
-                                       n_expert_groups=1, n_limited_groups=1))
+    grid of 2 rows looping over the rows. A row routed alone gets its bits in the batch. At one
+    row also tiny's 64 (448 of the 512 lanes zeros: the simulator's tree skips their groups) and
+    hidden 4096 (8 values a lane, the most it takes)."""
+    configs = [_routing_config(**ROUTING_CASES["wide"])]
+    if rows == 1:   # tiny's hidden, and MAX_ROUTE_LOADS values a lane (hidden 4096), the most it takes
+        configs += [_routing_config(**ROUTING_CASES["tiny"]),
+                    _routing_config(hidden_size=mo.ROUTE_LANES * mo.MAX_ROUTE_LOADS, n_routed_experts=4,
+                                    n_expert_groups=1, n_limited_groups=1)]
     for config in configs:
         rng = np.random.default_rng(23)
         d, e = config.hidden_size, config.n_routed_experts
@@ -913,8 +914,7 @@ def test_bad_inputs_raise_naming_the_argument(func, arg, value, exc):
 def test_kernels_are_registered():
     names = {"embed_rows", "rms_norm_rows", "mla_kv_write", "mla_q_rope", "mla_rope_kv_write", "moe_route",
              "moe_route_norm", "moe_route_nobias", "moe_route_norm_nobias", "moe_route_csr", "moe_combine",
-             "moe_combine_noshared", "moe_route_grid_l4_norm", "moe_route_grid_l4_norm_csr1",
-             "moe_route_grid_l4_norm_nobias", "moe_route_grid_l4_norm_nobias_csr1", "moe_route_grid_l4"}
+             "moe_combine_noshared", "moe_route_grid_l4_norm", "moe_route_grid_l4_norm_csr1", "moe_route_grid_l4"}
     for name in names:
         spec = registry.get(name)
         assert spec.signatures and spec.block_threads is not None
