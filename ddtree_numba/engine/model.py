@@ -376,8 +376,8 @@ class Activations:
     xn: Any | None  # [M, D] normed MoE input (None without MoE layers)
     topk_ids: Any | None  # int32 [M, k]
     topk_w: Any | None  # [M, k]
-    route_logits: Any | None  # [M, E] the expert grid's gate logits (ROUTE_BY_EXPERT's scratch)
-    route_counts: Any | None  # int32 [M] its blocks done a row (zeros between launches)
+    route_logits: Any | None  # [M, E] the expert grid's gate logits (ROUTE_BY_EXPERT's scratch; else None)
+    route_counts: Any | None  # int32 [M + 1] its blocks done a row, then rows selected (zeros between launches)
     # The expert launches' CSR over J = M * k routed entries, then, with the shared expert folded
     # in (FOLD_SHARED_EXPERT), its M entries J..J+M-1 as expert E (Jx = J + M; else Jx = J):
     row_offsets: Any | None  # int32 [E + 2] folded ([E + 1] = Jx, set here), else [E + 1]
@@ -393,9 +393,10 @@ class Activations:
 
     @classmethod
     def allocate(cls, config: ModelConfig, bs: int, tc: int, plan: va.VerifyPlan, n_capture: int,
-                 stream: Any = 0, fold_shared: bool = False) -> Activations:
+                 stream: Any = 0, fold_shared: bool = False, route_grid: bool = False) -> Activations:
         """Allocate every buffer (the only allocation of the forward path); ``fold_shared``: the
-        shared expert's entries after the routed ones (FOLD_SHARED_EXPERT)."""
+        shared expert's entries after the routed ones (FOLD_SHARED_EXPERT); ``route_grid``: the
+        expert grid's routing scratch (ROUTE_BY_EXPERT)."""
         c = config
         m, k = bs * tc, c.n_activated_experts
         j = m * k
@@ -430,8 +431,8 @@ class Activations:
             h13=f32(m, 2 * c.dense_intermediate) if has_dense else None,
             xn=f32(m, c.hidden_size) if has_moe else None,
             topk_ids=i32(m, k) if has_moe else None, topk_w=f32(m, k) if has_moe else None,
-            route_logits=f32(m, c.n_routed_experts) if has_moe else None,
-            route_counts=cuda.to_device(np.zeros(m, np.int32), stream=stream) if has_moe else None,
+            route_logits=f32(m, c.n_routed_experts) if has_moe and route_grid else None,
+            route_counts=cuda.to_device(np.zeros(m + 1, np.int32), stream=stream) if has_moe and route_grid else None,
             row_offsets=cuda.to_device(offsets, stream=stream) if has_moe else None,
             row_index=cuda.to_device(rows, stream=stream) if has_moe else None,
             entry_index=cuda.to_device(np.arange(jx, dtype=np.int32), stream=stream) if has_moe else None,
@@ -625,8 +626,11 @@ class TargetModel:
         moe = [lw.ffn for lw in self.weights.layers if isinstance(lw.ffn, MoeWeights)]
         self._fold_shared = FOLD_SHARED_EXPERT and products == "cuda-core" and bool(moe) \
             and all(f.w13_all is not None for f in moe)
+        # The MoE routing's layout (numerics): the expert grid where its lanes hold the hidden size.
+        self._route_by_expert = ROUTE_BY_EXPERT and bool(moe) and route_grid_loads(config.hidden_size) <= MAX_ROUTE_LOADS
         self.buffers = Activations.allocate(config, self.batch_size, self.max_rows, self.plan,
-                                            len(self.capture_layers), stream, fold_shared=self._fold_shared)
+                                            len(self.capture_layers), stream, fold_shared=self._fold_shared,
+                                            route_grid=self._route_by_expert)
         self._capture_slot = {layer: i for i, layer in enumerate(self.capture_layers)}
         self._views = _Views.of(config, self.buffers, self.batch_size * self.max_rows)
         self._kv_rows = tuple(kv.flat() for kv in self.cache.layers)  # per layer [bs * S, C], [bs * S, R]
@@ -636,8 +640,6 @@ class TargetModel:
             config.dense_intermediate
         self._wo_split = self._w2_split = None
         self._tc = self._tensor_core_workspaces(m, stream) if products == "tensor-core" else None
-        # The MoE routing's layout (numerics): the expert grid where its lanes hold the hidden size.
-        self._route_by_expert = ROUTE_BY_EXPERT and bool(moe) and route_grid_loads(config.hidden_size) <= MAX_ROUTE_LOADS
         # The absorbs read their weights k-major: kernels.absorb always (SEGMENT_ABSORBS), else
         # head_linear's thread-serial kernel where it runs (linear.SERIAL_HEADS on, the GPU
         # default, many rows: linear.serial_plan; the same bits as its warp layout).
