@@ -446,7 +446,8 @@ def test_row_routing_matches_reference_in_bits_of_its_own(monkeypatch, scenario)
     """engine.model.ROUTE_BY_EXPERT off (the MoE RMSNorm and the routing of a block per row: its
     own lane order, so other bits than the default expert grid's): the prefill within LOGIT_TOL /
     HIDDEN_TOL of the float64 reference, with the RMSNorm inside the routing launch
-    (FUSED_MOE_NORM on; test_kernel_model_ops.py checks it against its own launch, the same bits)."""
+    (FUSED_MOE_NORM on; test_kernel_model_ops.py checks it against its own launch, the same bits),
+    and no expert-grid scratch allocated."""
     import ddtree_numba.engine.model as em
 
     config, weights = _tiny()
@@ -458,6 +459,7 @@ def test_row_routing_matches_reference_in_bits_of_its_own(monkeypatch, scenario)
     monkeypatch.setattr(em, "FUSED_MOE_NORM", True)
     model = TargetModel(config, weights, batch_size=2, kv_capacity=KV_CAPACITY, max_rows=9, capture_layers=(0, 1))
     assert not model._route_by_expert
+    assert model.buffers.route_logits is None and model.buffers.route_counts is None   # no grid scratch
     out = model.forward(*inputs)
     logits, features = _host(out.logits), _host(out.features)
     for b, size in enumerate(ds.in_sizes.values):

@@ -364,9 +364,8 @@ def _route(config, xn, gate_w, bias, grid=False):
 
 
 def _grid_scratch(m: int, e: int) -> dict:
-    """The expert grid's caller-owned scratch: logits (any values) and zero counts (a row's blocks
-    done, then the rows selected)."""
-    return dict(logits=_dev(np.full((m, e), SENTINEL, np.float32)), counts=_dev(np.zeros(m + 1, np.int32)))
+    """The expert grid's caller-owned scratch: logits (any values) and zero counts."""
+    return dict(logits=_dev(np.full((m, e), SENTINEL, np.float32)), counts=_dev(np.zeros(m, np.int32)))
 
 
 def _reference_route(config, xn, gate_w, bias):
@@ -582,9 +581,7 @@ def test_moe_route_batch_and_launch_shape_invariant(monkeypatch, case):
 @pytest.mark.parametrize("case", sorted(ROUTING_CASES))
 def test_moe_route_one_row_writes_the_csr_launch_s_values(monkeypatch, case, grid):
     """One row (an AR step): the routing block's inline CSR (ROUTE_CSR_INLINE) writes every value
-    the CSR launch writes, the same integers, on random, tie-heavy and NaN-score rows. The expert
-    grid without the inline CSR writes it from the block that selects the last row
-    (ROUTE_GRID_CSR), in one launch too; with ROUTE_GRID_CSR off, the CSR launch."""
+    the CSR launch writes, the same integers, on random, tie-heavy and NaN-score rows."""
     config = _routing_config(**ROUTING_CASES[case])
     rng = np.random.default_rng(17)
     e, d = config.n_routed_experts, config.hidden_size
@@ -596,26 +593,20 @@ def test_moe_route_one_row_writes_the_csr_launch_s_values(monkeypatch, case, gri
     tie_gate = rng.integers(-1, 2, (e, d)).astype(np.float32)
     nan_gate = gate_w.copy()
     nan_gate[1] = np.nan                                         # a NaN score ranks last
-    ways = [(True, True), (False, False)] + ([(False, True)] if grid else [])   # (inline, grid CSR)
     for xn, gw in zip(rows + rows[:1], [gate_w, tie_gate, gate_w, nan_gate]):
         got = {}
-        for inline, grid_csr in ways:
+        for inline in (True, False):
             monkeypatch.setattr(mo, "ROUTE_CSR_INLINE", inline)
-            monkeypatch.setattr(mo, "ROUTE_GRID_CSR", grid_csr)
             outs = tuple(cuda.to_device(np.full(o.shape, -7, o.dtype)) for o in _route_outputs(config, 1))
             launched = []
             with monkeypatch.context() as mp:   # count the launches: one with the CSR inline
                 mp.setattr(mo, "launch", lambda kernel, *a, _l=mo.launch: (launched.append(kernel), _l(kernel, *a))[1])
-                scratch = _grid_scratch(1, e) if grid else {}
-                mo.moe_route(_dev(xn), _dev(gw), _dev(bias), config, *outs, **scratch)
-            separate = not inline and not (grid and grid_csr)   # the CSR in a launch of its own
-            assert len(launched) == (2 if separate else 1) and (mo.moe_csr_kernel in launched) is separate
-            assert not grid or not scratch["counts"].copy_to_host().any()   # zeros again, the rows' count too
-            got[inline, grid_csr] = [o.copy_to_host() for o in outs]
-        for way in ways[1:]:
-            for a, b in zip(got[True, True], got[way]):
-                assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), way
-        assert not np.any(got[True, True][2] == -7) and not np.any(got[True, True][3] == -7)   # every value written
+                mo.moe_route(_dev(xn), _dev(gw), _dev(bias), config, *outs, **(_grid_scratch(1, e) if grid else {}))
+            assert len(launched) == (1 if inline else 2) and (mo.moe_csr_kernel in launched) is not inline
+            got[inline] = [o.copy_to_host() for o in outs]
+        for a, b in zip(got[True], got[False]):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert not np.any(got[True][2] == -7) and not np.any(got[True][3] == -7)   # every value written
 
 
 def _route_outputs(config, m: int) -> tuple:
@@ -679,10 +670,9 @@ def test_moe_route_grid_launch_shapes_and_batches_give_the_same_bits(monkeypatch
     butterflies, 8 lanes a thread, the row's last block selecting), every output the same bits,
     xn and the logits too; at hidden 600 (2 values a lane, zeros past 600) also 32-thread blocks
     (16 lanes a thread) and 3 blocks a row looping over the experts (as a many-row launch's) in a
-    grid of 2 rows looping over the rows, there also with the CSR in a launch of its own
-    (ROUTE_GRID_CSR off: the same integers as the last row's block writes). A row routed alone gets
-    its bits in the batch. At one row also tiny's 64 (448 of the 512 lanes zeros: the simulator's
-    tree skips their groups) and hidden 4096 (8 values a lane, the most it takes)."""
+    grid of 2 rows looping over the rows. A row routed alone gets its bits in the batch. At one
+    row also tiny's 64 (448 of the 512 lanes zeros: the simulator's tree skips their groups) and
+    hidden 4096 (8 values a lane, the most it takes)."""
     configs = [_routing_config(**ROUTING_CASES["wide"])]
     if rows == 1:   # tiny's hidden, and MAX_ROUTE_LOADS values a lane (hidden 4096), the most it takes
         configs += [_routing_config(**ROUTING_CASES["tiny"]),
@@ -706,10 +696,8 @@ def test_moe_route_grid_launch_shapes_and_batches_give_the_same_bits(monkeypatch
                 if blocks:
                     mp.setattr(mo, "route_grid_blocks", lambda n_experts, m, sm_count: blocks)
                     mp.setattr(mo, "MAX_GRID_Y", grid_y)
-                for grid_csr in (True, False) if blocks and rows > 1 else (True,):
-                    mp.setattr(mo, "ROUTE_GRID_CSR", grid_csr)
-                    for got, ref in zip(_route_grid_all(config, x, norm_w, gate_w, bias), want):
-                        assert _same_bits(got, ref), (threads, blocks, grid_csr)
+                for got, ref in zip(_route_grid_all(config, x, norm_w, gate_w, bias), want):
+                    assert _same_bits(got, ref), (threads, blocks)
         alone = _route_grid_all(config, x[-1:], norm_w, gate_w, bias)
         for got, ref in zip(alone[:4], want[:4]):
             assert _same_bits(got, ref[-1:])
@@ -926,7 +914,7 @@ def test_bad_inputs_raise_naming_the_argument(func, arg, value, exc):
 def test_kernels_are_registered():
     names = {"embed_rows", "rms_norm_rows", "mla_kv_write", "mla_q_rope", "mla_rope_kv_write", "moe_route",
              "moe_route_norm", "moe_route_nobias", "moe_route_norm_nobias", "moe_route_csr", "moe_combine",
-             "moe_combine_noshared", "moe_route_grid_l4_norm_csr", "moe_route_grid_l4_norm_csr1", "moe_route_grid_l4_csr"}
+             "moe_combine_noshared", "moe_route_grid_l4_norm", "moe_route_grid_l4_norm_csr1", "moe_route_grid_l4"}
     for name in names:
         spec = registry.get(name)
         assert spec.signatures and spec.block_threads is not None
@@ -936,11 +924,8 @@ def test_kernels_are_registered():
     assert registry.get("moe_route_norm_nobias").kernel is mo.moe_route_kernel(True, False)
     assert registry.get("moe_combine_noshared").kernel is mo.moe_combine_kernel(False)
     assert mo.route_grid_loads(ModelConfig.from_name("small").hidden_size) == 4   # the engine's expert grid
-    # the kernels the engine launches for small at one row and at many (moe_route's call)
     assert registry.get("moe_route_grid_l4_norm_csr1").kernel is \
-        mo.moe_route_grid_kernel(True, True, True, mo.ROUTE_GRID_THREADS, 4, True, False)
-    assert registry.get("moe_route_grid_l4_norm_csr").kernel is \
-        mo.moe_route_grid_kernel(True, True, False, mo.ROUTE_GRID_THREADS, 4, True, True)
+        mo.moe_route_grid_kernel(True, True, True, mo.ROUTE_GRID_THREADS, 4)
     assert mo.route_grid_loads(ModelConfig.from_name("kimi-k2").hidden_size) > mo.MAX_ROUTE_LOADS   # the row layout
 
 
@@ -948,11 +933,9 @@ def test_kernels_are_registered():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["small", "kimi-k2"])
-def test_gpu_real_shapes(monkeypatch, preset):
+def test_gpu_real_shapes(preset):
     """At the preset's shapes: RMSNorm, kv write, query RoPE, routing in both layouts (near-tie rule)
-    + CSR and the combine against the reference; every op's rows bit-identical when launched alone.
-    The expert grid's CSR, written by the block that selects the last of 96 rows (picks of other
-    blocks read through L2), equals the CSR launch's in three launches."""
+    + CSR and the combine against the reference; every op's rows bit-identical when launched alone."""
     config = ModelConfig.from_name(preset)
     rng = np.random.default_rng(19)
     m, d, e, k = 96, config.hidden_size, config.n_routed_experts, config.n_activated_experts
@@ -1019,10 +1002,6 @@ def test_gpu_real_shapes(monkeypatch, preset):
             assert _same_bits(got, want)
         for got, want in zip(_route_grid_all(config, x[5:6], w, gate_w, bias)[:4], grid[:4]):
             assert _same_bits(got, want[5:6])
-        for grid_csr in (False, True, True):   # the CSR launch, then the last row's block again, twice
-            monkeypatch.setattr(mo, "ROUTE_GRID_CSR", grid_csr)
-            for got, want in zip(_route_grid_all(config, x, w, gate_w, bias), grid):
-                assert _same_bits(got, want), grid_csr
 
     _, weights_k, _, _, slot_of = batch
     expert_out = rng.standard_normal((m * k, d)).astype(np.float32)

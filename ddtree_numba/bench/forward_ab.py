@@ -33,9 +33,7 @@ products in ``expert_linear``'s one-row tiles, ``engine.model.EXPERT_ROW_PRODUCT
 ``gemv.expert_gemv``, a block row an entry), ``auto-dotN`` (the routing kernel's gate partials
 with N loads in flight, ``model_ops.DOT_LOADS`` = N, N in 24, 32; by default 16), ``auto-csr2`` (an
 AR step's MoE CSR in a launch of its own, ``model_ops.ROUTE_CSR_INLINE`` off; by default the
-routing block writes it), ``auto-gridcsr0`` (a many-row forward's MoE CSR in a launch of its own
-after the expert grid, ``model_ops.ROUTE_GRID_CSR`` off; by default the block that selects the last
-row writes every row's), ``auto-dshN`` (an AR step's score blocks of N heads,
+routing block writes it), ``auto-dshN`` (an AR step's score blocks of N heads,
 ``verify_attention.DECODE_SCORE_HEADS`` = N, N in 8, 32; by default 16), ``auto-pvdN`` (its P·V
 blocks of N latent dims, ``verify_attention.DECODE_PV_DIMS`` = N, N in 32, 128; by default 64),
 ``auto-pva1`` (its P·V blocks' scores loaded chunk by chunk and one value chunk in flight,
@@ -128,7 +126,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-route1", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-gridcsr0", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
+                 "auto-normroute", "auto-route1", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 # Variants that time the routing of a block per row (engine.model.ROUTE_BY_EXPERT off: numerics of
 # their own, compared with their own first logits): auto-route1 itself, and the row layout's knobs.
@@ -222,7 +220,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     fused = (em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM)
     fold, typical_waves, tile_by_rows = em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS
     row_products, expert_rows = em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS
-    dot_loads, csr_inline, grid_csr = mo.DOT_LOADS, mo.ROUTE_CSR_INLINE, mo.ROUTE_GRID_CSR
+    dot_loads, csr_inline = mo.DOT_LOADS, mo.ROUTE_CSR_INLINE
     route_by_expert = em.ROUTE_BY_EXPERT
     score_batch, score_threads = va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS
     score_heads, pv_dims, pv_ahead = va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS, va.DECODE_PV_AHEAD
@@ -256,7 +254,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.EXPERT_ROW_PRODUCTS = expert_rows and tile != "auto-noexgemv"
             mo.DOT_LOADS = int(tile[len("auto-dot"):]) if tile.startswith("auto-dot") else dot_loads
             mo.ROUTE_CSR_INLINE = csr_inline and tile != "auto-csr2"
-            mo.ROUTE_GRID_CSR = grid_csr and tile != "auto-gridcsr0"
             em.ROUTE_BY_EXPERT = route_by_expert and tile not in ROW_ROUTING   # numerics: its own first logits
             va.DECODE_SCORE_BATCH = {"auto-dsb8": 8, "auto-dsb24": 24, "auto-dst128b8": 8}.get(tile, score_batch)
             va.DECODE_SCORE_THREADS = 128 if tile.startswith("auto-dst128") else score_threads
@@ -367,7 +364,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         em.FUSED_ROPE_KV_WRITE, em.FUSED_MOE_NORM = fused
         em.FOLD_SHARED_EXPERT, lin.EXPERT_TYPICAL_WAVES, em.EXPERT_TILE_BY_ROWS = fold, typical_waves, tile_by_rows
         em.ROW_PRODUCTS, em.EXPERT_ROW_PRODUCTS = row_products, expert_rows
-        mo.DOT_LOADS, mo.ROUTE_CSR_INLINE, mo.ROUTE_GRID_CSR = dot_loads, csr_inline, grid_csr
+        mo.DOT_LOADS, mo.ROUTE_CSR_INLINE = dot_loads, csr_inline
         em.ROUTE_BY_EXPERT = route_by_expert
         va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS = score_batch, score_threads
         va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS, va.DECODE_PV_AHEAD = score_heads, pv_dims, pv_ahead

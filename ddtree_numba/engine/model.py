@@ -377,7 +377,7 @@ class Activations:
     topk_ids: Any | None  # int32 [M, k]
     topk_w: Any | None  # [M, k]
     route_logits: Any | None  # [M, E] the expert grid's gate logits (ROUTE_BY_EXPERT's scratch; else None)
-    route_counts: Any | None  # int32 [M + 1] its blocks done a row, then rows selected (zeros between launches)
+    route_counts: Any | None  # int32 [M] its blocks done a row (zeros between launches; else None)
     # The expert launches' CSR over J = M * k routed entries, then, with the shared expert folded
     # in (FOLD_SHARED_EXPERT), its M entries J..J+M-1 as expert E (Jx = J + M; else Jx = J):
     row_offsets: Any | None  # int32 [E + 2] folded ([E + 1] = Jx, set here), else [E + 1]
@@ -432,7 +432,7 @@ class Activations:
             xn=f32(m, c.hidden_size) if has_moe else None,
             topk_ids=i32(m, k) if has_moe else None, topk_w=f32(m, k) if has_moe else None,
             route_logits=f32(m, c.n_routed_experts) if has_moe and route_grid else None,
-            route_counts=cuda.to_device(np.zeros(m + 1, np.int32), stream=stream) if has_moe and route_grid else None,
+            route_counts=cuda.to_device(np.zeros(m, np.int32), stream=stream) if has_moe and route_grid else None,
             row_offsets=cuda.to_device(offsets, stream=stream) if has_moe else None,
             row_index=cuda.to_device(rows, stream=stream) if has_moe else None,
             entry_index=cuda.to_device(np.arange(jx, dtype=np.int32), stream=stream) if has_moe else None,

@@ -113,10 +113,6 @@ MAX_GRID_Y = 65535   # rows a launch's grid y covers; past it a block loops over
 # auto-normroute) it was +6 us (run "floor"). The expert grid (the engine's default) writes the CSR
 # inline under the same switch.
 ROUTE_CSR_INLINE = True
-# Many rows in the expert grid: the block that selects the last row to finish writes every row's CSR
-# (moe_route_grid_kernel's csr_rows), so no CSR launch of one block follows (a 33-row verify: five
-# launches fewer; the same integers). Off: the CSR launch (bench.forward_ab's ``auto-gridcsr0``).
-ROUTE_GRID_CSR = True
 ROUTE_CSR_NORM_LOADS = 16  # the RMSNorm's loads a lane in a routing launch that writes its CSR too
 CSR_WORDS = 8  # row-mask words per expert and chunk: 256 rows per chunk
 CSR_CHUNK_ROWS = CSR_WORDS * WARP_SIZE
@@ -578,23 +574,17 @@ def route_grid_loads(hidden: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loads: int, butterfly: bool = True,
-                          csr_rows: bool = False) -> Any:
+def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loads: int, butterfly: bool = True) -> Any:
     """The routing kernel of the expert grid (:func:`moe_route` given ``logits`` and ``counts``):
     a block per (experts, row), the row's last block to finish selects. Compile-time: ``norm`` (the
     block normalises x[row] itself), ``biased``, ``csr`` (one row: the selecting block writes the
     CSR too), ``threads`` a block (ROUTE_GRID_THREADS on a GPU, SIM_THREADS under the simulator:
-    layout, not numerics), ``loads`` = :func:`route_grid_loads` (hidden) values a lane,
+    layout, not numerics), ``loads`` = :func:`route_grid_loads` (hidden) values a lane and
     ``butterfly`` (:func:`_make_lane_sum`: the warps' shuffles on a GPU, a shared-memory tree of the
-    same order under the simulator) and ``csr_rows`` (many rows, ROUTE_GRID_CSR: the block that
-    selects the last row to finish writes every row's CSR, :func:`moe_csr_kernel`'s values; not
-    with ``csr``)."""
+    same order under the simulator)."""
     if threads % WARP_SIZE or ROUTE_LANES % threads:
         raise ValueError(f"threads must be a multiple of {WARP_SIZE} dividing {ROUTE_LANES}, got {threads}")
-    if csr and csr_rows:
-        raise ValueError("csr (one row's CSR) and csr_rows (every row's) exclude each other")
     select_row = _make_select_row(biased, csr)
-    csr_of_rows = _make_csr_rows(True)   # the picks of other blocks: read through L2
     slots = ROUTE_LANES // threads   # lanes a thread: lane tid + s * threads in slot s
     warps = threads // WARP_SIZE
     held = slots * loads   # values a thread holds: slot s, value i at s * loads + i
@@ -618,9 +608,8 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
 
         xn [M, D] (an output with ``norm``: x [M, D] and norm_w float32 [D] given; else the
         input, x and norm_w placeholders), gate_w [E, D], bias float32 [E] (biased; else a
-        placeholder), logits float32 [M, E] scratch, counts int32 [M + 1] (zero before the launch,
-        zero after it: a row's blocks done, then with ``csr_rows`` the rows selected), topk_ids
-        int32 [M, k], topk_w [M, k]. Lane v of ROUTE_LANES holds the
+        placeholder), logits float32 [M, E] scratch, counts int32 [M] (zero before the launch,
+        zero after it), topk_ids int32 [M, k], topk_w [M, k]. Lane v of ROUTE_LANES holds the
         row's values j = v, v + ROUTE_LANES, ... (``loads`` of them, zeros past D).
         0. ``norm``: every block of the row finds the same rms (:func:`_make_lane_sum`'s order
            over the lanes' fma chains of x²) and scales its values by it, ``(x · (1 / rms)) ·
@@ -631,13 +620,9 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
         2. The block that counts last (the gridDim.x-th) reads the row's logits back through L2
            (atomics: no stale L1 line), selects as :func:`moe_route_kernel` does (the same
            device function) and sets counts[row] back to 0 for the next launch.
-        3. ``csr_rows``: that block fences its picks and counts the row selected in counts[M]; the
-           block that counts the last row writes the CSR of every row (reading the picks through
-           L2) and sets counts[M] back to 0: no CSR launch after this one.
         """
         s_sum = cuda.shared.array(sum_shape, float32)  # the lane sums' (sum_shape)
         s_last = cuda.shared.array(1, int32)  # 1: this block selects the row
-        s_all = cuda.shared.array(1, int32)  # 1: this block selected the last row (csr_rows)
         s_logit = cuda.shared.array(MAX_EXPERTS, float32)
         pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
         values = cuda.local.array(held, float32)  # the row's values (normed), registers once unrolled
@@ -711,17 +696,6 @@ def moe_route_grid_kernel(norm: bool, biased: bool, csr: bool, threads: int, loa
                            route_scale, topk_ids, topk_w, row_offsets, row_index, slot_of)
                 if tid == 0:
                     counts[row] = 0   # every block of the row has counted: ready for the next launch
-                if csr_rows:  # compile-time
-                    n_rows = xn.shape[0]
-                    cuda.threadfence()  # this thread's picks reach every SM before the row counts as selected
-                    cuda.syncthreads()  # every thread's picks are fenced before thread 0 counts the row
-                    if tid == 0:
-                        s_all[0] = 1 if cuda.atomic.add(counts, n_rows, 1) == n_rows - 1 else 0
-                    cuda.syncthreads()  # s_all is set
-                    if s_all[0] != 0:  # uniform over the block: every row's picks are in L2
-                        csr_of_rows(topk_ids, row_offsets, row_index, slot_of)
-                        if tid == 0:
-                            counts[n_rows] = 0   # every row has counted: ready for the next launch
             cuda.syncthreads()  # s_sum, s_last and the picks are read before the next row rewrites them
 
     return moe_route_grid_kernel
@@ -785,99 +759,74 @@ def _tree_total(s_sum, r, n):
     return total
 
 
-@functools.lru_cache(maxsize=None)
-def _make_csr_rows(coherent: bool) -> Any:
-    """A device function of the whole block, ``csr_rows(topk_ids, row_offsets, row_index,
-    slot_of)``: the routing CSR of all rows, entries of expert e its rows in ascending order.
+@cuda.jit
+def moe_csr_kernel(topk_ids, row_offsets, row_index, slot_of):
+    """Routing CSR of all rows, one block: entries of expert e are its rows in ascending order.
 
     topk_ids int32 [M, k] (each row's k distinct experts) -> row_offsets int32 [E + 1],
     row_index int32 [M·k] (the row of each entry), slot_of int32 [M, k] (entry of each pick).
     Counts (shared atomics: integer, so order-free), an exclusive scan by warp 0, then rows in
     chunks of CSR_CHUNK_ROWS: bit r of mask word (r // 32, e) marks chunk row r choosing e, so an
-    entry's place is the expert's cursor + the popcount of the chunk's earlier rows. Integers
-    only: any block size gives the same values. ``coherent`` (compile-time): the picks are read
-    through L2 (atomics), for picks that other blocks of the same launch wrote (the expert grid's
-    last row: a plain load could meet a stale L1 line)."""
-
-    @cuda.jit(device=True, inline="always")
-    def pick(topk_ids, r, s):
-        if coherent:  # compile-time
-            return cuda.atomic.add(topk_ids, (r, s), int32(0))
-        return topk_ids[r, s]
-
-    @cuda.jit(device=True)
-    def csr_rows(topk_ids, row_offsets, row_index, slot_of):
-        s_cursor = cuda.shared.array(MAX_EXPERTS, int32)  # counts, then each expert's next entry
-        s_mask = cuda.shared.array(CSR_MASK_WORDS, uint32)  # [CSR_WORDS, E] row bits of a chunk
-        tid = cuda.threadIdx.x
-        threads = cuda.blockDim.x
-        n_rows = topk_ids.shape[0]
-        k = topk_ids.shape[1]
-        n_experts = row_offsets.shape[0] - 1
-        for e in range(tid, n_experts, threads):
-            s_cursor[e] = 0
-        cuda.syncthreads()  # counts zeroed before any thread adds
-        for j in range(tid, n_rows * k, threads):
-            e = pick(topk_ids, j // k, j % k)
-            if e >= 0 and e < n_experts:
-                cuda.atomic.add(s_cursor, e, 1)
-        cuda.syncthreads()  # every count is final before the scan reads it
-        if tid < WARP_SIZE:
-            carry = int32(0)
-            for base in range(0, n_experts, WARP_SIZE):
-                e = base + tid
-                count = s_cursor[e] if e < n_experts else int32(0)
-                inclusive = int32(warp_inclusive_scan_i32(count) + carry)
-                if e < n_experts:
-                    row_offsets[e] = inclusive - count
-                    s_cursor[e] = inclusive - count
-                carry = cuda.shfl_sync(FULL_MASK, inclusive, WARP_SIZE - 1)
-            if tid == 0:
-                row_offsets[n_experts] = carry
-        cuda.syncthreads()  # cursors hold the offsets before entries are placed
-        for first in range(0, n_rows, CSR_CHUNK_ROWS):
-            chunk = min(CSR_CHUNK_ROWS, n_rows - first)
-            for w in range(tid, CSR_WORDS * n_experts, threads):
-                s_mask[w] = 0
-            cuda.syncthreads()  # masks cleared before the chunk's bits go in
-            for j in range(tid, chunk * k, threads):
-                r = j // k
-                e = pick(topk_ids, first + r, j % k)
-                if e >= 0 and e < n_experts:  # a row's experts are distinct: add == or
-                    cuda.atomic.add(s_mask, (r // WARP_SIZE) * n_experts + e, uint32(1) << uint32(r % WARP_SIZE))
-            cuda.syncthreads()  # the chunk's masks are complete before entries are placed
-            for j in range(tid, chunk * k, threads):
-                r = j // k
-                e = pick(topk_ids, first + r, j % k)
-                if e >= 0 and e < n_experts:
-                    place = s_cursor[e]
-                    for w in range(r // WARP_SIZE):
-                        place += cuda.popc(s_mask[w * n_experts + e])
-                    below = uint32((int64(1) << int64(r % WARP_SIZE)) - 1)
-                    place += cuda.popc(s_mask[(r // WARP_SIZE) * n_experts + e] & below)
-                    row_index[place] = first + r
-                    slot_of[first + r, j % k] = place
-                else:
-                    slot_of[first + r, j % k] = -1
-            cuda.syncthreads()  # every entry is placed before the cursors move
-            for e in range(tid, n_experts, threads):
-                for w in range(CSR_WORDS):
-                    s_cursor[e] += cuda.popc(s_mask[w * n_experts + e])
-            cuda.syncthreads()  # cursors advanced before the next chunk clears the masks
-
-    return csr_rows
-
-
-_csr_rows = _make_csr_rows(False)
-
-
-@cuda.jit
-def moe_csr_kernel(topk_ids, row_offsets, row_index, slot_of):
-    """Routing CSR of all rows, one block (:func:`_make_csr_rows`' function): entries of expert e
-    are its rows in ascending order. topk_ids int32 [M, k] -> row_offsets int32 [E + 1], row_index
-    int32 [M·k], slot_of int32 [M, k]."""
+    entry's place is the expert's cursor + the popcount of the chunk's earlier rows.
+    """
+    s_cursor = cuda.shared.array(MAX_EXPERTS, int32)  # counts, then each expert's next entry
+    s_mask = cuda.shared.array(CSR_MASK_WORDS, uint32)  # [CSR_WORDS, E] row bits of a chunk
     pdl_begin()  # PDL: wait for the previous kernel, then let the next one launch
-    _csr_rows(topk_ids, row_offsets, row_index, slot_of)
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    n_rows = topk_ids.shape[0]
+    k = topk_ids.shape[1]
+    n_experts = row_offsets.shape[0] - 1
+    for e in range(tid, n_experts, threads):
+        s_cursor[e] = 0
+    cuda.syncthreads()  # counts zeroed before any thread adds
+    for j in range(tid, n_rows * k, threads):
+        e = topk_ids[j // k, j % k]
+        if e >= 0 and e < n_experts:
+            cuda.atomic.add(s_cursor, e, 1)
+    cuda.syncthreads()  # every count is final before the scan reads it
+    if tid < WARP_SIZE:
+        carry = int32(0)
+        for base in range(0, n_experts, WARP_SIZE):
+            e = base + tid
+            count = s_cursor[e] if e < n_experts else int32(0)
+            inclusive = int32(warp_inclusive_scan_i32(count) + carry)
+            if e < n_experts:
+                row_offsets[e] = inclusive - count
+                s_cursor[e] = inclusive - count
+            carry = cuda.shfl_sync(FULL_MASK, inclusive, WARP_SIZE - 1)
+        if tid == 0:
+            row_offsets[n_experts] = carry
+    cuda.syncthreads()  # cursors hold the offsets before entries are placed
+    for first in range(0, n_rows, CSR_CHUNK_ROWS):
+        chunk = min(CSR_CHUNK_ROWS, n_rows - first)
+        for w in range(tid, CSR_WORDS * n_experts, threads):
+            s_mask[w] = 0
+        cuda.syncthreads()  # masks cleared before the chunk's bits go in
+        for j in range(tid, chunk * k, threads):
+            r = j // k
+            e = topk_ids[first + r, j % k]
+            if e >= 0 and e < n_experts:  # a row's experts are distinct: add == or
+                cuda.atomic.add(s_mask, (r // WARP_SIZE) * n_experts + e, uint32(1) << uint32(r % WARP_SIZE))
+        cuda.syncthreads()  # the chunk's masks are complete before entries are placed
+        for j in range(tid, chunk * k, threads):
+            r = j // k
+            e = topk_ids[first + r, j % k]
+            if e >= 0 and e < n_experts:
+                place = s_cursor[e]
+                for w in range(r // WARP_SIZE):
+                    place += cuda.popc(s_mask[w * n_experts + e])
+                below = uint32((int64(1) << int64(r % WARP_SIZE)) - 1)
+                place += cuda.popc(s_mask[(r // WARP_SIZE) * n_experts + e] & below)
+                row_index[place] = first + r
+                slot_of[first + r, j % k] = place
+            else:
+                slot_of[first + r, j % k] = -1
+        cuda.syncthreads()  # every entry is placed before the cursors move
+        for e in range(tid, n_experts, threads):
+            for w in range(CSR_WORDS):
+                s_cursor[e] += cuda.popc(s_mask[w * n_experts + e])
+        cuda.syncthreads()  # cursors advanced before the next chunk clears the masks
 
 
 @functools.lru_cache(maxsize=None)
@@ -948,15 +897,14 @@ for _norm, _csr in ((False, False), (True, False), (False, True), (True, True)):
 # forms differ in one branch only; each registered form costs the compile check two builds).
 for _norm, _biased, _csr, _loads in ((True, True, False, 4), (True, True, True, 4), (False, True, False, 4)):
     register(f"moe_route_grid_l{_loads}" + ("_norm" if _norm else "") + ("" if _biased else "_nobias")
-             + ("_csr1" if _csr else "_csr"),
-             moe_route_grid_kernel(_norm, _biased, _csr, ROUTE_GRID_THREADS, _loads, True, not _csr),
+             + ("_csr1" if _csr else ""),
+             moe_route_grid_kernel(_norm, _biased, _csr, ROUTE_GRID_THREADS, _loads),
              (((_F2A, _F1) if _norm else (float32, float32)) + (float32, _F2A, _F2C, _F1 if _biased else float32,
                                                               int32, int32, int32, int32, float32, _F2C, _I1, _I2,
                                                               _F2C, _I1, _I1, _I2),),
              f"MoE gate, a block per (expert, row), {_loads} values a lane"
              + (", the RMSNorm inside" if _norm else ", normed rows") + (", selection bias" if _biased else "")
-             + "; the last block of a row selects" + (", one row, its CSR written too" if _csr
-                                                      else ", the last row's every row's CSR"),
+             + "; the last block of a row selects" + (", one row, its CSR written too" if _csr else ""),
              block_threads=ROUTE_GRID_THREADS)
 register("moe_route_csr", moe_csr_kernel, ((_I2, _I1, _I1, _I2),),
          "MoE routing CSR (entries per expert in ascending row order), one block",
@@ -1290,7 +1238,7 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
             and eps: then ``xn`` is an output too, ``rms_norm(x, norm_weight, eps)`` (the bits of
             :func:`rms_norm`), written in the routing launch before the gate reads it (the
             engine's MoE layers: one launch less). Both or neither.
-        logits, counts: None (the row layout), or float32 [M, E] scratch and int32 [M + 1] zeros
+        logits, counts: None (the row layout), or float32 [M, E] scratch and int32 [M] zeros
             (caller-owned; zeros again after the launch): the expert grid, a block per (expert,
             row) (:func:`moe_route_grid_kernel`). Its numerics are its own: the gate dots (and,
             with ``x``, the RMSNorm) in ROUTE_LANES lanes, not ROUTE_SPLIT partials (and not
@@ -1299,8 +1247,7 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
 
     Two launches: one block per row (the RMSNorm when asked, then the routing) or the expert
     grid, then one block (the CSR); one row (an AR step at batch 1, ROUTE_CSR_INLINE): one launch,
-    the selecting block writes the CSR too (the same values). The expert grid at many rows
-    (ROUTE_GRID_CSR): one launch, the block that selects the last row writes every row's CSR.
+    the selecting block writes the CSR too (the same values).
     """
     _check_routing_config(config)
     xn = _check_rows(xn, "xn", 2)
@@ -1341,10 +1288,9 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
         logits = check_array(logits, "logits", (np.float32,), 2)
         check_shape(logits, "logits", (m, n_experts))
         counts = check_array(counts, "counts", (np.int32,), 1)
-        check_shape(counts, "counts", (m + 1,))
+        check_shape(counts, "counts", (m,))
     norm, biased = x is not None, bias is not None
     inline = ROUTE_CSR_INLINE and m == 1   # one row: the routing block writes the CSR
-    grid_csr = logits is not None and ROUTE_GRID_CSR and not inline   # the grid's last row writes it
     head = (x if norm else PLACEHOLDER, norm_weight if norm else PLACEHOLDER, eps32, xn, gate_w,
             bias if biased else PLACEHOLDER, np.int32(config.n_expert_groups), np.int32(config.n_limited_groups),
             np.int32(config.score_func == "softmax"), np.int32(config.norm_topk_prob), np.float32(config.route_scale))
@@ -1356,10 +1302,10 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
         sim = simulator_active()
         threads = SIM_THREADS if sim else ROUTE_GRID_THREADS
         grid = (1, 1) if sim else (route_grid_blocks(n_experts, m, active_profile().sm_count), min(m, MAX_GRID_Y))
-        kernel = moe_route_grid_kernel(norm, biased, inline, threads, route_grid_loads(hidden), not sim, grid_csr)
+        kernel = moe_route_grid_kernel(norm, biased, inline, threads, route_grid_loads(hidden), not sim)
         launch(kernel, grid, threads,
                stream, 0, *head, logits, counts, *tail)
-    if not inline and not grid_csr:
+    if not inline:
         csr_threads = SIM_THREADS if simulator_active() else CSR_THREADS
         launch(moe_csr_kernel, 1, csr_threads, stream, 0, topk_ids, row_offsets, row_index, slot_of)
 
