@@ -37,26 +37,29 @@ def _any_batch(monkeypatch):
 
 def _both(config, heads, pasts, sizes, s, ties=False, scale=0.137):
     """(out, lse) of the two launches and of the one launch for the same inputs."""
+    inputs = _inputs(len(pasts), heads, s, config.latent_dim, config.rope_dim, ties)
+    return [_launch(config, heads, pasts, sizes, s, inputs, split, scale) for split in (True, False)]
+
+
+def _launch(config, heads, pasts, sizes, s, inputs, split, scale=0.137):
+    """(out, lse) of the two launches (``split``) or of the one launch for ``inputs`` (_inputs')."""
     bs = len(pasts)
     p = va.plan(bs, 1, heads, s, latent_dim=config.latent_dim, rope_dim=config.rope_dim, config=config)
     assert p.decode_split
-    ql, qr, kl, kr = _inputs(bs, heads, s, config.latent_dim, config.rope_dim, ties)
+    ql, qr, kl, kr = inputs
     vis = np.ones((bs, 1, 1), np.uint32)
-    results = []
     saved = va.DECODE_SPLIT
     try:
-        for on in (True, False):
-            va.DECODE_SPLIT = on
-            out = cuda.to_device(np.full((bs, 1, heads, config.latent_dim), 7.0, np.float32))
-            lse = cuda.to_device(np.full((bs, 1, heads), 7.0, np.float32))
-            ws = cuda.to_device(np.zeros(p.workspace_shape, np.float32))
-            # device past / sizes: the kernels' guards, not the host checks, see a bad request
-            va.run(p, ql, qr, kl, kr, cuda.to_device(np.array(pasts, np.int32)),
-                   cuda.to_device(np.array(sizes, np.int32)), vis, scale, out, lse, ws)
-            results.append((out.copy_to_host(), lse.copy_to_host()))
+        va.DECODE_SPLIT = split
+        out = cuda.to_device(np.full((bs, 1, heads, config.latent_dim), 7.0, np.float32))
+        lse = cuda.to_device(np.full((bs, 1, heads), 7.0, np.float32))
+        ws = cuda.to_device(np.zeros(p.workspace_shape, np.float32))
+        # device past / sizes: the kernels' guards, not the host checks, see a bad request
+        va.run(p, ql, qr, kl, kr, cuda.to_device(np.array(pasts, np.int32)),
+               cuda.to_device(np.array(sizes, np.int32)), vis, scale, out, lse, ws)
+        return out.copy_to_host(), lse.copy_to_host()
     finally:
         va.DECODE_SPLIT = saved
-    return results
 
 
 def _same(a, b):
@@ -103,49 +106,62 @@ def test_decode_launches_with_short_dim_runs(config, runs):
         assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
 
 
-@pytest.mark.parametrize("threads,batch,heads,pv_dims", [(256, 3, 16, 64), (256, 16, 16, 64), (128, 24, 16, 64),
-                                                      (256, 16, 2, 4), (256, 16, 1, 8)])
-def test_decode_score_layouts_keep_the_bits(monkeypatch, threads, batch, heads, pv_dims):
+def test_decode_score_layouts_keep_the_bits(monkeypatch):
     """The score kernel's block size and dim runs in flight (DECODE_SCORE_THREADS / _BATCH), its
     heads a block (DECODE_SCORE_HEADS) and the P·V blocks' dims (DECODE_PV_DIMS), all layout, give
     the one launch's bits: a batch past the lane's dims (16, 24 runs: one partial round), one that
     does not divide them (3), half the threads a block (twice the key blocks), score blocks of 2
-    heads and of 1, P·V blocks of 4 and 8 of TWO_GROUPS' 64 latent dims."""
-    monkeypatch.setattr(va, "DECODE_SCORE_THREADS", threads)
-    monkeypatch.setattr(va, "DECODE_SCORE_BATCH", batch)
-    monkeypatch.setattr(va, "DECODE_SCORE_HEADS", heads)
-    monkeypatch.setattr(va, "DECODE_PV_DIMS", pv_dims)
-    sh, _, _, spd, _ = va.decode_geometry(TWO_GROUPS, 4)
-    assert sh == min(heads, 4) and spd == min(pv_dims, TWO_GROUPS.latent_dim)
-    (out2, lse2), (out1, lse1) = _both(TWO_GROUPS, 4, [47, 3], [1, 1], 48)
-    assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
+    heads and of 1, P·V blocks of 4 and 8 of TWO_GROUPS' 64 latent dims. The one launch reads none
+    of them: its result is computed once and every layout's two launches compared against it."""
+    pasts, sizes, s = [47, 3], [1, 1], 48
+    inputs = _inputs(len(pasts), 4, s, TWO_GROUPS.latent_dim, TWO_GROUPS.rope_dim, False)
+    out1, lse1 = _launch(TWO_GROUPS, 4, pasts, sizes, s, inputs, False)
+    for threads, batch, heads, pv_dims in ((256, 3, 16, 64), (256, 16, 16, 64), (128, 24, 16, 64), (256, 16, 2, 4),
+                                           (256, 16, 1, 8)):
+        monkeypatch.setattr(va, "DECODE_SCORE_THREADS", threads)
+        monkeypatch.setattr(va, "DECODE_SCORE_BATCH", batch)
+        monkeypatch.setattr(va, "DECODE_SCORE_HEADS", heads)
+        monkeypatch.setattr(va, "DECODE_PV_DIMS", pv_dims)
+        sh, _, _, spd, _ = va.decode_geometry(TWO_GROUPS, 4)
+        assert sh == min(heads, 4) and spd == min(pv_dims, TWO_GROUPS.latent_dim)
+        out2, lse2 = _launch(TWO_GROUPS, 4, pasts, sizes, s, inputs, True)
+        assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all(), (threads, batch, heads, pv_dims)
 
 
-@pytest.mark.parametrize("pass_keys", [16, 40, 64])
-def test_decode_pass_is_layout_and_builds_its_own_kernels(monkeypatch, pass_keys):
+def test_decode_pass_is_layout_and_builds_its_own_kernels(monkeypatch):
     """DECODE_PASS (the P·V blocks' keys a pass: a chunk, a size that rounds down to whole chunks,
     four chunks) is read at get_decode_kernels' call, so a new value builds new kernels instead of
-    reusing the cached ones, and every value gives the one launch's bits over several passes."""
-    before = va.get_decode_kernels(TWO_GROUPS, 4)
-    monkeypatch.setattr(va, "DECODE_PASS", pass_keys)
-    assert va.get_decode_kernels(TWO_GROUPS, 4) is not before
-    (out2, lse2), (out1, lse1) = _both(TWO_GROUPS, 4, [130, 9], [1, 1], 131)
-    assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
+    reusing the cached ones, and every value gives the one launch's bits over several passes (the
+    one launch reads no DECODE_PASS: its result computed once)."""
+    pasts, sizes, s = [130, 9], [1, 1], 131
+    inputs = _inputs(len(pasts), 4, s, TWO_GROUPS.latent_dim, TWO_GROUPS.rope_dim, False)
+    out1, lse1 = _launch(TWO_GROUPS, 4, pasts, sizes, s, inputs, False)
+    for pass_keys in (16, 40, 64):
+        before = va.get_decode_kernels(TWO_GROUPS, 4)
+        monkeypatch.setattr(va, "DECODE_PASS", pass_keys)
+        assert va.get_decode_kernels(TWO_GROUPS, 4) is not before
+        out2, lse2 = _launch(TWO_GROUPS, 4, pasts, sizes, s, inputs, True)
+        assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all(), pass_keys
 
 
-@pytest.mark.parametrize("ahead, pass_keys", [(1, 256), (2, 256), (3, 256), (8, 256), (16, 256), (2, 64), (3, 40)])
-def test_decode_values_ahead_is_layout(monkeypatch, ahead, pass_keys):
+def test_decode_values_ahead_is_layout(monkeypatch):
     """DECODE_PV_AHEAD (the pass's scores loaded first, value chunks in flight, the first before the
     softmax barrier) gives the one launch's bits. TWO_GROUPS has chunks of 16 keys, so a 256-key pass
     is 16 chunks: one chunk at a time (the layout before), 2 (the default), 3 (not dividing the
     pass's chunks), 8 (half a pass) and 16 (the whole pass) chunks ahead; 2 ahead in 64-key passes
     (4 chunks); 3 ahead in 40-key passes, which round down to 32 keys, 2 chunks: ahead clamped to
-    2. Over several passes (300 keys), a cache shorter than the chunks ahead, random and tie-heavy."""
-    monkeypatch.setattr(va, "DECODE_PV_AHEAD", ahead)
-    monkeypatch.setattr(va, "DECODE_PASS", pass_keys)
+    2. Over several passes (300 keys), a cache shorter than the chunks ahead, random and tie-heavy.
+    The one launch reads neither setting: its result for each input set is computed once and every
+    setting's two launches are compared against it."""
+    pasts, sizes, s = [299, 9, 0], [1, 1, 1], 300
     for ties in (False, True):
-        (out2, lse2), (out1, lse1) = _both(TWO_GROUPS, 4, [299, 9, 0], [1, 1, 1], 300, ties=ties)
-        assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all()
+        inputs = _inputs(len(pasts), 4, s, TWO_GROUPS.latent_dim, TWO_GROUPS.rope_dim, ties)
+        out1, lse1 = _launch(TWO_GROUPS, 4, pasts, sizes, s, inputs, False)
+        for ahead, pass_keys in ((1, 256), (2, 256), (3, 256), (8, 256), (16, 256), (2, 64), (3, 40)):
+            monkeypatch.setattr(va, "DECODE_PV_AHEAD", ahead)
+            monkeypatch.setattr(va, "DECODE_PASS", pass_keys)
+            out2, lse2 = _launch(TWO_GROUPS, 4, pasts, sizes, s, inputs, True)
+            assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all(), (ties, ahead, pass_keys)
     with pytest.raises(ValueError, match="pv_ahead"):
         va._decode_kernels(TWO_GROUPS, 4, 256, 16, 16, 64, 256, 0)
     with pytest.raises(TypeError, match="pv_ahead"):

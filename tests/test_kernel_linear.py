@@ -242,15 +242,14 @@ def test_odd_tile_blocks_are_layout_and_fit_the_sm(odd_tiles):
     np.testing.assert_array_equal(got[:1], _run_linear(x[:1], w))
 
 
-@pytest.mark.parametrize("unroll", [3, 4])
-def test_odd_tile_unroll_keeps_the_bits(odd_tiles, unroll):
+def test_odd_tile_unroll_keeps_the_bits(odd_tiles):
     """ODD_TILE_UNROLL 3 / 4 (the 11-row tiles' register ring deeper, its rounds unrolled in Python):
-    the bits of the default 2 for linear (RMSNorm; K 300: no full round, the tail's guarded steps
-    and a partial step; K 640: a full round at U 3, then the tail; K 896: a full round at U 4) and
-    head_linear (K 640), every element written (the simulator's 40 KiB stages 11 rows up to K 896,
-    so no test here runs two rounds: the GPU test below does); the
+    the bits of the default 2 (computed once for both) for linear (RMSNorm; K 300: no full round,
+    the tail's guarded steps and a partial step; K 640: a full round at U 3, then the tail; K 896: a
+    full round at U 4) and head_linear (K 640), every element written (the simulator's 40 KiB stages
+    11 rows up to K 896, so no test here runs two rounds: the GPU test below does); the
     launch takes the kernel built for the setting; the setter refuses other values."""
-    rng = np.random.default_rng(unroll)
+    rng = np.random.default_rng(3)
     cases = []
     for k_dim in (300, 640, 896):
         x, w, norm = _rand(33, k_dim, rng=rng), _rand(7, k_dim, rng=rng), _rand(k_dim, rng=rng)
@@ -260,23 +259,24 @@ def test_odd_tile_unroll_keeps_the_bits(odd_tiles, unroll):
     want = [run() for run in cases]
     assert lin.plan_linear(33, 7, 640).mt == 11 and lin.plan_linear(33, 7, 896).mt == 11
     assert lin.plan_linear(33, 6, 640, kind="head").mt == 11
-    previous = lin.set_odd_tile_unroll(unroll)
-    try:
-        assert previous == 2 and lin._unroll(11, lin.COLUMNS) == unroll and lin._unroll(8, lin.COLUMNS) == 2
-        got = [run() for run in cases]
-        kernel = lin._setup("linear", "none", False, 11, 7, 300, True, 3)[0]
-        assert kernel is _odd_kernel("linear", "none", False, 1)   # built with unroll = ODD_TILE_UNROLL
-        for bad in (1, 5, True, 3.0):
-            with pytest.raises(ValueError, match="unroll"):
-                lin.set_odd_tile_unroll(bad)
-            with pytest.raises(ValueError, match="unroll"):
-                lin.get_kernel("linear", "none", False, 11, unroll=bad)
-    finally:
-        lin.set_odd_tile_unroll(previous)
-    assert lin.ODD_TILE_UNROLL == 2
-    for a, b in zip(got, want):
-        assert not np.isnan(a).any()
-        np.testing.assert_array_equal(a, b)
+    for unroll in (3, 4):
+        previous = lin.set_odd_tile_unroll(unroll)
+        try:
+            assert previous == 2 and lin._unroll(11, lin.COLUMNS) == unroll and lin._unroll(8, lin.COLUMNS) == 2
+            got = [run() for run in cases]
+            kernel = lin._setup("linear", "none", False, 11, 7, 300, True, 3)[0]
+            assert kernel is _odd_kernel("linear", "none", False, 1)   # built with unroll = ODD_TILE_UNROLL
+            for bad in (1, 5, True, 3.0):
+                with pytest.raises(ValueError, match="unroll"):
+                    lin.set_odd_tile_unroll(bad)
+                with pytest.raises(ValueError, match="unroll"):
+                    lin.get_kernel("linear", "none", False, 11, unroll=bad)
+        finally:
+            lin.set_odd_tile_unroll(previous)
+        assert lin.ODD_TILE_UNROLL == 2
+        for a, b in zip(got, want):
+            assert not np.isnan(a).any(), unroll
+            np.testing.assert_array_equal(a, b, err_msg=f"unroll {unroll}")
 
 
 def _odd_tile_case(n_cols, k_dim, prologue, kind, rng):

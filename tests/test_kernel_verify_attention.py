@@ -424,36 +424,40 @@ def test_min_blocks_is_not_numerics():
 SKIP_BASE = dataclasses.replace(TILED, qk_rows=1, qk_keys=4, score_keys=32)
 
 
-@pytest.mark.parametrize("layout", [
+SKIP_LAYOUTS = [
     dict(),                                     # 64 threads, 8 key tiles: live tiles 0-4 a pass
     dict(score_keys=64, heads=1, pv_dims=1),    # 64 threads, 16 key tiles: 2 warps of 8 each
     dict(score_keys=48),                        # 12 key tiles a row tile: warp 1 spans both row tiles
-])
-def test_score_first_skip_dead_keys_is_not_numerics(layout):
+]
+
+
+def test_score_first_skip_dead_keys_is_not_numerics():
     """skip_dead_keys drops the score fmas of key tiles past a pass's last key (their scores are
     never read): over passes ending at every key-tile count (past lengths 0-40, paths of 1-6
-    nodes, segments of 32 keys) the outputs and lse are the bits of the same tile without it,
+    nodes, segments of 32 keys) the outputs and lse of each layout in SKIP_LAYOUTS with it are the
+    bits of SKIP_BASE without it (the layouts are not numerics: computed once for all of them),
     and the reference's within tolerance."""
-    cfg = dataclasses.replace(SKIP_BASE, **layout)
     rng = np.random.default_rng(31)
-    inputs, _ = _batch(rng, cfg, 2, [40, 0, 21, 13, 29], [5, 3, 4, 6, 1], 6, 48)
-    want = _run(inputs, 0.3, cfg, 32)
-    got = _run(inputs, 0.3, dataclasses.replace(cfg, skip_dead_keys=True), 32)
-    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
-    _assert_close(*got, *_reference(inputs, 0.3))
+    inputs, _ = _batch(rng, SKIP_BASE, 2, [40, 0, 21, 13, 29], [5, 3, 4, 6, 1], 6, 48)
+    want = _run(inputs, 0.3, SKIP_BASE, 32)
+    ref = _reference(inputs, 0.3)
+    for layout in SKIP_LAYOUTS:
+        got = _run(inputs, 0.3, dataclasses.replace(SKIP_BASE, skip_dead_keys=True, **layout), 32)
+        assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1]), layout
+        _assert_close(*got, *ref)
 
 
-@pytest.mark.parametrize("score_keys, k_slice", [(128, 64), (256, 32)])
-def test_score_first_skip_dead_keys_kimi_dims(score_keys, k_slice):
-    """The same at Kimi dims, 2 heads, against the chunk layout: 128 keys a pass (168 keys: a second
-    pass with 40 live) and the AR step's 256 keys a pass (256 threads, 32-dim key slices, two P·V
-    dims a thread: scalar value loads; one pass with 88 dead keys)."""
+def test_score_first_skip_dead_keys_kimi_dims():
+    """The same at Kimi dims, 2 heads, against the chunk layout (computed once): 128 keys a pass
+    (168 keys: a second pass with 40 live) and the AR step's 256 keys a pass (256 threads, 32-dim
+    key slices, two P·V dims a thread: scalar value loads; one pass with 88 dead keys)."""
     rng = np.random.default_rng(24)
     inputs, _ = _batch(rng, KIMI_DIMS_H2, 2, [165], [3], 3, 168, chain=True)
     want = _run(inputs, 0.3, KIMI_DIMS_H2, 2048)
-    got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=score_keys, k_slice=k_slice,
-                                                skip_dead_keys=True), 2048)
-    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+    for score_keys, k_slice in ((128, 64), (256, 32)):
+        got = _run(inputs, 0.3, dataclasses.replace(KIMI_DIMS_H2, score_keys=score_keys, k_slice=k_slice,
+                                                    skip_dead_keys=True), 2048)
+        assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1]), (score_keys, k_slice)
 
 
 def test_result_independent_of_batch_and_capacity():
