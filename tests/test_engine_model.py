@@ -792,7 +792,10 @@ def test_forward_flags_every_weights_first_pair_of_a_wide_model(monkeypatch) -> 
     release_next and no other does, a captured layer's copy launch (layer 1) and the unfolded shared
     expert's two products included. (Under the simulator the flags change nothing: the tiny tests
     check the bits; this one checks only the flags, so its launches are checked and configured as
-    ever but their simulated grids are not run: ~50 s of simulator CI for values nothing reads.)"""
+    ever, each kernel's arguments bound to its parameters, but their simulated grids are not run:
+    ~50 s of simulator CI for values nothing reads.)"""
+    import inspect
+
     import ddtree_numba.engine.model as em
     from numba.cuda.simulator.kernel import FakeCUDAKernel
 
@@ -805,10 +808,10 @@ def test_forward_flags_every_weights_first_pair_of_a_wide_model(monkeypatch) -> 
     model = TargetModel(config, weights, batch_size=1, kv_capacity=KV_CAPACITY, max_rows=1, capture_layers=(1,))
     seen: list = []
     _record_launches(monkeypatch, seen)
-    grids: list = []   # the kernels launched, their grids not run
+    grids: list = []   # the kernels launched (their arguments bound to their parameters), their grids not run
     call = FakeCUDAKernel.__call__
-    monkeypatch.setattr(FakeCUDAKernel, "__call__",
-                        lambda self, *args: call(self, *args) if self._device else grids.append(self.fn))
+    monkeypatch.setattr(FakeCUDAKernel, "__call__", lambda self, *args: call(self, *args) if self._device
+                        else grids.append(inspect.signature(self.fn).bind(*args)))
     model.forward(np.array([[5]], np.int32), np.array([[0]], np.int32), np.array([1], np.int32),
                   prefill_visibility(np.array([1]), 1))
     assert len(grids) >= len(seen)   # the launches reached their kernels (a wrapper may launch two)
