@@ -142,6 +142,12 @@ SEGMENT_ABSORBS = True
 # the row layout's routing only (ROUTE_BY_EXPERT off); the expert grid always normalises in its launch.
 FUSED_ROPE_KV_WRITE = True
 FUSED_MOE_NORM = False
+# The fused RoPE launch asks L2 for the cache rows the attention reads two launches on (model_ops
+# .mla_rope_kv_write's prefetch_request_rows): a hint, not numerics (the same bits on or off). Why:
+# by an AR step's attention the whole forward's weights (1.46 GB) have passed through the 50 MB L2
+# since the last step read those rows, so each of the one-node scores' dependent load rounds waits
+# on HBM; the q absorb's launch between them leaves the requests time to land.
+KV_PREFETCH_L2 = False
 # The MoE layer's RMSNorm, gate, selection (and at one row its CSR) in one launch of a block per
 # (expert, row) (model_ops.moe_route given logits and counts: each block reads one gate row and
 # the row's last block selects), instead of an RMSNorm launch (one warp) and a routing launch of
@@ -835,7 +841,9 @@ class TargetModel:
         if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
             mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
                               b.row_positions, b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout,
-                              stream=stream, release_next=self._release_before_absorb(v.q_nope, uk_kn))
+                              stream=stream, release_next=self._release_before_absorb(v.q_nope, uk_kn),
+                              prefetch_request_rows=self.kv_capacity if KV_PREFETCH_L2 else 0,
+                              rows_per_request=self.max_rows)
         else:
             mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
                        stream=stream)  # [M, H, R]

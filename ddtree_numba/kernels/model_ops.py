@@ -59,7 +59,8 @@ from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
 from sim.profiles import active_profile
 
-from ._args import as_kernel_array, check_array, check_shape, host_values
+from ._args import as_kernel_array, check_array, check_shape, host_values, int_arg
+from .hints import prefetch_l2_2d
 from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_sum_f32
@@ -75,6 +76,7 @@ FULL_MASK = 0xFFFFFFFF
 ROW_WARPS = 4  # warp-per-row kernels: rows per block
 ROW_THREADS = ROW_WARPS * WARP_SIZE
 ELEM_THREADS = 128  # element-parallel kernels: elements (or RoPE pairs) per block
+CACHE_LINE_FLOATS = 32  # float32 values of a 128-byte cache line (the L2 prefetch's unit)
 SIM_THREADS = WARP_SIZE  # every launch under the simulator: one block of one warp
 # Loads in flight per lane ahead of the arithmetic on them (the last, partial batch guarded): a
 # warp-per-row RMSNorm of D 2048 is 64 values a lane, so 8 a round was 8 round trips to L2 before
@@ -380,15 +382,42 @@ def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
     _q_rope_pairs(q, cos, sin, positions, out, layout, cuda.blockIdx.x, cuda.gridDim.x)
 
 
+@cuda.jit(device=True, inline="always")
+def _prefetch_cached_rows(cache_rows, kv_latent, k_rope, request_rows, rows_per_request):
+    """``prefetch.L2`` of every line of the cache rows each request holds before its first new row
+    (rows ``[b * S, cache_rows[b * Tc])``, S = ``request_rows``, Tc = ``rows_per_request``: the
+    rows its attention reads next), spread over all threads of the grid. Writes nothing."""
+    latent_lines = (kv_latent.shape[1] + CACHE_LINE_FLOATS - 1) // CACHE_LINE_FLOATS
+    lines = latent_lines + (k_rope.shape[1] + CACHE_LINE_FLOATS - 1) // CACHE_LINE_FLOATS
+    tid = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    threads = cuda.gridDim.x * cuda.blockDim.x
+    for m in range(0, cache_rows.shape[0], rows_per_request):
+        dst = cache_rows[m]
+        if dst < 0 or dst >= kv_latent.shape[0] or dst >= k_rope.shape[0]:   # padding, or no such row
+            continue
+        base = dst - dst % request_rows
+        for idx in range(tid, (dst - base) * lines, threads):
+            row = base + idx // lines
+            part = idx % lines
+            if part < latent_lines:
+                prefetch_l2_2d(kv_latent, row, min(part * CACHE_LINE_FLOATS, kv_latent.shape[1] - 1))
+            else:
+                prefetch_l2_2d(k_rope, row, min((part - latent_lines) * CACHE_LINE_FLOATS, k_rope.shape[1] - 1))
+
+
 @cuda.jit
 def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, sin, positions,
-                             cache_rows, kv_latent, k_rope, layout, release_next):
+                             cache_rows, kv_latent, k_rope, layout, release_next, request_rows, rows_per_request):
     """:func:`mla_q_rope_kernel` on blocks ``[0, q_blocks)`` and :func:`mla_kv_write_kernel` on
     the others, in one launch: an MLA layer's two RoPE steps run side by side (the same loops
     per element and per row, so the same bits). Arguments as those two kernels'; release_next: 1
-    where the next kernel reads weights before its PDL wait (an AR step's split q absorb)."""
+    where the next kernel reads weights before its PDL wait (an AR step's split q absorb);
+    request_rows > 0: first ask L2 for the cache rows the attention reads next
+    (:func:`_prefetch_cached_rows`; 0: none)."""
     s_part = cuda.shared.array(ROW_THREADS, float32)  # the kv rows: one partial sum per lane
     pdl_begin_early(release_next)  # PDL: wait for the previous kernel; release the next one now?
+    if request_rows > 0:   # the requests go out first: they have the q absorb's launch to land
+        _prefetch_cached_rows(cache_rows, kv_latent, k_rope, request_rows, rows_per_request)
     if cuda.blockIdx.x < q_blocks:  # block-uniform
         _q_rope_pairs(q, cos, sin, positions, q_out, layout, cuda.blockIdx.x, q_blocks)
     else:
@@ -880,7 +909,7 @@ register("mla_kv_write", mla_kv_write_kernel,
 register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),),
          "RoPE of the query rope part of every head, one thread per pair", block_threads=ELEM_THREADS)
 register("mla_rope_kv_write", mla_rope_kv_write_kernel,
-         ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32, int32),),
+         ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32, int32, int32, int32),),
          "the query RoPE and the kv cache write in one launch (the engine's)", block_threads=ELEM_THREADS)
 for _norm, _csr in ((False, False), (True, False), (False, True), (True, True)):
     for _biased in (True, False):
@@ -1167,7 +1196,8 @@ def mla_q_rope(q: Any, cos: Any, sin: Any, positions: Any, out: Any, *, layout: 
 
 def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any,
                       positions: Any, cache_rows: Any, kv_latent: Any, k_rope: Any, *, layout: str,
-                      stream: Any = 0, release_next: bool = False) -> Any:
+                      stream: Any = 0, release_next: bool = False, prefetch_request_rows: int = 0,
+                      rows_per_request: int = 1) -> Any:
     """:func:`mla_q_rope` ``(q, cos, sin, positions, q_out)`` and :func:`mla_kv_write` ``(kv_a,
     kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope)`` in one launch
     (the engine's per-layer RoPE step: one kernel instead of two, the same bits).
@@ -1176,9 +1206,15 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     ``q_out`` the rope width of ``k_rope``. The two parts run at once: ``q_out`` may be
     ``q[:, :, nope:]`` but must not overlap ``kv_a``, ``kv_latent`` or ``k_rope``. Every argument
     is checked before the launch. ``release_next``: as :func:`embed`'s (the next kernel a split
-    absorb). Returns ``q_out``.
+    absorb). ``prefetch_request_rows`` S > 0: the launch also asks L2 for the cache rows each
+    request holds before its first new row, rows ``[b * S, cache_rows[b * Tc])`` of ``kv_latent``
+    and ``k_rope`` with Tc = ``rows_per_request`` (the engine's layout: request b's rows start at
+    b * S of the cache and at b * Tc of the new rows), so that the attention two launches on finds
+    them there (a hint: no value changes; 0, the default: none). Returns ``q_out``.
     """
     kv_args = _kv_write_args(kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
+    request_rows = int_arg(prefetch_request_rows, "prefetch_request_rows", 0, kv_args[7].shape[0])
+    tc = int_arg(rows_per_request, "rows_per_request", 1)
     q = _check_rows(q, "q", 3)
     if q.shape[0] != kv_args[0].shape[0]:
         raise ValueError(f"q must have the rows of kv_a ({kv_args[0].shape[0]}), got {q.shape[0]}")
@@ -1191,7 +1227,7 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     kv_blocks, kv_threads = _shape(kv_args[0].shape[0], ROW_WARPS, ROW_THREADS)
     assert threads == kv_threads   # one block size for both parts: ELEM_THREADS == ROW_THREADS
     launch(mla_rope_kv_write_kernel, q_blocks + kv_blocks, threads, stream, 0, q, q_out, np.int32(q_blocks),
-           *kv_args, np.int32(1 if release_next else 0))
+           *kv_args, np.int32(1 if release_next else 0), np.int32(request_rows), np.int32(tc))
     return q_out
 
 
