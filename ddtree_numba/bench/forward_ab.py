@@ -41,7 +41,8 @@ blocks of N latent dims, ``verify_attention.DECODE_PV_DIMS`` = N, N in 32, 128; 
 once, two value chunks in flight), ``auto-kvpf`` / ``auto-nokvpf`` (the fused RoPE launch asks L2 for the
 cache rows the attention reads next, ``engine.model.KV_PREFETCH_L2`` on / off), ``auto-dswhN`` (an AR step's score
 warps of N heads x 16 / N keys, ``verify_attention.DECODE_SCORE_WARP_HEADS`` = N, N in 4, 8; by default
-16: a warp's heads x one key), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
+16: a warp's heads x one key), ``auto-excomb`` / ``auto-noexcomb`` (an AR step's MoE down projection and
+combine in one launch, ``engine.model.EXPERT_COMBINE`` on / off), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
 loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N in 8, 24; by
 default 16), ``auto-dst128`` / ``auto-dst128b8`` (score blocks of 128 threads, twice the blocks,
 ``verify_attention.DECODE_SCORE_THREADS``; the latter with 8 runs), ``auto-onelaunch`` (an AR step's attention in the
@@ -129,7 +130,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-route1", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-kvpf", "auto-nokvpf", "auto-dswh4", "auto-dswh8", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
+                 "auto-normroute", "auto-route1", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-kvpf", "auto-nokvpf", "auto-dswh4", "auto-dswh8", "auto-excomb", "auto-noexcomb", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 # Variants that time the routing of a block per row (engine.model.ROUTE_BY_EXPERT off: numerics of
 # their own, compared with their own first logits): auto-route1 itself, and the row layout's knobs.
@@ -229,6 +230,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     score_heads, pv_dims, pv_ahead = va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS, va.DECODE_PV_AHEAD
     release_early = em.PDL_RELEASE_EARLY
     kv_prefetch = em.KV_PREFETCH_L2
+    expert_combine = em.EXPERT_COMBINE
     warp_heads = va.DECODE_SCORE_WARP_HEADS
     decode_split = va.DECODE_SPLIT
     tree = (va.TREE_SPLIT, va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS, va.TREE_PV_HEADS, va.TREE_PV_DIMS, va.TREE_PASS)
@@ -258,6 +260,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.EXPERT_TILE_BY_ROWS = tile_by_rows and tile not in ("auto-entrytile", "auto-unfold-bound")
             em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
             em.EXPERT_ROW_PRODUCTS = expert_rows and tile != "auto-noexgemv"
+            em.EXPERT_COMBINE = tile == "auto-excomb" or (expert_combine and tile != "auto-noexcomb")
             mo.DOT_LOADS = int(tile[len("auto-dot"):]) if tile.startswith("auto-dot") else dot_loads
             mo.ROUTE_CSR_INLINE = csr_inline and tile != "auto-csr2"
             em.ROUTE_BY_EXPERT = route_by_expert and tile not in ROW_ROUTING   # numerics: its own first logits
@@ -377,6 +380,7 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS, va.DECODE_PV_AHEAD = score_heads, pv_dims, pv_ahead
         em.PDL_RELEASE_EARLY = release_early
         em.KV_PREFETCH_L2 = kv_prefetch
+        em.EXPERT_COMBINE = expert_combine
         va.DECODE_SCORE_WARP_HEADS = warp_heads
         va.DECODE_SPLIT = decode_split
         (va.TREE_SPLIT, va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS, va.TREE_PV_HEADS, va.TREE_PV_DIMS,

@@ -52,16 +52,17 @@ from numba import cuda, float32, int32, int64
 
 from sim.launch import check_launch, launch_bounds
 
-from ._args import data_address
+from ._args import data_address, int_arg
 from .linear import (ONE, STEP, VEC, WARP, ZERO, _kernel_weight, _row_inv_rms, _rows_aligned, _silu_mul, _stream,
                      check_linear_args, k_split, load_f32x4, load_x4, warp_place)
 from .linear import _norm_sig, check_expert_args
+from .model_ops import check_combine_args, make_combine_element
 from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
 from .warp import warp_sum_f32
 
 __all__ = ["GemvLayout", "LAYOUTS", "MAX_WEIGHT_BYTES", "MAX_EXPERT_ENTRIES", "supported", "takes", "plan_gemv", "gemv",
-           "get_gemv_kernel", "expert_takes", "expert_gemv"]
+           "get_gemv_kernel", "expert_takes", "expert_gemv", "combine_takes", "expert_gemv_combine"]
 
 
 @dataclass(frozen=True)
@@ -117,18 +118,21 @@ def plan_gemv(prologue: str, n_cols: int, k_dim: int) -> GemvLayout | None:
 
 
 @functools.cache
-def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS["narrow"], expert: bool = False) -> Any:
+def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS["narrow"], expert: bool = False,
+                    combine: bool = False) -> Any:
     """The kernel for one prologue ("none", "rmsnorm", "swiglu"), residual epilogue and layout;
-    ``expert``: :func:`expert_gemv`'s (prologue none or swiglu, no residual)."""
+    ``expert``: :func:`expert_gemv`'s (prologue none or swiglu, no residual); ``combine`` (with
+    ``expert``): :func:`expert_gemv_combine`'s."""
     if prologue not in ("none", "rmsnorm", "swiglu") or not isinstance(layout, GemvLayout) or \
-            (expert and (prologue == "rmsnorm" or residual)):
+            (expert and (prologue == "rmsnorm" or residual)) or (combine and not expert):
         raise ValueError(f"no gemv kernel for prologue={prologue!r}, residual={residual!r}, layout={layout!r}, "
-                         f"expert={expert!r}")
+                         f"expert={expert!r}, combine={combine!r}")
     columns, unroll, warps, min_blocks = layout.columns, layout.unroll, layout.warps, layout.min_blocks
     RMS = prologue == "rmsnorm"
     SWIGLU = prologue == "swiglu"
     RESIDUAL = residual
     EXPERT = expert
+    COMBINE = combine           # every warp on the block's CW columns, an entry a warp
     NAN = float32(np.nan)
     U = unroll
     CW = columns
@@ -184,7 +188,10 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         n): the warp's place, its first column, its steps and the round's. Reads only weights (no kernel of a step writes them: pdl's
         WEIGHTS_BEFORE_WAIT), so the dense kernel calls it before its PDL wait."""
         lane, warp, seg, group, groups_per_block = warp_place(k_split_)
-        col0 = (cuda.blockIdx.x * groups_per_block + group) * CW
+        if COMBINE:   # compile-time: the block's warps are its entries, all on the same columns
+            col0 = cuda.blockIdx.x * CW
+        else:
+            col0 = (cuda.blockIdx.x * groups_per_block + group) * CW
         total_steps = k_dim // STEP
         j = min(seg * seg_steps, total_steps)
         j_end = min(j + seg_steps, total_steps)
@@ -255,6 +262,51 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                    lane, warp, seg, col0, j, j_end, n, comb, False)
         return kernel
 
+    @cuda.jit(device=True, inline="always")
+    def entry_expert(row_offsets, entry, n_entries):
+        """The first expert whose offsets hold ``entry`` (offsets clamped to [0, n_entries]), -1 if
+        none: block-uniform in expert_kernel, warp-uniform in combine_kernel."""
+        expert = -1
+        lo = min(max(row_offsets[0], 0), n_entries)
+        for e in range(row_offsets.shape[0] - 1):
+            hi = min(max(row_offsets[e + 1], 0), n_entries)
+            if expert < 0 and lo <= entry and entry < hi:
+                expert = e
+            lo = hi
+        return expert
+
+    if COMBINE:
+        combine_element = make_combine_element(True)
+
+        @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
+        def combine_kernel(x, w, out, row_offsets, row_index, resid, routed_out, slot_of, topk_w, shared_out,
+                           n_cols, k_dim, k_split_, seg_steps, release_next):
+            """expert_kernel's products with warp j as CSR entry j (every warp on the block's CW
+            columns; K one segment), then the MoE combine of those columns:
+            resid[m, d] = moe_combine's element (routed_out = out[:J], shared_out = out[J:]).
+            release_next: as the dense kernel's."""
+            comb = cuda.shared.array(COMB, float32)
+            pdl_begin_early(release_next)  # PDL: wait for the gate | up (and the routing); release the next?
+            wv = cuda.local.array((U, CW, VEC), float32)
+            acc = cuda.local.array(CW, float32)
+            wbase = cuda.local.array(CW, int64)
+            entry = cuda.threadIdx.x // WARP
+            expert = entry_expert(row_offsets, entry, out.shape[0])
+            if expert >= 0:   # warp-uniform; k_split_ == 1 (host check): no barrier inside finish
+                src = row_index[entry]
+                bad = src < 0 or src >= x.shape[0]
+                lane, warp, seg, col0, j, j_end, n = first_round(w, expert * n_cols, n_cols, k_dim, k_split_,
+                                                                 seg_steps, wv, acc, wbase)
+                finish(x, 0 if bad else src, w, out, entry, out, x, ONE, n_cols, k_dim, k_split_, wv, acc, wbase,
+                       lane, warp, seg, col0, j, j_end, n, comb, bad)
+            cuda.syncthreads()  # every entry's columns are in out (a block's global writes, visible to it)
+            t = cuda.threadIdx.x
+            m = t // CW
+            d = cuda.blockIdx.x * CW + t % CW
+            if m < resid.shape[0] and d < n_cols:
+                resid[m, d] = combine_element(resid, routed_out, slot_of, topk_w, shared_out, m, d)
+        return combine_kernel
+
     @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
     def expert_kernel(x, w, out, row_offsets, row_index, n_cols, k_dim, k_split_, seg_steps):
         """out[j] = prologue(x[row_index[j]]) @ w[e].T for CSR entry j = blockIdx.y of expert e
@@ -266,14 +318,7 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         acc = cuda.local.array(CW, float32)
         wbase = cuda.local.array(CW, int64)
         entry = cuda.blockIdx.y
-        n_entries = out.shape[0]
-        expert = -1
-        lo = min(max(row_offsets[0], 0), n_entries)
-        for e in range(row_offsets.shape[0] - 1):   # block-uniform: the first expert holding it
-            hi = min(max(row_offsets[e + 1], 0), n_entries)
-            if expert < 0 and lo <= entry and entry < hi:
-                expert = e
-            lo = hi
+        expert = entry_expert(row_offsets, entry, out.shape[0])   # block-uniform
         if expert < 0:   # past the routed entries: the whole block leaves together
             return
         src = row_index[entry]
@@ -302,6 +347,13 @@ def _register_all() -> None:
 
 
     x2, i1 = float32[:, :], int32[::1]
+    layout = LAYOUTS["swiglu"]
+    # (x, w, out, row_offsets, row_index, resid, routed_out, slot_of, topk_w, shared_out, geometry, release_next)
+    sig = (x2, float32[:, :, ::1], x2, i1, i1, x2, float32[:, ::1], int32[:, ::1], float32[:, ::1], x2,
+           int32, int32, int32, int32, int32)
+    register("expert_gemv_combine", get_gemv_kernel("swiglu", False, layout, expert=True, combine=True), (sig,),
+             "an AR step's MoE down projection, an entry a warp, with the combine of its columns (the bits of "
+             "expert_gemv then moe_combine), layout swiglu", block_threads=layout.warps * WARP)
     for prologue in ("none", "swiglu"):
         name = "swiglu" if prologue == "swiglu" else "narrow"
         layout = LAYOUTS[name]
@@ -430,4 +482,80 @@ def expert_gemv(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *, s
         return out
     kernel, grid, threads, geometry = _expert_setup(prologue, n_cols, k_dim, entries, layout)
     kernel[grid, threads, _stream(stream), 0](x, _kernel_weight(w), out, row_offsets, row_index, *geometry)
+    return out
+
+
+# --- MoE down projection and combine in one launch (an AR step) ------------------------------------
+
+def combine_takes(x: Any, w: Any, out: Any, n_routed: int) -> bool:
+    """Whether :func:`expert_gemv_combine` runs an AR step's SwiGLU down projection and combine: the
+    entries (``n_routed`` routed, then the shared expert's rows) fit the swiglu layout's warps, one
+    K segment, and :func:`expert_takes`' rules."""
+    layout = LAYOUTS["swiglu"]
+    return (0 < n_routed < out.shape[0] <= layout.warps and k_split(w.shape[2]) == 1
+            and expert_takes(x, w, out, swiglu=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _combine_setup(n_cols: int, k_dim: int) -> tuple:
+    """(kernel, blocks, threads, geometry) of one combine launch shape, checked once (sim.launch)."""
+    layout = LAYOUTS["swiglu"]
+    blocks = -(-n_cols // layout.columns)
+    check_launch((blocks, 1, 1), layout.warps * WARP, 0)
+    return (get_gemv_kernel("swiglu", False, layout, expert=True, combine=True), blocks, layout.warps * WARP,
+            (n_cols, k_dim, 1, k_dim // STEP))
+
+
+def expert_gemv_combine(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, resid: Any, slot_of: Any,
+                        topk_w: Any, n_routed: int, *, stream: Any = 0, release_next: bool = False) -> Any:
+    """``expert_gemv(x, w, out, row_offsets, row_index, swiglu=True)`` then ``moe_combine(resid,
+    out[:n_routed], slot_of, topk_w, out[n_routed:], resid)`` in one launch, the same bits: an AR
+    step's down projection with the shared expert folded in (entries ``[n_routed, n_routed + M)``
+    its rows) and the MoE combine into the residual stream.
+
+    A block owns ``columns`` output columns of every entry: warp j is entry j (expert_gemv's warp
+    code on that expert's weights; warps past the entries idle), and after a barrier its first
+    threads combine those columns of each row (model_ops' combine element, the combine kernel's
+    arithmetic). So one launch fewer a MoE layer, and every entry's weights stream from many blocks
+    as in expert_gemv.
+
+    Args:
+        x, w, out, row_offsets, row_index: as :func:`expert_gemv`'s with ``swiglu``; ``out`` also
+            read back for the combine.
+        resid: float32 [M, D], unit inner stride: the residual stream, updated in place.
+        slot_of, topk_w: as :func:`.model_ops.moe_combine`'s ([M, k]: entries of ``out[:n_routed]``).
+        n_routed: the routed entries, M * k.
+        stream: launch stream; release_next: as :func:`gemv`'s (the next layer's w_a gemv).
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch (expert_gemv's checks; ``out``:
+        more entries than the layout's warps, or not n_routed + M rows; ``w``: K past one segment;
+        ``resid`` / ``slot_of`` / ``topk_w``: as moe_combine's).
+    """
+    x, w, out, row_offsets, row_index, _ = check_expert_args(x, w, out, row_offsets, row_index, True)
+    n_cols, k_dim = w.shape[1], w.shape[2]
+    layout = LAYOUTS["swiglu"]
+    if k_dim % STEP or data_address(w) % 16 or k_split(k_dim) != 1:
+        raise ValueError(f"w: expert_gemv_combine needs K % {STEP} == 0 in one K segment and 16-byte aligned "
+                         f"rows, got K {k_dim} ({k_split(k_dim)} segments)")
+    if not _rows_aligned(x):
+        raise ValueError("x: expert_gemv_combine needs 16-byte aligned rows")
+    n_routed = int_arg(n_routed, "n_routed", 1, out.shape[0] - 1)
+    m = out.shape[0] - n_routed
+    if out.shape[0] > layout.warps:
+        raise ValueError(f"out: expert_gemv_combine takes at most {layout.warps} entries (a warp each), "
+                         f"got {out.shape[0]}")
+    shape = tuple(getattr(resid, "shape", ()))
+    if len(shape) == 2 and shape != (m, n_cols):   # (the rest of resid's checks: check_combine_args)
+        raise ValueError(f"resid must have shape ({m}, {n_cols}) (out's M = {m} shared rows, w's columns), "
+                         f"got {shape}")
+    slots = tuple(getattr(slot_of, "shape", ()))
+    if len(slots) == 2 and slots[0] * slots[1] != n_routed:
+        raise ValueError(f"slot_of must hold n_routed = {n_routed} slots (M x k), got shape {slots}")
+    resid, routed, slot_of, topk_w, shared, _ = check_combine_args(
+        resid, out[:n_routed], slot_of, topk_w, out[n_routed:], resid, names=("resid", "out", "out", "resid"))
+    kernel, blocks, threads, geometry = _combine_setup(n_cols, k_dim)
+    kernel[blocks, threads, _stream(stream), 0](x, _kernel_weight(w), out, row_offsets, row_index, resid,
+                                                routed, slot_of, topk_w, shared, *geometry,
+                                                np.int32(1 if release_next else 0))
     return out

@@ -859,9 +859,33 @@ def moe_csr_kernel(topk_ids, row_offsets, row_index, slot_of):
 
 
 @functools.lru_cache(maxsize=None)
+def make_combine_element(shared: bool) -> Any:
+    """The combine of one element, a device function: ``x[m, d] + (Σ_s topk_w[m, s] ·
+    expert_out[slot_of[m, s], d] + shared_out[m, d])``, s ascending (= ascending expert id), a slot
+    outside [0, M·k) giving NaN; ``shared`` compile-time (else shared_out is not read). The combine
+    kernel and gemv's expert-combine kernel both run it, so they give the same bits."""
+    @cuda.jit(device=True, inline="always")
+    def combine_element(x, expert_out, slot_of, topk_w, shared_out, m, d):
+        acc = float32(0.0)
+        for s in range(slot_of.shape[1]):
+            j = slot_of[m, s]
+            if j >= 0 and j < expert_out.shape[0]:
+                acc += topk_w[m, s] * expert_out[j, d]
+            else:
+                acc = NAN_F32
+        if shared:  # compile-time
+            acc = acc + shared_out[m, d]
+        return x[m, d] + acc
+
+    return combine_element
+
+
+@functools.lru_cache(maxsize=None)
 def moe_combine_kernel(shared: bool) -> Any:
     """The combine kernel with (``shared``) or without a shared expert's rows: a compile-time flag,
     the absent array a float32 placeholder (no None argument reaches a GPU launch)."""
+    combine_element = make_combine_element(shared)
+
     @cuda.jit
     def moe_combine_kernel(x, expert_out, slot_of, topk_w, shared_out, out, release_next):
         """out[m, d] = x[m, d] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s], d] + shared_out[m, d]).
@@ -876,16 +900,7 @@ def moe_combine_kernel(shared: bool) -> Any:
                          cuda.gridDim.x * cuda.blockDim.x):
             m = idx // dim
             d = idx - m * dim
-            acc = float32(0.0)
-            for s in range(slot_of.shape[1]):
-                j = slot_of[m, s]
-                if j >= 0 and j < expert_out.shape[0]:
-                    acc += topk_w[m, s] * expert_out[j, d]
-                else:
-                    acc = NAN_F32
-            if shared:  # compile-time
-                acc = acc + shared_out[m, d]
-            out[m, d] = x[m, d] + acc
+            out[m, d] = combine_element(x, expert_out, slot_of, topk_w, shared_out, m, d)
 
     return moe_combine_kernel
 
@@ -1346,6 +1361,32 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
         launch(moe_csr_kernel, 1, csr_threads, stream, 0, topk_ids, row_offsets, row_index, slot_of)
 
 
+def check_combine_args(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: Any, out: Any, *,
+                       names: tuple[str, str, str, str] = ("x", "expert_out", "shared_out", "out")) -> tuple:
+    """:func:`moe_combine`'s arguments checked (TypeError / ValueError naming the argument: x, expert_out,
+    shared_out and out by ``names``, for a wrapper whose arguments they are views of), as kernel arrays."""
+    x_name, expert_name, shared_name, out_name = names
+    x = _check_rows(x, x_name, 2)
+    m, dim = x.shape
+    slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
+    if slot_of.shape[0] != m or slot_of.shape[1] < 1:
+        raise ValueError(f"slot_of must have shape ({m}, k) with k >= 1, got {tuple(slot_of.shape)}")
+    k = slot_of.shape[1]
+    topk_w = check_array(topk_w, "topk_w", (np.float32,), 2)
+    check_shape(topk_w, "topk_w", (m, k))
+    expert_out = check_array(expert_out, expert_name, (np.float32,), 2)
+    check_shape(expert_out, expert_name, (m * k, dim))
+    if shared_out is not None:
+        shared_out = _check_matrix(shared_out, shared_name, 2)
+        check_shape(shared_out, shared_name, (m, dim))
+    out = _check_matrix(out, out_name, 2)
+    check_shape(out, out_name, (m, dim))
+    values = host_values(slot_of)
+    if values is not None and (values.min() < 0 or values.max() >= m * k):
+        raise ValueError(f"slot_of must be in [0, {m * k})")
+    return x, expert_out, slot_of, topk_w, shared_out, out
+
+
 def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: Any, out: Any, *,
                 stream: Any = 0, release_next: bool = False) -> Any:
     """``out[m] = x[m] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s]] + shared_out[m])``.
@@ -1365,24 +1406,9 @@ def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: 
     Returns:
         ``out``.
     """
-    x = _check_rows(x, "x", 2)
+    x, expert_out, slot_of, topk_w, shared_out, out = check_combine_args(x, expert_out, slot_of, topk_w, shared_out,
+                                                                         out)
     m, dim = x.shape
-    slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
-    if slot_of.shape[0] != m or slot_of.shape[1] < 1:
-        raise ValueError(f"slot_of must have shape ({m}, k) with k >= 1, got {tuple(slot_of.shape)}")
-    k = slot_of.shape[1]
-    topk_w = check_array(topk_w, "topk_w", (np.float32,), 2)
-    check_shape(topk_w, "topk_w", (m, k))
-    expert_out = check_array(expert_out, "expert_out", (np.float32,), 2)
-    check_shape(expert_out, "expert_out", (m * k, dim))
-    if shared_out is not None:
-        shared_out = _check_matrix(shared_out, "shared_out", 2)
-        check_shape(shared_out, "shared_out", (m, dim))
-    out = _check_matrix(out, "out", 2)
-    check_shape(out, "out", (m, dim))
-    values = host_values(slot_of)
-    if values is not None and (values.min() < 0 or values.max() >= m * k):
-        raise ValueError(f"slot_of must be in [0, {m * k})")
     shared = shared_out is not None
     launch(moe_combine_kernel(shared), *_shape(m * dim, ELEM_THREADS, ELEM_THREADS), stream, 0, x, expert_out, slot_of,
            topk_w, shared_out if shared else PLACEHOLDER, out, np.int32(1 if release_next else 0))
