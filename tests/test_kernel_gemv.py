@@ -387,13 +387,19 @@ def _combine_case(experts, n, k, rows, topk, kind, rng):
     return x, w, offsets, np.arange(j + rows, dtype=np.int32), slot_of, topk_w, resid
 
 
-def _combine_both(case, release_next=False):
-    """((e_out, resid) of expert_gemv then moe_combine, (e_out, resid) of expert_gemv_combine)."""
+def _combine_both(case, release_next=False, host=False):
+    """((e_out, resid) of expert_gemv then moe_combine, (e_out, resid) of expert_gemv_combine);
+    ``host``: the fused call given NumPy arrays (copied in and out by the launch)."""
     import ddtree_numba.kernels.model_ops as mo
     x, w, offsets, index, slot_of, topk_w, resid = case
     j = slot_of.size
     outs = []
     for fused in (False, True):
+        if fused and host:
+            e_out, h_resid = np.full((len(index), w.shape[1]), 7.0, np.float32), resid.copy()
+            gv.expert_gemv_combine(x, w, e_out, offsets, index, h_resid, slot_of, topk_w, j)
+            outs.append((e_out, h_resid))
+            continue
         e_out = cuda.to_device(np.full((len(index), w.shape[1]), 7.0, np.float32))
         d_resid = _dev(resid)
         args = (_dev(x), _dev(w), e_out, _dev(offsets), _dev(index))
@@ -413,7 +419,7 @@ def _combine_both(case, release_next=False):
 def test_expert_gemv_combine_is_expert_gemv_then_moe_combine(experts, n, k, rows, topk, kind):
     rng = np.random.default_rng(hash((experts, n, k, rows, kind)) % 2**32)
     case = _combine_case(experts, n, k, rows, topk, kind, rng)
-    (ref_e, ref_x), (got_e, got_x) = _combine_both(case, release_next=kind == "ties")
+    (ref_e, ref_x), (got_e, got_x) = _combine_both(case, release_next=kind == "ties", host=kind == "random")
     assert np.array_equal(ref_e.view(np.uint32), got_e.view(np.uint32))
     assert np.array_equal(ref_x.view(np.uint32), got_x.view(np.uint32))
     assert not np.array_equal(got_x, case[-1])        # the residual was updated

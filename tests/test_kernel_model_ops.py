@@ -26,10 +26,12 @@ import pytest
 from numba import cuda
 
 from ddtree_numba.config import ModelConfig
+from ddtree_numba.kernels import hints
 from ddtree_numba.kernels import model_ops as mo
 from ddtree_numba.kernels import registry
 from reference import model as rm
 from reference.weights import init_weights
+from sim.install import simulator_active
 from sim.launch import launch
 
 RTOL = 1e-5
@@ -297,8 +299,16 @@ def test_mla_rope_kv_write_is_the_two_kernels(layout):
         k_rope = _dev(np.full((8, r), SENTINEL, np.float32))
         kv_args = (_dev(case["kv"]), _dev(case["norm_w"]), 1e-6, d_cos, d_sin, d_pos, _dev(cache_rows), latent, k_rope)
         if fused:
-            mo.mla_rope_kv_write(d_q, d_q[:, :, nope:], *kv_args, layout=layout, prefetch_request_rows=prefetch,
-                                 rows_per_request=2)
+            hints.SIM_LOG = [] if simulator_active() else None
+            try:
+                mo.mla_rope_kv_write(d_q, d_q[:, :, nope:], *kv_args, layout=layout, prefetch_request_rows=prefetch,
+                                     rows_per_request=2)
+                log, hints.SIM_LOG = hints.SIM_LOG, None
+            finally:
+                hints.SIM_LOG = None
+            if log is not None:   # the lines asked for: one a row of each array (8 and 4 columns)
+                want = sorted((width, row, 0) for width in (c, r) for row in (0, 1, 2, 0, 1)) if prefetch else []
+                assert sorted(log) == want, log
         else:
             mo.mla_q_rope(d_q, d_cos, d_sin, d_pos, d_q[:, :, nope:], layout=layout)
             mo.mla_kv_write(*kv_args, layout=layout)

@@ -40,8 +40,8 @@ blocks of N latent dims, ``verify_attention.DECODE_PV_DIMS`` = N, N in 32, 128; 
 ``verify_attention.DECODE_PV_AHEAD`` = 1, the layout before it; by default 2: a pass's scores at
 once, two value chunks in flight), ``auto-kvpf`` / ``auto-nokvpf`` (the fused RoPE launch asks L2 for the
 cache rows the attention reads next, ``engine.model.KV_PREFETCH_L2`` on / off), ``auto-dswhN`` (an AR step's score
-warps of N heads x 16 / N keys, ``verify_attention.DECODE_SCORE_WARP_HEADS`` = N, N in 4, 8; by default
-16: a warp's heads x one key), ``auto-excomb`` / ``auto-noexcomb`` (an AR step's MoE down projection and
+warps of N heads x 16 / N keys (k_groups 2, as small's), ``verify_attention.DECODE_SCORE_WARP_HEADS`` = N,
+N in 4, 8; by default 16: a warp's heads x one key), ``auto-excomb`` / ``auto-noexcomb`` (an AR step's MoE down projection and
 combine in one launch, ``engine.model.EXPERT_COMBINE`` on / off), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
 loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N in 8, 24; by
 default 16), ``auto-dst128`` / ``auto-dst128b8`` (score blocks of 128 threads, twice the blocks,

@@ -39,7 +39,10 @@ MoE experts (:func:`expert_gemv`): ``expert_linear``'s grouped products for a fe
 step's k + 1 at batch 1, the shared expert folded in), a block row (grid y) per entry: the block
 finds its entry's expert in the offsets after its PDL wait, then runs the same warp code on that
 expert's weights and the entry's source row, so each entry gets linear's row, the bits of
-``expert_linear`` (``engine.model.EXPERT_ROW_PRODUCTS``).
+``expert_linear`` (``engine.model.EXPERT_ROW_PRODUCTS``). :func:`expert_gemv_combine` runs the SwiGLU
+down projection with the MoE combine: a block's warps are the entries (at most its 8), all on the
+block's columns, then its first threads add those columns into the residual stream with the combine
+kernel's element function, the bits of ``expert_gemv`` then ``moe_combine`` (``engine.model.EXPERT_COMBINE``).
 """
 from __future__ import annotations
 
@@ -279,12 +282,13 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         combine_element = make_combine_element(True)
 
         @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
-        def combine_kernel(x, w, out, row_offsets, row_index, resid, routed_out, slot_of, topk_w, shared_out,
-                           n_cols, k_dim, k_split_, seg_steps, release_next):
+        def combine_kernel(x, w, out, row_offsets, row_index, resid, slot_of, topk_w, n_routed, n_cols, k_dim,
+                           seg_steps, release_next):
             """expert_kernel's products with warp j as CSR entry j (every warp on the block's CW
-            columns; K one segment), then the MoE combine of those columns:
-            resid[m, d] = moe_combine's element (routed_out = out[:J], shared_out = out[J:]).
-            release_next: as the dense kernel's."""
+            columns; K in one segment: no barrier inside finish), then the MoE combine of those
+            columns: resid[m, d] = moe_combine's element (routed_out = out[:n_routed], shared_out =
+            out[n_routed:], sliced here so that one array argument holds them). release_next: as the
+            dense kernel's."""
             comb = cuda.shared.array(COMB, float32)
             pdl_begin_early(release_next)  # PDL: wait for the gate | up (and the routing); release the next?
             wv = cuda.local.array((U, CW, VEC), float32)
@@ -292,19 +296,19 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
             wbase = cuda.local.array(CW, int64)
             entry = cuda.threadIdx.x // WARP
             expert = entry_expert(row_offsets, entry, out.shape[0])
-            if expert >= 0:   # warp-uniform; k_split_ == 1 (host check): no barrier inside finish
+            if expert >= 0:   # warp-uniform
                 src = row_index[entry]
                 bad = src < 0 or src >= x.shape[0]
-                lane, warp, seg, col0, j, j_end, n = first_round(w, expert * n_cols, n_cols, k_dim, k_split_,
-                                                                 seg_steps, wv, acc, wbase)
-                finish(x, 0 if bad else src, w, out, entry, out, x, ONE, n_cols, k_dim, k_split_, wv, acc, wbase,
+                lane, warp, seg, col0, j, j_end, n = first_round(w, expert * n_cols, n_cols, k_dim, 1, seg_steps,
+                                                                 wv, acc, wbase)
+                finish(x, 0 if bad else src, w, out, entry, out, x, ONE, n_cols, k_dim, 1, wv, acc, wbase,
                        lane, warp, seg, col0, j, j_end, n, comb, bad)
             cuda.syncthreads()  # every entry's columns are in out (a block's global writes, visible to it)
             t = cuda.threadIdx.x
-            m = t // CW
+            m = t // CW            # M * CW <= 7 * 4 threads (at most warps entries, one per shared row)
             d = cuda.blockIdx.x * CW + t % CW
             if m < resid.shape[0] and d < n_cols:
-                resid[m, d] = combine_element(resid, routed_out, slot_of, topk_w, shared_out, m, d)
+                resid[m, d] = combine_element(resid, out[:n_routed], slot_of, topk_w, out[n_routed:], m, d)
         return combine_kernel
 
     @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
@@ -348,9 +352,8 @@ def _register_all() -> None:
 
     x2, i1 = float32[:, :], int32[::1]
     layout = LAYOUTS["swiglu"]
-    # (x, w, out, row_offsets, row_index, resid, routed_out, slot_of, topk_w, shared_out, geometry, release_next)
-    sig = (x2, float32[:, :, ::1], x2, i1, i1, x2, float32[:, ::1], int32[:, ::1], float32[:, ::1], x2,
-           int32, int32, int32, int32, int32)
+    # (x, w, out, row_offsets, row_index, resid, slot_of, topk_w, n_routed, n_cols, k_dim, seg_steps, release_next)
+    sig = (x2, float32[:, :, ::1], x2, i1, i1, x2, int32[:, ::1], float32[:, ::1], int32, int32, int32, int32, int32)
     register("expert_gemv_combine", get_gemv_kernel("swiglu", False, layout, expert=True, combine=True), (sig,),
              "an AR step's MoE down projection, an entry a warp, with the combine of its columns (the bits of "
              "expert_gemv then moe_combine), layout swiglu", block_threads=layout.warps * WARP)
@@ -503,7 +506,7 @@ def _combine_setup(n_cols: int, k_dim: int) -> tuple:
     blocks = -(-n_cols // layout.columns)
     check_launch((blocks, 1, 1), layout.warps * WARP, 0)
     return (get_gemv_kernel("swiglu", False, layout, expert=True, combine=True), blocks, layout.warps * WARP,
-            (n_cols, k_dim, 1, k_dim // STEP))
+            (n_cols, k_dim, k_dim // STEP))
 
 
 def expert_gemv_combine(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, resid: Any, slot_of: Any,
@@ -529,8 +532,9 @@ def expert_gemv_combine(x: Any, w: Any, out: Any, row_offsets: Any, row_index: A
 
     Raises:
         TypeError / ValueError naming the argument, before any launch (expert_gemv's checks; ``out``:
-        more entries than the layout's warps, or not n_routed + M rows; ``w``: K past one segment;
-        ``resid`` / ``slot_of`` / ``topk_w``: as moe_combine's).
+        more entries than the layout's warps; ``n_routed``: not in [1, J); ``resid``: not [J - n_routed,
+        N]; ``slot_of``: not n_routed slots; ``w``: K past one segment; ``slot_of`` / ``topk_w``: as
+        moe_combine's).
     """
     x, w, out, row_offsets, row_index, _ = check_expert_args(x, w, out, row_offsets, row_index, True)
     n_cols, k_dim = w.shape[1], w.shape[2]
@@ -552,10 +556,12 @@ def expert_gemv_combine(x: Any, w: Any, out: Any, row_offsets: Any, row_index: A
     slots = tuple(getattr(slot_of, "shape", ()))
     if len(slots) == 2 and slots[0] * slots[1] != n_routed:
         raise ValueError(f"slot_of must hold n_routed = {n_routed} slots (M x k), got shape {slots}")
-    resid, routed, slot_of, topk_w, shared, _ = check_combine_args(
+    resid, _, slot_of, topk_w, _, _ = check_combine_args(
         resid, out[:n_routed], slot_of, topk_w, out[n_routed:], resid, names=("resid", "out", "out", "resid"))
+    if x.shape[0] == 0:   # as expert_gemv: nothing to read, nothing written
+        return out
     kernel, blocks, threads, geometry = _combine_setup(n_cols, k_dim)
     kernel[blocks, threads, _stream(stream), 0](x, _kernel_weight(w), out, row_offsets, row_index, resid,
-                                                routed, slot_of, topk_w, shared, *geometry,
+                                                slot_of, topk_w, np.int32(n_routed), *geometry,
                                                 np.int32(1 if release_next else 0))
     return out

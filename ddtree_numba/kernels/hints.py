@@ -15,7 +15,12 @@ from numba.core.extending import intrinsic
 
 from sim.install import simulator_active
 
-__all__ = ["prefetch_l2", "prefetch_l2_2d"]
+__all__ = ["prefetch_l2", "prefetch_l2_2d", "SIM_LOG"]
+
+# Under the simulator, a list to which each prefetch_l2_2d appends (columns of the array, row,
+# column) while it is not None: how tests see which lines a kernel asked for (a prefetch changes
+# no value, so its range is invisible otherwise). Unused on a GPU.
+SIM_LOG: list | None = None
 
 
 def _prefetch_asm(builder, ptr) -> None:
@@ -26,15 +31,18 @@ def _prefetch_asm(builder, ptr) -> None:
 if simulator_active():
     @cuda.jit(device=True, inline="always")
     def prefetch_l2(array, index):
-        """No caches to fill: only checks that the line is inside the array."""
-        if index >= array.shape[0]:
+        """No caches to fill: only checks that the element is inside the array."""
+        if index < 0 or index >= array.shape[0]:
             raise IndexError(f"prefetch_l2 at {index}, past the array's {array.shape[0]} elements")
 
     @cuda.jit(device=True, inline="always")
     def prefetch_l2_2d(array, row, col):
-        """No caches to fill: only checks that the element is inside the array."""
+        """No caches to fill: checks that the element is inside the array, and logs it (SIM_LOG)."""
         if row < 0 or row >= array.shape[0] or col < 0 or col >= array.shape[1]:
             raise IndexError(f"prefetch_l2_2d at ({row}, {col}), outside the array's {array.shape}")
+        log = SIM_LOG
+        if log is not None:
+            log.append((array.shape[1], int(row), int(col)))
 else:
     @intrinsic
     def prefetch_l2(typingctx, array, index):

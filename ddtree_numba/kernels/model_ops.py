@@ -1229,7 +1229,7 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     """
     kv_args = _kv_write_args(kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
     request_rows = int_arg(prefetch_request_rows, "prefetch_request_rows", 0, kv_args[7].shape[0])
-    tc = int_arg(rows_per_request, "rows_per_request", 1)
+    tc = int_arg(rows_per_request, "rows_per_request", 1, max(1, kv_args[6].shape[0]))   # at most the rows
     q = _check_rows(q, "q", 3)
     if q.shape[0] != kv_args[0].shape[0]:
         raise ValueError(f"q must have the rows of kv_a ({kv_args[0].shape[0]}), got {q.shape[0]}")

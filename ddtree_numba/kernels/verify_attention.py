@@ -1342,8 +1342,10 @@ DECODE_SCORE_HEADS = 16      # heads of a score block (its keys: the threads lef
 DECODE_SCORE_BATCH = 16
 # Heads a warp of the score kernel covers (its 32 // k_groups (head, key) pairs: that many heads x
 # the rest keys): layout, not numerics (each pair runs the same chains; read at get_decode_kernels'
-# call, bench.forward_ab's ``auto-dswhN``). DECODE_SCORE_HEADS: a warp reads 16 heads' q rows and one
-# key row a load; 4: 4 heads' q rows and 4 keys' rows, 8 lines a load instead of 17.
+# call, bench.forward_ab's ``auto-dswhN``). With k_groups 2 (small, kimi-k2) a warp holds 16 pairs:
+# at 16 (the default, the block's DECODE_SCORE_HEADS) it reads 16 heads' q rows and one key row a
+# load; at 4, 4 heads' q rows and 4 keys' rows, 8 lines a load instead of 17. A value that does not
+# tile the block's pairs (see _decode_kernels' WARP_TILE) keeps the default layout.
 DECODE_SCORE_WARP_HEADS = 16
 DECODE_PV_DIMS = 64          # latent dims of a P·V block (a thread a dim)
 # DECODE_SCORE_HEADS and DECODE_PV_DIMS are read at get_decode_kernels' call too (layout;
@@ -1388,9 +1390,9 @@ def decode_geometry(config: TileConfig, num_heads: int, score_threads: int | Non
 
 def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit
-    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH, DECODE_PV_DIMS,
-    DECODE_PASS and DECODE_PV_AHEAD: layout, read at the call, so a changed setting builds its own
-    kernels)."""
+    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH, _WARP_HEADS,
+    DECODE_PV_DIMS, DECODE_PASS and DECODE_PV_AHEAD: layout, read at the call, so a changed setting
+    builds its own kernels)."""
     return _decode_kernels(config, num_heads, DECODE_SCORE_THREADS, DECODE_SCORE_HEADS, DECODE_SCORE_BATCH,
                            DECODE_PV_DIMS, DECODE_PASS, DECODE_PV_AHEAD, DECODE_SCORE_WARP_HEADS)
 
