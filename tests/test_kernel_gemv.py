@@ -343,21 +343,27 @@ def _counted_moe_engine(monkeypatch, names):
     return config, init_weights(config, 0), calls, config.n_layers - config.n_dense_layers
 
 
-def test_engine_ar_step_runs_expert_gemv_with_expert_linears_bits(monkeypatch):
-    """tiny with hidden and expert widths 128 (the experts' K whole steps) as an AR step: the MoE
-    layer's two expert launches go through expert_gemv and the logits are the bits of the same
-    forward with EXPERT_ROW_PRODUCTS off (expert_linear). The dense products stay in linear's tile
-    here (gemv_takes patched off: the simulator runs gemv's 128-thread blocks slowly); a 3-row
-    forward keeps expert_linear."""
+def test_engine_ar_step_runs_expert_gemv_and_its_combine_with_expert_linears_bits(monkeypatch):
+    """tiny with hidden and expert widths 128 (the experts' K whole steps) as an AR step, three ways:
+    the MoE layer's two expert launches through expert_gemv then moe_combine (EXPERT_ROW_PRODUCTS),
+    the down projection and combine as one expert_gemv_combine launch (EXPERT_COMBINE too), and
+    both expert launches in expert_linear (EXPERT_ROW_PRODUCTS off, EXPERT_COMBINE then unused): the
+    same logits bits. The dense products stay in linear's tile here (gemv_takes patched off: the
+    simulator runs gemv's 128-thread blocks slowly); a 3-row forward keeps expert_linear."""
     import ddtree_numba.engine.model as em
 
-    config, weights, calls, moe_layers = _counted_moe_engine(monkeypatch, ("expert_gemv", "expert_linear"))
+    names = ("expert_gemv", "expert_linear", "expert_gemv_combine", "moe_combine")
+    config, weights, calls, n = _counted_moe_engine(monkeypatch, names)
+    want = {(True, False): (2 * n, 0, 0, n), (True, True): (n, 0, n, 0), (False, True): (0, 2 * n, 0, n)}
     logits = {}
-    for on in (True, False):
-        monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", on)
-        logits[on] = _ar_step_logits(config, weights)
-        assert calls == {"expert_gemv": 2 * moe_layers, "expert_linear": 0 if on else 2 * moe_layers}, (on, calls)
-    assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
+    for (rows, combine), counts in want.items():
+        calls.update(dict.fromkeys(names, 0))
+        monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", rows)
+        monkeypatch.setattr(em, "EXPERT_COMBINE", combine)
+        logits[rows, combine] = _ar_step_logits(config, weights)
+        assert calls == dict(zip(names, counts)), (rows, combine, calls)
+    for got in logits.values():
+        assert np.array_equal(got.view(np.uint32), logits[True, False].view(np.uint32))
     monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", True)   # more rows: expert_linear (the rule's first test)
     three = em.TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=3)
     assert not three._expert_gemv_runs(None, None, None, None, None, None)
@@ -468,20 +474,3 @@ def test_gpu_expert_gemv_combine_at_small_shapes(kind):
         (ref_e, ref_x), (got_e, got_x) = _combine_both(case, release_next=release)
         assert np.array_equal(ref_e.view(np.uint32), got_e.view(np.uint32))
         assert np.array_equal(ref_x.view(np.uint32), got_x.view(np.uint32)) and np.isfinite(got_x).all()
-
-
-def test_engine_ar_step_runs_expert_gemv_combine_with_the_same_bits(monkeypatch):
-    """tiny with expert widths 128 as an AR step: with EXPERT_COMBINE each MoE layer's down
-    projection and combine run as one expert_gemv_combine launch (no moe_combine), and the logits
-    are the bits of the two launches."""
-    import ddtree_numba.engine.model as em
-
-    config, weights, calls, moe_layers = _counted_moe_engine(monkeypatch, ("expert_gemv_combine", "moe_combine"))
-    logits = {}
-    for on in (True, False):
-        calls.update(expert_gemv_combine=0, moe_combine=0)
-        monkeypatch.setattr(em, "EXPERT_COMBINE", on)
-        logits[on] = _ar_step_logits(config, weights)
-        assert calls == ({"expert_gemv_combine": moe_layers, "moe_combine": 0} if on else
-                         {"expert_gemv_combine": 0, "moe_combine": moe_layers}), (on, calls)
-    assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
