@@ -906,7 +906,7 @@ class TargetModel:
         w13, w2 = (f.w13_all, f.w2_all) if self._fold_shared else (f.w13, f.w2)
         if self._expert_gemv_runs(b.xn, w13, b.e13, b.e13, w2, b.e_out):  # an AR step: a block row an entry
             expert_gemv(b.xn, w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [Jx, 2I]
-            j = v.routed_out.shape[0]
+            j = v.routed_out.shape[0]   # routed entries (e_out[:J]; the shared expert's rows after them)
             if EXPERT_COMBINE and self._fold_shared and combine_takes(b.e13, w2, b.e_out, j):
                 # [Jx, D], then x += the combine [M, D]: one launch
                 expert_gemv_combine(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, b.x, b.slot_of, b.topk_w, j,

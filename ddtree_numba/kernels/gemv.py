@@ -65,7 +65,7 @@ from .registry import register
 from .warp import warp_sum_f32
 
 __all__ = ["GemvLayout", "LAYOUTS", "MAX_WEIGHT_BYTES", "MAX_EXPERT_ENTRIES", "supported", "takes", "plan_gemv", "gemv",
-           "get_gemv_kernel", "expert_takes", "expert_gemv", "combine_takes", "expert_gemv_combine"]
+           "get_gemv_kernel", "expert_takes", "expert_gemv", "COMBINE_LAYOUT", "combine_takes", "expert_gemv_combine"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ class GemvLayout:
 LAYOUTS = {"narrow": GemvLayout(columns=2, unroll=4, warps=4, min_blocks=4),
            "swiglu": GemvLayout(columns=4, unroll=4, warps=8, min_blocks=2)}
 MAX_WEIGHT_BYTES = 80 * 1024 * 1024
+# expert_gemv_combine's layout: expert_gemv's SwiGLU one, its warps the entries a block holds
+COMBINE_LAYOUT = LAYOUTS["swiglu"]
 # expert_gemv's grid has a block row per CSR entry (grid y): it is for the few entries of an AR
 # step (k + 1 at batch 1 with the shared expert folded in); past this many, expert_linear's tiles
 # read each expert's weights once for all its entries.
@@ -351,12 +353,11 @@ def _register_all() -> None:
 
 
     x2, i1 = float32[:, :], int32[::1]
-    layout = LAYOUTS["swiglu"]
     # (x, w, out, row_offsets, row_index, resid, slot_of, topk_w, n_routed, n_cols, k_dim, seg_steps, release_next)
     sig = (x2, float32[:, :, ::1], x2, i1, i1, x2, int32[:, ::1], float32[:, ::1], int32, int32, int32, int32, int32)
-    register("expert_gemv_combine", get_gemv_kernel("swiglu", False, layout, expert=True, combine=True), (sig,),
-             "an AR step's MoE down projection, an entry a warp, with the combine of its columns (the bits of "
-             "expert_gemv then moe_combine), layout swiglu", block_threads=layout.warps * WARP)
+    register("expert_gemv_combine", get_gemv_kernel("swiglu", False, COMBINE_LAYOUT, expert=True, combine=True),
+             (sig,), "an AR step's MoE down projection, an entry a warp, with the combine of its columns (the bits "
+             "of expert_gemv then moe_combine), layout swiglu", block_threads=COMBINE_LAYOUT.warps * WARP)
     for prologue in ("none", "swiglu"):
         name = "swiglu" if prologue == "swiglu" else "narrow"
         layout = LAYOUTS[name]
@@ -427,6 +428,19 @@ def gemv(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6
 
 # --- MoE experts: a block row per CSR entry --------------------------------------------------------
 
+def _check_expert_rows(x: Any, w: Any, fn: str, one_segment: bool = False) -> None:
+    """ValueError naming ``w`` unless K is whole 128-value steps (in one K segment where
+    ``one_segment``) on 16-byte aligned weight rows, or ``x`` unless its rows are 16-byte aligned:
+    what the expert kernels' 16-byte loads need (``fn`` names the caller in the message)."""
+    k_dim = w.shape[2]
+    if k_dim % STEP or data_address(w) % 16 or (one_segment and k_split(k_dim) != 1):
+        segment = " in one K segment" if one_segment else ""
+        raise ValueError(f"w: {fn} needs K % {STEP} == 0{segment} and 16-byte aligned rows, got K {k_dim}"
+                         + (f" ({k_split(k_dim)} segments)" if one_segment else ""))
+    if not _rows_aligned(x):
+        raise ValueError(f"x: {fn} needs 16-byte aligned rows")
+
+
 def expert_takes(x: Any, w: Any, out: Any, *, swiglu: bool = False) -> bool:
     """Whether :func:`expert_gemv` runs this grouped product (the engine's rule for an AR step's
     expert launches): at most MAX_EXPERT_ENTRIES entries, whole 128-value steps, 16-byte rows, and
@@ -471,10 +485,7 @@ def expert_gemv(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *, s
     if entries > MAX_EXPERT_ENTRIES:
         raise ValueError(f"out: expert_gemv takes at most {MAX_EXPERT_ENTRIES} entries, got {entries} "
                          f"(use expert_linear)")
-    if k_dim % STEP or data_address(w) % 16:
-        raise ValueError(f"w: expert_gemv needs K % {STEP} == 0 and 16-byte aligned rows, got K {k_dim}")
-    if not _rows_aligned(x):
-        raise ValueError("x: expert_gemv needs 16-byte aligned rows")
+    _check_expert_rows(x, w, "expert_gemv")
     if layout is None:
         layout = LAYOUTS["swiglu" if swiglu else "narrow"]
     if not isinstance(layout, GemvLayout):
@@ -492,21 +503,19 @@ def expert_gemv(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *, s
 
 def combine_takes(x: Any, w: Any, out: Any, n_routed: int) -> bool:
     """Whether :func:`expert_gemv_combine` runs an AR step's SwiGLU down projection and combine: the
-    entries (``n_routed`` routed, then the shared expert's rows) fit the swiglu layout's warps, one
+    entries (``n_routed`` routed, then the shared expert's rows) fit COMBINE_LAYOUT's warps, one
     K segment, and :func:`expert_takes`' rules."""
-    layout = LAYOUTS["swiglu"]
-    return (0 < n_routed < out.shape[0] <= layout.warps and k_split(w.shape[2]) == 1
+    return (0 < n_routed < out.shape[0] <= COMBINE_LAYOUT.warps and k_split(w.shape[2]) == 1
             and expert_takes(x, w, out, swiglu=True))
 
 
 @functools.lru_cache(maxsize=256)
 def _combine_setup(n_cols: int, k_dim: int) -> tuple:
     """(kernel, blocks, threads, geometry) of one combine launch shape, checked once (sim.launch)."""
-    layout = LAYOUTS["swiglu"]
-    blocks = -(-n_cols // layout.columns)
-    check_launch((blocks, 1, 1), layout.warps * WARP, 0)
-    return (get_gemv_kernel("swiglu", False, layout, expert=True, combine=True), blocks, layout.warps * WARP,
-            (n_cols, k_dim, k_dim // STEP))
+    blocks = -(-n_cols // COMBINE_LAYOUT.columns)
+    check_launch((blocks, 1, 1), COMBINE_LAYOUT.warps * WARP, 0)
+    return (get_gemv_kernel("swiglu", False, COMBINE_LAYOUT, expert=True, combine=True), blocks,
+            COMBINE_LAYOUT.warps * WARP, (n_cols, k_dim, k_dim // STEP))
 
 
 def expert_gemv_combine(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, resid: Any, slot_of: Any,
@@ -538,16 +547,11 @@ def expert_gemv_combine(x: Any, w: Any, out: Any, row_offsets: Any, row_index: A
     """
     x, w, out, row_offsets, row_index, _ = check_expert_args(x, w, out, row_offsets, row_index, True)
     n_cols, k_dim = w.shape[1], w.shape[2]
-    layout = LAYOUTS["swiglu"]
-    if k_dim % STEP or data_address(w) % 16 or k_split(k_dim) != 1:
-        raise ValueError(f"w: expert_gemv_combine needs K % {STEP} == 0 in one K segment and 16-byte aligned "
-                         f"rows, got K {k_dim} ({k_split(k_dim)} segments)")
-    if not _rows_aligned(x):
-        raise ValueError("x: expert_gemv_combine needs 16-byte aligned rows")
+    _check_expert_rows(x, w, "expert_gemv_combine", one_segment=True)
     n_routed = int_arg(n_routed, "n_routed", 1, out.shape[0] - 1)
     m = out.shape[0] - n_routed
-    if out.shape[0] > layout.warps:
-        raise ValueError(f"out: expert_gemv_combine takes at most {layout.warps} entries (a warp each), "
+    if out.shape[0] > COMBINE_LAYOUT.warps:
+        raise ValueError(f"out: expert_gemv_combine takes at most {COMBINE_LAYOUT.warps} entries (a warp each), "
                          f"got {out.shape[0]}")
     shape = tuple(getattr(resid, "shape", ()))
     if len(shape) == 2 and shape != (m, n_cols):   # (the rest of resid's checks: check_combine_args)
