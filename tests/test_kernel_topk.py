@@ -6,6 +6,8 @@ values within VALUE_ATOL + VALUE_RTOL * |reference|.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -26,7 +28,8 @@ from ddtree_numba.kernels.topk import (
 )
 from reference.topk import bf16_to_float32, float32_to_bf16, topk_log_probs
 
-GOLDEN = "data/golden/topk.h5"
+# from this file, not the working directory: pytest may run from anywhere
+GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden" / "topk.h5"
 SIM_THREADS = 32  # one warp per block keeps simulated launches fast
 KIMI_VOCAB = 163840
 
