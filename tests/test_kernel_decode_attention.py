@@ -108,29 +108,24 @@ def test_decode_launches_with_short_dim_runs(config, runs):
 
 def test_decode_score_layouts_keep_the_bits(monkeypatch):
     """The score kernel's block size and dim runs in flight (DECODE_SCORE_THREADS / _BATCH), its
-    heads a block (DECODE_SCORE_HEADS), its warps' heads (DECODE_SCORE_WARP_HEADS) and the P·V
-    blocks' dims (DECODE_PV_DIMS), all layout, give the one launch's bits: a batch past the lane's
-    dims (16, 24 runs: one partial round), one that does not divide them (3), half the threads a
-    block (twice the key blocks), score blocks of 2 heads and of 1, warps of 2 heads x 8 keys and of
-    1 head x 16 keys (the block's 4 heads otherwise), P·V blocks of 4 and 8 of TWO_GROUPS' 64 latent
-    dims. The one launch reads none of them: its result is computed once and every layout's two
-    launches compared against it."""
+    heads a block (DECODE_SCORE_HEADS) and the P·V blocks' dims (DECODE_PV_DIMS), all layout, give
+    the one launch's bits: a batch past the lane's dims (16, 24 runs: one partial round), one that
+    does not divide them (3), half the threads a block (twice the key blocks), score blocks of 2
+    heads and of 1, P·V blocks of 4 and 8 of TWO_GROUPS' 64 latent dims. The one launch reads none
+    of them: its result is computed once and every layout's two launches compared against it."""
     pasts, sizes, s = [47, 3], [1, 1], 48
     inputs = _inputs(len(pasts), 4, s, TWO_GROUPS.latent_dim, TWO_GROUPS.rope_dim, False)
     out1, lse1 = _launch(TWO_GROUPS, 4, pasts, sizes, s, inputs, False)
-    for threads, batch, heads, warp_heads, pv_dims in ((256, 3, 16, 16, 64), (256, 16, 16, 16, 64),
-                                                       (128, 24, 16, 16, 64), (256, 16, 2, 16, 4), (256, 16, 1, 16, 8),
-                                                       (256, 16, 16, 2, 64), (128, 16, 16, 1, 64)):
+    for threads, batch, heads, pv_dims in ((256, 3, 16, 64), (256, 16, 16, 64), (128, 24, 16, 64), (256, 16, 2, 4),
+                                           (256, 16, 1, 8)):
         monkeypatch.setattr(va, "DECODE_SCORE_THREADS", threads)
         monkeypatch.setattr(va, "DECODE_SCORE_BATCH", batch)
         monkeypatch.setattr(va, "DECODE_SCORE_HEADS", heads)
-        monkeypatch.setattr(va, "DECODE_SCORE_WARP_HEADS", warp_heads)
         monkeypatch.setattr(va, "DECODE_PV_DIMS", pv_dims)
         sh, _, _, spd, _ = va.decode_geometry(TWO_GROUPS, 4)
         assert sh == min(heads, 4) and spd == min(pv_dims, TWO_GROUPS.latent_dim)
         out2, lse2 = _launch(TWO_GROUPS, 4, pasts, sizes, s, inputs, True)
-        assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all(), \
-            (threads, batch, heads, warp_heads, pv_dims)
+        assert _same(out2, out1) and _same(lse2, lse1) and np.isfinite(out2).all(), (threads, batch, heads, pv_dims)
 
 
 def test_decode_pass_is_layout_and_builds_its_own_kernels(monkeypatch):

@@ -323,11 +323,12 @@ def test_gpu_expert_gemv_matches_expert_linear_at_small_shapes(kind):
     assert np.isnan(got3[1]).all() and np.array_equal(ref3.view(np.uint32), got3.view(np.uint32))   # the NaN bits too
 
 
-def _counted_moe_engine(monkeypatch, names):
-    """(config, weights, calls, MoE layers) for an engine AR-step test: tiny with hidden and expert
-    widths 128 (the experts' K whole steps), gemv_takes patched off (the dense products stay in
-    linear's tile: the simulator runs gemv's 128-thread blocks slowly), and the engine's ``names``
-    wrapped to count their calls in ``calls``."""
+def test_engine_ar_step_runs_expert_gemv_with_expert_linears_bits(monkeypatch):
+    """tiny with hidden and expert widths 128 (the experts' K whole steps) as an AR step: the MoE
+    layer's two expert launches go through expert_gemv and the logits are the bits of the same
+    forward with EXPERT_ROW_PRODUCTS off (expert_linear). The dense products stay in linear's tile
+    here (gemv_takes patched off: the simulator runs gemv's 128-thread blocks slowly); a 3-row
+    forward keeps expert_linear."""
     import dataclasses
 
     import ddtree_numba.engine.model as em
@@ -335,142 +336,19 @@ def _counted_moe_engine(monkeypatch, names):
     from reference.weights import init_weights
 
     config = dataclasses.replace(ModelConfig.from_name("tiny"), hidden_size=128, moe_intermediate=128)
+    weights = init_weights(config, 0)
     monkeypatch.setattr(em, "gemv_takes", lambda *a, **k: False)
-    calls = dict.fromkeys(names, 0)
-    for name in names:
+    calls = {"expert_gemv": 0, "expert_linear": 0}
+    for name in calls:
         monkeypatch.setattr(em, name, lambda *a, _n=name, _r=getattr(em, name), **k:
                             (calls.__setitem__(_n, calls[_n] + 1), _r(*a, **k))[1])
-    return config, init_weights(config, 0), calls, config.n_layers - config.n_dense_layers
-
-
-def test_engine_ar_step_runs_expert_gemv_and_its_combine_with_expert_linears_bits(monkeypatch):
-    """tiny with hidden and expert widths 128 (the experts' K whole steps) as an AR step, three ways:
-    the MoE layer's two expert launches through expert_gemv then moe_combine (EXPERT_ROW_PRODUCTS),
-    the down projection and combine as one expert_gemv_combine launch (EXPERT_COMBINE too), and
-    both expert launches in expert_linear (EXPERT_ROW_PRODUCTS off, EXPERT_COMBINE then unused): the
-    same logits bits. The dense products stay in linear's tile here (gemv_takes patched off: the
-    simulator runs gemv's 128-thread blocks slowly); a 3-row forward keeps expert_linear."""
-    import ddtree_numba.engine.model as em
-
-    names = ("expert_gemv", "expert_linear", "expert_gemv_combine", "moe_combine")
-    config, weights, calls, n = _counted_moe_engine(monkeypatch, names)
-    want = {(True, False): (2 * n, 0, 0, n), (True, True): (n, 0, n, 0), (False, True): (0, 2 * n, 0, n)}
+    moe_layers = config.n_layers - config.n_dense_layers
     logits = {}
-    for (rows, combine), counts in want.items():
-        calls.update(dict.fromkeys(names, 0))
-        monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", rows)
-        monkeypatch.setattr(em, "EXPERT_COMBINE", combine)
-        logits[rows, combine] = _ar_step_logits(config, weights)
-        assert calls == dict(zip(names, counts)), (rows, combine, calls)
-    for got in logits.values():
-        assert np.array_equal(got.view(np.uint32), logits[True, False].view(np.uint32))
+    for on in (True, False):
+        monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", on)
+        logits[on] = _ar_step_logits(config, weights)
+        assert calls == {"expert_gemv": 2 * moe_layers, "expert_linear": 0 if on else 2 * moe_layers}, (on, calls)
+    assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
     monkeypatch.setattr(em, "EXPERT_ROW_PRODUCTS", True)   # more rows: expert_linear (the rule's first test)
     three = em.TargetModel(config, weights, batch_size=1, kv_capacity=8, max_rows=3)
     assert not three._expert_gemv_runs(None, None, None, None, None, None)
-
-
-# --- expert_gemv_combine: expert_gemv's bits, then moe_combine's, in one launch --------------------
-
-def _combine_case(experts, n, k, rows, topk, kind, rng):
-    """Inputs of an AR-step-like down projection with the shared expert folded in: SwiGLU rows
-    x [J + M, 2K] (entry j's source row is j), weights [E + 1, N, K] (expert E the shared one),
-    CSR offsets of J = M * topk routed entries over E experts then M shared, slot_of [M, topk]
-    (a row's entries, "bad": one slot outside [0, J) -> NaN), topk_w [M, topk], resid [M, N]."""
-    j = rows * topk
-    ids = np.stack([np.sort(rng.choice(experts, topk, replace=False)) for _ in range(rows)])   # [M, k]
-    order = np.lexsort((np.repeat(np.arange(rows), topk), ids.reshape(-1)))   # CSR: by expert, then row
-    counts = np.bincount(ids.reshape(-1), minlength=experts)
-    offsets = np.concatenate([[0], np.cumsum(counts), [j + rows]]).astype(np.int32)
-    slot_of = np.empty((rows, topk), np.int32)
-    slot_of.reshape(-1)[order] = np.arange(j)
-    if kind == "bad":
-        slot_of[rows - 1, 0] = j
-    values = "ties" if kind == "ties" else "random"
-    x = np.concatenate([_inputs(n, k, "swiglu", False, values, rng)[0] for _ in range(j + rows)])
-    w = np.stack([_inputs(n, k, "none", False, values, rng)[1] for _ in range(experts + 1)])
-    topk_w = rng.random((rows, topk)).astype(np.float32)
-    resid = rng.standard_normal((rows, n)).astype(np.float32)
-    return x, w, offsets, np.arange(j + rows, dtype=np.int32), slot_of, topk_w, resid
-
-
-def _combine_both(case, release_next=False, host=False):
-    """((e_out, resid) of expert_gemv then moe_combine, (e_out, resid) of expert_gemv_combine);
-    ``host``: the fused call given NumPy arrays (copied in and out by the launch)."""
-    import ddtree_numba.kernels.model_ops as mo
-    x, w, offsets, index, slot_of, topk_w, resid = case
-    j = slot_of.size
-    outs = []
-    for fused in (False, True):
-        if fused and host:
-            e_out, h_resid = np.full((len(index), w.shape[1]), 7.0, np.float32), resid.copy()
-            gv.expert_gemv_combine(x, w, e_out, offsets, index, h_resid, slot_of, topk_w, j)
-            outs.append((e_out, h_resid))
-            continue
-        e_out = cuda.to_device(np.full((len(index), w.shape[1]), 7.0, np.float32))
-        d_resid = _dev(resid)
-        args = (_dev(x), _dev(w), e_out, _dev(offsets), _dev(index))
-        if fused:
-            gv.expert_gemv_combine(*args, d_resid, _dev(slot_of), _dev(topk_w), j, release_next=release_next)
-        else:
-            gv.expert_gemv(*args, swiglu=True)
-            mo.moe_combine(d_resid, e_out[:j], _dev(slot_of), _dev(topk_w), e_out[j:], d_resid)
-        outs.append((e_out.copy_to_host(), d_resid.copy_to_host()))
-    return outs
-
-
-@pytest.mark.parametrize("experts,n,k,rows,topk,kind", [
-    (5, 12, 256, 1, 4, "random"),      # an AR step's shape: 4 routed entries and the shared one
-    (4, 7, 128, 2, 2, "ties"),         # N not a multiple of the columns, two rows (6 entries)
-    (3, 9, 128, 1, 2, "bad")])         # a slot outside the routed entries: that row's combine is NaN
-def test_expert_gemv_combine_is_expert_gemv_then_moe_combine(experts, n, k, rows, topk, kind):
-    rng = np.random.default_rng(hash((experts, n, k, rows, kind)) % 2**32)
-    case = _combine_case(experts, n, k, rows, topk, kind, rng)
-    (ref_e, ref_x), (got_e, got_x) = _combine_both(case, release_next=kind == "ties", host=kind == "random")
-    assert np.array_equal(ref_e.view(np.uint32), got_e.view(np.uint32))
-    assert np.array_equal(ref_x.view(np.uint32), got_x.view(np.uint32))
-    assert not np.array_equal(got_x, case[-1])        # the residual was updated
-    if kind == "bad":
-        assert np.isnan(got_x[-1]).all() and np.isfinite(got_x[:-1]).all()
-    else:
-        assert np.isfinite(got_x).all()
-
-
-def test_combine_takes_rule_and_bad_input_before_launch():
-    rng = np.random.default_rng(3)
-    x, w, offsets, index, slot_of, topk_w, resid = _combine_case(4, 8, 128, 1, 2, "random", rng)
-    e_out = cuda.to_device(np.full((3, 8), np.nan, np.float32))
-    d_resid = _dev(resid)
-    assert gv.combine_takes(_dev(x), _dev(w), e_out, 2)
-    assert not gv.combine_takes(_dev(x), _dev(w), e_out, 3)        # no shared row left
-    assert not gv.combine_takes(_dev(np.ones((3, 2 * 4096), np.float32)), _dev(np.ones((5, 8, 4096), np.float32)),
-                                e_out, 2)                            # K past one segment
-    nine = cuda.device_array((9, 8), np.float32)                     # more entries than warps
-    assert not gv.combine_takes(_dev(np.ones((9, 256), np.float32)), _dev(w), nine, 8)
-    args = dict(x=_dev(x), w=_dev(w), out=e_out, row_offsets=_dev(offsets), row_index=_dev(index), resid=d_resid,
-                slot_of=_dev(slot_of), topk_w=_dev(topk_w), n_routed=2)
-    for name, change, error in [
-            ("n_routed", dict(n_routed=3), ValueError),               # no shared row
-            ("n_routed", dict(n_routed=2.0), TypeError),
-            ("resid", dict(resid=_dev(np.ones((1, 7), np.float32))), ValueError),
-            ("slot_of", dict(slot_of=_dev(np.zeros((1, 3), np.int32))), ValueError),
-            ("topk_w", dict(topk_w=_dev(np.zeros((1, 2), np.float64))), TypeError),
-            ("out", dict(out=nine, x=_dev(np.ones((9, 256), np.float32)), row_index=_dev(np.arange(9, dtype=np.int32)),
-                         n_routed=8), ValueError),
-            ("w", dict(w=_dev(np.ones((5, 8, 4096), np.float32)), x=_dev(np.ones((3, 8192), np.float32))), ValueError)]:
-        with pytest.raises(error, match=rf"^{name}\b"):
-            gv.expert_gemv_combine(**dict(args, **change))
-    assert np.isnan(e_out.copy_to_host()).all() and np.array_equal(d_resid.copy_to_host(), resid)   # nothing written
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["random", "ties"])
-def test_gpu_expert_gemv_combine_at_small_shapes(kind):
-    """small's AR-step down projection (17 experts with the shared one, 4 routed entries + 1, 256 ->
-    2048) and combine on the GPU: the bits of expert_gemv then moe_combine, with and without the
-    early PDL release flag."""
-    rng = np.random.default_rng(7)
-    case = _combine_case(16, 2048, 256, 1, 4, kind, rng)
-    for release in (False, True):
-        (ref_e, ref_x), (got_e, got_x) = _combine_both(case, release_next=release)
-        assert np.array_equal(ref_e.view(np.uint32), got_e.view(np.uint32))
-        assert np.array_equal(ref_x.view(np.uint32), got_x.view(np.uint32)) and np.isfinite(got_x).all()

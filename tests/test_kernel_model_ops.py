@@ -26,12 +26,10 @@ import pytest
 from numba import cuda
 
 from ddtree_numba.config import ModelConfig
-from ddtree_numba.kernels import hints
 from ddtree_numba.kernels import model_ops as mo
 from ddtree_numba.kernels import registry
 from reference import model as rm
 from reference.weights import init_weights
-from sim.install import simulator_active
 from sim.launch import launch
 
 RTOL = 1e-5
@@ -283,39 +281,26 @@ def _rope_case(rng, m: int, h: int, nope: int, c: int, r: int):
 def test_mla_rope_kv_write_is_the_two_kernels(layout):
     """The engine's one launch: the query RoPE (in place, as the engine calls it) and the cache
     write give the bits of mla_q_rope and mla_kv_write; padding rows (cache row -1) are skipped
-    and the other cache rows left as they were. With the L2 prefetch of the rows before each
-    request's first new row (requests of 4 cache rows and 2 new rows: rows 0-2 for row 0's
-    destination 3, none for row 2's 0, rows 0-1 for row 4's 2; the simulator checks each prefetch
-    lies inside its array) the same bits again."""
+    and the other cache rows left as they were."""
     rng = np.random.default_rng(12)
     m, h, nope, c, r = 5, 3, 6, 8, 4
     case = _rope_case(rng, m, h, nope, c, r)
     cache_rows = np.array([3, -1, 0, 6, 2], np.int32)
     d_cos, d_sin, d_pos = _dev(case["cos"]), _dev(case["sin"]), _dev(case["positions"])
     results = []
-    for fused, prefetch in ((False, 0), (True, 0), (True, 4)):
+    for fused in (False, True):
         d_q = _dev(case["q"])
         latent = _dev(np.full((8, c), SENTINEL, np.float32))
         k_rope = _dev(np.full((8, r), SENTINEL, np.float32))
         kv_args = (_dev(case["kv"]), _dev(case["norm_w"]), 1e-6, d_cos, d_sin, d_pos, _dev(cache_rows), latent, k_rope)
         if fused:
-            hints.SIM_LOG = [] if simulator_active() else None
-            try:
-                mo.mla_rope_kv_write(d_q, d_q[:, :, nope:], *kv_args, layout=layout, prefetch_request_rows=prefetch,
-                                     rows_per_request=2)
-                log, hints.SIM_LOG = hints.SIM_LOG, None
-            finally:
-                hints.SIM_LOG = None
-            if log is not None:   # the lines asked for: one a row of each array (8 and 4 columns)
-                want = sorted((width, row, 0) for width in (c, r) for row in (0, 1, 2, 0, 1)) if prefetch else []
-                assert sorted(log) == want, log
+            mo.mla_rope_kv_write(d_q, d_q[:, :, nope:], *kv_args, layout=layout)
         else:
             mo.mla_q_rope(d_q, d_cos, d_sin, d_pos, d_q[:, :, nope:], layout=layout)
             mo.mla_kv_write(*kv_args, layout=layout)
         results.append([a.copy_to_host() for a in (d_q, latent, k_rope)])
-    for other in results[1:]:
-        for want, got in zip(results[0], other):
-            assert _same_bits(got, want)
+    for want, got in zip(*results):
+        assert _same_bits(got, want)
     q, latent, k_rope = results[1]
     assert np.array_equal(q[:, :, :nope], case["q"][:, :, :nope])      # the nope part untouched
     assert np.all(latent[[1, 4, 5, 7]] == SENTINEL) and np.all(k_rope[[1, 4, 5, 7]] == SENTINEL)
@@ -329,9 +314,6 @@ def test_mla_rope_kv_write_is_the_two_kernels(layout):
     ("q_out", lambda a: dict(a, q_out=np.zeros((5, 3, 2), np.float32))),   # rope width differs from k_rope's
     ("positions", lambda a: dict(a, positions=np.full(5, 40, np.int32))),
     ("cache_rows", lambda a: dict(a, cache_rows=np.array([0, 0, 1, 2, 3], np.int32))),
-    ("prefetch_request_rows", lambda a: dict(a, prefetch_request_rows=-1)),
-    ("prefetch_request_rows", lambda a: dict(a, prefetch_request_rows=9)),      # past kv_latent's 8 rows
-    ("rows_per_request", lambda a: dict(a, prefetch_request_rows=4, rows_per_request=0)),
 ])
 def test_mla_rope_kv_write_checks_before_launching(name, change):
     """Both halves' checks run before the one launch: a bad argument names itself and leaves
@@ -344,10 +326,9 @@ def test_mla_rope_kv_write_checks_before_launching(name, change):
     args = dict(q=case["q"], q_out=q_out, kv_a=case["kv"], kv_norm_weight=case["norm_w"], eps=1e-6,
                 cos=case["cos"], sin=case["sin"], positions=case["positions"],
                 cache_rows=np.array([3, -1, 0, 6, 2], np.int32), kv_latent=latent, k_rope=k_rope)
-    with pytest.raises(TypeError, match=r"^prefetch_request_rows\b"):   # a bool is not a row count
-        mo.mla_rope_kv_write(**dict(args, prefetch_request_rows=True), layout="neox")
+    args = change(args)
     with pytest.raises(ValueError, match=rf"^{name}\b"):
-        mo.mla_rope_kv_write(**change(args), layout="neox")
+        mo.mla_rope_kv_write(**args, layout="neox")
     assert np.all(q_out == SENTINEL) and np.all(latent == SENTINEL) and np.all(k_rope == SENTINEL)
 
 
@@ -990,8 +971,7 @@ def test_gpu_real_shapes(preset):
     fused_latent = cuda.device_array((2 * m, c), np.float32)
     fused_rope = cuda.device_array((2 * m, r), np.float32)
     mo.mla_rope_kv_write(_dev(q), fused_q, _dev(kv), _dev(norm_w), config.rms_norm_eps, _dev(cos), _dev(sin),
-                         _dev(positions), _dev(cache_rows), fused_latent, fused_rope, layout=config.rope_layout,
-                         prefetch_request_rows=2 * m)   # every row's rows before it asked for in L2 too
+                         _dev(positions), _dev(cache_rows), fused_latent, fused_rope, layout=config.rope_layout)
     assert _same_bits(fused_q.copy_to_host(), q_out.copy_to_host())
     assert _same_bits(fused_latent.copy_to_host()[cache_rows], latent.copy_to_host()[cache_rows])
     assert _same_bits(fused_rope.copy_to_host()[cache_rows], k_rope.copy_to_host()[cache_rows])

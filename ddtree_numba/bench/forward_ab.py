@@ -38,11 +38,7 @@ routing block writes it), ``auto-dshN`` (an AR step's score blocks of N heads,
 blocks of N latent dims, ``verify_attention.DECODE_PV_DIMS`` = N, N in 32, 128; by default 64),
 ``auto-pva1`` (its P·V blocks' scores loaded chunk by chunk and one value chunk in flight,
 ``verify_attention.DECODE_PV_AHEAD`` = 1, the layout before it; by default 2: a pass's scores at
-once, two value chunks in flight), ``auto-kvpf`` / ``auto-nokvpf`` (the fused RoPE launch asks L2 for the
-cache rows the attention reads next, ``engine.model.KV_PREFETCH_L2`` on / off), ``auto-dswhN`` (an AR step's score
-warps of N heads x 16 / N keys (k_groups 2, as small's), ``verify_attention.DECODE_SCORE_WARP_HEADS`` = N,
-N in 4, 8; by default 16: a warp's heads x one key), ``auto-excomb`` / ``auto-noexcomb`` (an AR step's MoE down projection and
-combine in one launch, ``engine.model.EXPERT_COMBINE`` on / off), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
+once, two value chunks in flight), ``auto-dsbN`` (an AR step's attention scores with N dim runs of q and k
 loaded a lane before their fmas, ``verify_attention.DECODE_SCORE_BATCH`` = N, N in 8, 24; by
 default 16), ``auto-dst128`` / ``auto-dst128b8`` (score blocks of 128 threads, twice the blocks,
 ``verify_attention.DECODE_SCORE_THREADS``; the latter with 8 runs), ``auto-onelaunch`` (an AR step's attention in the
@@ -130,7 +126,7 @@ import numpy as np
 
 REPS = 40
 TILE_VARIANTS = ("auto", "auto-skip", "auto-noskip", "auto-pf", "auto-pfs", "auto-merge", "auto-unfused",
-                 "auto-normroute", "auto-route1", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-kvpf", "auto-nokvpf", "auto-dswh4", "auto-dswh8", "auto-excomb", "auto-noexcomb", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
+                 "auto-normroute", "auto-route1", "auto-unfold", "auto-bound", "auto-entrytile", "auto-unfold-bound", "auto-nogemv", "auto-noexgemv", "auto-dot24", "auto-dot32", "auto-csr2", "auto-dsh8", "auto-dsh32", "auto-pvd32", "auto-pvd128", "auto-pva1", "auto-dsb8", "auto-dsb24", "auto-dst128", "auto-dst128b8", "auto-onelaunch", "auto-treeone", "auto-tree", "auto-tsk16", "auto-tsk64", "auto-tsr32", "auto-tsr128", "auto-tph16", "auto-tph64", "auto-tpvd64", "auto-tpvd256", "auto-tpass64", "auto-occ3", "64",
                  "h8")   # and sfHxK, sfHxK+
 # Variants that time the routing of a block per row (engine.model.ROUTE_BY_EXPERT off: numerics of
 # their own, compared with their own first logits): auto-route1 itself, and the row layout's knobs.
@@ -229,9 +225,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
     score_batch, score_threads = va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS
     score_heads, pv_dims, pv_ahead = va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS, va.DECODE_PV_AHEAD
     release_early = em.PDL_RELEASE_EARLY
-    kv_prefetch = em.KV_PREFETCH_L2
-    expert_combine = em.EXPERT_COMBINE
-    warp_heads = va.DECODE_SCORE_WARP_HEADS
     decode_split = va.DECODE_SPLIT
     tree = (va.TREE_SPLIT, va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS, va.TREE_PV_HEADS, va.TREE_PV_DIMS, va.TREE_PASS)
     occupancy = em.FEW_NODES_MIN_BLOCKS
@@ -253,14 +246,12 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             em.ATTENTION_PREFETCH_CHUNKS = va.SEGMENT_PREFETCH_CHUNKS if tile == "auto-pfs" else 1
             va.MERGE_FREE_SHORT_CACHES = merge_free and tile not in ("auto-merge", "auto-unfused")
             em.FUSED_ROPE_KV_WRITE = fused[0] and tile != "auto-unfused"
-            em.KV_PREFETCH_L2 = tile == "auto-kvpf" or (kv_prefetch and tile != "auto-nokvpf")
             em.FUSED_MOE_NORM = tile == "auto-normroute" or (fused[1] and tile != "auto-unfused")
             em.FOLD_SHARED_EXPERT = fold and tile not in ("auto-unfold", "auto-unfold-bound")
             lin.EXPERT_TYPICAL_WAVES = typical_waves and tile not in ("auto-bound", "auto-unfold-bound")   # read per call
             em.EXPERT_TILE_BY_ROWS = tile_by_rows and tile not in ("auto-entrytile", "auto-unfold-bound")
             em.ROW_PRODUCTS = row_products and tile != "auto-nogemv"
             em.EXPERT_ROW_PRODUCTS = expert_rows and tile != "auto-noexgemv"
-            em.EXPERT_COMBINE = tile == "auto-excomb" or (expert_combine and tile != "auto-noexcomb")
             mo.DOT_LOADS = int(tile[len("auto-dot"):]) if tile.startswith("auto-dot") else dot_loads
             mo.ROUTE_CSR_INLINE = csr_inline and tile != "auto-csr2"
             em.ROUTE_BY_EXPERT = route_by_expert and tile not in ROW_ROUTING   # numerics: its own first logits
@@ -269,7 +260,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
             va.DECODE_SCORE_HEADS = int(tile[len("auto-dsh"):]) if tile.startswith("auto-dsh") else score_heads
             va.DECODE_PV_DIMS = int(tile[len("auto-pvd"):]) if tile.startswith("auto-pvd") else pv_dims
             va.DECODE_PV_AHEAD = 1 if tile == "auto-pva1" else pv_ahead
-            va.DECODE_SCORE_WARP_HEADS = int(tile[len("auto-dswh"):]) if tile.startswith("auto-dswh") else warp_heads
             em.PDL_RELEASE_EARLY = variant.pdl and not variant.exit_release   # /pdl early; /pdlx, no PDL: off
             va.DECODE_SPLIT = decode_split and tile != "auto-onelaunch"
             knob = lambda prefix, default: int(tile[len(prefix):]) if tile.startswith(prefix) else default  # noqa: E731
@@ -379,9 +369,6 @@ def time_variants(preset: str, past: int, row_counts: list[int], variants: list[
         va.DECODE_SCORE_BATCH, va.DECODE_SCORE_THREADS = score_batch, score_threads
         va.DECODE_SCORE_HEADS, va.DECODE_PV_DIMS, va.DECODE_PV_AHEAD = score_heads, pv_dims, pv_ahead
         em.PDL_RELEASE_EARLY = release_early
-        em.KV_PREFETCH_L2 = kv_prefetch
-        em.EXPERT_COMBINE = expert_combine
-        va.DECODE_SCORE_WARP_HEADS = warp_heads
         va.DECODE_SPLIT = decode_split
         (va.TREE_SPLIT, va.TREE_SCORE_KEYS, va.TREE_SCORE_ROWS, va.TREE_PV_HEADS, va.TREE_PV_DIMS,
          va.TREE_PASS) = tree

@@ -51,7 +51,7 @@ from ddtree_numba.kernels import verify_attention as va
 from ddtree_numba.kernels.absorb import absorb, reads_weights_first as absorb_reads_weights_first, \
     supported as absorb_supported
 from ddtree_numba.kernels._args import check_array, int_arg
-from ddtree_numba.kernels.gemv import combine_takes, expert_gemv, expert_gemv_combine, expert_takes, gemv, takes as gemv_takes
+from ddtree_numba.kernels.gemv import expert_gemv, expert_takes, gemv, takes as gemv_takes
 from ddtree_numba.kernels.linear import (expert_linear, head_linear, linear, linear_split_k, serial_plan,
                                          split_k_pays, split_k_segments, swiglu_rows)
 from ddtree_numba.kernels.linear_tc import allocate_placeholders, linear_tc, partials_shape
@@ -142,12 +142,6 @@ SEGMENT_ABSORBS = True
 # the row layout's routing only (ROUTE_BY_EXPERT off); the expert grid always normalises in its launch.
 FUSED_ROPE_KV_WRITE = True
 FUSED_MOE_NORM = False
-# The fused RoPE launch asks L2 for the cache rows the attention reads two launches on (model_ops
-# .mla_rope_kv_write's prefetch_request_rows): a hint, not numerics (the same bits on or off). Why:
-# by an AR step's attention the whole forward's weights (1.46 GB) have passed through the 50 MB L2
-# since the last step read those rows, so each of the one-node scores' dependent load rounds waits
-# on HBM; the q absorb's launch between them leaves the requests time to land.
-KV_PREFETCH_L2 = False
 # The MoE layer's RMSNorm, gate, selection (and at one row its CSR) in one launch of a block per
 # (expert, row) (model_ops.moe_route given logits and counts: each block reads one gate row and
 # the row's last block selects), instead of an RMSNorm launch (one warp) and a routing launch of
@@ -199,12 +193,6 @@ PDL_RELEASE_EARLY = False
 # passes, us an AR forward: 973.9 / 974.0 against 1004.3 / 1006.7 off (call 2, f2a4f51), 970.8 /
 # 969.0 against 993.0 / 993.4 (call 3, 5937ead); the 33-row forward does not run it.
 EXPERT_ROW_PRODUCTS = True
-# With EXPERT_ROW_PRODUCTS and the shared expert folded, an AR step's down projection and the MoE
-# combine in one launch (kernels.gemv.expert_gemv_combine: a block's warps are the entries, all on
-# its columns, then its first threads combine them into x): one launch fewer a MoE layer. The same
-# bits (the combine kernel's element function); layout, not numerics (bench.forward_ab's
-# ``auto-excomb`` / ``auto-noexcomb``).
-EXPERT_COMBINE = False
 
 
 class ForwardOut(NamedTuple):
@@ -847,9 +835,7 @@ class TargetModel:
         if FUSED_ROPE_KV_WRITE:  # q's RoPE [M, H, R] and the new cache rows in one launch
             mla_rope_kv_write(b.q, v.q_rope, v.a_kv, w.kv_norm, eps, self.rope_cos, self.rope_sin,
                               b.row_positions, b.cache_rows, latent_rows, rope_rows, layout=c.rope_layout,
-                              stream=stream, release_next=self._release_before_absorb(v.q_nope, uk_kn),
-                              prefetch_request_rows=self.kv_capacity if KV_PREFETCH_L2 else 0,
-                              rows_per_request=self.max_rows)
+                              stream=stream, release_next=self._release_before_absorb(v.q_nope, uk_kn))
         else:
             mla_q_rope(b.q, self.rope_cos, self.rope_sin, b.row_positions, v.q_rope, layout=c.rope_layout,
                        stream=stream)  # [M, H, R]
@@ -906,12 +892,6 @@ class TargetModel:
         w13, w2 = (f.w13_all, f.w2_all) if self._fold_shared else (f.w13, f.w2)
         if self._expert_gemv_runs(b.xn, w13, b.e13, b.e13, w2, b.e_out):  # an AR step: a block row an entry
             expert_gemv(b.xn, w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [Jx, 2I]
-            j = v.routed_out.shape[0]   # routed entries (e_out[:J]; the shared expert's rows after them)
-            if EXPERT_COMBINE and self._fold_shared and combine_takes(b.e13, w2, b.e_out, j):
-                # [Jx, D], then x += the combine [M, D]: one launch
-                expert_gemv_combine(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, b.x, b.slot_of, b.topk_w, j,
-                                    stream=stream, release_next=release_next)
-                return
             expert_gemv(b.e13, w2, b.e_out, b.row_offsets, b.entry_index, swiglu=True, stream=stream)  # [Jx, D]
         else:
             expert_linear(b.xn, w13, b.e13, b.row_offsets, b.row_index, stream=stream)  # [Jx, 2I]

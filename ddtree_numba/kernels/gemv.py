@@ -39,10 +39,7 @@ MoE experts (:func:`expert_gemv`): ``expert_linear``'s grouped products for a fe
 step's k + 1 at batch 1, the shared expert folded in), a block row (grid y) per entry: the block
 finds its entry's expert in the offsets after its PDL wait, then runs the same warp code on that
 expert's weights and the entry's source row, so each entry gets linear's row, the bits of
-``expert_linear`` (``engine.model.EXPERT_ROW_PRODUCTS``). :func:`expert_gemv_combine` runs the SwiGLU
-down projection with the MoE combine: a block's warps are the entries (at most its 8), all on the
-block's columns, then its first threads add those columns into the residual stream with the combine
-kernel's element function, the bits of ``expert_gemv`` then ``moe_combine`` (``engine.model.EXPERT_COMBINE``).
+``expert_linear`` (``engine.model.EXPERT_ROW_PRODUCTS``).
 """
 from __future__ import annotations
 
@@ -55,17 +52,16 @@ from numba import cuda, float32, int32, int64
 
 from sim.launch import check_launch, launch_bounds
 
-from ._args import data_address, int_arg
+from ._args import data_address
 from .linear import (ONE, STEP, VEC, WARP, ZERO, _kernel_weight, _row_inv_rms, _rows_aligned, _silu_mul, _stream,
                      check_linear_args, k_split, load_f32x4, load_x4, warp_place)
 from .linear import _norm_sig, check_expert_args
-from .model_ops import check_combine_args, make_combine_element
 from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
 from .warp import warp_sum_f32
 
 __all__ = ["GemvLayout", "LAYOUTS", "MAX_WEIGHT_BYTES", "MAX_EXPERT_ENTRIES", "supported", "takes", "plan_gemv", "gemv",
-           "get_gemv_kernel", "expert_takes", "expert_gemv", "COMBINE_LAYOUT", "combine_takes", "expert_gemv_combine"]
+           "get_gemv_kernel", "expert_takes", "expert_gemv"]
 
 
 @dataclass(frozen=True)
@@ -90,8 +86,6 @@ class GemvLayout:
 LAYOUTS = {"narrow": GemvLayout(columns=2, unroll=4, warps=4, min_blocks=4),
            "swiglu": GemvLayout(columns=4, unroll=4, warps=8, min_blocks=2)}
 MAX_WEIGHT_BYTES = 80 * 1024 * 1024
-# expert_gemv_combine's layout: expert_gemv's SwiGLU one, its warps the entries a block holds
-COMBINE_LAYOUT = LAYOUTS["swiglu"]
 # expert_gemv's grid has a block row per CSR entry (grid y): it is for the few entries of an AR
 # step (k + 1 at batch 1 with the shared expert folded in); past this many, expert_linear's tiles
 # read each expert's weights once for all its entries.
@@ -123,21 +117,18 @@ def plan_gemv(prologue: str, n_cols: int, k_dim: int) -> GemvLayout | None:
 
 
 @functools.cache
-def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS["narrow"], expert: bool = False,
-                    combine: bool = False) -> Any:
+def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS["narrow"], expert: bool = False) -> Any:
     """The kernel for one prologue ("none", "rmsnorm", "swiglu"), residual epilogue and layout;
-    ``expert``: :func:`expert_gemv`'s (prologue none or swiglu, no residual); ``combine`` (with
-    ``expert``): :func:`expert_gemv_combine`'s."""
+    ``expert``: :func:`expert_gemv`'s (prologue none or swiglu, no residual)."""
     if prologue not in ("none", "rmsnorm", "swiglu") or not isinstance(layout, GemvLayout) or \
-            (expert and (prologue == "rmsnorm" or residual)) or (combine and not expert):
+            (expert and (prologue == "rmsnorm" or residual)):
         raise ValueError(f"no gemv kernel for prologue={prologue!r}, residual={residual!r}, layout={layout!r}, "
-                         f"expert={expert!r}, combine={combine!r}")
+                         f"expert={expert!r}")
     columns, unroll, warps, min_blocks = layout.columns, layout.unroll, layout.warps, layout.min_blocks
     RMS = prologue == "rmsnorm"
     SWIGLU = prologue == "swiglu"
     RESIDUAL = residual
     EXPERT = expert
-    COMBINE = combine           # every warp on the block's CW columns, an entry a warp
     NAN = float32(np.nan)
     U = unroll
     CW = columns
@@ -193,10 +184,7 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         n): the warp's place, its first column, its steps and the round's. Reads only weights (no kernel of a step writes them: pdl's
         WEIGHTS_BEFORE_WAIT), so the dense kernel calls it before its PDL wait."""
         lane, warp, seg, group, groups_per_block = warp_place(k_split_)
-        if COMBINE:   # compile-time: the block's warps are its entries, all on the same columns
-            col0 = cuda.blockIdx.x * CW
-        else:
-            col0 = (cuda.blockIdx.x * groups_per_block + group) * CW
+        col0 = (cuda.blockIdx.x * groups_per_block + group) * CW
         total_steps = k_dim // STEP
         j = min(seg * seg_steps, total_steps)
         j_end = min(j + seg_steps, total_steps)
@@ -267,52 +255,6 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
                    lane, warp, seg, col0, j, j_end, n, comb, False)
         return kernel
 
-    @cuda.jit(device=True, inline="always")
-    def entry_expert(row_offsets, entry, n_entries):
-        """The first expert whose offsets hold ``entry`` (offsets clamped to [0, n_entries]), -1 if
-        none: block-uniform in expert_kernel, warp-uniform in combine_kernel."""
-        expert = -1
-        lo = min(max(row_offsets[0], 0), n_entries)
-        for e in range(row_offsets.shape[0] - 1):
-            hi = min(max(row_offsets[e + 1], 0), n_entries)
-            if expert < 0 and lo <= entry and entry < hi:
-                expert = e
-            lo = hi
-        return expert
-
-    if COMBINE:
-        combine_element = make_combine_element(True)
-
-        @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
-        def combine_kernel(x, w, out, row_offsets, row_index, resid, slot_of, topk_w, n_routed, n_cols, k_dim,
-                           seg_steps, release_next):
-            """expert_kernel's products with warp j as CSR entry j (every warp on the block's CW
-            columns; K in one segment: no barrier inside finish), then the MoE combine of those
-            columns: resid[m, d] = moe_combine's element (routed_out = out[:n_routed], shared_out =
-            out[n_routed:], sliced here so that one array argument holds them). release_next: as the
-            dense kernel's."""
-            comb = cuda.shared.array(COMB, float32)
-            pdl_begin_early(release_next)  # PDL: wait for the gate | up (and the routing); release the next?
-            wv = cuda.local.array((U, CW, VEC), float32)
-            acc = cuda.local.array(CW, float32)
-            wbase = cuda.local.array(CW, int64)
-            entry = cuda.threadIdx.x // WARP
-            expert = entry_expert(row_offsets, entry, out.shape[0])
-            if expert >= 0:   # warp-uniform
-                src = row_index[entry]
-                bad = src < 0 or src >= x.shape[0]
-                lane, warp, seg, col0, j, j_end, n = first_round(w, expert * n_cols, n_cols, k_dim, 1, seg_steps,
-                                                                 wv, acc, wbase)
-                finish(x, 0 if bad else src, w, out, entry, out, x, ONE, n_cols, k_dim, 1, wv, acc, wbase,
-                       lane, warp, seg, col0, j, j_end, n, comb, bad)
-            cuda.syncthreads()  # every entry's columns are in out (a block's global writes, visible to it)
-            t = cuda.threadIdx.x
-            m = t // CW            # M * CW <= 7 * 4 threads (at most warps entries, one per shared row)
-            d = cuda.blockIdx.x * CW + t % CW
-            if m < resid.shape[0] and d < n_cols:
-                resid[m, d] = combine_element(resid, out[:n_routed], slot_of, topk_w, out[n_routed:], m, d)
-        return combine_kernel
-
     @cuda.jit(**launch_bounds(warps * WARP, min_blocks))
     def expert_kernel(x, w, out, row_offsets, row_index, n_cols, k_dim, k_split_, seg_steps):
         """out[j] = prologue(x[row_index[j]]) @ w[e].T for CSR entry j = blockIdx.y of expert e
@@ -324,7 +266,14 @@ def get_gemv_kernel(prologue: str, residual: bool, layout: GemvLayout = LAYOUTS[
         acc = cuda.local.array(CW, float32)
         wbase = cuda.local.array(CW, int64)
         entry = cuda.blockIdx.y
-        expert = entry_expert(row_offsets, entry, out.shape[0])   # block-uniform
+        n_entries = out.shape[0]
+        expert = -1
+        lo = min(max(row_offsets[0], 0), n_entries)
+        for e in range(row_offsets.shape[0] - 1):   # block-uniform: the first expert holding it
+            hi = min(max(row_offsets[e + 1], 0), n_entries)
+            if expert < 0 and lo <= entry and entry < hi:
+                expert = e
+            lo = hi
         if expert < 0:   # past the routed entries: the whole block leaves together
             return
         src = row_index[entry]
@@ -353,11 +302,6 @@ def _register_all() -> None:
 
 
     x2, i1 = float32[:, :], int32[::1]
-    # (x, w, out, row_offsets, row_index, resid, slot_of, topk_w, n_routed, n_cols, k_dim, seg_steps, release_next)
-    sig = (x2, float32[:, :, ::1], x2, i1, i1, x2, int32[:, ::1], float32[:, ::1], int32, int32, int32, int32, int32)
-    register("expert_gemv_combine", get_gemv_kernel("swiglu", False, COMBINE_LAYOUT, expert=True, combine=True),
-             (sig,), "an AR step's MoE down projection, an entry a warp, with the combine of its columns (the bits "
-             "of expert_gemv then moe_combine), layout swiglu", block_threads=COMBINE_LAYOUT.warps * WARP)
     for prologue in ("none", "swiglu"):
         name = "swiglu" if prologue == "swiglu" else "narrow"
         layout = LAYOUTS[name]
@@ -428,19 +372,6 @@ def gemv(x: Any, w: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6
 
 # --- MoE experts: a block row per CSR entry --------------------------------------------------------
 
-def _check_expert_rows(x: Any, w: Any, fn: str, one_segment: bool = False) -> None:
-    """ValueError naming ``w`` unless K is whole 128-value steps (in one K segment where
-    ``one_segment``) on 16-byte aligned weight rows, or ``x`` unless its rows are 16-byte aligned:
-    what the expert kernels' 16-byte loads need (``fn`` names the caller in the message)."""
-    k_dim = w.shape[2]
-    if k_dim % STEP or data_address(w) % 16 or (one_segment and k_split(k_dim) != 1):
-        segment = " in one K segment" if one_segment else ""
-        raise ValueError(f"w: {fn} needs K % {STEP} == 0{segment} and 16-byte aligned rows, got K {k_dim}"
-                         + (f" ({k_split(k_dim)} segments)" if one_segment else ""))
-    if not _rows_aligned(x):
-        raise ValueError(f"x: {fn} needs 16-byte aligned rows")
-
-
 def expert_takes(x: Any, w: Any, out: Any, *, swiglu: bool = False) -> bool:
     """Whether :func:`expert_gemv` runs this grouped product (the engine's rule for an AR step's
     expert launches): at most MAX_EXPERT_ENTRIES entries, whole 128-value steps, 16-byte rows, and
@@ -485,7 +416,10 @@ def expert_gemv(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *, s
     if entries > MAX_EXPERT_ENTRIES:
         raise ValueError(f"out: expert_gemv takes at most {MAX_EXPERT_ENTRIES} entries, got {entries} "
                          f"(use expert_linear)")
-    _check_expert_rows(x, w, "expert_gemv")
+    if k_dim % STEP or data_address(w) % 16:
+        raise ValueError(f"w: expert_gemv needs K % {STEP} == 0 and 16-byte aligned rows, got K {k_dim}")
+    if not _rows_aligned(x):
+        raise ValueError("x: expert_gemv needs 16-byte aligned rows")
     if layout is None:
         layout = LAYOUTS["swiglu" if swiglu else "narrow"]
     if not isinstance(layout, GemvLayout):
@@ -496,76 +430,4 @@ def expert_gemv(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, *, s
         return out
     kernel, grid, threads, geometry = _expert_setup(prologue, n_cols, k_dim, entries, layout)
     kernel[grid, threads, _stream(stream), 0](x, _kernel_weight(w), out, row_offsets, row_index, *geometry)
-    return out
-
-
-# --- MoE down projection and combine in one launch (an AR step) ------------------------------------
-
-def combine_takes(x: Any, w: Any, out: Any, n_routed: int) -> bool:
-    """Whether :func:`expert_gemv_combine` runs an AR step's SwiGLU down projection and combine: the
-    entries (``n_routed`` routed, then the shared expert's rows) fit COMBINE_LAYOUT's warps, one
-    K segment, and :func:`expert_takes`' rules."""
-    return (0 < n_routed < out.shape[0] <= COMBINE_LAYOUT.warps and k_split(w.shape[2]) == 1
-            and expert_takes(x, w, out, swiglu=True))
-
-
-@functools.lru_cache(maxsize=256)
-def _combine_setup(n_cols: int, k_dim: int) -> tuple:
-    """(kernel, blocks, threads, geometry) of one combine launch shape, checked once (sim.launch)."""
-    blocks = -(-n_cols // COMBINE_LAYOUT.columns)
-    check_launch((blocks, 1, 1), COMBINE_LAYOUT.warps * WARP, 0)
-    return (get_gemv_kernel("swiglu", False, COMBINE_LAYOUT, expert=True, combine=True), blocks,
-            COMBINE_LAYOUT.warps * WARP, (n_cols, k_dim, k_dim // STEP))
-
-
-def expert_gemv_combine(x: Any, w: Any, out: Any, row_offsets: Any, row_index: Any, resid: Any, slot_of: Any,
-                        topk_w: Any, n_routed: int, *, stream: Any = 0, release_next: bool = False) -> Any:
-    """``expert_gemv(x, w, out, row_offsets, row_index, swiglu=True)`` then ``moe_combine(resid,
-    out[:n_routed], slot_of, topk_w, out[n_routed:], resid)`` in one launch, the same bits: an AR
-    step's down projection with the shared expert folded in (entries ``[n_routed, n_routed + M)``
-    its rows) and the MoE combine into the residual stream.
-
-    A block owns ``columns`` output columns of every entry: warp j is entry j (expert_gemv's warp
-    code on that expert's weights; warps past the entries idle), and after a barrier its first
-    threads combine those columns of each row (model_ops' combine element, the combine kernel's
-    arithmetic). So one launch fewer a MoE layer, and every entry's weights stream from many blocks
-    as in expert_gemv.
-
-    Args:
-        x, w, out, row_offsets, row_index: as :func:`expert_gemv`'s with ``swiglu``; ``out`` also
-            read back for the combine.
-        resid: float32 [M, D], unit inner stride: the residual stream, updated in place.
-        slot_of, topk_w: as :func:`.model_ops.moe_combine`'s ([M, k]: entries of ``out[:n_routed]``).
-        n_routed: the routed entries, M * k.
-        stream: launch stream; release_next: as :func:`gemv`'s (the next layer's w_a gemv).
-
-    Raises:
-        TypeError / ValueError naming the argument, before any launch (expert_gemv's checks; ``out``:
-        more entries than the layout's warps; ``n_routed``: not in [1, J); ``resid``: not [J - n_routed,
-        N]; ``slot_of``: not n_routed slots; ``w``: K past one segment; ``slot_of`` / ``topk_w``: as
-        moe_combine's).
-    """
-    x, w, out, row_offsets, row_index, _ = check_expert_args(x, w, out, row_offsets, row_index, True)
-    n_cols, k_dim = w.shape[1], w.shape[2]
-    _check_expert_rows(x, w, "expert_gemv_combine", one_segment=True)
-    n_routed = int_arg(n_routed, "n_routed", 1, out.shape[0] - 1)
-    m = out.shape[0] - n_routed
-    if out.shape[0] > COMBINE_LAYOUT.warps:
-        raise ValueError(f"out: expert_gemv_combine takes at most {COMBINE_LAYOUT.warps} entries (a warp each), "
-                         f"got {out.shape[0]}")
-    shape = tuple(getattr(resid, "shape", ()))
-    if len(shape) == 2 and shape != (m, n_cols):   # (the rest of resid's checks: check_combine_args)
-        raise ValueError(f"resid must have shape ({m}, {n_cols}) (out's M = {m} shared rows, w's columns), "
-                         f"got {shape}")
-    slots = tuple(getattr(slot_of, "shape", ()))
-    if len(slots) == 2 and slots[0] * slots[1] != n_routed:
-        raise ValueError(f"slot_of must hold n_routed = {n_routed} slots (M x k), got shape {slots}")
-    resid, _, slot_of, topk_w, _, _ = check_combine_args(
-        resid, out[:n_routed], slot_of, topk_w, out[n_routed:], resid, names=("resid", "out", "out", "resid"))
-    if x.shape[0] == 0:   # as expert_gemv: nothing to read, nothing written
-        return out
-    kernel, blocks, threads, geometry = _combine_setup(n_cols, k_dim)
-    kernel[blocks, threads, _stream(stream), 0](x, _kernel_weight(w), out, row_offsets, row_index, resid,
-                                                slot_of, topk_w, np.int32(n_routed), *geometry,
-                                                np.int32(1 if release_next else 0))
     return out

@@ -59,8 +59,7 @@ from sim.install import simulator_active
 from sim.launch import launch, launch_bounds
 from sim.profiles import active_profile
 
-from ._args import as_kernel_array, check_array, check_shape, host_values, int_arg
-from .hints import prefetch_l2_2d
+from ._args import as_kernel_array, check_array, check_shape, host_values
 from .pdl import pdl_begin, pdl_begin_early
 from .registry import register
 from .warp import warp_inclusive_scan_i32, warp_sum_f32
@@ -76,7 +75,6 @@ FULL_MASK = 0xFFFFFFFF
 ROW_WARPS = 4  # warp-per-row kernels: rows per block
 ROW_THREADS = ROW_WARPS * WARP_SIZE
 ELEM_THREADS = 128  # element-parallel kernels: elements (or RoPE pairs) per block
-CACHE_LINE_FLOATS = 32  # float32 values of a 128-byte cache line (the L2 prefetch's unit)
 SIM_THREADS = WARP_SIZE  # every launch under the simulator: one block of one warp
 # Loads in flight per lane ahead of the arithmetic on them (the last, partial batch guarded): a
 # warp-per-row RMSNorm of D 2048 is 64 values a lane, so 8 a round was 8 round trips to L2 before
@@ -382,42 +380,15 @@ def mla_q_rope_kernel(q, cos, sin, positions, out, layout):
     _q_rope_pairs(q, cos, sin, positions, out, layout, cuda.blockIdx.x, cuda.gridDim.x)
 
 
-@cuda.jit(device=True, inline="always")
-def _prefetch_cached_rows(cache_rows, kv_latent, k_rope, request_rows, rows_per_request):
-    """``prefetch.L2`` of every line of the cache rows each request holds before its first new row
-    (rows ``[b * S, cache_rows[b * Tc])``, S = ``request_rows``, Tc = ``rows_per_request``: the
-    rows its attention reads next), spread over all threads of the grid. Writes nothing."""
-    latent_lines = (kv_latent.shape[1] + CACHE_LINE_FLOATS - 1) // CACHE_LINE_FLOATS
-    lines = latent_lines + (k_rope.shape[1] + CACHE_LINE_FLOATS - 1) // CACHE_LINE_FLOATS
-    tid = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    threads = cuda.gridDim.x * cuda.blockDim.x
-    for m in range(0, cache_rows.shape[0], rows_per_request):
-        dst = cache_rows[m]
-        if dst < 0 or dst >= kv_latent.shape[0] or dst >= k_rope.shape[0]:   # padding, or no such row
-            continue
-        base = dst - dst % request_rows
-        for idx in range(tid, (dst - base) * lines, threads):
-            row = base + idx // lines
-            part = idx % lines
-            if part < latent_lines:
-                prefetch_l2_2d(kv_latent, row, min(part * CACHE_LINE_FLOATS, kv_latent.shape[1] - 1))
-            else:
-                prefetch_l2_2d(k_rope, row, min((part - latent_lines) * CACHE_LINE_FLOATS, k_rope.shape[1] - 1))
-
-
 @cuda.jit
 def mla_rope_kv_write_kernel(q, q_out, q_blocks, kv_a, norm_weight, eps, cos, sin, positions,
-                             cache_rows, kv_latent, k_rope, layout, release_next, request_rows, rows_per_request):
+                             cache_rows, kv_latent, k_rope, layout, release_next):
     """:func:`mla_q_rope_kernel` on blocks ``[0, q_blocks)`` and :func:`mla_kv_write_kernel` on
     the others, in one launch: an MLA layer's two RoPE steps run side by side (the same loops
     per element and per row, so the same bits). Arguments as those two kernels'; release_next: 1
-    where the next kernel reads weights before its PDL wait (an AR step's split q absorb);
-    request_rows > 0: first ask L2 for the cache rows the attention reads next
-    (:func:`_prefetch_cached_rows`; 0: none)."""
+    where the next kernel reads weights before its PDL wait (an AR step's split q absorb)."""
     s_part = cuda.shared.array(ROW_THREADS, float32)  # the kv rows: one partial sum per lane
     pdl_begin_early(release_next)  # PDL: wait for the previous kernel; release the next one now?
-    if request_rows > 0:   # the requests go out first: they have the q absorb's launch to land
-        _prefetch_cached_rows(cache_rows, kv_latent, k_rope, request_rows, rows_per_request)
     if cuda.blockIdx.x < q_blocks:  # block-uniform
         _q_rope_pairs(q, cos, sin, positions, q_out, layout, cuda.blockIdx.x, q_blocks)
     else:
@@ -859,33 +830,9 @@ def moe_csr_kernel(topk_ids, row_offsets, row_index, slot_of):
 
 
 @functools.lru_cache(maxsize=None)
-def make_combine_element(shared: bool) -> Any:
-    """The combine of one element, a device function: ``x[m, d] + (Σ_s topk_w[m, s] ·
-    expert_out[slot_of[m, s], d] + shared_out[m, d])``, s ascending (= ascending expert id), a slot
-    outside [0, M·k) giving NaN; ``shared`` compile-time (else shared_out is not read). The combine
-    kernel and gemv's expert-combine kernel both run it, so they give the same bits."""
-    @cuda.jit(device=True, inline="always")
-    def combine_element(x, expert_out, slot_of, topk_w, shared_out, m, d):
-        acc = float32(0.0)
-        for s in range(slot_of.shape[1]):
-            j = slot_of[m, s]
-            if j >= 0 and j < expert_out.shape[0]:
-                acc += topk_w[m, s] * expert_out[j, d]
-            else:
-                acc = NAN_F32
-        if shared:  # compile-time
-            acc = acc + shared_out[m, d]
-        return x[m, d] + acc
-
-    return combine_element
-
-
-@functools.lru_cache(maxsize=None)
 def moe_combine_kernel(shared: bool) -> Any:
     """The combine kernel with (``shared``) or without a shared expert's rows: a compile-time flag,
     the absent array a float32 placeholder (no None argument reaches a GPU launch)."""
-    combine_element = make_combine_element(shared)
-
     @cuda.jit
     def moe_combine_kernel(x, expert_out, slot_of, topk_w, shared_out, out, release_next):
         """out[m, d] = x[m, d] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s], d] + shared_out[m, d]).
@@ -900,7 +847,16 @@ def moe_combine_kernel(shared: bool) -> Any:
                          cuda.gridDim.x * cuda.blockDim.x):
             m = idx // dim
             d = idx - m * dim
-            out[m, d] = combine_element(x, expert_out, slot_of, topk_w, shared_out, m, d)
+            acc = float32(0.0)
+            for s in range(slot_of.shape[1]):
+                j = slot_of[m, s]
+                if j >= 0 and j < expert_out.shape[0]:
+                    acc += topk_w[m, s] * expert_out[j, d]
+                else:
+                    acc = NAN_F32
+            if shared:  # compile-time
+                acc = acc + shared_out[m, d]
+            out[m, d] = x[m, d] + acc
 
     return moe_combine_kernel
 
@@ -924,7 +880,7 @@ register("mla_kv_write", mla_kv_write_kernel,
 register("mla_q_rope", mla_q_rope_kernel, ((_F3A, _F2C, _F2C, _I1, _F3A, int32),),
          "RoPE of the query rope part of every head, one thread per pair", block_threads=ELEM_THREADS)
 register("mla_rope_kv_write", mla_rope_kv_write_kernel,
-         ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32, int32, int32, int32),),
+         ((_F3A, _F3A, int32, _F2A, _F1, float32, _F2C, _F2C, _I1, _I1, _F2A, _F2A, int32, int32),),
          "the query RoPE and the kv cache write in one launch (the engine's)", block_threads=ELEM_THREADS)
 for _norm, _csr in ((False, False), (True, False), (False, True), (True, True)):
     for _biased in (True, False):
@@ -1211,8 +1167,7 @@ def mla_q_rope(q: Any, cos: Any, sin: Any, positions: Any, out: Any, *, layout: 
 
 def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: float, cos: Any, sin: Any,
                       positions: Any, cache_rows: Any, kv_latent: Any, k_rope: Any, *, layout: str,
-                      stream: Any = 0, release_next: bool = False, prefetch_request_rows: int = 0,
-                      rows_per_request: int = 1) -> Any:
+                      stream: Any = 0, release_next: bool = False) -> Any:
     """:func:`mla_q_rope` ``(q, cos, sin, positions, q_out)`` and :func:`mla_kv_write` ``(kv_a,
     kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope)`` in one launch
     (the engine's per-layer RoPE step: one kernel instead of two, the same bits).
@@ -1221,15 +1176,9 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     ``q_out`` the rope width of ``k_rope``. The two parts run at once: ``q_out`` may be
     ``q[:, :, nope:]`` but must not overlap ``kv_a``, ``kv_latent`` or ``k_rope``. Every argument
     is checked before the launch. ``release_next``: as :func:`embed`'s (the next kernel a split
-    absorb). ``prefetch_request_rows`` S > 0: the launch also asks L2 for the cache rows each
-    request holds before its first new row, rows ``[b * S, cache_rows[b * Tc])`` of ``kv_latent``
-    and ``k_rope`` with Tc = ``rows_per_request`` (the engine's layout: request b's rows start at
-    b * S of the cache and at b * Tc of the new rows), so that the attention two launches on finds
-    them there (a hint: no value changes; 0, the default: none). Returns ``q_out``.
+    absorb). Returns ``q_out``.
     """
     kv_args = _kv_write_args(kv_a, kv_norm_weight, eps, cos, sin, positions, cache_rows, kv_latent, k_rope, layout)
-    request_rows = int_arg(prefetch_request_rows, "prefetch_request_rows", 0, kv_args[7].shape[0])
-    tc = int_arg(rows_per_request, "rows_per_request", 1, max(1, kv_args[6].shape[0]))   # at most the rows
     q = _check_rows(q, "q", 3)
     if q.shape[0] != kv_args[0].shape[0]:
         raise ValueError(f"q must have the rows of kv_a ({kv_args[0].shape[0]}), got {q.shape[0]}")
@@ -1242,7 +1191,7 @@ def mla_rope_kv_write(q: Any, q_out: Any, kv_a: Any, kv_norm_weight: Any, eps: f
     kv_blocks, kv_threads = _shape(kv_args[0].shape[0], ROW_WARPS, ROW_THREADS)
     assert threads == kv_threads   # one block size for both parts: ELEM_THREADS == ROW_THREADS
     launch(mla_rope_kv_write_kernel, q_blocks + kv_blocks, threads, stream, 0, q, q_out, np.int32(q_blocks),
-           *kv_args, np.int32(1 if release_next else 0), np.int32(request_rows), np.int32(tc))
+           *kv_args, np.int32(1 if release_next else 0))
     return q_out
 
 
@@ -1361,32 +1310,6 @@ def moe_route(xn: Any, gate_w: Any, bias: Any, config: ModelConfig, topk_ids: An
         launch(moe_csr_kernel, 1, csr_threads, stream, 0, topk_ids, row_offsets, row_index, slot_of)
 
 
-def check_combine_args(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: Any, out: Any, *,
-                       names: tuple[str, str, str, str] = ("x", "expert_out", "shared_out", "out")) -> tuple:
-    """:func:`moe_combine`'s arguments checked (TypeError / ValueError naming the argument: x, expert_out,
-    shared_out and out by ``names``, for a wrapper whose arguments they are views of), as kernel arrays."""
-    x_name, expert_name, shared_name, out_name = names
-    x = _check_rows(x, x_name, 2)
-    m, dim = x.shape
-    slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
-    if slot_of.shape[0] != m or slot_of.shape[1] < 1:
-        raise ValueError(f"slot_of must have shape ({m}, k) with k >= 1, got {tuple(slot_of.shape)}")
-    k = slot_of.shape[1]
-    topk_w = check_array(topk_w, "topk_w", (np.float32,), 2)
-    check_shape(topk_w, "topk_w", (m, k))
-    expert_out = check_array(expert_out, expert_name, (np.float32,), 2)
-    check_shape(expert_out, expert_name, (m * k, dim))
-    if shared_out is not None:
-        shared_out = _check_matrix(shared_out, shared_name, 2)
-        check_shape(shared_out, shared_name, (m, dim))
-    out = _check_matrix(out, out_name, 2)
-    check_shape(out, out_name, (m, dim))
-    values = host_values(slot_of)
-    if values is not None and (values.min() < 0 or values.max() >= m * k):
-        raise ValueError(f"slot_of must be in [0, {m * k})")
-    return x, expert_out, slot_of, topk_w, shared_out, out
-
-
 def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: Any, out: Any, *,
                 stream: Any = 0, release_next: bool = False) -> Any:
     """``out[m] = x[m] + (Σ_s topk_w[m, s] · expert_out[slot_of[m, s]] + shared_out[m])``.
@@ -1406,9 +1329,24 @@ def moe_combine(x: Any, expert_out: Any, slot_of: Any, topk_w: Any, shared_out: 
     Returns:
         ``out``.
     """
-    x, expert_out, slot_of, topk_w, shared_out, out = check_combine_args(x, expert_out, slot_of, topk_w, shared_out,
-                                                                         out)
+    x = _check_rows(x, "x", 2)
     m, dim = x.shape
+    slot_of = check_array(slot_of, "slot_of", (np.int32,), 2)
+    if slot_of.shape[0] != m or slot_of.shape[1] < 1:
+        raise ValueError(f"slot_of must have shape ({m}, k) with k >= 1, got {tuple(slot_of.shape)}")
+    k = slot_of.shape[1]
+    topk_w = check_array(topk_w, "topk_w", (np.float32,), 2)
+    check_shape(topk_w, "topk_w", (m, k))
+    expert_out = check_array(expert_out, "expert_out", (np.float32,), 2)
+    check_shape(expert_out, "expert_out", (m * k, dim))
+    if shared_out is not None:
+        shared_out = _check_matrix(shared_out, "shared_out", 2)
+        check_shape(shared_out, "shared_out", (m, dim))
+    out = _check_matrix(out, "out", 2)
+    check_shape(out, "out", (m, dim))
+    values = host_values(slot_of)
+    if values is not None and (values.min() < 0 or values.max() >= m * k):
+        raise ValueError(f"slot_of must be in [0, {m * k})")
     shared = shared_out is not None
     launch(moe_combine_kernel(shared), *_shape(m * dim, ELEM_THREADS, ELEM_THREADS), stream, 0, x, expert_out, slot_of,
            topk_w, shared_out if shared else PLACEHOLDER, out, np.int32(1 if release_next else 0))

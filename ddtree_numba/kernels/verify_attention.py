@@ -84,10 +84,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from llvmlite import ir
+from numba import cuda, float32, int32, types, uint32, uint64
+from numba.core.extending import intrinsic
 
 from ddtree_numba.kernels._args import check_array, data_address, int_arg, positive_real
-from ddtree_numba.kernels.hints import prefetch_l2 as _prefetch_l2
 from ddtree_numba.kernels.linear import load_f32x4
 from ddtree_numba.kernels.pdl import pdl_begin, pdl_begin_early
 from ddtree_numba.kernels.registry import register
@@ -616,6 +617,31 @@ def _merged_lse(m, l):
 def _request_ok(past, size, kv_rows, tree_capacity):
     """Whether a request's tree rows fit the cache and the tree capacity."""
     return past >= 0 and size >= 0 and size <= tree_capacity and past + size <= kv_rows
+
+
+if simulator_active():
+    @cuda.jit(device=True, inline="always")
+    def _prefetch_l2(array, index):
+        """No caches to fill: only checks that the line is inside the array."""
+        if index >= array.shape[0]:
+            raise IndexError(f"prefetch_l2 at {index}, past the array's {array.shape[0]} elements")
+else:
+    @intrinsic
+    def _prefetch_l2(typingctx, array, index):
+        """``prefetch.L2`` of the cache line holding ``array[index]`` (a C-contiguous 1-D array):
+        the line comes to L2 without a register waiting for it."""
+        if not (isinstance(array, types.Array) and array.ndim == 1 and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            ptr = builder.gep(ary.data, [context.cast(builder, args[1], signature.args[1], types.intp)])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [ptr])
+            return context.get_dummy_value()
+
+        return types.void(array, index), codegen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1340,13 +1366,6 @@ DECODE_SCORE_HEADS = 16      # heads of a score block (its keys: the threads lef
 # 958.1 (246), 128-thread blocks 965.0 / 962.5, with 16 runs 967.4 / 968.2; the 33-row forward
 # does not run it.
 DECODE_SCORE_BATCH = 16
-# Heads a warp of the score kernel covers (its 32 // k_groups (head, key) pairs: that many heads x
-# the rest keys): layout, not numerics (each pair runs the same chains; read at get_decode_kernels'
-# call, bench.forward_ab's ``auto-dswhN``). With k_groups 2 (small, kimi-k2) a warp holds 16 pairs:
-# at 16 (the default, the block's DECODE_SCORE_HEADS) it reads 16 heads' q rows and one key row a
-# load; at 4, 4 heads' q rows and 4 keys' rows, 8 lines a load instead of 17. A value that does not
-# tile the block's pairs (see _decode_kernels' WARP_TILE) keeps the default layout.
-DECODE_SCORE_WARP_HEADS = 16
 DECODE_PV_DIMS = 64          # latent dims of a P·V block (a thread a dim)
 # DECODE_SCORE_HEADS and DECODE_PV_DIMS are read at get_decode_kernels' call too (layout;
 # bench.forward_ab's ``auto-dshN`` / ``auto-pvdN``). H100, run "rope slice" call 5 (one process,
@@ -1390,17 +1409,16 @@ def decode_geometry(config: TileConfig, num_heads: int, score_threads: int | Non
 
 def get_decode_kernels(config: TileConfig, num_heads: int) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit
-    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH, _WARP_HEADS,
-    DECODE_PV_DIMS, DECODE_PASS and DECODE_PV_AHEAD: layout, read at the call, so a changed setting
-    builds its own kernels)."""
+    (:func:`_decode_kernels` at the current DECODE_SCORE_THREADS, _HEADS, _BATCH, DECODE_PV_DIMS,
+    DECODE_PASS and DECODE_PV_AHEAD: layout, read at the call, so a changed setting builds its own
+    kernels)."""
     return _decode_kernels(config, num_heads, DECODE_SCORE_THREADS, DECODE_SCORE_HEADS, DECODE_SCORE_BATCH,
-                           DECODE_PV_DIMS, DECODE_PASS, DECODE_PV_AHEAD, DECODE_SCORE_WARP_HEADS)
+                           DECODE_PV_DIMS, DECODE_PASS, DECODE_PV_AHEAD)
 
 
 @functools.cache
 def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, score_heads: int,
-                    score_batch: int, pv_dims: int, pass_keys: int, pv_ahead: int = 1,
-                    warp_heads: int = 0) -> tuple[Any, Any]:
+                    score_batch: int, pv_dims: int, pass_keys: int, pv_ahead: int = 1) -> tuple[Any, Any]:
     """(scores, values) kernels for one-node launches with ``config``'s numerics, bit for bit.
 
     The numerics (module docstring; :func:`get_kernels`): a score is lane kg's fma chain over the
@@ -1413,8 +1431,7 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
 
     - scores: grid (key blocks, head groups, requests); a thread pair (KG lanes) per (head, key),
       q and k read straight from global memory (L1 / L2: one request's rows), the scaled score
-      stored to the workspace (flat ``[bs, H, S]``); a warp's pairs cover ``warp_heads`` heads x
-      the rest keys where that tiles the block (0 or SH: SH heads, the block's head group);
+      stored to the workspace (flat ``[bs, H, S]``);
     - values: grid (head groups, dim slices, requests); the block's first warps rerun the softmax
       of its heads from the stored scores (the same lanes and butterflies), a pass of ``pass_keys``
       keys' probabilities and rescales at a time in shared memory, then each thread one latent dim
@@ -1440,13 +1457,6 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
     MAX_PATH = config.max_path
     SH, SK, SPH, SPD, PV_THREADS = decode_geometry(config, num_heads, score_threads, score_heads, pv_dims)
     S_THREADS = SH * SK * KG
-    WARP_PAIRS = WARP // KG             # (head, key) pairs a warp
-    WH = warp_heads if warp_heads > 0 else SH
-    # a warp of WH heads x WK keys where that tiles the block's SH x SK pairs; else SH heads a row
-    WARP_TILE = (WH < SH and SH % WH == 0 and WARP_PAIRS % WH == 0 and SK % (WARP_PAIRS // WH) == 0
-                 and S_THREADS % WARP == 0)
-    WK = WARP_PAIRS // WH if WARP_TILE else 1
-    HQ = SH // WH if WARP_TILE else 1   # warp head groups a block
     PASS = max(CHUNK, pass_keys // CHUNK * CHUNK)
     PASS_CHUNKS = PASS // CHUNK
     if not isinstance(pv_ahead, int) or isinstance(pv_ahead, bool):
@@ -1502,14 +1512,8 @@ def _decode_kernels(config: TileConfig, num_heads: int, score_threads: int, scor
         tid = cuda.threadIdx.x
         kg = tid % KG
         pair = tid // KG
-        if WARP_TILE:   # compile-time: warp w's pairs are WH heads x WK keys
-            w = pair // WARP_PAIRS
-            p = pair % WARP_PAIRS
-            key = cuda.blockIdx.x * SK + (w // HQ) * WK + p // WH
-            h = cuda.blockIdx.y * SH + (w % HQ) * WH + p % WH
-        else:
-            key = cuda.blockIdx.x * SK + pair // SH
-            h = cuda.blockIdx.y * SH + pair % SH
+        key = cuda.blockIdx.x * SK + pair // SH
+        h = cuda.blockIdx.y * SH + pair % SH
         past, size, n_keys = node_keys(past_lens, tree_sizes, visibility, kv_rows, vis_words, b)
         if cuda.blockIdx.x * SK >= n_keys:          # block-uniform: no key of this block
             return
