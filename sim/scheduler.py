@@ -14,15 +14,46 @@ block's lock, and the manager sleeps until the count of blocked plus finished th
 block's size, then releases the barrier (or returns, or re-raises the first failure after
 aborting the other threads, as the original does). The simulated threads, their barrier
 events and their ``abort`` flags are numba-cuda's own; nothing a kernel sees changes.
+
+The threads are pooled: numba-cuda starts (and ends) a Python thread for every CUDA thread of
+every block, ~0.24 ms of thread start-up and teardown each here (an empty kernel of 100 blocks of
+256 threads took 6.7 s; pooled, 1.4 s). :func:`install` keeps idle workers (``BlockThread`` s started once, as many as the
+largest block so far) and hands each block's thread its indices, manager and target instead: the
+thread ids, barrier events, ``abort`` flags and error messages are those a new ``BlockThread``
+would have. A worker whose block failed is not reused (its block's other threads may still be
+unwinding), as numba-cuda leaves such threads behind.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
 import numpy as np
 
-__all__ = ["install"]
+__all__ = ["SWITCH_INTERVAL_S", "install", "thread_local"]
+
+# The interpreter's switch interval for simulated runs (sys.setswitchinterval; tests/conftest.py
+# and ``generate`` set it): the threads block at barriers, so switch seldom; each forced switch
+# among a block's runnable threads is a futex wake-up. numba-stack.md §2 (gotcha 11)'s 1 ms suited
+# numba-cuda's busy-polling manager. With this scheduler 50 ms took the tree-attention and
+# fused-posterior tests from 91 to 65 s under -n 2 on 2 cores (sys time 61 -> 42 s), and a block
+# barrier of 256 threads from 18.0 to ~12 ms (20 ms and 200 ms: the same within noise).
+SWITCH_INTERVAL_S = 0.05
+
+kernel_dim3: Any = None   # numba-cuda's Dim3 (install() sets it: the simulator imported only then)
+_host_locals = threading.local()   # thread_local() outside a pooled worker
+
+
+def thread_local() -> dict:
+    """The calling simulated thread's own state: a dict that is fresh for each CUDA thread of each
+    block, as a new Python thread's ``threading.local`` was before the threads were pooled (a
+    worker's ``threading.local`` outlives its block). Outside a simulated kernel: this host
+    thread's."""
+    state = getattr(threading.current_thread(), "sim_locals", None)
+    if state is None:
+        state = _host_locals.__dict__
+    return state
 
 
 class _Progress:
@@ -32,6 +63,7 @@ class _Progress:
         self.cond = threading.Condition()
         self.blocked: list[Any] = []   # threads waiting in syncthreads(), in arrival order
         self.finished = 0
+        self.total = 0                 # the block's threads (set before any starts)
         self.failed: Any = None        # the first thread that ended with an exception
 
 
@@ -43,43 +75,121 @@ def _syncthreads(self: Any) -> None:
     with progress.cond:
         self.syncthreads_blocked = True
         progress.blocked.append(self)
-        progress.cond.notify()
+        if len(progress.blocked) + progress.finished == progress.total:   # the manager's turn
+            progress.cond.notify()
     self.syncthreads_event.wait()
     self.syncthreads_event.clear()
     if self.abort:
         raise RuntimeError("abort flag set on syncthreads clear")
 
 
-def _make_thread_run(original_run: Any) -> Any:
-    def run(self: Any) -> None:
-        """BlockThread.run: numba-cuda's (it stores any exception), then the exit reported."""
-        try:
-            original_run(self)
-        finally:
-            progress = self._manager._progress
-            with progress.cond:
-                progress.finished += 1
-                if self.exception and progress.failed is None:
-                    progress.failed = self
-                progress.cond.notify()
-    return run
+def _make_worker_class(block_thread: type) -> type:
+    class _Worker(block_thread):  # type: ignore[misc, valid-type]
+        """A pooled ``BlockThread``: started once, then runs one CUDA thread of a block at a time
+        (:meth:`assign`), reporting each end to that block's manager."""
+
+        def __init__(self) -> None:
+            threading.Thread.__init__(self, daemon=True)   # BlockThread's state comes with assign()
+            self._wake = threading.Lock()   # held while idle; released to start a job
+            self._wake.acquire()
+            self._job: Any = None
+            self.syncthreads_event = threading.Event()
+            self.syncthreads_blocked = False
+            self._manager = None
+            self.exception = None
+            self.abort = False
+            self.debug = False
+            self.sim_locals: dict = {}
+
+        def assign(self, manager: Any, target: Any, grid_point: tuple, block_point: tuple,
+                   thread_id: int) -> None:
+            """Run ``target`` as thread ``block_point`` of block ``grid_point`` (what
+            BlockThread.__init__ sets, then the wake-up)."""
+            self._manager = manager
+            self.blockIdx = kernel_dim3(*grid_point)
+            self.threadIdx = kernel_dim3(*block_point)
+            self.thread_id = thread_id
+            self.exception = None
+            self.abort = False
+            self.debug = manager._debug
+            self.syncthreads_blocked = False
+            self.syncthreads_event.clear()
+            self.sim_locals = {}   # thread_local(): nothing carried over from the last block
+            self._job = target
+            self._wake.release()
+
+        def run(self) -> None:
+            while True:
+                self._wake.acquire()
+                target, self._job = self._job, None
+                progress = self._manager._progress
+                try:
+                    if self.debug:   # as BlockThread's debug wrapper
+                        with np.errstate(divide="raise"):
+                            target()
+                    else:
+                        target()
+                except BaseException as e:   # BlockThread.run's message: tid=[..] ctaid=[..]: msg
+                    tid = "tid=%s" % list(self.threadIdx)
+                    ctaid = "ctaid=%s" % list(self.blockIdx)
+                    msg = "%s %s" % (tid, ctaid) if str(e) == "" else "%s %s: %s" % (tid, ctaid, e)
+                    self.exception = (type(e)(msg), sys.exc_info()[2])
+                target = None   # the launch's arguments are not kept alive by an idle worker
+                with progress.cond:
+                    progress.finished += 1
+                    if self.exception and progress.failed is None:
+                        progress.failed = self
+                    if progress.failed is not None or len(progress.blocked) + progress.finished == progress.total:
+                        progress.cond.notify()   # the manager's turn: a barrier, the end or a failure
+                progress = None
+
+    return _Worker
 
 
-def _make_manager_run(block_thread: type) -> Any:
+class _Pool:
+    """Idle workers, handed out to one block at a time (a lock: host threads may launch)."""
+
+    def __init__(self, worker_class: type) -> None:
+        self.worker_class = worker_class
+        self.idle: list[Any] = []
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> list[Any]:
+        with self.lock:
+            taken = self.idle[len(self.idle) - n:] if n <= len(self.idle) else self.idle[:]
+            del self.idle[len(self.idle) - len(taken):]
+        while len(taken) < n:
+            worker = self.worker_class()
+            worker.start()
+            taken.append(worker)
+        return taken
+
+    def give_back(self, workers: list[Any]) -> None:
+        for worker in workers:
+            worker._manager = None   # no block kept alive by an idle worker
+        with self.lock:
+            self.idle.extend(workers)
+
+
+def _make_manager_run(pool: _Pool) -> Any:
     def run(self: Any, grid_point: tuple, *args: Any) -> None:
-        """BlockManager.run: start every thread of the block, release each syncthreads() once
-        all unfinished threads wait in it, return when all have finished; on a thread's failure
-        abort the others (their next barrier raises) and re-raise it without joining them."""
+        """BlockManager.run: give every thread of the block to a pooled worker, release each
+        syncthreads() once all unfinished threads wait in it, return when all have finished; on a
+        thread's failure abort the others (their next barrier raises) and re-raise it without
+        joining them (their workers leave the pool)."""
         progress = self._progress = _Progress()
-        threads = []
-        for block_point in np.ndindex(*self._block_dim):
-            def target() -> None:
-                self._f(*args)
-            thread = block_thread(target, self, grid_point, block_point, self._debug)
-            threads.append(thread)
-        with progress.cond:   # held while starting: no report is lost before the first wait
-            for thread in threads:
-                thread.start()
+
+        def target() -> None:
+            self._f(*args)
+
+        points = list(np.ndindex(*self._block_dim))
+        bx, by, _ = (tuple(self._block_dim) + (1, 1))[:3]
+        threads = pool.take(len(points))
+        progress.total = len(threads)
+        with progress.cond:   # held while assigning: no report is lost before the first wait
+            for thread, point in zip(threads, points):
+                px, py, pz = (tuple(point) + (0, 0))[:3]
+                thread.assign(self, target, grid_point, point, px + bx * (py + by * pz))
             total = len(threads)
             while True:
                 if progress.failed is not None:
@@ -90,7 +200,7 @@ def _make_manager_run(block_thread: type) -> Any:
                     failed = progress.failed
                     raise failed.exception[0].with_traceback(failed.exception[1])
                 if progress.finished == total:
-                    return
+                    break
                 if progress.blocked and len(progress.blocked) + progress.finished == total:
                     for thread in progress.blocked:
                         thread.syncthreads_blocked = False
@@ -98,6 +208,7 @@ def _make_manager_run(block_thread: type) -> Any:
                     progress.blocked = []
                     continue
                 progress.cond.wait()
+        pool.give_back(threads)
     return run
 
 
@@ -112,7 +223,8 @@ def install() -> None:
         return
     from numba.cuda.simulator import kernel
 
+    global kernel_dim3
+    kernel_dim3 = kernel.Dim3
     kernel.BlockThread.syncthreads = _syncthreads
-    kernel.BlockThread.run = _make_thread_run(kernel.BlockThread.run)
-    kernel.BlockManager.run = _make_manager_run(kernel.BlockThread)
+    kernel.BlockManager.run = _make_manager_run(_Pool(_make_worker_class(kernel.BlockThread)))
     _installed = True

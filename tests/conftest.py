@@ -8,9 +8,11 @@ from sim.detect import enable_simulator_if_no_gpu  # noqa: E402
 
 SIMULATED = enable_simulator_if_no_gpu()
 if SIMULATED:
-    # Simulated CUDA threads are Python threads; a short switch interval makes barrier-heavy
-    # kernels about 25% faster (numba-stack.md §2, gotcha 11).
-    sys.setswitchinterval(0.001)
+    # Simulated CUDA threads are Python threads blocking at barriers: switch seldom (why and the
+    # measurements: sim/scheduler.py's SWITCH_INTERVAL_S).
+    from sim.scheduler import SWITCH_INTERVAL_S  # noqa: E402
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 import pytest  # noqa: E402
 

@@ -4,7 +4,13 @@ Barriers release only when every unfinished thread of the block waits in them (t
 returned early do not hold a barrier, as in numba-cuda's polling loop), ``syncthreads_count``
 and friends still count, several blocks and launches never share state, and a failing thread
 raises its own error at once, with the block's other threads aborted rather than left waiting.
+The threads are pooled: a worker runs one block's thread after another with that thread's own
+indices and a fresh thread_local(), and keeps no launch's arguments alive.
 """
+import gc
+import threading
+import weakref
+
 import numpy as np
 import pytest
 from numba import cuda, int32
@@ -94,7 +100,9 @@ def test_a_failing_thread_raises_and_the_block_does_not_hang():
     out = np.zeros(32, np.int32)
     with pytest.raises(IndexError, match=r"tid=\[7, 0, 0\]"):
         _fails_after_a_barrier[1, 32](out)
-    _ring_rounds[1, 8](np.zeros((1, 8), np.int32))   # the scheduler is usable afterwards
+    out = np.zeros((2, 32), np.int32)   # usable afterwards, with a block as large as the failed one
+    _ring_rounds[2, 32](out)
+    np.testing.assert_array_equal(out, _ring_reference(2, 32).astype(np.int32))
 
 
 def test_the_scheduler_is_installed():
@@ -102,3 +110,77 @@ def test_the_scheduler_is_installed():
 
     assert kernel.BlockManager.run.__module__ == "sim.scheduler"
     assert kernel.BlockThread.syncthreads.__module__ == "sim.scheduler"
+
+
+@cuda.jit
+def _indices(out):
+    """Each thread writes its indices and lane where its linear (block, thread) id says."""
+    t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+    b = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.y
+    row = b * cuda.blockDim.x * cuda.blockDim.y * cuda.blockDim.z + t
+    out[row, 0] = cuda.threadIdx.x
+    out[row, 1] = cuda.threadIdx.y
+    out[row, 2] = cuda.threadIdx.z
+    out[row, 3] = cuda.blockIdx.x
+    out[row, 4] = cuda.blockIdx.y
+    out[row, 5] = cuda.laneid
+
+
+@pytest.mark.parametrize("grid, block", [((2, 3), (5, 3, 2)), ((4, 1), (40, 1, 1)), ((1, 2), (1, 1, 1))])
+def test_pooled_threads_take_each_blocks_indices(grid, block):
+    """Several launches of different shapes on the same pool: every thread its own indices."""
+    bx, by, bz = block
+    out = np.full((grid[0] * grid[1] * bx * by * bz, 6), -1, np.int32)
+    _indices[grid, block](out)
+    want = []
+    for gy in range(grid[1]):
+        for gx in range(grid[0]):
+            for z in range(bz):
+                for y in range(by):
+                    for x in range(bx):
+                        t = x + bx * (y + by * z)
+                        want.append((x, y, z, gx, gy, t % 32))
+    np.testing.assert_array_equal(out, np.array(want, np.int32))
+
+
+@cuda.jit
+def _noop(out):
+    out[cuda.blockIdx.x] = 1
+
+
+def test_workers_are_reused_across_blocks_and_launches():
+    """A launch of many blocks starts no thread per block: after one launch of 64-thread blocks,
+    more such launches leave the process's thread count as it was."""
+    out = np.zeros(30, np.int32)
+    _noop[30, 64](out)
+    before = threading.active_count()
+    for _ in range(3):
+        _noop[30, 64](out)
+    assert threading.active_count() == before and (out == 1).all()
+
+
+@cuda.jit
+def _reads_thread_local(out):
+    from sim.scheduler import thread_local   # a simulator-only test kernel: plain Python
+
+    state = thread_local()
+    row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    out[row] = len(state)
+    state["seen"] = row
+
+
+def test_thread_local_is_fresh_for_each_block_thread():
+    """What a thread left in thread_local() is gone for the next block its worker runs."""
+    out = np.full(6 * 16, -1, np.int32)
+    _reads_thread_local[6, 16](out)
+    assert (out == 0).all()
+
+
+def test_a_launch_keeps_no_argument_alive():
+    """Idle workers drop their last job: an array launched on is freed once the caller drops it."""
+    a = cuda.to_device(np.zeros(64, np.int32))   # the simulator's device array: its host buffer
+    ref = weakref.ref(a._ary)                    # is what a kernel's arguments hold
+    _noop[8, 32](a)
+    del a
+    gc.collect()
+    assert ref() is None

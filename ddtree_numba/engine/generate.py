@@ -249,7 +249,6 @@ def _check_knobs(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
 
 
-SIM_SWITCH_INTERVAL = 0.001  # simulated threads are Python threads: switch often (stack §2, gotcha 11)
 
 
 def _simulated() -> bool:
@@ -273,7 +272,9 @@ def _simulated() -> bool:
 def _run(args: argparse.Namespace) -> int:
     simulated = _simulated()
     if simulated:
-        sys.setswitchinterval(SIM_SWITCH_INTERVAL)
+        from sim.scheduler import SWITCH_INTERVAL_S
+
+        sys.setswitchinterval(SWITCH_INTERVAL_S)   # simulated threads block at barriers: switch seldom
     import numpy as np
 
     from ddtree_numba.config import ModelConfig

@@ -435,14 +435,12 @@ def _make_async_copy() -> tuple[Any, Any, Any]:
     read of a slot whose copy has not been waited for sees the slot's old values, as it may on a
     GPU, so a wrong wait count changes the bits the tests compare."""
     if cuda.config.ENABLE_CUDASIM:
-        import threading
-
-        state = threading.local()
+        from sim.scheduler import thread_local
 
         def _groups() -> list:
-            if not hasattr(state, "groups"):
-                state.groups = [[]]          # the closed groups, then the open one
-            return state.groups
+            # this CUDA thread's own (the simulator's threads are pooled: a threading.local would
+            # carry a block's unwaited groups into the next block the worker runs)
+            return thread_local().setdefault("cp_async_groups", [[]])   # the closed groups, then the open one
 
         def copy_async16(sh, i, w, k):
             _groups()[-1].append((sh, int(i), (w[k], w[k + 1], w[k + 2], w[k + 3])))
