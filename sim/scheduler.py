@@ -17,11 +17,13 @@ events and their ``abort`` flags are numba-cuda's own; nothing a kernel sees cha
 
 The threads are pooled: numba-cuda starts (and ends) a Python thread for every CUDA thread of
 every block, ~0.24 ms of thread start-up and teardown each here (an empty kernel of 100 blocks of
-256 threads took 6.7 s; pooled, 1.4 s). :func:`install` keeps idle workers (``BlockThread`` s started once, as many as the
-largest block so far) and hands each block's thread its indices, manager and target instead: the
-thread ids, barrier events, ``abort`` flags and error messages are those a new ``BlockThread``
-would have. A worker whose block failed is not reused (its block's other threads may still be
-unwinding), as numba-cuda leaves such threads behind.
+256 threads took 6.7 s; pooled, 1.4 s). :func:`install` keeps idle workers (``BlockThread``
+subclasses started once, as many as the largest block so far) and hands each block's thread its
+indices, manager and target instead: the thread ids, barrier events, ``abort`` flags and error
+messages are those a new ``BlockThread`` would have. When a block fails, its workers that have
+finished go back to the pool and those still unwinding end once they have, as numba-cuda's
+threads do. Unlike ``BlockThread``, a worker reports any ``BaseException`` a kernel raises (a
+``SystemExit`` or ``pytest.skip`` in a simulated kernel reaches the host rather than vanishing).
 """
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ class _Progress:
         self.finished = 0
         self.total = 0                 # the block's threads (set before any starts)
         self.failed: Any = None        # the first thread that ended with an exception
+        self.done: list[Any] = []      # workers whose job has ended (idle, in report order)
+        self.abandoned = False         # the block failed and the manager returned: workers end
 
 
 def _syncthreads(self: Any) -> None:
@@ -129,21 +133,47 @@ def _make_worker_class(block_thread: type) -> type:
                             target()
                     else:
                         target()
-                except BaseException as e:   # BlockThread.run's message: tid=[..] ctaid=[..]: msg
-                    tid = "tid=%s" % list(self.threadIdx)
-                    ctaid = "ctaid=%s" % list(self.blockIdx)
-                    msg = "%s %s" % (tid, ctaid) if str(e) == "" else "%s %s: %s" % (tid, ctaid, e)
-                    self.exception = (type(e)(msg), sys.exc_info()[2])
-                target = None   # the launch's arguments are not kept alive by an idle worker
-                with progress.cond:
-                    progress.finished += 1
-                    if self.exception and progress.failed is None:
-                        progress.failed = self
-                    if progress.failed is not None or len(progress.blocked) + progress.finished == progress.total:
-                        progress.cond.notify()   # the manager's turn: a barrier, the end or a failure
+                except BaseException as e:   # (BlockThread catches Exception: a kernel's SystemExit or
+                    self.exception = (_located(e, self), sys.exc_info()[2])   # pytest.skip reaches the host)
+                finally:
+                    target = None   # the launch's arguments are not kept alive by an idle worker
+                    with progress.cond:   # always reported: a lost report would hang the manager
+                        progress.finished += 1
+                        if self.exception and progress.failed is None:
+                            progress.failed = self
+                        if progress.failed is not None or len(progress.blocked) + progress.finished == progress.total:
+                            progress.cond.notify()   # the manager's turn: a barrier, the end or a failure
+                        retire = progress.abandoned   # the block failed and its manager has gone
+                        if not retire:
+                            progress.done.append(self)
+                if retire:   # still unwinding when the block failed: end, as a BlockThread would
+                    _clear(self)
+                    return
                 progress = None
 
     return _Worker
+
+
+def _located(e: BaseException, thread: Any) -> BaseException:
+    """``e`` again with BlockThread.run's message, ``tid=[..] ctaid=[..]: msg`` (a RuntimeError from
+    ``e`` where its type takes no one-string constructor, e.g. UnicodeDecodeError)."""
+    tid = "tid=%s" % list(thread.threadIdx)
+    ctaid = "ctaid=%s" % list(thread.blockIdx)
+    msg = "%s %s" % (tid, ctaid) if str(e) == "" else "%s %s: %s" % (tid, ctaid, e)
+    try:
+        return type(e)(msg)
+    except Exception:
+        located = RuntimeError(f"{type(e).__name__}: {msg}")
+        located.__cause__ = e
+        return located
+
+
+def _clear(worker: Any) -> None:
+    """Drop what a finished job left on ``worker``: its block, error (a traceback holds the
+    kernel's arguments) and thread_local() state."""
+    worker._manager = None
+    worker.exception = None
+    worker.sim_locals = {}
 
 
 class _Pool:
@@ -165,8 +195,9 @@ class _Pool:
         return taken
 
     def give_back(self, workers: list[Any]) -> None:
+        """Return idle workers (each has reported its job's end) to the pool."""
         for worker in workers:
-            worker._manager = None   # no block kept alive by an idle worker
+            _clear(worker)   # no block, error or thread_local() kept alive by an idle worker
         with self.lock:
             self.idle.extend(workers)
 
@@ -176,7 +207,8 @@ def _make_manager_run(pool: _Pool) -> Any:
         """BlockManager.run: give every thread of the block to a pooled worker, release each
         syncthreads() once all unfinished threads wait in it, return when all have finished; on a
         thread's failure abort the others (their next barrier raises) and re-raise it without
-        joining them (their workers leave the pool)."""
+        joining them (the finished ones' workers go back to the pool, the others end once
+        unwound)."""
         progress = self._progress = _Progress()
 
         def target() -> None:
@@ -197,8 +229,10 @@ def _make_manager_run(pool: _Pool) -> Any:
                         other.abort = True
                         other.syncthreads_blocked = False
                         other.syncthreads_event.set()
-                    failed = progress.failed
-                    raise failed.exception[0].with_traceback(failed.exception[1])
+                    error, trace = progress.failed.exception
+                    progress.abandoned = True   # threads still running end when they finish
+                    pool.give_back(progress.done)   # those that have finished are idle: reusable
+                    raise error.with_traceback(trace)
                 if progress.finished == total:
                     break
                 if progress.blocked and len(progress.blocked) + progress.finished == total:

@@ -9,6 +9,7 @@ indices and a fresh thread_local(), and keeps no launch's arguments alive.
 """
 import gc
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -148,15 +149,51 @@ def _noop(out):
     out[cuda.blockIdx.x] = 1
 
 
+@cuda.jit
+def _thread_idents(out):
+    out[cuda.blockIdx.x, cuda.threadIdx.x] = threading.get_ident()   # simulator-only: plain Python
+
+
 def test_workers_are_reused_across_blocks_and_launches():
-    """A launch of many blocks starts no thread per block: after one launch of 64-thread blocks,
-    more such launches leave the process's thread count as it was."""
-    out = np.zeros(30, np.int32)
-    _noop[30, 64](out)
+    """30 blocks of 64 threads, twice, run on 64 threads in all (numba-cuda's own simulator
+    started 1920 a launch), a block's threads all different."""
+    idents = np.zeros((2, 30, 64), np.int64)
+    _thread_idents[30, 64](idents[0])
+    _thread_idents[30, 64](idents[1])
+    assert all(len(set(block)) == 64 for block in idents.reshape(60, 64).tolist())
+    assert len(np.unique(idents)) == 64
+
+
+def test_a_failed_blocks_workers_end_or_return_to_the_pool():
+    """Launches that fail leave no thread behind for good: the unwound workers end, the finished
+    ones are reused (three failing 1024-thread blocks, then the thread count settles within one
+    block of where it was)."""
+    out = np.zeros(1024, np.int32)
+    _ring_rounds[1, 128](np.zeros((1, 128), np.int32))
     before = threading.active_count()
     for _ in range(3):
-        _noop[30, 64](out)
-    assert threading.active_count() == before and (out == 1).all()
+        with pytest.raises(IndexError, match=r"tid=\[7, 0, 0\]"):
+            _fails_after_a_barrier[1, 1024](out)
+    deadline = time.monotonic() + 30.0
+    while threading.active_count() > before + 1024 and time.monotonic() < deadline:
+        time.sleep(0.05)   # the aborted threads unwinding (host-side wait)
+    assert threading.active_count() <= before + 1024
+
+
+@cuda.jit
+def _raises_without_a_message_constructor(out):
+    if cuda.threadIdx.x == 3:
+        b"\xff".decode("utf-8")   # UnicodeDecodeError takes five arguments: type(e)(msg) fails
+    cuda.syncthreads()  # the others wait here: aborted
+    out[cuda.threadIdx.x] = 1
+
+
+def test_an_error_whose_type_takes_no_message_still_ends_the_launch():
+    """The thread's error is re-raised as a RuntimeError naming it and the thread (caused by it),
+    not lost with the launch left waiting."""
+    with pytest.raises(RuntimeError, match=r"UnicodeDecodeError: tid=\[3, 0, 0\]") as info:
+        _raises_without_a_message_constructor[1, 32](np.zeros(32, np.int32))
+    assert isinstance(info.value.__cause__, UnicodeDecodeError)
 
 
 @cuda.jit

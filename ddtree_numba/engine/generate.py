@@ -249,8 +249,6 @@ def _check_knobs(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
 
 
-
-
 def _simulated() -> bool:
     """Whether the kernels run on the simulator; without a GPU, restart on it if need be (module docstring)."""
     from sim.detect import gpu_available, simulator_requested
