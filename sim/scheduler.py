@@ -70,6 +70,11 @@ class _Progress:
         self.done: list[Any] = []      # workers whose job has ended (idle, in report order)
         self.abandoned = False         # the block failed and the manager returned: workers end
 
+    def managers_turn(self) -> bool:
+        """Whether every unfinished thread waits in syncthreads() (a barrier to release, or the
+        block's end) or one has failed: the reports that wake the manager (under ``cond``)."""
+        return self.failed is not None or len(self.blocked) + self.finished == self.total
+
 
 def _syncthreads(self: Any) -> None:
     """BlockThread.syncthreads: numba-cuda's, with the arrival reported to the manager."""
@@ -79,7 +84,7 @@ def _syncthreads(self: Any) -> None:
     with progress.cond:
         self.syncthreads_blocked = True
         progress.blocked.append(self)
-        if len(progress.blocked) + progress.finished == progress.total:   # the manager's turn
+        if progress.managers_turn():
             progress.cond.notify()
     self.syncthreads_event.wait()
     self.syncthreads_event.clear()
@@ -141,8 +146,8 @@ def _make_worker_class(block_thread: type) -> type:
                         progress.finished += 1
                         if self.exception and progress.failed is None:
                             progress.failed = self
-                        if progress.failed is not None or len(progress.blocked) + progress.finished == progress.total:
-                            progress.cond.notify()   # the manager's turn: a barrier, the end or a failure
+                        if progress.managers_turn():
+                            progress.cond.notify()
                         retire = progress.abandoned   # the block failed and its manager has gone
                         if not retire:
                             progress.done.append(self)
@@ -186,8 +191,9 @@ class _Pool:
 
     def take(self, n: int) -> list[Any]:
         with self.lock:
-            taken = self.idle[len(self.idle) - n:] if n <= len(self.idle) else self.idle[:]
-            del self.idle[len(self.idle) - len(taken):]
+            first = max(0, len(self.idle) - n)
+            taken = self.idle[first:]
+            del self.idle[first:]
         while len(taken) < n:
             worker = self.worker_class()
             worker.start()
@@ -214,15 +220,13 @@ def _make_manager_run(pool: _Pool) -> Any:
         def target() -> None:
             self._f(*args)
 
-        points = list(np.ndindex(*self._block_dim))
-        bx, by, _ = (tuple(self._block_dim) + (1, 1))[:3]
+        points = list(np.ndindex(*self._block_dim))   # (x, y, z): numba-cuda normalises to 3 dims
+        bx, by, _ = self._block_dim
         threads = pool.take(len(points))
         progress.total = len(threads)
         with progress.cond:   # held while assigning: no report is lost before the first wait
-            for thread, point in zip(threads, points):
-                px, py, pz = (tuple(point) + (0, 0))[:3]
-                thread.assign(self, target, grid_point, point, px + bx * (py + by * pz))
-            total = len(threads)
+            for thread, (x, y, z) in zip(threads, points):
+                thread.assign(self, target, grid_point, (x, y, z), x + bx * (y + by * z))
             while True:
                 if progress.failed is not None:
                     for other in threads:
@@ -233,9 +237,9 @@ def _make_manager_run(pool: _Pool) -> Any:
                     progress.abandoned = True   # threads still running end when they finish
                     pool.give_back(progress.done)   # those that have finished are idle: reusable
                     raise error.with_traceback(trace)
-                if progress.finished == total:
+                if progress.finished == progress.total:
                     break
-                if progress.blocked and len(progress.blocked) + progress.finished == total:
+                if progress.blocked and progress.managers_turn():
                     for thread in progress.blocked:
                         thread.syncthreads_blocked = False
                         thread.syncthreads_event.set()

@@ -10,7 +10,7 @@ SIMULATED = enable_simulator_if_no_gpu()
 if SIMULATED:
     # Simulated CUDA threads are Python threads blocking at barriers: switch seldom (why and the
     # measurements: sim/scheduler.py's SWITCH_INTERVAL_S).
-    from sim.scheduler import SWITCH_INTERVAL_S  # noqa: E402
+    from sim.scheduler import SWITCH_INTERVAL_S
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
